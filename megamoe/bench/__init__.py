@@ -1,0 +1,1 @@
+"""megamoe benchmarks: ``python -m megamoe.bench [moe|gemm|decode] ...`` (``moe`` is the default)."""

@@ -1,0 +1,201 @@
+"""The EP MoE benchmark: ``torchrun --nproc-per-node N -m megamoe.bench [--preset ...] [--tokens ...]``.
+
+For every tokens-per-rank point: fresh random inputs, a correctness check of the legacy path
+against the distributed FP32 reference on those inputs, then timing (warm-up, CUDA events around
+each call after a cross-rank barrier, median per rank, the slowest rank reported). Without GPUs it
+runs the tiny preset on CPU with gloo and says so.
+
+Columns: ``us`` time per call; ``TFLOP/s`` useful FLOPs ``6 * routed_rows * H * I`` per rank over
+time; ``weights GB/s`` bytes of the expert weights this path reads (BF16 for the legacy path) for
+experts that received rows; ``FP4 floor us`` the same experts' FP4 bytes over the HBM read bandwidth
+measured in this run (the floor a fused FP4 kernel could reach); ``a2a GB/s`` bytes this rank sends
+to other ranks (dispatch rows + combine rows) over time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+from ..dist import init_from_env, rank_and_size
+from ..inputs import fill_buffer, random_bf16_weights, random_fp4_weights, random_routing, random_tokens
+from ..legacy import LegacyMoE
+from ..numerics import MOE_REL_FRO_TOL, MOE_ROW_REL_TOL, max_row_rel_error, rel_fro_error
+from ..reference import distributed_reference_moe
+from ..symm_buffer import get_symm_buffer_for_mega_moe
+from .common import environment_receipt, measure_hbm_read_bandwidth, progress, time_events
+
+PRESETS = {
+    "tiny": dict(experts=16, topk=4, hidden=256, intermediate=128),
+    "flash": dict(experts=256, topk=6, hidden=4096, intermediate=2048),
+    "pro": dict(experts=384, topk=6, hidden=7168, intermediate=3072),
+}
+DEFAULT_TOKENS = {"tiny": [1, 8, 33], "flash": [1, 8, 128, 512, 2048, 8192], "pro": [1, 8, 128, 512, 2048, 8192]}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m megamoe.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=PRESETS, default=None, help="shape (default: flash on GPUs, tiny on CPU)")
+    p.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")], default=None, help="tokens per rank, e.g. 1,8,128")
+    p.add_argument("--mma-type", choices=("fp8xfp4", "bf16"), default="fp8xfp4")
+    p.add_argument("--masked-ratio", type=float, default=0.0, help="probability of a top-k slot being -1")
+    p.add_argument("--clamp", type=float, default=None, help="activation clamp (default none)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write a JSON receipt here (rank 0)")
+    return p.parse_args(argv)
+
+
+def _max_over_ranks(value: float, group, device) -> float:
+    if group is None:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def _sum_over_ranks(value: float, group, device) -> float:
+    if group is None:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    return float(t.item())
+
+
+def _traffic_bytes(idx: torch.Tensor, rank: int, num_ranks: int, num_local: int, row_bytes: int, hidden: int) -> int:
+    """Bytes this rank sends to other ranks: one dispatch row per (token, remote rank) and one BF16
+    combine row per remote slot it computed (approximated by its own remote slots, symmetric)."""
+    valid = idx >= 0
+    dest = torch.where(valid, idx // num_local, rank)
+    remote = valid & (dest != rank)
+    per_rank = torch.zeros(idx.shape[0], num_ranks, dtype=torch.bool, device=idx.device)
+    per_rank.scatter_(1, torch.where(remote, dest, rank), remote)
+    return int(per_rank.sum()) * row_bytes + int(remote.sum()) * hidden * 2
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    group, device = init_from_env()
+    rank, num_ranks = rank_and_size(group)
+    lead = rank == 0
+    say = (lambda *a: print(*a, flush=True)) if lead else (lambda *a: None)
+    preset = args.preset or ("flash" if device.type == "cuda" else "tiny")
+    if device.type != "cuda":
+        if preset != "tiny":
+            say(f"no CUDA device: the {preset} preset is too large for a CPU, running tiny instead")
+            preset = "tiny"
+        say(f"no CUDA device: running the tiny preset on CPU with gloo ({num_ranks} rank(s)); "
+            "legacy path and FP32 reference only, times are CPU wall clock")
+    shape = PRESETS[preset]
+    e, k, h, i = shape["experts"], shape["topk"], shape["hidden"], shape["intermediate"]
+    tokens = args.tokens or DEFAULT_TOKENS[preset]
+    if e % num_ranks:
+        raise SystemExit(f"megamoe.bench: {e} experts do not split over {num_ranks} ranks")
+    num_local = e // num_ranks
+    fp8 = args.mma_type == "fp8xfp4"
+
+    receipt = environment_receipt(device, num_ranks)
+    say(f"megamoe.bench: preset {preset} {shape}, {num_ranks} rank(s), {args.mma_type}, {receipt.get('gpu')}")
+    hbm = measure_hbm_read_bandwidth(device)
+    gen = torch.Generator(device=device).manual_seed(args.seed * 1000 + rank)
+    if fp8:
+        l1 = random_fp4_weights(num_local, 2 * i, h, gen, device)
+        l2 = random_fp4_weights(num_local, h, i, gen, device)
+    else:
+        l1 = random_bf16_weights(num_local, 2 * i, h, gen, device)
+        l2 = random_bf16_weights(num_local, h, i, gen, device)
+    buf = get_symm_buffer_for_mega_moe(group, e, max(tokens), k, h, i, mma_type=args.mma_type, device=device)
+    legacy = LegacyMoE(l1, l2, buf)
+    bf16_bytes_per_expert = 3 * h * i * 2
+    fp4_bytes_per_expert = 3 * h * i // 2 + 3 * h * i // 32
+    dispatch_row_bytes = k * 12 + (h + h // 32 if fp8 else 2 * h)
+
+    rows = []
+    for t in progress(tokens, f"{preset}: tokens/rank", enabled=lead):
+        cpu_gen = torch.Generator().manual_seed(args.seed * 7919 + t * 31 + rank)
+        x = random_tokens(t, h, cpu_gen, device)
+        idx, w = random_routing(t, e, k, cpu_gen, args.masked_ratio, device=device)
+        x_q, x_sf = fill_buffer(buf, x, idx, w)
+        y = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=device)
+        stats = torch.zeros(num_local, dtype=torch.int32, device=device)
+        legacy(y, buf, stats, activation_clamp=args.clamp)
+        ref = distributed_reference_moe(x_q, x_sf, idx, w, l1, l2, group, max(tokens), args.clamp)
+        fro = _max_over_ranks(rel_fro_error(y, ref) if t else 0.0, group, device)
+        row_rel = _max_over_ranks(max_row_rel_error(y, ref), group, device)
+        ok = fro <= MOE_REL_FRO_TOL and row_rel <= MOE_ROW_REL_TOL
+        del ref
+
+        def barrier():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if group is not None:
+                dist.barrier(group)
+
+        times = time_events(lambda: legacy(y, buf, None, activation_clamp=args.clamp), args.warmup, args.iters, before=barrier)
+        us = _max_over_ranks(statistics.median(times), group, device)
+        routed = _sum_over_ranks(float(stats.sum()), group, device) / num_ranks
+        touched = _sum_over_ranks(float((stats > 0).sum()), group, device) / num_ranks
+        sent = _max_over_ranks(float(_traffic_bytes(idx, rank, num_ranks, num_local, dispatch_row_bytes, h)), group, device)
+        row = {
+            "tokens_per_rank": t,
+            "us": us,
+            "tflops": 6 * routed * h * i / (us * 1e-6) / 1e12,
+            "routed_rows_per_rank": routed,
+            "experts_touched_per_rank": touched,
+            "weights_gbps": touched * bf16_bytes_per_expert / (us * 1e-6) / 1e9,
+            "fp4_floor_us": touched * fp4_bytes_per_expert / (hbm * 1e9) * 1e6 if hbm else None,
+            "a2a_gbps": sent / (us * 1e-6) / 1e9,
+            "rel_fro": fro,
+            "max_row_rel": row_rel,
+            "correct": ok,
+        }
+        rows.append(row)
+        if not ok:
+            say(f"INCORRECT at {t} tokens/rank: rel_fro={fro:.3e} max_row_rel={row_rel:.3e}")
+
+    clock = "CUDA events" if device.type == "cuda" else "CPU wall clock"
+    method = f"{clock} per call after a cross-rank barrier, median of {args.iters} after {args.warmup} warm-up; slowest rank"
+    if lead:
+        _print_table(preset, shape, num_ranks, args.mma_type, hbm, rows, receipt, method)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({
+                    "benchmark": "megamoe.bench moe", "path": "legacy", "preset": preset, "shape": shape,
+                    "mma_type": args.mma_type, "masked_ratio": args.masked_ratio, "clamp": args.clamp,
+                    "hbm_read_gbps": hbm, "warmup": args.warmup, "iters": args.iters, "method": method,
+                    "tolerance": {"rel_fro": MOE_REL_FRO_TOL, "max_row_rel": MOE_ROW_REL_TOL},
+                    "environment": receipt, "results": rows,
+                }, f, indent=1)
+            say(f"receipt written to {args.json}")
+    buf.destroy()
+    if group is not None:
+        dist.destroy_process_group()
+    if not all(r["correct"] for r in rows):
+        sys.exit(1)
+    return rows
+
+
+def _print_table(preset, shape, num_ranks, mma_type, hbm, rows, receipt, method) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    title = (f"megamoe legacy EP MoE, {preset} {shape}, {mma_type}, {num_ranks} rank(s) | {receipt.get('gpu')} "
+             f"CC {receipt.get('compute_capability', '-')} | torch {receipt['torch']} CUDA {receipt['cuda']} "
+             f"DSL {receipt['cutlass_dsl']} | HBM read {hbm:.0f} GB/s")
+    table = Table(title=title, caption=method)
+    for col in ("tokens/rank", "us", "TFLOP/s", "rows/rank", "experts/rank", "weights GB/s", "FP4 floor us", "a2a GB/s", "verdict"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r["tokens_per_rank"]), f"{r['us']:.1f}", f"{r['tflops']:.1f}", f"{r['routed_rows_per_rank']:.0f}",
+            f"{r['experts_touched_per_rank']:.1f}", f"{r['weights_gbps']:.0f}",
+            "-" if r["fp4_floor_us"] is None else f"{r['fp4_floor_us']:.1f}", f"{r['a2a_gbps']:.1f}",
+            f"{'ok' if r['correct'] else 'WRONG'} {r['rel_fro']:.1e}",
+        )
+    Console(width=200).print(table)

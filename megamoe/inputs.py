@@ -1,0 +1,121 @@
+"""Random MoE inputs for tests and benchmarks: tokens, routing and quantized expert weights.
+
+Every draw takes an explicit ``torch.Generator`` so that all ranks can rebuild the same global
+problem from one seed and each take their slice. Nothing here is ever all zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layouts import quantize_fp8
+from .layouts.ue8m0 import PACKED_BLOCK_K
+from .symm_buffer import SymmBuffer
+
+
+def random_routing(
+    num_tokens: int,
+    num_experts: int,
+    num_topk: int,
+    gen: torch.Generator,
+    masked_ratio: float = 0.0,
+    hot_experts: int | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(topk_idx int64 [T, k], topk_weights float32 [T, k])``: distinct experts per token.
+
+    ``masked_ratio``: probability of a slot being -1. ``hot_experts``: route only to experts
+    ``[0, hot_experts)`` (skewed routing; needs ``hot_experts >= num_topk``).
+    """
+    pool = num_experts if hot_experts is None else hot_experts
+    scores = torch.rand(num_tokens, pool, generator=gen)
+    idx = scores.topk(num_topk, dim=1).indices
+    weights = torch.rand(num_tokens, num_topk, generator=gen) + 0.05
+    if masked_ratio > 0:
+        idx = torch.where(torch.rand(num_tokens, num_topk, generator=gen) < masked_ratio, -1, idx)
+    return idx.to(device), weights.to(device)
+
+
+def random_tokens(num_tokens: int, hidden: int, gen: torch.Generator, device: torch.device | str = "cpu") -> torch.Tensor:
+    """BF16 ``[T, H]`` tokens with per-token magnitudes spread over two decades."""
+    x = torch.randn(num_tokens, hidden, generator=gen) * torch.logspace(-1, 1, num_tokens).unsqueeze(1)
+    return x.to(torch.bfloat16).to(device)
+
+
+def random_fp4_weights(
+    num_experts: int, n: int, k: int, gen: torch.Generator, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Canonical FP4 weights ``(uint8 [E, n, k/2], int32 [E, n, k/128])`` drawn directly as codes.
+
+    Every E2M1 code is equally likely; scales are 2**-7 .. 2**-5 (typical of ``1/sqrt(k)`` layers).
+    Drawn on ``device`` in one shot (fast for GB-sized weight sets); ``gen`` must live there too.
+    """
+    packed = torch.randint(0, 256, (num_experts, n, k // 2), generator=gen, device=device, dtype=torch.uint8)
+    codes = torch.randint(120, 123, (num_experts, n, k // PACKED_BLOCK_K * 4), generator=gen, device=device, dtype=torch.uint8)
+    return packed, codes.view(torch.int32)
+
+
+def random_bf16_weights(num_experts: int, n: int, k: int, gen: torch.Generator, device: torch.device | str = "cpu") -> torch.Tensor:
+    """BF16 ``[E, n, k]`` weights with standard deviation ``1/sqrt(k)``."""
+    w = torch.randn(num_experts, n, k, generator=gen, device=device) * k**-0.5
+    return w.to(torch.bfloat16)
+
+
+def fill_buffer(
+    buffer: SymmBuffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Quantize BF16 tokens ``x`` as the buffer's recipe wants and copy inputs into its views.
+
+    Returns what was written: ``(x_q, x_sf)`` (FP8 and packed scales, or BF16 and None).
+    """
+    t = x.shape[0]
+    buffer.check_num_tokens(t, "x")
+    if buffer.layout.mma_type == "fp8xfp4":
+        x_q, x_sf = quantize_fp8(x)
+        buffer.x_sf[:t] = x_sf
+    else:
+        x_q, x_sf = x, None
+    buffer.x[:t] = x_q
+    buffer.topk_idx[:t] = topk_idx
+    buffer.topk_weights[:t] = topk_weights
+    return x_q, x_sf
+
+
+def global_problem(
+    seed: int,
+    tokens_per_rank: list[int],
+    num_experts: int,
+    num_topk: int,
+    hidden: int,
+    intermediate: int,
+    mma_type: str = "fp8xfp4",
+    masked_ratio: float = 0.0,
+    hot_experts: int | None = None,
+) -> dict:
+    """Every rank's tokens and routing plus all experts' weights, identical on every caller.
+
+    Returns ``{"x": [BF16 [T_r, H] per rank], "topk_idx": [...], "topk_weights": [...],
+    "l1": all-expert L1 weights, "l2": ...}`` on the CPU (FP4 tuples or BF16 tensors by ``mma_type``).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    xs, idxs, ws = [], [], []
+    for t in tokens_per_rank:
+        xs.append(random_tokens(t, hidden, gen))
+        idx, w = random_routing(t, num_experts, num_topk, gen, masked_ratio, hot_experts)
+        idxs.append(idx)
+        ws.append(w)
+    if mma_type == "fp8xfp4":
+        l1 = random_fp4_weights(num_experts, 2 * intermediate, hidden, gen)
+        l2 = random_fp4_weights(num_experts, hidden, intermediate, gen)
+    else:
+        l1 = random_bf16_weights(num_experts, 2 * intermediate, hidden, gen)
+        l2 = random_bf16_weights(num_experts, hidden, intermediate, gen)
+    return {"x": xs, "topk_idx": idxs, "topk_weights": ws, "l1": l1, "l2": l2}
+
+
+def local_experts(weights, rank: int, num_ranks: int, device: torch.device | str):
+    """Rank ``rank``'s contiguous slice of all-expert weights (FP4 tuple or BF16 tensor), on ``device``."""
+    if isinstance(weights, tuple):
+        return tuple(local_experts(w, rank, num_ranks, device) for w in weights)
+    per = weights.shape[0] // num_ranks
+    return weights[rank * per : (rank + 1) * per].contiguous().to(device)

@@ -1,0 +1,83 @@
+"""UE8M0 block scales: power-of-two scales stored as a biased 8-bit exponent.
+
+A UE8M0 code ``c`` in [0, 254] stands for the scale ``2 ** (c - 127)`` (torch.float8_e8m0fnu;
+255 is NaN and never produced). megamoe keeps one scale per 32 consecutive elements along K
+(``BLOCK_K``) and stores them packed four to an int32: code of K-block ``4*j + i`` sits in byte
+``i`` (bits ``8*i .. 8*i+7``) of packed column ``j``. A tensor with K elements per row therefore has
+packed scales of shape ``[..., K // 128]`` (int32), K-major, contiguous.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from ..checks import check_tensor, fail
+
+BLOCK_K = 32
+"""Elements of K that share one scale."""
+SCALES_PER_INT32 = 4
+PACKED_BLOCK_K = BLOCK_K * SCALES_PER_INT32
+"""Elements of K covered by one packed int32 of scales (128)."""
+MIN_EXPONENT = -127
+MAX_EXPONENT = 127
+
+assert sys.byteorder == "little", "packed UE8M0 views assume a little-endian host"
+
+
+def scale_exponent(amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
+    """Smallest integer e with ``amax <= fmt_max * 2**e`` (exact, no log/division rounding).
+
+    ``amax`` holds non-negative finite float32 block maxima. A block whose amax is 0 gets the
+    smallest exponent, -127 (code 0). Exponents below -127 are raised to -127, which keeps the
+    inequality true. Returns int32 exponents of ``amax``'s shape.
+    """
+    m, q = torch.frexp(amax.float())  # amax = m * 2**q, m in [0.5, 1)
+    fm, fq = torch.frexp(torch.tensor(float(fmt_max)))  # e.g. 448 = 0.875 * 2**9
+    e = q - int(fq) + (m > float(fm)).to(q.dtype)
+    e = torch.where(amax > 0, e, torch.full_like(e, MIN_EXPONENT))
+    return e.clamp(min=MIN_EXPONENT).to(torch.int32)
+
+
+def exponent_to_code(e: torch.Tensor) -> torch.Tensor:
+    """int exponents in [-127, 127] -> uint8 UE8M0 codes."""
+    return (e.to(torch.int32) + 127).to(torch.uint8)
+
+
+def code_to_exponent(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 UE8M0 codes -> int32 exponents."""
+    return codes.to(torch.int32) - 127
+
+
+def code_to_scale(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 UE8M0 codes -> float32 scales ``2 ** (code - 127)`` (exact)."""
+    one = torch.ones(codes.shape, dtype=torch.float32, device=codes.device)
+    return torch.ldexp(one, code_to_exponent(codes))
+
+
+def pack_ue8m0(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes ``[..., n]`` (n % 4 == 0) -> packed int32 ``[..., n // 4]`` (byte i = block 4j+i)."""
+    check_tensor("codes", codes, dtype=torch.uint8)
+    if codes.shape[-1] % SCALES_PER_INT32:
+        fail("codes", f"last dim must be a multiple of 4 to pack, got {codes.shape[-1]}")
+    return codes.contiguous().view(torch.int32)
+
+
+def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
+    """packed int32 ``[..., m]`` -> uint8 codes ``[..., 4 * m]``."""
+    check_tensor("packed", packed, dtype=torch.int32)
+    return packed.contiguous().view(torch.uint8)
+
+
+def expand_scales(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """packed int32 scales ``[..., k // 128]`` -> float32 per-element scales ``[..., k]``."""
+    scales = code_to_scale(unpack_ue8m0(packed))
+    if scales.shape[-1] * BLOCK_K != k:
+        fail("packed", f"holds {scales.shape[-1]} scale blocks, expected {k // BLOCK_K} for K={k}")
+    return scales.repeat_interleave(BLOCK_K, dim=-1)
+
+
+def as_torch_e8m0(codes: torch.Tensor) -> torch.Tensor:
+    """View uint8 codes as ``torch.float8_e8m0fnu`` (torch >= 2.7) for torch's MX APIs."""
+    return codes.view(torch.float8_e8m0fnu)

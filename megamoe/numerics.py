@@ -1,0 +1,121 @@
+"""The numerics contract: what every megamoe path (reference, legacy, fused kernels) computes.
+
+Per rank r of R: tokens ``x [T, H]``, ``topk_idx [T, k]`` int64 (-1 = slot unused), ``topk_weights
+[T, k]`` float32. E experts in all, ``E / R`` per rank, rank r owning experts ``[r*E/R, (r+1)*E/R)``.
+L1 weights ``[E/R, 2I, H]`` (rows ``[0, I)`` gate, ``[I, 2I)`` up), L2 weights ``[E/R, H, I]``.
+
+FP8 x FP4 recipe (1, 1, 32): tokens are FP8 E4M3 with a UE8M0 scale per 32 elements of H (per
+token); weights are FP4 E2M1 with a UE8M0 scale per 32 elements of K (per output row); see
+``megamoe.layouts``. For every (token t, slot j) with ``e = topk_idx[t, j] >= 0``:
+
+1. ``acc = dequant(x[t]) . dequant(W1[e])^T`` accumulated in FP32. Every product is exact in FP32
+   (e4m3 x e2m1 x powers of two); the summation order is the implementation's.
+2. **Rounding point R1**: ``gate, up = bf16_rne(acc[:I]), bf16_rne(acc[I:])``.
+3. Optional clamp ``c`` (in BF16, exact): ``gate = min(gate, c)``, ``up = clamp(up, -c, c)``.
+4. ``a = (silu(gate) * up) * topk_weights[t, j]`` in FP32, ``silu(g) = g / (1 + exp(-g))``. The exp
+   is the implementation's (a few FP32 ulps; ``fast_math`` allows approximate exp/reciprocal).
+5. **Rounding point R2**: ``a`` is quantized per 32 elements of I to FP8 E4M3 with UE8M0 scales
+   exactly as ``layouts.quantize_fp8`` does (smallest power-of-two scale with amax / scale <= 448,
+   then round-to-nearest-even). BF16 variant: ``a = bf16_rne(a)``.
+6. ``o = dequant(a) . dequant(W2[e])^T`` accumulated in FP32; **rounding point R3**: ``o = bf16_rne(o)``.
+   The routing weight is already inside ``a``: combine is a plain sum.
+7. **Rounding point R4**: ``y[t] = bf16_rne(sum_j o_j)``, summed in FP32 starting from 0.0 over the
+   valid slots in increasing slot order j = 0..k-1 (masked slots contribute nothing; a token with no
+   valid slot gets 0).
+
+The BF16 recipe has the same structure with BF16 tokens and weights (no quantization at all) and
+BF16 at R2.
+
+Tolerances. Two implementations of this contract differ only through FP32 summation order (step 1
+and 6) and exp (step 4); those perturbations are ~K * 2**-24 relative and matter only where they
+flip a rounding at R1..R4: one BF16 ulp (<= 2 * 2**-8 relative) at R1/R3/R4, or one FP8 ulp
+(2**-3 relative to that element) at R2, or, rarer, a UE8M0 scale at R2. Flips are rare (a few
+per thousand elements at R1/R3), so:
+
+* ``MOE_REL_FRO_TOL = 2**-8``: ``||y - y_ref||_F / ||y_ref||_F``; one BF16 unit roundoff, while an
+  FP8 flip moves a whole output row by ~2**-3 / sqrt(I) (~3e-3 at I = 2048) and hits few rows.
+* ``MOE_ROW_REL_TOL = 2**-5``: the same ratio per token row; a UE8M0 scale flip at R2 moves a row by
+  at most ~2**-4 * sqrt(32 / I) (< 1e-2), while a misrouted or missing slot moves it by O(1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layouts import quantize_fp8
+
+MOE_REL_FRO_TOL = 2.0**-8
+MOE_ROW_REL_TOL = 2.0**-5
+
+
+def bf16_rne(x: torch.Tensor) -> torch.Tensor:
+    """Round to BF16 (round to nearest even), returned as bfloat16."""
+    return x.to(torch.bfloat16)
+
+
+def clamp_gate_up(gate: torch.Tensor, up: torch.Tensor, clamp: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 3: ``gate <= c`` and ``|up| <= c`` (no-op without a clamp)."""
+    if clamp is None:
+        return gate, up
+    return gate.clamp(max=clamp), up.clamp(min=-clamp, max=clamp)
+
+
+def swiglu_weighted(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Step 4: ``(silu(gate) * up) * weight`` in FP32; ``gate``/``up`` ``[M, I]``, ``weight`` ``[M]``."""
+    g = gate.float()
+    return (g / (1.0 + torch.exp(-g)) * up.float()) * weight.float().unsqueeze(-1)
+
+
+def l1_epilogue(
+    acc: torch.Tensor, weight: torch.Tensor, clamp: float | None, fp8: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Steps 2-5 for L1 outputs ``acc [M, 2I]`` ([gate | up], FP32 or already BF16-rounded).
+
+    Returns ``(a_fp8 [M, I], a_sf [M, I/128] int32)`` for the FP8 recipe, ``(a_bf16, None)`` for BF16.
+    """
+    inter = acc.shape[-1] // 2
+    gate, up = clamp_gate_up(bf16_rne(acc[:, :inter]), bf16_rne(acc[:, inter:]), clamp)
+    a = swiglu_weighted(gate, up, weight)
+    if fp8:
+        return quantize_fp8(a, name="a")
+    return bf16_rne(a), None
+
+
+def combine_slots(o: torch.Tensor) -> torch.Tensor:
+    """Step 7: ``o [T, k, H]`` (BF16, zeros in unused slots) -> ``y [T, H]`` BF16, FP32 sum in slot order."""
+    acc = torch.zeros(o.shape[0], o.shape[2], dtype=torch.float32, device=o.device)
+    for j in range(o.shape[1]):
+        acc += o[:, j].float()
+    return bf16_rne(acc)
+
+
+def rel_fro_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||y - ref||_F / ||ref||_F`` in float64 (inf when NaN appears; 0/0 counts as 0)."""
+    diff = (y.double() - ref.double()).norm()
+    den = ref.double().norm()
+    if not torch.isfinite(diff):
+        return float("inf")
+    return float(diff / den) if den > 0 else float(diff)
+
+
+def max_row_rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest per-row ``||y_t - ref_t|| / ||ref_t||`` (rows where ref is 0 must match exactly)."""
+    if y.numel() == 0:
+        return 0.0
+    diff = (y.double() - ref.double()).norm(dim=-1)
+    den = ref.double().norm(dim=-1)
+    if not torch.isfinite(diff).all():
+        return float("inf")
+    rel = torch.where(den > 0, diff / den.clamp(min=1e-300), torch.where(diff > 0, float("inf"), 0.0))
+    return float(rel.max())
+
+
+def check_moe_output(y: torch.Tensor, ref: torch.Tensor, what: str = "y") -> dict[str, float]:
+    """Assert the contract tolerances between an output and its reference; returns the errors."""
+    errs = {"rel_fro": rel_fro_error(y, ref), "max_row_rel": max_row_rel_error(y, ref)}
+    if not (errs["rel_fro"] <= MOE_REL_FRO_TOL and errs["max_row_rel"] <= MOE_ROW_REL_TOL):
+        raise AssertionError(
+            f"{what}: rel_fro={errs['rel_fro']:.3e} (tol {MOE_REL_FRO_TOL:.3e}), "
+            f"max_row_rel={errs['max_row_rel']:.3e} (tol {MOE_ROW_REL_TOL:.3e})"
+        )
+    return errs

@@ -1,0 +1,107 @@
+"""The FP32 reference of the numerics contract, written for clarity, not speed.
+
+It dequantizes with ``megamoe.layouts`` and sums every dot product in float64 (so its only
+roundings are the contract's R1..R4), one expert at a time. ``reference_slot_outputs`` computes
+the BF16 rows ``o [T, k, H]`` for the slots that route to a given expert range (zeros elsewhere):
+called with all experts it is the single-process reference; called per rank with its local experts
+and summed over ranks it is the distributed one (each slot is owned by exactly one rank, so the sum
+of one row and zeros is exact).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .dist import rank_and_size
+from .layouts import dequantize_fp4, dequantize_fp8
+from .numerics import bf16_rne, combine_slots, l1_epilogue
+
+
+def _dequant_tokens(x: torch.Tensor, x_sf: torch.Tensor | None) -> torch.Tensor:
+    return dequantize_fp8(x, x_sf).double() if x_sf is not None else x.double()
+
+
+def _dequant_weight(w: torch.Tensor | tuple[torch.Tensor, torch.Tensor], e: int) -> torch.Tensor:
+    if isinstance(w, tuple):
+        return dequantize_fp4(w[0][e], w[1][e]).double()
+    return w[e].double()
+
+
+def reference_slot_outputs(
+    x: torch.Tensor,
+    x_sf: torch.Tensor | None,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    l1: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    l2: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    first_expert: int = 0,
+    activation_clamp: float | None = None,
+) -> torch.Tensor:
+    """BF16 ``o [T, k, H]`` for slots whose expert is in ``[first_expert, first_expert + E_l)``.
+
+    ``x``: FP8 ``[T, H]`` with ``x_sf`` int32 ``[T, H/128]``, or BF16 with ``x_sf=None``. ``l1``/``l2``:
+    canonical FP4 ``(weights, scales)`` tuples or BF16 tensors for experts ``first_expert ..``.
+    """
+    t, k = topk_idx.shape
+    hidden = x.shape[1]
+    num_local = (l1[0] if isinstance(l1, tuple) else l1).shape[0]
+    fp8 = x_sf is not None
+    o = torch.zeros(t, k, hidden, dtype=torch.bfloat16, device=x.device)
+    xd = _dequant_tokens(x, x_sf)
+    for e in range(num_local):
+        tok, slot = torch.nonzero(topk_idx == first_expert + e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        acc = xd[tok] @ _dequant_weight(l1, e).T
+        a, a_sf = l1_epilogue(acc, topk_weights[tok, slot], activation_clamp, fp8)
+        ad = _dequant_tokens(a, a_sf)
+        o[tok, slot] = bf16_rne(ad @ _dequant_weight(l2, e).T)
+    return o
+
+
+def reference_moe(x, x_sf, topk_idx, topk_weights, l1, l2, activation_clamp=None) -> torch.Tensor:
+    """Single-process reference: all experts' weights in ``l1``/``l2``; returns ``y [T, H]`` BF16."""
+    return combine_slots(reference_slot_outputs(x, x_sf, topk_idx, topk_weights, l1, l2, 0, activation_clamp))
+
+
+def distributed_reference_moe(
+    x: torch.Tensor,
+    x_sf: torch.Tensor | None,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    l1,
+    l2,
+    group: dist.ProcessGroup | None,
+    num_max_tokens: int,
+    activation_clamp: float | None = None,
+) -> torch.Tensor:
+    """Reference for this rank's ``T`` tokens when each rank holds only its local experts.
+
+    Gathers every rank's tokens and routing (padded to ``num_max_tokens``), computes the slots owned
+    by this rank's experts, sums the per-slot rows over ranks (exact: one owner per slot) and
+    combines this rank's tokens. Collective: every rank of ``group`` must call it.
+    """
+    rank, size = rank_and_size(group)
+    if size == 1:
+        return reference_moe(x, x_sf, topk_idx, topk_weights, l1, l2, activation_clamp)
+    t, k = topk_idx.shape
+    num_local = (l1[0] if isinstance(l1, tuple) else l1).shape[0]
+
+    def gather(v: torch.Tensor, fill: int) -> torch.Tensor:
+        raw = v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v  # collectives move FP8 as bytes
+        padded = raw.new_full((num_max_tokens, *raw.shape[1:]), fill)
+        padded[:t] = raw
+        out = [torch.empty_like(padded) for _ in range(size)]
+        dist.all_gather(out, padded, group=group)
+        return torch.cat(out).view(v.dtype)
+
+    all_x = gather(x, 0)
+    all_sf = gather(x_sf, 0) if x_sf is not None else None
+    all_idx = gather(topk_idx, -1)
+    all_w = gather(topk_weights, 0)
+    o = reference_slot_outputs(all_x, all_sf, all_idx, all_w, l1, l2, rank * num_local, activation_clamp)
+    o32 = o.float()  # gloo has no bfloat16 sum; the sum of one row and zeros is exact in FP32
+    dist.all_reduce(o32, group=group)
+    mine = o32[rank * num_max_tokens : rank * num_max_tokens + t]
+    return combine_slots(mine.to(torch.bfloat16))

@@ -1,0 +1,260 @@
+"""SymmBuffer: one symmetric allocation per rank holding every tensor the Mega MoE paths exchange.
+
+Each rank allocates the same number of bytes (torch symmetric memory, CUDA backend, when the group
+has several ranks on CUDA; a plain allocation for one rank or on CPU) and carves it into typed views
+at offsets that are identical on every rank, so a kernel can address a peer's view as
+``peer_base + offset``. Sections, in order (each starts on a 1 KiB boundary):
+
+=================  ===============================  =============================================
+view               dtype, shape                      contents
+=================  ===============================  =============================================
+workspace          uint8 [workspace_bytes]           fused-kernel counters and signals (zeroed)
+x                  e4m3 / bf16 [T_max, H]            input tokens (FP8, or BF16 for mma "bf16")
+x_sf               int32 [T_max, H/128]              packed UE8M0 token scales (FP8 only)
+topk_idx           int64 [T_max, k]                  routed expert ids, -1 = unused slot
+topk_weights       float32 [T_max, k]                routing weights
+l1_acts            e4m3 / bf16 [ring, H]             L1 input ring (pulled token rows)
+l1_acts_sf         int32 [ring, H/128]               their scales (FP8 only)
+l1_topk_weights    float32 [ring]                    routing weight of each ring row
+l2_acts            e4m3 / bf16 [ring, I]             L2 input ring (SwiGLU outputs)
+l2_acts_sf         int32 [ring, I/128]               their scales (FP8 only)
+combine            bf16 [k, T_max, H]                L2 rows written back by expert ranks
+=================  ===============================  =============================================
+
+``ring`` (``num_ring_tokens``) bounds the rows in flight on the expert side; by default it holds
+every row a rank can receive (``R * T_max * min(k, E/R)``) up to ``DEFAULT_MAX_RING_TOKENS``,
+rounded up to ``RING_ALIGNMENT``. The workspace reserves: 256 B of barrier signals, per-expert send
+counts (u64 [E]), per-(rank, local expert) receive counts (u64 [R, E/R]), four u32 ring counters per
+ring block of ``RING_ALIGNMENT`` rows, and a (rank, token, slot) int32 source record per ring row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .checks import check_multiple, check_range, fail
+from .dist import rank_and_size
+from .layouts import PACKED_BLOCK_K
+
+MMA_TYPES = ("fp8xfp4", "bf16")
+SECTION_ALIGNMENT = 1024
+RING_ALIGNMENT = 128
+DEFAULT_MAX_RING_TOKENS = 65536
+MAX_TOPK = 32
+
+
+@dataclass(frozen=True)
+class Section:
+    """One typed view of the buffer: ``shape`` of ``dtype`` starting at byte ``offset``."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def num_bytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class SymmBufferLayout:
+    """Byte layout of a SymmBuffer; identical on every rank for the same arguments."""
+
+    num_ranks: int
+    num_experts: int
+    num_max_tokens_per_rank: int
+    num_topk: int
+    hidden: int
+    intermediate_hidden: int
+    num_ring_tokens: int
+    mma_type: str
+    sections: tuple[Section, ...]
+    num_bytes: int
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    def section(self, name: str) -> Section:
+        for s in self.sections:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def describe(self) -> str:
+        """A table of every section's dtype, shape and bytes, and the total."""
+        lines = [f"SymmBuffer {self.mma_type}: {self.num_bytes / 2**20:.1f} MiB per rank"]
+        for s in self.sections:
+            dtype = str(s.dtype).removeprefix("torch.")
+            lines.append(f"  {s.name:<16} {dtype:<14} {str(list(s.shape)):<22} {s.num_bytes:>14,d} B @ {s.offset}")
+        return "\n".join(lines)
+
+
+def default_num_ring_tokens(num_ranks: int, num_max_tokens_per_rank: int, num_topk: int, num_local_experts: int) -> int:
+    """Ring rows: every row a rank can receive, capped at DEFAULT_MAX_RING_TOKENS, 128-aligned."""
+    most = num_ranks * num_max_tokens_per_rank * min(num_topk, num_local_experts)
+    rows = min(most, DEFAULT_MAX_RING_TOKENS)
+    return -(-rows // RING_ALIGNMENT) * RING_ALIGNMENT
+
+
+def symm_buffer_layout(
+    num_ranks: int,
+    num_experts: int,
+    num_max_tokens_per_rank: int,
+    num_topk: int,
+    hidden: int,
+    intermediate_hidden: int,
+    num_ring_tokens: int | None = None,
+    mma_type: str = "fp8xfp4",
+) -> SymmBufferLayout:
+    """Validate the arguments and compute every section's offset (no allocation)."""
+    if mma_type not in MMA_TYPES:
+        fail("mma_type", f"must be one of {MMA_TYPES}, got {mma_type!r}")
+    check_range("num_ranks", num_ranks, 1, 1 << 16)
+    check_range("num_experts", num_experts, 1, 1 << 20)
+    check_multiple("num_experts", num_experts, num_ranks, f"experts are split evenly over {num_ranks} ranks")
+    check_range("num_max_tokens_per_rank", num_max_tokens_per_rank, 1, 1 << 24)
+    check_range("num_topk", num_topk, 1, min(num_experts, MAX_TOPK))
+    check_multiple("hidden", hidden, PACKED_BLOCK_K, "four 32-element scale blocks per packed int32")
+    check_multiple("intermediate_hidden", intermediate_hidden, PACKED_BLOCK_K, "four 32-element scale blocks per packed int32")
+    num_local = num_experts // num_ranks
+    if num_ring_tokens is None:
+        num_ring_tokens = default_num_ring_tokens(num_ranks, num_max_tokens_per_rank, num_topk, num_local)
+    check_range("num_ring_tokens", num_ring_tokens, RING_ALIGNMENT, 1 << 26)
+    check_multiple("num_ring_tokens", num_ring_tokens, RING_ALIGNMENT, "ring blocks")
+
+    fp8 = mma_type == "fp8xfp4"
+    act = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    t, k, h, i, ring = num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden, num_ring_tokens
+    workspace = 256 + 8 * num_experts + 8 * num_ranks * num_local + 16 * (ring // RING_ALIGNMENT) + 12 * ring
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
+        ("workspace", torch.uint8, (workspace,)),
+        ("x", act, (t, h)),
+        ("x_sf", torch.int32, (t, h // PACKED_BLOCK_K) if fp8 else (t, 0)),
+        ("topk_idx", torch.int64, (t, k)),
+        ("topk_weights", torch.float32, (t, k)),
+        ("l1_acts", act, (ring, h)),
+        ("l1_acts_sf", torch.int32, (ring, h // PACKED_BLOCK_K) if fp8 else (ring, 0)),
+        ("l1_topk_weights", torch.float32, (ring,)),
+        ("l2_acts", act, (ring, i)),
+        ("l2_acts_sf", torch.int32, (ring, i // PACKED_BLOCK_K) if fp8 else (ring, 0)),
+        ("combine", torch.bfloat16, (k, t, h)),
+    ]
+    sections = []
+    offset = 0
+    for name, dtype, shape in specs:
+        s = Section(name, dtype, shape, offset)
+        sections.append(s)
+        offset += -(-s.num_bytes // SECTION_ALIGNMENT) * SECTION_ALIGNMENT
+    return SymmBufferLayout(
+        num_ranks, num_experts, t, k, h, i, ring, mma_type, tuple(sections), offset
+    )
+
+
+class SymmBuffer:
+    """One symmetric allocation per rank with typed views (see the module docstring).
+
+    ``group`` is the EP process group (``None`` for a single process). ``device`` defaults to the
+    current CUDA device, or CPU without CUDA. On several CUDA ranks the buffer comes from
+    ``torch.distributed._symmetric_memory`` and ``peer_ptrs`` gives every rank's base address.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        num_experts: int,
+        num_max_tokens_per_rank: int,
+        num_topk: int,
+        hidden: int,
+        intermediate_hidden: int,
+        num_ring_tokens: int | None = None,
+        mma_type: str = "fp8xfp4",
+        activation: str = "swiglu",
+        device: torch.device | str | None = None,
+    ):
+        if activation != "swiglu":
+            fail("activation", f"must be 'swiglu' (the only activation megamoe implements), got {activation!r}")
+        self.group = group
+        self.rank, num_ranks = rank_and_size(group)
+        self.layout = symm_buffer_layout(
+            num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden, num_ring_tokens, mma_type
+        )
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = torch.device(device)
+        self.handle = None
+        if num_ranks > 1 and self.device.type == "cuda":
+            from torch.distributed import _symmetric_memory as symm_mem
+
+            self.buffer = symm_mem.empty(self.layout.num_bytes, dtype=torch.uint8, device=self.device)
+            self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
+        else:
+            self.buffer = torch.empty(self.layout.num_bytes, dtype=torch.uint8, device=self.device)
+        self.buffer.zero_()
+        for s in self.layout.sections:
+            setattr(self, s.name, self._view(self.buffer, s))
+        if num_ranks > 1:
+            dist.barrier(group)
+
+    @staticmethod
+    def _view(buffer: torch.Tensor, s: Section) -> torch.Tensor:
+        return buffer[s.offset : s.offset + s.num_bytes].view(s.dtype).view(s.shape)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.layout.num_ranks
+
+    @property
+    def peer_ptrs(self) -> list[int]:
+        """Base device address of every rank's buffer (this rank's own for a single rank)."""
+        if self.handle is None:
+            return [self.buffer.data_ptr()]
+        return list(self.handle.buffer_ptrs)
+
+    def peer_view(self, rank: int, name: str) -> torch.Tensor:
+        """Section ``name`` of rank ``rank``'s buffer as a tensor (peer memory over NVLink)."""
+        s = self.layout.section(name)
+        if rank == self.rank:
+            return getattr(self, name)
+        if self.handle is None:
+            fail("rank", f"{rank} is not addressable: this buffer is not symmetric memory")
+        peer = self.handle.get_buffer(rank, (self.layout.num_bytes,), torch.uint8)
+        return self._view(peer, s)
+
+    def check_num_tokens(self, num_tokens: int, name: str = "y") -> None:
+        """Raise unless ``0 <= num_tokens <= num_max_tokens_per_rank``."""
+        check_range(f"{name}.shape[0] (tokens on this rank)", num_tokens, 0, self.layout.num_max_tokens_per_rank)
+
+    def destroy(self) -> None:
+        """Release the allocation (collective on several ranks: every rank must call it)."""
+        if self.num_ranks > 1:
+            dist.barrier(self.group)
+        for s in self.layout.sections:
+            delattr(self, s.name)
+        self.handle = None
+        del self.buffer
+
+
+def get_symm_buffer_for_mega_moe(
+    group: dist.ProcessGroup | None,
+    num_experts: int,
+    num_max_tokens_per_rank: int,
+    num_topk: int,
+    hidden: int,
+    intermediate_hidden: int,
+    mma_type: str = "fp8xfp4",
+    num_ring_tokens: int | None = None,
+    device: torch.device | str | None = None,
+) -> SymmBuffer:
+    """Allocate the SymmBuffer for a Mega MoE layer; ``buffer.layout.describe()`` explains its bytes."""
+    return SymmBuffer(
+        group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
+        num_ring_tokens=num_ring_tokens, mma_type=mma_type, device=device,
+    )

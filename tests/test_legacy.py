@@ -1,0 +1,68 @@
+"""The legacy EP path on one rank (CPU; the same checks on one GPU under -m gpu)."""
+
+import pytest
+import torch
+
+from legacy_cases import check_legacy_against_reference
+from megamoe import LegacyMoE, get_symm_buffer_for_mega_moe
+from megamoe.inputs import fill_buffer, global_problem
+
+BASE = dict(experts=8, topk=3, hidden=256, intermediate=128, seed=1)
+CASES = {
+    "one_token": dict(BASE, tokens_per_rank=[1]),
+    "ragged_masked": dict(BASE, tokens_per_rank=[37], masked_ratio=0.3),
+    "empty_experts_skewed": dict(BASE, tokens_per_rank=[20], hot_experts=3),
+    "clamp": dict(BASE, tokens_per_rank=[16], clamp=0.5),
+    "zero_tokens": dict(BASE, tokens_per_rank=[0]),
+    "all_masked_tokens": dict(BASE, tokens_per_rank=[9], masked_ratio=0.9),
+    "bf16": dict(BASE, tokens_per_rank=[21], masked_ratio=0.2, mma_type="bf16"),
+    "wide_topk": dict(BASE, experts=16, topk=9, tokens_per_rank=[11], hidden=384, intermediate=256),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_legacy_single_rank_cpu(name):
+    check_legacy_against_reference(0, None, torch.device("cpu"), CASES[name])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["one_token", "ragged_masked", "empty_experts_skewed", "zero_tokens", "bf16"])
+def test_legacy_single_gpu(name):
+    check_legacy_against_reference(0, None, torch.device("cuda"), CASES[name])
+
+
+def _setup(mma="fp8xfp4", t=4):
+    p = global_problem(0, [t], 8, 2, 256, 128, mma)
+    buf = get_symm_buffer_for_mega_moe(None, 8, 8, 2, 256, 128, mma_type=mma, device="cpu")
+    fill_buffer(buf, p["x"][0], p["topk_idx"][0], p["topk_weights"][0])
+    return p, buf
+
+
+def test_legacy_validation_errors():
+    p, buf = _setup()
+    legacy = LegacyMoE(p["l1"], p["l2"], buf)
+    with pytest.raises(ValueError, match="`y` must have dtype bfloat16"):
+        legacy(torch.empty(4, 256), buf)
+    with pytest.raises(ValueError, match=r"`y` must have shape \[\*, 256\]"):
+        legacy(torch.empty(4, 128, dtype=torch.bfloat16), buf)
+    with pytest.raises(ValueError, match=r"tokens on this rank\)` must be in \[0, 8\], got 9"):
+        legacy(torch.empty(9, 256, dtype=torch.bfloat16), buf)
+    with pytest.raises(ValueError, match="`cumulative_local_expert_recv_stats` must have dtype int32"):
+        legacy(torch.empty(4, 256, dtype=torch.bfloat16), buf, torch.zeros(8, dtype=torch.int64))
+    buf.topk_idx[1, 0] = 8  # one past the last expert
+    with pytest.raises(ValueError, match=r"`topk_idx` must hold expert ids in \[-1, num_experts=8\).*\{0: 1\}"):
+        legacy(torch.empty(4, 256, dtype=torch.bfloat16), buf)
+
+
+def test_legacy_weight_validation():
+    p, buf = _setup()
+    w1, s1 = p["l1"]
+    with pytest.raises(ValueError, match=r"`l1\[1\]` must have dtype int32"):
+        LegacyMoE((w1, s1.float()), p["l2"], buf)
+    with pytest.raises(ValueError, match="holds 4 experts, but the buffer has 8"):
+        LegacyMoE((w1[:4].contiguous(), s1[:4].contiguous()), (p["l2"][0][:4].contiguous(), p["l2"][1][:4].contiguous()), buf)
+    with pytest.raises(ValueError, match="must be a \\(weights, scales\\) tuple"):
+        LegacyMoE(w1, p["l2"], buf)
+    pb, bbuf = _setup("bf16")
+    with pytest.raises(ValueError, match="`l1` must have dtype bfloat16"):
+        LegacyMoE(pb["l1"].float(), pb["l2"], bbuf)

@@ -1,0 +1,72 @@
+"""SymmBuffer layout arithmetic, views and validation (single process, CPU)."""
+
+import pytest
+import torch
+
+from megamoe import SymmBuffer, get_symm_buffer_for_mega_moe, symm_buffer_layout
+from megamoe.symm_buffer import DEFAULT_MAX_RING_TOKENS, SECTION_ALIGNMENT
+
+
+def test_layout_sections_are_aligned_disjoint_and_sized():
+    lay = symm_buffer_layout(8, 256, 1000, 6, 4096, 2048)
+    end = 0
+    for s in lay.sections:
+        assert s.offset % SECTION_ALIGNMENT == 0 and s.offset >= end
+        end = s.offset + s.num_bytes
+    assert lay.num_bytes >= end
+    assert lay.section("x").num_bytes == 1000 * 4096  # one FP8 byte per element
+    assert lay.section("x_sf").shape == (1000, 32)
+    assert lay.section("combine").shape == (6, 1000, 4096)
+    # every row a rank can receive: 8 ranks x 1000 tokens x min(6, 32) slots, capped and 128-aligned
+    assert lay.num_ring_tokens == min(48000, DEFAULT_MAX_RING_TOKENS) // 128 * 128 + (128 if 48000 % 128 else 0)
+    text = lay.describe()
+    assert all(s.name in text for s in lay.sections) and "MiB per rank" in text
+
+
+def test_bf16_layout_has_no_scales():
+    lay = symm_buffer_layout(2, 8, 16, 2, 256, 128, mma_type="bf16")
+    assert lay.section("x").dtype == torch.bfloat16 and lay.section("x_sf").num_bytes == 0
+    assert lay.num_ring_tokens == 128  # 2 x 16 x 2 = 64 rows, rounded up to one ring block
+
+
+def test_views_alias_one_allocation():
+    buf = get_symm_buffer_for_mega_moe(None, 16, 32, 4, 256, 128, device="cpu")
+    assert buf.x.dtype == torch.float8_e4m3fn and buf.x.shape == (32, 256)
+    assert buf.topk_idx.dtype == torch.int64 and buf.topk_weights.shape == (32, 4)
+    assert buf.l2_acts.shape == (buf.layout.num_ring_tokens, 128)
+    base = buf.buffer.data_ptr()
+    for s in buf.layout.sections:
+        assert getattr(buf, s.name).data_ptr() == base + s.offset
+    buf.topk_idx.fill_(-1)
+    assert (buf.buffer[buf.layout.section("topk_idx").offset :][:8] == 255).all()
+    assert buf.peer_ptrs == [base] and buf.peer_view(0, "x").data_ptr() == buf.x.data_ptr()
+    buf.check_num_tokens(32)
+    with pytest.raises(ValueError, match=r"tokens on this rank\)` must be in \[0, 32\], got 33"):
+        buf.check_num_tokens(33)
+    buf.destroy()
+    assert not hasattr(buf, "x")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(hidden=100), "`hidden` must be a multiple of 128"),
+        (dict(intermediate_hidden=200), "`intermediate_hidden` must be a multiple of 128"),
+        (dict(num_experts=6, num_ranks=4), "`num_experts` must be a multiple of 4"),
+        (dict(num_topk=0), r"`num_topk` must be in \[1, 8\]"),
+        (dict(num_topk=9), r"`num_topk` must be in \[1, 8\]"),
+        (dict(num_ring_tokens=200), "`num_ring_tokens` must be a multiple of 128"),
+        (dict(mma_type="fp4"), "`mma_type` must be one of"),
+        (dict(num_max_tokens_per_rank=0), "`num_max_tokens_per_rank` must be in"),
+    ],
+)
+def test_validation_errors(kwargs, message):
+    args = dict(num_ranks=1, num_experts=8, num_max_tokens_per_rank=16, num_topk=2, hidden=256, intermediate_hidden=128)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        symm_buffer_layout(**args)
+
+
+def test_activation_must_be_swiglu():
+    with pytest.raises(ValueError, match="`activation` must be 'swiglu'"):
+        SymmBuffer(None, 8, 16, 2, 256, 128, activation="gelu", device="cpu")
