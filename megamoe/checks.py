@@ -41,8 +41,10 @@ def check_tensor(
         if not ok:
             want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
             fail(name, f"must have shape {want}, got {list(t.shape)}")
-    if device is not None and t.device != torch.device(device):
-        fail(name, f"must be on {torch.device(device)}, got {t.device}")
+    if device is not None:
+        want = torch.device(device)
+        if t.device.type != want.type or (want.index is not None and t.device.index != want.index):
+            fail(name, f"must be on {want}, got {t.device}")
     if contiguous and not t.is_contiguous():
         fail(name, f"must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
     return t

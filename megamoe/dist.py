@@ -63,3 +63,11 @@ def all_to_all_rows(
         out.copy_(inp)
         return
     dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+
+
+def all_gather_rows(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """``out [R * n, ...]`` = every rank's ``inp [n, ...]`` in rank order (a copy for one rank)."""
+    if group is None or dist.get_world_size(group) == 1:
+        out.copy_(inp)
+        return
+    dist.all_gather_into_tensor(out, inp, group=group)

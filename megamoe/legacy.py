@@ -13,7 +13,14 @@ numerics contract (``megamoe.numerics``) exactly. One call:
    FP4 value times a power of two is a BF16 value), FP32 accumulation, BF16 out;
 4. combine: every slot's BF16 row returns to its source rank in one ``all_to_all`` and the source
    sums its slots in FP32 in slot order.
-NCCL moves the bytes on GPUs, gloo on CPU. The weights are dequantized to BF16 once, at construction.
+
+That is ``mode="normal"`` (DeepEP's normal mode: exact sizes, one host sync, good for prefill).
+``mode="low_latency"`` (DeepEP's low-latency idea: worst-case sizes, no host sync, CUDA-graph
+capturable, good for decode) replaces step 1-2 by an ``all_gather`` of every token slot of the
+buffer (``num_max_tokens_per_rank`` rows, unused rows masked), runs steps 3 over the worst-case row
+count with device-side group offsets, and returns every (token, slot) row, zeros where another rank
+owns the slot, in one equal-split ``all_to_all``; ids are validated only when ``validate=True``
+(a host sync). NCCL moves the bytes on GPUs, gloo on CPU. Weights are dequantized to BF16 once.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import math
 import torch
 
 from .checks import check_tensor, fail
-from .dist import all_to_all_rows
+from .dist import all_gather_rows, all_to_all_rows
 from .layouts import contiguous_layout, dequantize_fp4, dequantize_fp8
 from .layouts.weights import check_bf16_expert_weights, check_fp4_expert_weights
 from .numerics import combine_slots, l1_epilogue
@@ -53,20 +60,22 @@ class LegacyMoE:
     """Unfused EP MoE over a ``SymmBuffer``'s input views.
 
     ``l1``/``l2``: this rank's experts in canonical form, FP4 ``(uint8 weights, int32 scales)`` tuples
-    for ``mma_type="fp8xfp4"`` or BF16 tensors for ``"bf16"`` (see ``megamoe.layouts.weights``).
+    (recipe fp8xfp4) or BF16 tensors (recipe bf16), see ``megamoe.layouts.weights``. ``mode``:
+    ``"normal"`` or ``"low_latency"`` (module docstring).
     """
 
-    def __init__(self, l1, l2, sym_buffer: SymmBuffer):
-        lay = sym_buffer.layout
-        self.layout = lay
-        self.fp8 = lay.mma_type == "fp8xfp4"
-        h, i = lay.hidden, lay.intermediate_hidden
-        if self.fp8:
-            num_local = check_fp4_expert_weights(l1, l2, h, i)
-        else:
-            num_local = check_bf16_expert_weights(l1, l2, h, i)
-        if num_local != lay.num_local_experts:
-            fail("l1", f"holds {num_local} experts, but the buffer has {lay.num_local_experts} per rank")
+    MODES = ("normal", "low_latency")
+
+    def __init__(self, l1, l2, mode: str = "normal"):
+        if mode not in self.MODES:
+            fail("mode", f"must be one of {self.MODES}, got {mode!r}")
+        self.mode = mode
+        self.fp8 = isinstance(l1, tuple)
+        w1 = l1[0] if self.fp8 else l1
+        self.hidden = w1.shape[2] * (2 if self.fp8 else 1) if w1.dim() == 3 else -1
+        self.intermediate = w1.shape[1] // 2 if w1.dim() == 3 else -1
+        check = check_fp4_expert_weights if self.fp8 else check_bf16_expert_weights
+        self.num_local_experts = check(l1, l2, self.hidden, self.intermediate)
         self.w1t = self._bf16(l1).transpose(1, 2)  # [E_l, H, 2I], the K x N operand of _grouped_mm
         self.w2t = self._bf16(l2).transpose(1, 2)  # [E_l, I, H]
 
@@ -80,32 +89,83 @@ class LegacyMoE:
             out[e] = dequantize_fp4(q[e], sf[e], torch.bfloat16)
         return out
 
+    def _check_call(self, y: torch.Tensor, buf: SymmBuffer, stats: torch.Tensor | None, clamp: float | None) -> None:
+        lay = buf.layout
+        want = ("fp8xfp4" if self.fp8 else "bf16", self.hidden, self.intermediate, self.num_local_experts)
+        have = (lay.mma_type, lay.hidden, lay.intermediate_hidden, lay.num_local_experts)
+        if want != have:
+            fail("sym_buffer", f"has (mma_type, hidden, intermediate, local experts) = {have}, the weights {want}")
+        check_tensor("y", y, dtype=torch.bfloat16, ndim=2, device=buf.device, contiguous=True)
+        check_tensor("y", y, shape=(None, lay.hidden))
+        buf.check_num_tokens(y.shape[0])
+        if stats is not None:
+            check_tensor("cumulative_local_expert_recv_stats", stats, dtype=torch.int32,
+                         shape=(lay.num_local_experts,), device=y.device, contiguous=True)
+        if clamp is not None and not clamp > 0:
+            fail("activation_clamp", f"must be positive, got {clamp}")
+
     def __call__(
         self,
         y: torch.Tensor,
         sym_buffer: SymmBuffer,
         cumulative_local_expert_recv_stats: torch.Tensor | None = None,
         activation_clamp: float | None = None,
+        validate: bool = True,
     ) -> torch.Tensor:
         """Fill ``y [T, H]`` (BF16) for the ``T = y.shape[0]`` tokens the caller put in the buffer's
-        ``x``, ``x_sf``, ``topk_idx`` and ``topk_weights`` views. Collective over the buffer's group."""
-        lay = sym_buffer.layout
-        if lay != self.layout:
-            fail("sym_buffer", "has a different layout from the one these weights were prepared for")
-        check_tensor("y", y, dtype=torch.bfloat16, ndim=2, device=sym_buffer.device, contiguous=True)
-        check_tensor("y", y, shape=(None, lay.hidden))
-        sym_buffer.check_num_tokens(y.shape[0])
-        stats = cumulative_local_expert_recv_stats
-        if stats is not None:
-            check_tensor("cumulative_local_expert_recv_stats", stats, dtype=torch.int32,
-                         shape=(lay.num_local_experts,), device=y.device, contiguous=True)
-        if activation_clamp is not None and not activation_clamp > 0:
-            fail("activation_clamp", f"must be positive, got {activation_clamp}")
+        ``x``, ``x_sf``, ``topk_idx`` and ``topk_weights`` views. Collective over the buffer's group.
+        ``validate=False`` skips the low-latency mode's id check (needed under CUDA-graph capture)."""
+        self._check_call(y, sym_buffer, cumulative_local_expert_recv_stats, activation_clamp)
+        if self.mode == "normal":
+            return self._normal(y, sym_buffer, cumulative_local_expert_recv_stats, activation_clamp)
+        return self._low_latency(y, sym_buffer, cumulative_local_expert_recv_stats, activation_clamp, validate)
 
+    def _expert_compute(self, r_idx, r_w, r_x, r_sf, rank: int, rows: int, stats, clamp):
+        """Step 3 on received token rows: returns (``o [rows, H]`` BF16 in grouped order, the grouped
+        row of every (row, slot) pair or -1). ``rows`` bounds the local pairs (exact or worst case)."""
+        num_local, k, dev = self.num_local_experts, r_idx.shape[1], r_idx.device
+        local = (r_idx >= rank * num_local) & (r_idx < (rank + 1) * num_local)
+        grouped = contiguous_layout(torch.where(local, r_idx - rank * num_local, -1).flatten(), num_local, 1, rows)
+        dst = grouped.row_index
+        pair_of_row = torch.zeros(rows + 1, dtype=torch.int64, device=dev)  # rows past the real ones read pair 0
+        pair_of_row.scatter_(0, torch.where(dst >= 0, dst, rows), torch.arange(dst.numel(), device=dev))
+        src_row, src_slot = pair_of_row[:rows] // k, pair_of_row[:rows] % k
+        if stats is not None:
+            stats += grouped.counts
+        if rows == 0:
+            return torch.empty(0, self.hidden, dtype=torch.bfloat16, device=dev), dst
+        a_in = dequantize_fp8(r_x[src_row], r_sf[src_row], torch.bfloat16) if self.fp8 else r_x[src_row]
+        ends = grouped.offsets[1:]
+        h1 = torch._grouped_mm(a_in, self.w1t, offs=ends)
+        a, a_sf = l1_epilogue(h1, r_w[src_row, src_slot], clamp, self.fp8)
+        a_in = dequantize_fp8(a, a_sf, torch.bfloat16) if self.fp8 else a
+        return torch._grouped_mm(a_in, self.w2t, offs=ends), dst
+
+    def _pack(self, buf: SymmBuffer, rows: torch.Tensor | slice, idx: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Byte rows [top-k ids | top-k weights | token | scales] of the buffer's ``rows``, 16-byte
+        aligned, and the (dtype, shape) of each section for ``_unpack``."""
+        parts = [idx, buf.topk_weights[rows], buf.x[rows]] + ([buf.x_sf[rows]] if self.fp8 else [])
+        widths = [_row_bytes(p) for p in parts]
+        packed = torch.empty(parts[0].shape[0], -(-sum(widths) // 16) * 16, dtype=torch.uint8, device=idx.device)
+        col = 0
+        for p, w in zip(parts, widths):
+            packed[:, col : col + w] = _byte_rows(p)
+            col += w
+        return packed, [(p.dtype, p.shape[1:], w) for p, w in zip(parts, widths)]
+
+    @staticmethod
+    def _unpack(packed: torch.Tensor, sections: list) -> list[torch.Tensor]:
+        views, col = [], 0
+        for dtype, shape, w in sections:
+            views.append(packed[:, col : col + w].view(dtype).view(packed.shape[0], *shape))
+            col += w
+        return views + [None] * (4 - len(views))
+
+    def _normal(self, y, buf: SymmBuffer, stats, clamp) -> torch.Tensor:
+        lay = buf.layout
         t, k, r, hidden = y.shape[0], lay.num_topk, lay.num_ranks, lay.hidden
-        num_local, me, dev = lay.num_local_experts, sym_buffer.rank, y.device
-        group = sym_buffer.group
-        idx = sym_buffer.topk_idx[:t]
+        num_local, dev, group = lay.num_local_experts, y.device, buf.group
+        idx = buf.topk_idx[:t]
 
         # 1. Routing summary and the one host sync.
         bad = (idx < -1) | (idx >= lay.num_experts)
@@ -118,62 +178,62 @@ class LegacyMoE:
         meta = torch.cat([send_meta, recv_meta]).tolist()
         send_tok, send_slots = [m[0] for m in meta[:r]], [m[1] for m in meta[:r]]
         recv_tok, recv_slots = [m[0] for m in meta[r:]], [m[1] for m in meta[r:]]
-        offenders = [(src, m[2]) for src, m in enumerate(meta[r:]) if m[2]]
+        offenders = {src: m[2] for src, m in enumerate(meta[r:]) if m[2]}
         if offenders:  # every rank sees every rank's count, so all ranks raise together
-            fail("topk_idx", "must hold expert ids in [-1, num_experts="
-                 f"{lay.num_experts}); out-of-range entries per rank: {dict(offenders)}")
+            _bad_ids(lay.num_experts, offenders)
 
         # 2. Dispatch: one packed byte row per (token, destination rank), ordered by rank then token.
         n_send, n_recv = sum(send_tok), sum(recv_tok)
-        flat = in_rank.T.flatten()
-        rows = _compact(flat, torch.arange(r * t, device=dev) % max(t, 1), n_send)
-        parts = [sym_buffer.topk_idx, sym_buffer.topk_weights, sym_buffer.x] + ([sym_buffer.x_sf] if self.fp8 else [])
-        widths = [_row_bytes(p) for p in parts]
-        row_bytes = -(-sum(widths) // 16) * 16
-        send = torch.empty(n_send, row_bytes, dtype=torch.uint8, device=dev)
-        col = 0
-        for p, w in zip(parts, widths):
-            send[:, col : col + w] = _byte_rows(p[rows])
-            col += w
-        recv = torch.empty(n_recv, row_bytes, dtype=torch.uint8, device=dev)
+        rows = _compact(in_rank.T.flatten(), torch.arange(r * t, device=dev) % max(t, 1), n_send)
+        send, sections = self._pack(buf, rows, buf.topk_idx[rows])
+        recv = torch.empty(n_recv, send.shape[1], dtype=torch.uint8, device=dev)
         all_to_all_rows(recv, send, recv_tok, send_tok, group)
-        views, col = [], 0
-        for p, w in zip(parts, widths):
-            views.append(recv[:, col : col + w].view(p.dtype).view(n_recv, *p.shape[1:]))
-            col += w
-        r_idx, r_w, r_x = views[:3]
+        r_idx, r_w, r_x, r_sf = self._unpack(recv, sections)
 
         # 3. Expert compute on the (row, slot) pairs owned by this rank, grouped by expert.
         m = sum(recv_slots)
-        local = (r_idx >= me * num_local) & (r_idx < (me + 1) * num_local)
-        grouped = contiguous_layout(torch.where(local, r_idx - me * num_local, -1).flatten(), num_local, 1, m)
-        dst = grouped.row_index  # [n_recv * k]: grouped row of each (row, slot) pair, -1 if not local
-        pair_of_row = torch.empty(m + 1, dtype=torch.int64, device=dev)
-        pair_of_row.scatter_(0, torch.where(dst >= 0, dst, m), torch.arange(dst.numel(), device=dev))
-        pair_of_row = pair_of_row[:m]
-        src_row, src_slot = pair_of_row // k, pair_of_row % k
-        if m:
-            a_in = dequantize_fp8(r_x[src_row], views[3][src_row]).to(torch.bfloat16) if self.fp8 else r_x[src_row]
-            ends = grouped.offsets[1:]
-            h1 = torch._grouped_mm(a_in, self.w1t, offs=ends)
-            a, a_sf = l1_epilogue(h1, r_w[src_row, src_slot], activation_clamp, self.fp8)
-            a_in = dequantize_fp8(a, a_sf).to(torch.bfloat16) if self.fp8 else a
-            o = torch._grouped_mm(a_in, self.w2t, offs=ends)
-        else:
-            o = torch.empty(0, hidden, dtype=torch.bfloat16, device=dev)
-        if stats is not None:
-            stats += grouped.counts
+        o, dst = self._expert_compute(r_idx, r_w, r_x, r_sf, buf.rank, m, stats, clamp)
 
         # 4. Combine: rows go back in (source rank, token, slot) order; the source sums in slot order.
-        out_rows = o[_compact(dst >= 0, dst, m)]
         n_back = sum(send_slots)
         back = torch.empty(n_back + 1, hidden, dtype=torch.bfloat16, device=dev)
         back[n_back].zero_()
-        all_to_all_rows(_byte_rows(back[:n_back]), _byte_rows(out_rows), send_slots, recv_slots, group)
-        dest_flat = dest.flatten()
-        rank_start = torch.tensor([0] + send_slots[:-1], device=dev).cumsum(0)
-        onehot = torch.nn.functional.one_hot(dest_flat, r + 1)[:, :r]
-        pos_in_rank = onehot.cumsum(0).gather(1, dest_flat.clamp(max=r - 1).unsqueeze(1)).squeeze(1) - 1
-        pos = torch.where(dest_flat < r, rank_start[dest_flat.clamp(max=r - 1)] + pos_in_rank, n_back)
+        all_to_all_rows(_byte_rows(back[:n_back]), _byte_rows(o[_compact(dst >= 0, dst, m)]), send_slots, recv_slots, group)
+        dest_flat = dest.flatten()  # (token, slot) order; a stable sort by rank gives the arrival order
+        pos = torch.empty_like(dest_flat)
+        pos[torch.argsort(dest_flat, stable=True)] = torch.arange(dest_flat.numel(), device=dev)
+        pos = torch.where(dest_flat < r, pos, n_back)  # unused slots read the zero row
         y.copy_(combine_slots(back[pos].view(t, k, hidden)))
         return y
+
+    def _low_latency(self, y, buf: SymmBuffer, stats, clamp, validate: bool) -> torch.Tensor:
+        lay = buf.layout
+        t, tm, k, r, hidden = y.shape[0], lay.num_max_tokens_per_rank, lay.num_topk, lay.num_ranks, lay.hidden
+        dev, group = y.device, buf.group
+        idx = buf.topk_idx
+        if validate:
+            bad = int(((idx[:t] < -1) | (idx[:t] >= lay.num_experts)).sum())
+            if bad:
+                _bad_ids(lay.num_experts, {buf.rank: bad})
+        live = (torch.arange(tm, device=dev) < t).unsqueeze(1)
+        idx = torch.where(live & (idx >= 0) & (idx < lay.num_experts), idx, -1)  # rows past T are unused
+
+        # Dispatch: every row of every rank to every rank.
+        send, sections = self._pack(buf, slice(None), idx)
+        recv = torch.empty(r * tm, send.shape[1], dtype=torch.uint8, device=dev)
+        all_gather_rows(recv, send, group)
+        r_idx, r_w, r_x, r_sf = self._unpack(recv, sections)
+        o, dst = self._expert_compute(r_idx, r_w, r_x, r_sf, buf.rank, r * tm * min(k, self.num_local_experts), stats, clamp)
+
+        # Combine: every (source rank, token, slot) row, zeros where another rank owns the slot.
+        o_ext = torch.cat([o, o.new_zeros(1, hidden)])
+        out = o_ext[torch.where(dst >= 0, dst, o.shape[0])]
+        back = torch.empty_like(out)
+        all_to_all_rows(_byte_rows(back), _byte_rows(out), [tm * k] * r, [tm * k] * r, group)
+        owned = back.view(r, tm, k, hidden)[:, :t].sum(0)  # exact: one rank owns each slot
+        y.copy_(combine_slots(owned))
+        return y
+
+
+def _bad_ids(num_experts: int, counts: dict) -> None:
+    fail("topk_idx", f"must hold expert ids in [-1, num_experts={num_experts}); out-of-range entries per rank: {counts}")

@@ -17,6 +17,9 @@ CASES = {
     "all_masked_tokens": dict(BASE, tokens_per_rank=[9], masked_ratio=0.9),
     "bf16": dict(BASE, tokens_per_rank=[21], masked_ratio=0.2, mma_type="bf16"),
     "wide_topk": dict(BASE, experts=16, topk=9, tokens_per_rank=[11], hidden=384, intermediate=256),
+    "ll_ragged_masked": dict(BASE, tokens_per_rank=[37], masked_ratio=0.3, mode="low_latency"),
+    "ll_one_token_bf16": dict(BASE, tokens_per_rank=[1], mma_type="bf16", mode="low_latency", clamp=0.5),
+    "ll_zero_tokens": dict(BASE, tokens_per_rank=[0], mode="low_latency"),
 }
 
 
@@ -26,7 +29,7 @@ def test_legacy_single_rank_cpu(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["one_token", "ragged_masked", "empty_experts_skewed", "zero_tokens", "bf16"])
+@pytest.mark.parametrize("name", ["one_token", "ragged_masked", "empty_experts_skewed", "zero_tokens", "bf16", "ll_ragged_masked"])
 def test_legacy_single_gpu(name):
     check_legacy_against_reference(0, None, torch.device("cuda"), CASES[name])
 
@@ -38,9 +41,10 @@ def _setup(mma="fp8xfp4", t=4):
     return p, buf
 
 
-def test_legacy_validation_errors():
+@pytest.mark.parametrize("mode", LegacyMoE.MODES)
+def test_legacy_validation_errors(mode):
     p, buf = _setup()
-    legacy = LegacyMoE(p["l1"], p["l2"], buf)
+    legacy = LegacyMoE(p["l1"], p["l2"], mode)
     with pytest.raises(ValueError, match="`y` must have dtype bfloat16"):
         legacy(torch.empty(4, 256), buf)
     with pytest.raises(ValueError, match=r"`y` must have shape \[\*, 256\]"):
@@ -58,11 +62,14 @@ def test_legacy_weight_validation():
     p, buf = _setup()
     w1, s1 = p["l1"]
     with pytest.raises(ValueError, match=r"`l1\[1\]` must have dtype int32"):
-        LegacyMoE((w1, s1.float()), p["l2"], buf)
-    with pytest.raises(ValueError, match="holds 4 experts, but the buffer has 8"):
-        LegacyMoE((w1[:4].contiguous(), s1[:4].contiguous()), (p["l2"][0][:4].contiguous(), p["l2"][1][:4].contiguous()), buf)
-    with pytest.raises(ValueError, match="must be a \\(weights, scales\\) tuple"):
-        LegacyMoE(w1, p["l2"], buf)
-    pb, bbuf = _setup("bf16")
+        LegacyMoE((w1, s1.float()), p["l2"])
+    with pytest.raises(ValueError, match="`l2` must be a \\(weights, scales\\) tuple"):
+        LegacyMoE(p["l1"], p["l2"][0])
+    with pytest.raises(ValueError, match="`mode` must be one of"):
+        LegacyMoE(p["l1"], p["l2"], "fast")
+    half = LegacyMoE((w1[:4].contiguous(), s1[:4].contiguous()), (p["l2"][0][:4].contiguous(), p["l2"][1][:4].contiguous()))
+    with pytest.raises(ValueError, match=r"`sym_buffer` has .* = \('fp8xfp4', 256, 128, 8\), the weights \('fp8xfp4', 256, 128, 4\)"):
+        half(torch.empty(4, 256, dtype=torch.bfloat16), buf)
+    pb, _ = _setup("bf16")
     with pytest.raises(ValueError, match="`l1` must have dtype bfloat16"):
-        LegacyMoE(pb["l1"].float(), pb["l2"], bbuf)
+        LegacyMoE(pb["l1"].float(), pb["l2"])

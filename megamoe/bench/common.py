@@ -99,8 +99,11 @@ def time_events(fn: Callable[[], object], warmup: int, iters: int, before: Calla
     return times
 
 
-def time_graph(fn: Callable[[], object], warmup: int, iters: int, calls_per_graph: int = 10) -> list[float]:
-    """Per-call times in us from replays of a CUDA graph holding ``calls_per_graph`` calls of ``fn``."""
+def time_graph(
+    fn: Callable[[], object], warmup: int, iters: int, calls_per_graph: int = 10, before: Callable[[], None] | None = None
+) -> list[float]:
+    """Per-call times in us from replays of a CUDA graph holding ``calls_per_graph`` calls of ``fn``
+    (``before`` runs untimed before each replay, e.g. a cross-rank barrier)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -112,7 +115,7 @@ def time_graph(fn: Callable[[], object], warmup: int, iters: int, calls_per_grap
         for _ in range(calls_per_graph):
             fn()
     graph.replay()
-    return [t / calls_per_graph for t in time_events(graph.replay, warmup=1, iters=iters)]
+    return [t / calls_per_graph for t in time_events(graph.replay, warmup=1, iters=iters, before=before)]
 
 
 def progress(items: Iterable, description: str, enabled: bool = True):

@@ -28,7 +28,7 @@ from ..legacy import LegacyMoE
 from ..numerics import MOE_REL_FRO_TOL, MOE_ROW_REL_TOL, max_row_rel_error, rel_fro_error
 from ..reference import distributed_reference_moe
 from ..symm_buffer import get_symm_buffer_for_mega_moe
-from .common import environment_receipt, measure_hbm_read_bandwidth, progress, time_events
+from .common import environment_receipt, measure_hbm_read_bandwidth, progress, time_events, time_graph
 
 PRESETS = {
     "tiny": dict(experts=16, topk=4, hidden=256, intermediate=128),
@@ -49,6 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write a JSON receipt here (rank 0)")
+    p.add_argument("--profile", action="store_true", help="print rank 0's torch.profiler summary of one call per point")
     return p.parse_args(argv)
 
 
@@ -110,70 +111,88 @@ def main(argv: list[str] | None = None) -> list[dict]:
     else:
         l1 = random_bf16_weights(num_local, 2 * i, h, gen, device)
         l2 = random_bf16_weights(num_local, h, i, gen, device)
-    buf = get_symm_buffer_for_mega_moe(group, e, max(tokens), k, h, i, mma_type=args.mma_type, device=device)
-    legacy = LegacyMoE(l1, l2, buf)
+    paths = {mode: LegacyMoE(l1, l2, mode) for mode in LegacyMoE.MODES}
     bf16_bytes_per_expert = 3 * h * i * 2
     fp4_bytes_per_expert = 3 * h * i // 2 + 3 * h * i // 32
     dispatch_row_bytes = k * 12 + (h + h // 32 if fp8 else 2 * h)
+    clock = "CUDA events" if device.type == "cuda" else "CPU wall clock"
+
+    def barrier():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if group is not None:
+            dist.barrier(group)
 
     rows = []
     for t in progress(tokens, f"{preset}: tokens/rank", enabled=lead):
+        # One buffer per point, sized to it: the low-latency path moves num_max_tokens_per_rank rows.
+        buf = get_symm_buffer_for_mega_moe(group, e, max(t, 1), k, h, i, mma_type=args.mma_type, device=device)
         cpu_gen = torch.Generator().manual_seed(args.seed * 7919 + t * 31 + rank)
         x = random_tokens(t, h, cpu_gen, device)
         idx, w = random_routing(t, e, k, cpu_gen, args.masked_ratio, device=device)
         x_q, x_sf = fill_buffer(buf, x, idx, w)
-        y = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=device)
-        stats = torch.zeros(num_local, dtype=torch.int32, device=device)
-        legacy(y, buf, stats, activation_clamp=args.clamp)
-        ref = distributed_reference_moe(x_q, x_sf, idx, w, l1, l2, group, max(tokens), args.clamp)
-        fro = _max_over_ranks(rel_fro_error(y, ref) if t else 0.0, group, device)
-        row_rel = _max_over_ranks(max_row_rel_error(y, ref), group, device)
-        ok = fro <= MOE_REL_FRO_TOL and row_rel <= MOE_ROW_REL_TOL
+        ref = distributed_reference_moe(x_q, x_sf, idx, w, l1, l2, group, max(t, 1), args.clamp)
+        for mode, legacy in paths.items():
+            y = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=device)
+            stats = torch.zeros(num_local, dtype=torch.int32, device=device)
+            legacy(y, buf, stats, activation_clamp=args.clamp)
+            fro = _max_over_ranks(rel_fro_error(y, ref) if t else 0.0, group, device)
+            row_rel = _max_over_ranks(max_row_rel_error(y, ref), group, device)
+            ok = fro <= MOE_REL_FRO_TOL and row_rel <= MOE_ROW_REL_TOL
+
+            def call():
+                legacy(y, buf, None, activation_clamp=args.clamp, validate=False)
+
+            method = f"{clock}, one call"
+            if mode == "low_latency" and device.type == "cuda":
+                times = time_graph(call, args.warmup, args.iters, before=barrier)
+                method = "CUDA graph of 10 calls"
+            else:
+                times = time_events(call, args.warmup, args.iters, before=barrier)
+            us = _max_over_ranks(statistics.median(times), group, device)
+            if args.profile:
+                _profile(call, barrier, lead, f"{t} tokens/rank, {mode}")
+            routed = _sum_over_ranks(float(stats.sum()), group, device) / num_ranks
+            touched = _sum_over_ranks(float((stats > 0).sum()), group, device) / num_ranks
+            if mode == "normal":
+                sent = float(_traffic_bytes(idx, rank, num_ranks, num_local, dispatch_row_bytes, h))
+            else:
+                sent = float((num_ranks - 1) * t * (dispatch_row_bytes + k * h * 2))
+            sent = _max_over_ranks(sent, group, device)
+            rows.append({
+                "tokens_per_rank": t,
+                "path": f"legacy {mode}",
+                "method": method,
+                "us": us,
+                "tflops": 6 * routed * h * i / (us * 1e-6) / 1e12,
+                "routed_rows_per_rank": routed,
+                "experts_touched_per_rank": touched,
+                "weights_gbps": touched * bf16_bytes_per_expert / (us * 1e-6) / 1e9,
+                "fp4_floor_us": touched * fp4_bytes_per_expert / (hbm * 1e9) * 1e6 if hbm else None,
+                "a2a_gbps": sent / (us * 1e-6) / 1e9,
+                "rel_fro": fro,
+                "max_row_rel": row_rel,
+                "correct": ok,
+            })
+            if not ok:
+                say(f"INCORRECT: legacy {mode} at {t} tokens/rank: rel_fro={fro:.3e} max_row_rel={row_rel:.3e}")
         del ref
+        buf.destroy()
 
-        def barrier():
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if group is not None:
-                dist.barrier(group)
-
-        times = time_events(lambda: legacy(y, buf, None, activation_clamp=args.clamp), args.warmup, args.iters, before=barrier)
-        us = _max_over_ranks(statistics.median(times), group, device)
-        routed = _sum_over_ranks(float(stats.sum()), group, device) / num_ranks
-        touched = _sum_over_ranks(float((stats > 0).sum()), group, device) / num_ranks
-        sent = _max_over_ranks(float(_traffic_bytes(idx, rank, num_ranks, num_local, dispatch_row_bytes, h)), group, device)
-        row = {
-            "tokens_per_rank": t,
-            "us": us,
-            "tflops": 6 * routed * h * i / (us * 1e-6) / 1e12,
-            "routed_rows_per_rank": routed,
-            "experts_touched_per_rank": touched,
-            "weights_gbps": touched * bf16_bytes_per_expert / (us * 1e-6) / 1e9,
-            "fp4_floor_us": touched * fp4_bytes_per_expert / (hbm * 1e9) * 1e6 if hbm else None,
-            "a2a_gbps": sent / (us * 1e-6) / 1e9,
-            "rel_fro": fro,
-            "max_row_rel": row_rel,
-            "correct": ok,
-        }
-        rows.append(row)
-        if not ok:
-            say(f"INCORRECT at {t} tokens/rank: rel_fro={fro:.3e} max_row_rel={row_rel:.3e}")
-
-    clock = "CUDA events" if device.type == "cuda" else "CPU wall clock"
-    method = f"{clock} per call after a cross-rank barrier, median of {args.iters} after {args.warmup} warm-up; slowest rank"
+    method = (f"median of {args.iters} timings after {args.warmup} warm-up calls, each after a cross-rank "
+              "barrier; slowest rank; per-row method column")
     if lead:
         _print_table(preset, shape, num_ranks, args.mma_type, hbm, rows, receipt, method)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({
-                    "benchmark": "megamoe.bench moe", "path": "legacy", "preset": preset, "shape": shape,
+                    "benchmark": "megamoe.bench moe", "preset": preset, "shape": shape,
                     "mma_type": args.mma_type, "masked_ratio": args.masked_ratio, "clamp": args.clamp,
                     "hbm_read_gbps": hbm, "warmup": args.warmup, "iters": args.iters, "method": method,
                     "tolerance": {"rel_fro": MOE_REL_FRO_TOL, "max_row_rel": MOE_ROW_REL_TOL},
                     "environment": receipt, "results": rows,
                 }, f, indent=1)
             say(f"receipt written to {args.json}")
-    buf.destroy()
     if group is not None:
         dist.destroy_process_group()
     if not all(r["correct"] for r in rows):
@@ -181,19 +200,32 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
+def _profile(fn, barrier, lead: bool, label: str) -> None:
+    """Run ``fn`` under torch.profiler on every rank (it is collective); rank 0 prints the top ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        barrier()
+    if lead:
+        print(f"profile of one call at {label}:")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total", row_limit=18, max_name_column_width=60))
+
+
 def _print_table(preset, shape, num_ranks, mma_type, hbm, rows, receipt, method) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    title = (f"megamoe legacy EP MoE, {preset} {shape}, {mma_type}, {num_ranks} rank(s) | {receipt.get('gpu')} "
+    title = (f"megamoe EP MoE, {preset} {shape}, {mma_type}, {num_ranks} rank(s) | {receipt.get('gpu')} "
              f"CC {receipt.get('compute_capability', '-')} | torch {receipt['torch']} CUDA {receipt['cuda']} "
              f"DSL {receipt['cutlass_dsl']} | HBM read {hbm:.0f} GB/s")
     table = Table(title=title, caption=method)
-    for col in ("tokens/rank", "us", "TFLOP/s", "rows/rank", "experts/rank", "weights GB/s", "FP4 floor us", "a2a GB/s", "verdict"):
+    for col in ("tokens/rank", "path", "method", "us", "TFLOP/s", "rows/rank", "experts/rank", "weights GB/s", "FP4 floor us", "a2a GB/s", "verdict"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
-            str(r["tokens_per_rank"]), f"{r['us']:.1f}", f"{r['tflops']:.1f}", f"{r['routed_rows_per_rank']:.0f}",
+            str(r["tokens_per_rank"]), r["path"], r["method"], f"{r['us']:.1f}", f"{r['tflops']:.1f}", f"{r['routed_rows_per_rank']:.0f}",
             f"{r['experts_touched_per_rank']:.1f}", f"{r['weights_gbps']:.0f}",
             "-" if r["fp4_floor_us"] is None else f"{r['fp4_floor_us']:.1f}", f"{r['a2a_gbps']:.1f}",
             f"{'ok' if r['correct'] else 'WRONG'} {r['rel_fro']:.1e}",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_multiple, check_tensor, fail
-from .ue8m0 import BLOCK_K, PACKED_BLOCK_K, exponent_to_code, expand_scales, pack_ue8m0, scale_exponent
+from .ue8m0 import BLOCK_K, PACKED_BLOCK_K, apply_block_scales, exponent_to_code, pack_ue8m0, scale_exponent
 
 FP4_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -69,8 +69,7 @@ def dequantize_fp4(packed: torch.Tensor, sf: torch.Tensor, dtype: torch.dtype = 
     """(packed uint8 ``[..., K//2]``, packed int32 ``[..., K//128]``) -> ``[..., K]`` of ``dtype`` (exact for float32/bfloat16)."""
     k = packed.shape[-1] * 2
     check_tensor("sf", sf, dtype=torch.int32, shape=(*packed.shape[:-1], k // PACKED_BLOCK_K))
-    values = e2m1_table(packed.device)[unpack_fp4_codes(packed).long()]
-    return (values * expand_scales(sf, k)).to(dtype)
+    return apply_block_scales(e2m1_table(packed.device).to(dtype)[unpack_fp4_codes(packed).long()], sf)
 
 
 def as_torch_fp4x2(packed: torch.Tensor) -> torch.Tensor:

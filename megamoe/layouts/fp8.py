@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_multiple, check_tensor
-from .ue8m0 import BLOCK_K, PACKED_BLOCK_K, exponent_to_code, expand_scales, pack_ue8m0, scale_exponent
+from .ue8m0 import BLOCK_K, PACKED_BLOCK_K, apply_block_scales, exponent_to_code, pack_ue8m0, scale_exponent
 
 FP8_MAX = 448.0
 """Largest finite float8_e4m3fn magnitude."""
@@ -28,8 +28,9 @@ def quantize_fp8(x: torch.Tensor, name: str = "x") -> tuple[torch.Tensor, torch.
     return q, pack_ue8m0(exponent_to_code(e))
 
 
-def dequantize_fp8(q: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
-    """(float8_e4m3fn ``[..., K]``, packed int32 ``[..., K//128]``) -> float32 ``[..., K]`` (exact)."""
+def dequantize_fp8(q: torch.Tensor, sf: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(float8_e4m3fn ``[..., K]``, packed int32 ``[..., K//128]``) -> ``[..., K]`` of ``dtype``
+    (exact for float32 and bfloat16: an e4m3 value times a power of two is a BF16 value)."""
     check_tensor("q", q, dtype=torch.float8_e4m3fn)
     check_tensor("sf", sf, dtype=torch.int32, shape=(*q.shape[:-1], q.shape[-1] // PACKED_BLOCK_K))
-    return q.float() * expand_scales(sf, q.shape[-1])
+    return apply_block_scales(q.to(dtype), sf)

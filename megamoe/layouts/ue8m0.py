@@ -70,12 +70,17 @@ def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
     return packed.contiguous().view(torch.uint8)
 
 
-def expand_scales(packed: torch.Tensor, k: int) -> torch.Tensor:
-    """packed int32 scales ``[..., k // 128]`` -> float32 per-element scales ``[..., k]``."""
-    scales = code_to_scale(unpack_ue8m0(packed))
+def apply_block_scales(values: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``values [..., K]`` times their packed int32 scales ``[..., K // 128]``, in ``values``' dtype.
+
+    Exact for float32 and bfloat16 values that are FP8/FP4 codes: the scales are powers of two.
+    """
+    k = values.shape[-1]
+    scales = code_to_scale(unpack_ue8m0(packed)).to(values.dtype)
     if scales.shape[-1] * BLOCK_K != k:
         fail("packed", f"holds {scales.shape[-1]} scale blocks, expected {k // BLOCK_K} for K={k}")
-    return scales.repeat_interleave(BLOCK_K, dim=-1)
+    blocks = values.reshape(*values.shape[:-1], k // BLOCK_K, BLOCK_K)
+    return (blocks * scales.unsqueeze(-1)).reshape(values.shape)
 
 
 def as_torch_e8m0(codes: torch.Tensor) -> torch.Tensor:

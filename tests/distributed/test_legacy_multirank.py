@@ -15,6 +15,8 @@ CASES = {
     "r2_zero_token_rank": dict(BASE, tokens_per_rank=[0, 9]),
     "r2_skewed_bf16": dict(BASE, tokens_per_rank=[7, 12], hot_experts=3, mma_type="bf16", clamp=0.75),
     "r4_uneven_empty_experts": dict(BASE, tokens_per_rank=[3, 17, 1, 0], hot_experts=5, masked_ratio=0.2),
+    "r2_ll_uneven_masked": dict(BASE, tokens_per_rank=[13, 5], masked_ratio=0.25, mode="low_latency"),
+    "r4_ll_zero_token_rank_bf16": dict(BASE, tokens_per_rank=[3, 0, 8, 1], mma_type="bf16", mode="low_latency"),
 }
 
 
@@ -48,7 +50,7 @@ def test_distributed_reference_matches_single_process():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["r2_uneven_masked", "r2_zero_token_rank", "r2_skewed_bf16"])
+@pytest.mark.parametrize("name", ["r2_uneven_masked", "r2_zero_token_rank", "r2_skewed_bf16", "r2_ll_uneven_masked"])
 def test_legacy_two_gpus_nccl(name):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
