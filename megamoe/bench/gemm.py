@@ -1,0 +1,334 @@
+"""Benchmark: SM90 FP8 x FP4 grouped GEMM (contiguous layout) against torch grouped-GEMM baselines.
+
+For every point (preset x layer x expert-parallel degree x rows per expert) it checks the kernel's output
+on sampled experts and rows against an FP64 reference, then times it (CUDA-graph replays timed with
+events, after warm-up, median of repeats) and reports microseconds, TFLOP/s and weight bytes/s next to the
+HBM read bandwidth measured in the same run. Baselines, timed and checked the same way:
+``torch._scaled_grouped_mm`` (FP8 x FP8, rowwise scales) and ``torch._grouped_mm`` (BF16). A time is
+never printed without its run's verdict.
+
+    python -m megamoe.bench.gemm [--quick] [--presets flash,pro] [--layers l1,l2] [--ep 8,2]
+                                 [--rows 1,4,16,64,256,1024,4096] [--max-gb 100] [--json PATH]
+"""
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+PRESETS = {
+    # name: (hidden, intermediate, experts in all); experts per rank = total / EP
+    "flash": (4096, 2048, 256),
+    "pro": (7168, 3072, 384),
+}
+ROWS_PER_EXPERT = (1, 4, 16, 64, 256, 1024, 4096)
+CHECK_EXPERTS = 3
+CHECK_ROWS = 128
+
+
+@dataclass
+class Point:
+    preset: str
+    layer: str
+    ep: int
+    experts: int
+    rows_per_expert: int
+    n: int
+    k: int
+
+
+@dataclass
+class Result:
+    impl: str
+    verdict: str  # "PASS ...", "FAIL ...", "skipped: ..."
+    us: float | None = None
+    tflops: float | None = None
+    weight_gbps: float | None = None
+    config: str = ""
+
+
+def _points(presets, layers, eps, rows) -> list[Point]:
+    out = []
+    for name in presets:
+        hidden, inter, total = PRESETS[name]
+        for layer in layers:
+            n, k = (2 * inter, hidden) if layer == "l1" else (hidden, inter)
+            for ep in eps:
+                for r in rows:
+                    out.append(Point(name, layer, ep, total // ep, r, n, k))
+    return out
+
+
+def _time_us(fn, min_seconds: float = 0.3, repeats: int = 5) -> float:
+    """Median per-call device time (us): ``fn`` captured ``n`` times into a CUDA graph (no host launch
+    overhead in the measurement), replayed ``repeats`` x, after warm-up; plain event timing of eager calls
+    if capture fails."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    once_ms = max(start.elapsed_time(end), 1e-3)
+    inner = max(1, min(20, int(2.0 / once_ms)))
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                fn()
+        run, per_run = graph.replay, inner
+    except RuntimeError:
+        run, per_run = fn, 1
+    run()
+    torch.cuda.synchronize()
+    iters = max(1, min(200, int(min_seconds * 1e3 / repeats / (once_ms * per_run))))
+    samples = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(iters):
+            run()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / (iters * per_run))
+    return statistics.median(samples)
+
+
+def measure_hbm_read_gbps(gib: float = 4.0) -> float:
+    """HBM read bandwidth (GB/s) from a large-tensor reduction (read-dominated, result negligible)."""
+    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32, device="cuda")
+    us = _time_us(lambda: x.sum(), min_seconds=0.5)
+    return gib * 2**30 / (us * 1e-6) / 1e9
+
+
+def _rel_fro(got: torch.Tensor, ref: torch.Tensor) -> float:
+    d = (got.double() - ref.double()).norm()
+    den = ref.double().norm()
+    return float(d / den) if den > 0 else float(d)
+
+
+def _verdict(rel: float, tol: float, nan: bool) -> str:
+    ok = rel < tol and not nan
+    return f"{'PASS' if ok else 'FAIL'} rel_fro={rel:.2e} (tol {tol:.0e}{', NaN' if nan else ''})"
+
+
+def _fill_rows(out: torch.Tensor, make) -> torch.Tensor:
+    """Fill ``out`` (leading dim = rows) in chunks of ~64M elements with ``make(rows)`` (bounded temporaries)."""
+    per_row = max(1, out[0].numel()) if out.shape[0] else 1
+    step = max(1, 2**26 // per_row)
+    for r0 in range(0, out.shape[0], step):
+        out[r0 : r0 + step] = make(min(step, out.shape[0] - r0))
+    return out
+
+
+def make_fp4_weights(experts: int, n: int, k: int):
+    """Random FP4 weights (quantized randn) in the kernel layout: ``(uint8 [E, N, K/128, 64], int32 [E, N, K/128])``."""
+    from megamoe.kernels.sm90_grouped_gemm import prepare_fp4_weights
+    from megamoe.layouts import quantize_fp4
+
+    b = torch.empty(experts, n, k // 128, 64, dtype=torch.uint8, device="cuda")
+    b_sf = torch.empty(experts, n, k // 128, dtype=torch.int32, device="cuda")
+    for e in range(experts):
+        b[e : e + 1], b_sf[e : e + 1] = prepare_fp4_weights(*quantize_fp4(torch.randn(1, n, k, device="cuda")))
+    return b, b_sf
+
+
+def make_fp8_tokens(p: Point):
+    """Random FP8 tokens (quantized randn) in the contiguous layout and their offsets."""
+    from megamoe.layouts import quantize_fp8
+
+    m = p.experts * p.rows_per_expert
+    a = torch.empty(m, p.k, dtype=torch.float8_e4m3fn, device="cuda")
+    a_sf = torch.empty(m, p.k // 128, dtype=torch.int32, device="cuda")
+    step = max(1, 2**26 // p.k)
+    for r0 in range(0, m, step):
+        a[r0 : r0 + step], a_sf[r0 : r0 + step] = quantize_fp8(torch.randn(min(step, m - r0), p.k, device="cuda"))
+    offsets = torch.arange(p.experts + 1, dtype=torch.int32, device="cuda") * p.rows_per_expert
+    return a, a_sf, offsets
+
+
+def _check_experts(p: Point) -> list[int]:
+    return sorted({0, p.experts // 2, p.experts - 1})[:CHECK_EXPERTS]
+
+
+def _check_kernel(p: Point, out, a, a_sf, b, b_sf) -> str:
+    from megamoe.kernels.sm90_fp4_decode import from_sm90_weight_layout
+    from megamoe.layouts import dequantize_fp4, dequantize_fp8
+
+    worst, nan = 0.0, False
+    for e in _check_experts(p):
+        r0 = e * p.rows_per_expert
+        rows = slice(r0, r0 + min(p.rows_per_expert, CHECK_ROWS))
+        w = dequantize_fp4(from_sm90_weight_layout(b[e : e + 1]), b_sf[e : e + 1])[0].double()
+        ref = (dequantize_fp8(a[rows], a_sf[rows]).double() @ w.T).to(torch.bfloat16)
+        got = out[rows]
+        nan |= bool(torch.isnan(got.float()).any())
+        worst = max(worst, _rel_fro(got, ref))
+    return _verdict(worst, 1e-3, nan) + f" on experts {_check_experts(p)} x <= {CHECK_ROWS} rows"
+
+
+def _weight_bytes(p: Point, bytes_per_weight: float) -> float:
+    return p.experts * p.n * p.k * bytes_per_weight
+
+
+def run_kernel(p: Point, weights) -> Result:
+    from megamoe.kernels.sm90_grouped_gemm import grouped_gemm_fp8_fp4_contiguous, select_config
+
+    b, b_sf = weights
+    a, a_sf, offsets = make_fp8_tokens(p)
+    cfg = select_config(p.rows_per_expert, p.n, p.k)
+    out = torch.full((a.shape[0], p.n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    grouped_gemm_fp8_fp4_contiguous(a, a_sf, b, b_sf, offsets, out=out, config=cfg)
+    torch.cuda.synchronize()
+    verdict = _check_kernel(p, out, a, a_sf, b, b_sf)
+    us = _time_us(lambda: grouped_gemm_fp8_fp4_contiguous(a, a_sf, b, b_sf, offsets, out=out, config=cfg))
+    flops = 2.0 * a.shape[0] * p.n * p.k
+    wbytes = _weight_bytes(p, 0.5 + 1 / 32)  # FP4 values + one UE8M0 byte per 32
+    return Result("megamoe fp8xfp4", verdict, us, flops / us / 1e6, wbytes / us / 1e3, cfg.describe())
+
+
+def _baseline_offsets(p: Point) -> tuple[torch.Tensor, int]:
+    """Group ends for torch's grouped GEMMs, each group padded to 16 rows (their alignment rule)."""
+    rows = math.ceil(p.rows_per_expert / 16) * 16
+    return torch.arange(1, p.experts + 1, dtype=torch.int32, device="cuda") * rows, rows
+
+
+def run_scaled_grouped_mm(p: Point) -> Result:
+    fn = getattr(torch, "_scaled_grouped_mm", None)
+    if fn is None:
+        return Result("torch._scaled_grouped_mm fp8", "skipped: not in this torch")
+    offs, rows = _baseline_offsets(p)
+    m = p.experts * rows
+    fp8 = lambda *shape: (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 8).to(torch.float8_e4m3fn)  # noqa: E731
+    a = _fill_rows(torch.empty(m, p.k, dtype=torch.float8_e4m3fn, device="cuda"), lambda r: fp8(r, p.k))
+    w = torch.empty(p.experts, p.n, p.k, dtype=torch.float8_e4m3fn, device="cuda")
+    w = _fill_rows(w, lambda r: fp8(r, p.n, p.k))
+    sa = torch.rand(m, device="cuda") + 0.5
+    sw = torch.rand(p.experts, p.n, device="cuda") + 0.5
+    call = lambda: fn(a, w.transpose(-2, -1), sa, sw, offs=offs, out_dtype=torch.bfloat16)  # noqa: E731
+    try:
+        out = call()
+        torch.cuda.synchronize()
+    except Exception as ex:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
+        return Result("torch._scaled_grouped_mm fp8", f"skipped: {type(ex).__name__}: {str(ex)[:120]}")
+    worst, nan = 0.0, False
+    for e in _check_experts(p):
+        r = slice(e * rows, e * rows + min(p.rows_per_expert, CHECK_ROWS))
+        ref = (a[r].double() * sa[r, None].double()) @ (w[e].double() * sw[e, :, None].double()).T
+        nan |= bool(torch.isnan(out[r].float()).any())
+        worst = max(worst, _rel_fro(out[r], ref.to(torch.bfloat16)))
+    us = _time_us(call)
+    flops = 2.0 * p.experts * p.rows_per_expert * p.n * p.k
+    return Result("torch._scaled_grouped_mm fp8", _verdict(worst, 1e-2, nan), us, flops / us / 1e6,
+                  _weight_bytes(p, 1 + 4 / p.k) / us / 1e3, f"groups padded to {rows} rows")
+
+
+def run_grouped_mm_bf16(p: Point) -> Result:
+    fn = getattr(torch, "_grouped_mm", None)
+    if fn is None:
+        return Result("torch._grouped_mm bf16", "skipped: not in this torch")
+    offs, rows = _baseline_offsets(p)
+    m = p.experts * rows
+    bf16 = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    a = _fill_rows(torch.empty(m, p.k, dtype=torch.bfloat16, device="cuda"), lambda r: bf16(r, p.k))
+    w = _fill_rows(torch.empty(p.experts, p.n, p.k, dtype=torch.bfloat16, device="cuda"),
+                   lambda r: bf16(r, p.n, p.k))
+    call = lambda: fn(a, w.transpose(-2, -1), offs=offs, out_dtype=torch.bfloat16)  # noqa: E731
+    try:
+        out = call()
+        torch.cuda.synchronize()
+    except Exception as ex:  # noqa: BLE001
+        return Result("torch._grouped_mm bf16", f"skipped: {type(ex).__name__}: {str(ex)[:120]}")
+    worst, nan = 0.0, False
+    for e in _check_experts(p):
+        r = slice(e * rows, e * rows + min(p.rows_per_expert, CHECK_ROWS))
+        ref = a[r].double() @ w[e].double().T
+        nan |= bool(torch.isnan(out[r].float()).any())
+        worst = max(worst, _rel_fro(out[r], ref.to(torch.bfloat16)))
+    us = _time_us(call)
+    flops = 2.0 * p.experts * p.rows_per_expert * p.n * p.k
+    return Result("torch._grouped_mm bf16", _verdict(worst, 1e-2, nan), us, flops / us / 1e6,
+                  _weight_bytes(p, 2) / us / 1e3, f"groups padded to {rows} rows")
+
+
+def _gb_needed(p: Point, baselines: bool) -> float:
+    """Peak device memory of a point: kernel operands (weights stay resident) plus the larger baseline."""
+    m = p.experts * math.ceil(p.rows_per_expert / 16) * 16
+    kernel = m * p.k * 1.05 + m * p.n * 2 + p.experts * p.n * p.k * 0.55
+    bf16 = 2 * (m * p.k + p.experts * p.n * p.k + m * p.n)
+    return (kernel + (bf16 if baselines else 0)) / 1e9
+
+
+def _fmt(r: Result, hbm_gbps: float) -> str:
+    if r.us is None:
+        return f"    {r.impl:<30} {r.verdict}"
+    return (f"    {r.impl:<30} {r.us:10.1f} us {r.tflops:7.1f} TFLOP/s  weights {r.weight_gbps:6.0f} GB/s "
+            f"({100 * r.weight_gbps / hbm_gbps:3.0f}% HBM)  [{r.verdict}] {r.config}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="megamoe.bench gemm", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", default="flash,pro")
+    parser.add_argument("--layers", default="l1,l2")
+    parser.add_argument("--ep", default="8,2", help="expert-parallel degrees (experts per rank = total / EP)")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS_PER_EXPERT)), help="rows per expert")
+    parser.add_argument("--quick", action="store_true", help="flash only, EP8, rows 1,16,256")
+    parser.add_argument("--no-baselines", action="store_true")
+    parser.add_argument("--max-gb", type=float, default=100.0, help="skip points needing more device memory")
+    parser.add_argument("--json", default=None, help="write all results to this JSON file")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("megamoe.bench gemm: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if args.quick:
+        args.presets, args.ep, args.rows = "flash", "8", "1,16,256"
+    points = _points(
+        args.presets.split(","), args.layers.split(","),
+        [int(x) for x in args.ep.split(",")], [int(x) for x in args.rows.split(",")],
+    )
+    props = torch.cuda.get_device_properties(0)
+    hbm = measure_hbm_read_gbps()
+    print(f"device: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}")
+    print(f"HBM read bandwidth (4 GiB reduction, this run): {hbm:.0f} GB/s")
+    records = []
+    failures = 0
+    weights, weights_key = None, None
+    torch.manual_seed(1234)
+    for p in points:
+        head = (f"{p.preset} {p.layer} EP{p.ep}: E={p.experts} rows/expert={p.rows_per_expert} "
+                f"N={p.n} K={p.k}")
+        need = _gb_needed(p, not args.no_baselines)
+        if need > args.max_gb:
+            print(f"{head}\n    skipped: needs ~{need:.0f} GB > --max-gb {args.max_gb:.0f}")
+            continue
+        t0 = time.time()
+        if weights_key != (p.experts, p.n, p.k):
+            weights = None
+            torch.cuda.empty_cache()
+            weights, weights_key = make_fp4_weights(p.experts, p.n, p.k), (p.experts, p.n, p.k)
+        results = [run_kernel(p, weights)]
+        torch.cuda.empty_cache()
+        if not args.no_baselines:
+            results.append(run_scaled_grouped_mm(p))
+            torch.cuda.empty_cache()
+            results.append(run_grouped_mm_bf16(p))
+            torch.cuda.empty_cache()
+        print(head + f"  ({time.time() - t0:.1f} s)")
+        for r in results:
+            print(_fmt(r, hbm))
+            failures += r.verdict.startswith("FAIL")
+        records.append({"point": asdict(p), "results": [asdict(r) for r in results]})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"hbm_read_gbps": hbm, "device": props.name, "records": records}, f, indent=1)
+    print(f"{failures} failed correctness checks")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,902 @@
+"""SM90 (Hopper) grouped GEMM: FP8 E4M3 tokens x FP4 E2M1 expert weights, exact UE8M0 block scales.
+
+``acc[m, n] = sum_k dequant(a)[m, k] * dequant(b[e])[n, k]`` for every row m of expert e's group in FP32
+(``megamoe.numerics`` steps 1 / 6), then one of two epilogues:
+
+* ``bf16``: ``out[m, n] = bf16(acc)`` (R1 / R3) -- ``grouped_gemm_fp8_fp4_{contiguous,masked}``;
+* ``swiglu_fp8``: L1 steps 2-5 on interleaved gate/up rows (``prepare_fp4_weights_l1``): FP8 ``[M, I]`` +
+  packed UE8M0 ``[M, I/128]``, the layout L2 consumes -- ``grouped_gemm_fp8_fp4_swiglu_{contiguous,masked}``.
+
+Both group layouts run the same kernel: contiguous (``offsets`` [E+1], optional ``counts``) and masked
+(``[E, max_m]`` slabs viewed as contiguous rows with group e at ``e * max_m``, ``masked_m`` rows long).
+
+Design:
+
+* Swap-AB: weights are the wgmma M side (64 rows per consumer warpgroup, ``tile_n`` = 64 or 128 rows per
+  CTA) and tokens the N side (``tile_tokens`` = 8..64 rows), so a decode-sized group (a few tokens) wastes
+  no tensor-core work on padding beyond the wgmma N granularity of 8.
+* Persistent, warp-specialized CTA of 1 + tile_n/64 warpgroups: warpgroup 0's first warp issues TMA loads
+  (tokens FP8 [tile_tokens, 128] 128B-swizzled; packed weights [tile_n, 64 B]; the packed scale words of
+  both operands, a 4-word box covering K/128 chunks 4j..4j+3) into a ``stages``-deep mbarrier pipeline,
+  one stage per 128 of K. The consumer warpgroups decode FP4 -> E4M3 straight into the register A fragment
+  (``sm90_fp4_decode``; weights pre-permuted once by ``to_sm90_weight_layout``) and issue RS wgmma
+  ``m64 x tile_tokens x k32`` (e4m3 x e4m3 -> f32).
+* Exact scales: every k32 wgmma writes a fresh temporary accumulator (two alternate, so the promotion of
+  block kb overlaps the wgmma of kb+1); then ``acc += tmp * (2^sb[n, kb] * 2^sa[m, kb])`` in FP32. All
+  products are exact; the only roundings are FP32 additions and the final BF16 conversion.
+* Groups: tile work items are (expert, token tile, weight tile), token tiles fastest (CTAs working at the
+  same time share the weight tile in L2); group bounds are read on device (no host sync, CUDA-graph safe).
+  Token tiles start at the group's first row, any alignment; rows past the group are loaded (TMA zero-fills
+  past the tensor) but never stored: the epilogues store with a per-row predicate.
+
+Constraints: K % 512 == 0 (packed scale rows must be 16-byte aligned for TMA), N % 64 == 0 (SwiGLU: N = 2I,
+I % 128 == 0).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..checks import check_multiple, check_range, check_tensor, fail
+from . import runtime
+from .sm90_fp4_decode import (
+    CHUNK_BYTES,
+    E4M3_LUT_HI,
+    E4M3_LUT_LO,
+    K_CHUNK,
+    from_sm90_weight_layout,
+    to_sm90_weight_layout,
+)
+
+__all__ = [
+    "GemmConfig",
+    "select_config",
+    "grouped_gemm_fp8_fp4_contiguous",
+    "grouped_gemm_fp8_fp4_masked",
+    "grouped_gemm_fp8_fp4_swiglu_contiguous",
+    "grouped_gemm_fp8_fp4_swiglu_masked",
+    "prepare_fp4_weights",
+    "prepare_fp4_weights_l1",
+    "to_sm90_weight_layout",
+    "from_sm90_weight_layout",
+    "compile_grouped_gemm",
+    "K_MULTIPLE",
+    "N_MULTIPLE",
+]
+
+NUM_SMS_H200 = 132
+SMEM_CAPACITY = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
+K_MULTIPLE = 512
+N_MULTIPLE = 64
+TILE_TOKENS_CHOICES = (8, 16, 32, 64)
+TILE_N_CHOICES = (64, 128)
+GROUP_MODES = ("offsets", "offsets_counts", "masked")
+EPILOGUES = ("bf16", "swiglu_fp8")
+SWIGLU_GRANULARITY = 8
+"""``interleave_gate_up`` granularity of L1 weights for the SwiGLU epilogue: the rows a thread holds in the
+wgmma accumulator, g and g + 8 of each 16-row group, are then gate and up of the same intermediate column."""
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Static kernel configuration (one compiled kernel per config and group mode).
+
+    tile_tokens: tokens per CTA tile (wgmma N), one of 8, 16, 32, 64.
+    tile_n: weight rows per CTA tile, 64 per consumer warpgroup (64 or 128).
+    stages: TMA pipeline depth (stages of 128 K); ``None`` = as many as shared memory holds (max 16).
+    """
+
+    tile_tokens: int = 64
+    tile_n: int = 128
+    stages: int | None = None
+
+    def __post_init__(self):
+        if self.tile_tokens not in TILE_TOKENS_CHOICES:
+            fail("config.tile_tokens", f"must be one of {TILE_TOKENS_CHOICES}, got {self.tile_tokens}")
+        if self.tile_n not in TILE_N_CHOICES:
+            fail("config.tile_n", f"must be one of {TILE_N_CHOICES}, got {self.tile_n}")
+        if self.stages is not None:
+            check_range("config.stages", self.stages, 2, self.max_stages())
+
+    @property
+    def consumer_warpgroups(self) -> int:
+        return self.tile_n // 64
+
+    def stage_bytes(self) -> int:
+        """Shared memory of one pipeline stage: tokens, packed weights, both packed-scale boxes."""
+        return self.tile_tokens * K_CHUNK + self.tile_n * CHUNK_BYTES + 16 * (self.tile_n + self.tile_tokens)
+
+    def epilogue_bytes(self, epilogue: str = "bf16") -> int:
+        """Shared memory the epilogue needs besides the pipeline (SwiGLU: FP32 activations of one tile)."""
+        return self.tile_tokens * (self.tile_n // 2 + 4) * 4 if epilogue == "swiglu_fp8" else 0
+
+    def max_stages(self, epilogue: str = "bf16") -> int:
+        return min(16, (SMEM_CAPACITY - 1024 - 4096 - self.epilogue_bytes(epilogue)) // self.stage_bytes())
+
+    def num_stages(self, epilogue: str = "bf16") -> int:
+        if self.stages is None:
+            return self.max_stages(epilogue)
+        check_range("config.stages", self.stages, 2, self.max_stages(epilogue))
+        return self.stages
+
+    def describe(self, epilogue: str = "bf16") -> str:
+        return (
+            f"sm90 fp8xfp4 swapAB tile_tokens={self.tile_tokens} tile_n={self.tile_n} "
+            f"stages={self.num_stages(epilogue)} epilogue={epilogue}"
+        )
+
+
+def select_config(expected_rows_per_expert: float, n: int, k: int) -> GemmConfig:
+    """Heuristic config from the expected rows per expert (tokens) and the problem's N, K.
+
+    Token tile: the smallest of 8/16/32/64 covering the expected group (64 beyond), weight tile 128 rows
+    (two consumer warpgroups) when N allows it, else 64."""
+    del k  # the stage count is chosen from shared memory alone
+    tile_tokens = next((t for t in TILE_TOKENS_CHOICES if t >= expected_rows_per_expert), TILE_TOKENS_CHOICES[-1])
+    tile_n = 128 if n % 128 == 0 else 64
+    return GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n)
+
+
+def prepare_fp4_weights(b: torch.Tensor, b_sf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Canonical FP4 weights (``uint8 [E, N, K/2]``, ``int32 [E, N, K/128]``) -> the kernel's
+    ``(uint8 [E, N, K/128, 64], int32 [E, N, K/128])``: nibbles reordered into wgmma fragment order, scales
+    unchanged (made contiguous). Run once at weight-load time."""
+    check_tensor("b", b, dtype=torch.uint8, ndim=3)
+    e, n, half_k = b.shape
+    check_tensor("b_sf", b_sf, dtype=torch.int32, shape=(e, n, 2 * half_k // K_CHUNK))
+    return to_sm90_weight_layout(b), b_sf.contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------------
+
+
+def _build_kernel_class():
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.pipeline as pipeline
+    import cutlass.utils as utils
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass import Float32, Int32
+    from cutlass.cute.nvgpu import cpasync, warpgroup
+
+    from .sm90_fp4_decode import device_helpers
+
+    _prmt, bits_to_f32, f32_bits, decode_e2m1x8, ue8m0_to_f32, f32x4_to_e4m3x4 = device_helpers()
+
+    class Sm90Fp8Fp4GroupedGemm:
+        """One compiled variant: ``GemmConfig`` x group mode ("offsets", "offsets_counts", "masked") x epilogue
+        ("bf16": D [M, N] BF16; "swiglu_fp8": SwiGLU of interleaved gate/up rows, FP8 [M, N/2] + UE8M0)."""
+
+        def __init__(self, config: GemmConfig, group_mode: str, epilogue: str = "bf16"):
+            self.cfg = config
+            self.group_mode = group_mode
+            self.epilogue = epilogue
+            self.swiglu = epilogue == "swiglu_fp8"
+            self.tile_tokens = config.tile_tokens
+            self.tile_n = config.tile_n
+            self.num_consumer_wg = config.consumer_warpgroups
+            self.stages = config.num_stages(epilogue)
+            self.act_stride = config.tile_n // 2 + 4  # FP32 activations per token row in smem (padded)
+            self.threads = 128 * (1 + self.num_consumer_wg)
+            self.producer_regs = 40
+            self.consumer_regs = 232 if self.num_consumer_wg == 2 else 240
+
+        @cute.jit
+        def __call__(
+            self,
+            mA: cute.Tensor,  # (M, K) fp8, K-major
+            mSFA: cute.Tensor,  # (M, K/128) int32
+            mW: cute.Tensor,  # (N, K/2, E) uint8, kernel layout
+            mSFW: cute.Tensor,  # (N, K/128, E) int32
+            mD: cute.Tensor,  # (M, N) bf16, or "swiglu_fp8": (M, N/8) int32 view of FP8 [M, N/2]
+            mDSF: cute.Tensor,  # "swiglu_fp8": (M, N/64) uint8 view of the packed UE8M0 scales; else unused
+            mRowW: cute.Tensor,  # "swiglu_fp8": (M,) float32 routing weight per row; else unused
+            mGroupA: cute.Tensor,  # offsets [E+1] ("offsets*") or masked_m [E] ("masked")
+            mGroupB: cute.Tensor,  # counts [E] ("offsets_counts"), else any int32 tensor (unused)
+            num_groups: Int32,
+            max_m: Int32,  # rows per group slab ("masked"), else unused
+            clamp: Float32,  # "swiglu_fp8" with clamp: gate <= clamp, |up| <= clamp; +inf = no clamp
+            num_ctas: Int32,
+            stream,
+        ):
+            tt, tn, st = self.tile_tokens, self.tile_n, self.stages
+            a_layout = cute.tile_to_shape(
+                warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, cutlass.Float8E4M3FN),
+                (tt, K_CHUNK, st),
+                order=(0, 1, 2),
+            )
+            w_layout = cute.make_layout((tn, CHUNK_BYTES, st), stride=(CHUNK_BYTES, 1, tn * CHUNK_BYTES))
+            sfw_layout = cute.make_layout((tn, 4, st), stride=(4, 1, tn * 4))
+            sfa_layout = cute.make_layout((tt, 4, st), stride=(4, 1, tt * 4))
+
+            g2s = cpasync.CopyBulkTensorTileG2SOp()
+            tma_a, tA = cpasync.make_tiled_tma_atom(g2s, mA, cute.slice_(a_layout, (None, None, 0)), (tt, K_CHUNK))
+            tma_w, tW = cpasync.make_tiled_tma_atom(g2s, mW, cute.slice_(w_layout, (None, None, 0)), (tn, CHUNK_BYTES))
+            tma_sfw, tSFW = cpasync.make_tiled_tma_atom(g2s, mSFW, cute.slice_(sfw_layout, (None, None, 0)), (tn, 4))
+            tma_sfa, tSFA = cpasync.make_tiled_tma_atom(g2s, mSFA, cute.slice_(sfa_layout, (None, None, 0)), (tt, 4))
+
+            tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                cutlass.Float8E4M3FN,
+                cutlass.Float8E4M3FN,
+                cute.nvgpu.OperandMajorMode.K,
+                cute.nvgpu.OperandMajorMode.K,
+                Float32,
+                (self.num_consumer_wg, 1, 1),
+                (64, tt),
+                a_source=warpgroup.OperandSource.RMEM,
+            )
+
+            @cute.struct
+            class SharedStorage:
+                mbar: cute.struct.MemRange[cutlass.Int64, st * 2]
+                sA: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN, cute.cosize(a_layout)], 1024]
+                sW: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(w_layout)], 1024]
+                sSFW: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(sfw_layout)], 128]
+                sSFA: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(sfa_layout)], 128]
+                sAct: cute.struct.Align[cute.struct.MemRange[Float32, tt * self.act_stride if self.swiglu else 1], 16]
+
+            self.shared_storage = SharedStorage
+            self.tx_bytes = tt * K_CHUNK + tn * CHUNK_BYTES + 16 * tn + 16 * tt
+
+            self.kernel(
+                tma_a, tA, tma_w, tW, tma_sfw, tSFW, tma_sfa, tSFA,
+                mD, mDSF, mRowW, mGroupA, mGroupB, num_groups, max_m, clamp,
+                tiled_mma, a_layout, w_layout, sfw_layout, sfa_layout,
+            ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1, stream=stream)
+
+        # ------------------------------------------------------------------------------------------
+        # Work decomposition, shared by the producer warp and the consumer warpgroups.
+        # ------------------------------------------------------------------------------------------
+
+        @cute.jit
+        def group_bounds(self, e: Int32, mGroupA: cute.Tensor, mGroupB: cute.Tensor, max_m: Int32, total_rows: Int32):
+            """Rows [start, end) of group e, clamped into [0, total_rows)."""
+            start = Int32(0)
+            end = Int32(0)
+            if cutlass.const_expr(self.group_mode == "masked"):
+                start = e * max_m
+                end = start + cutlass.min(cutlass.max(Int32(mGroupA[e]), Int32(0)), max_m)
+            else:
+                start = cutlass.min(cutlass.max(Int32(mGroupA[e]), Int32(0)), total_rows)
+                if cutlass.const_expr(self.group_mode == "offsets_counts"):
+                    end = start + cutlass.max(Int32(mGroupB[e]), Int32(0))
+                else:
+                    end = Int32(mGroupA[e + 1])
+                end = cutlass.min(cutlass.max(end, start), total_rows)
+            return start, end
+
+        @cute.jit
+        def find_tile(self, t: Int32, e: Int32, base: Int32, n_tiles: Int32, num_groups: Int32,
+                      mGroupA: cute.Tensor, mGroupB: cute.Tensor, max_m: Int32, total_rows: Int32):
+            """Advance the (group e, first tile id ``base`` of e) cursor to linear tile ``t``.
+
+            Returns (e, base, valid, row0, row_end, n_tile): token rows [row0, min(row0+tile_tokens, row_end))
+            against weight rows [n_tile*tile_n, +tile_n) of expert e. ``t`` must not decrease between calls."""
+            searching = e < num_groups
+            while searching:
+                start, end = self.group_bounds(e, mGroupA, mGroupB, max_m, total_rows)
+                tiles_e = (end - start + self.tile_tokens - 1) // self.tile_tokens * n_tiles
+                if t < base + tiles_e:
+                    searching = False
+                else:
+                    base = base + tiles_e
+                    e = e + 1
+                    searching = e < num_groups
+            valid = e < num_groups
+            row0 = Int32(0)
+            row_end = Int32(0)
+            n_tile = Int32(0)
+            if valid:
+                start, end = self.group_bounds(e, mGroupA, mGroupB, max_m, total_rows)
+                m_tiles = (end - start + self.tile_tokens - 1) // self.tile_tokens
+                local = t - base
+                n_tile = local // m_tiles
+                row0 = start + (local - n_tile * m_tiles) * self.tile_tokens
+                row_end = end
+            return e, base, valid, row0, row_end, n_tile
+
+        # ------------------------------------------------------------------------------------------
+
+        @cute.kernel
+        def kernel(
+            self,
+            tma_a: cute.CopyAtom,
+            tA: cute.Tensor,
+            tma_w: cute.CopyAtom,
+            tW: cute.Tensor,
+            tma_sfw: cute.CopyAtom,
+            tSFW: cute.Tensor,
+            tma_sfa: cute.CopyAtom,
+            tSFA: cute.Tensor,
+            mD: cute.Tensor,
+            mDSF: cute.Tensor,
+            mRowW: cute.Tensor,
+            mGroupA: cute.Tensor,
+            mGroupB: cute.Tensor,
+            num_groups: Int32,
+            max_m: Int32,
+            clamp: Float32,
+            tiled_mma: cute.TiledMma,
+            a_layout: cute.ComposedLayout,
+            w_layout: cute.Layout,
+            sfw_layout: cute.Layout,
+            sfa_layout: cute.Layout,
+        ):
+            tn = self.tile_n
+            tidx, _, _ = cute.arch.thread_idx()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            bidx, _, _ = cute.arch.block_idx()
+            gdim, _, _ = cute.arch.grid_dim()
+
+            if warp_idx == 0:
+                for atom in (tma_a, tma_w, tma_sfw, tma_sfa):
+                    cpasync.prefetch_descriptor(atom)
+
+            smem = utils.SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+            ab_pipeline = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar.data_ptr(),
+                num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_consumer_wg),
+                tx_count=self.tx_bytes,
+            )
+
+            sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
+            sW = storage.sW.get_tensor(w_layout)
+            sSFW = storage.sSFW.get_tensor(sfw_layout)
+            sSFA = storage.sSFA.get_tensor(sfa_layout)
+            sAct = None
+            if cutlass.const_expr(self.swiglu):
+                sAct = storage.sAct.get_tensor(
+                    cute.make_layout((self.tile_tokens, self.act_stride), stride=(self.act_stride, 1))
+                )
+
+            total_rows = Int32(tA.shape[0])
+            k_tiles = Int32(tA.shape[1]) // K_CHUNK
+            n_tiles = Int32(tW.shape[0]) // tn
+
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp_idx == 0:
+                    self.producer(
+                        ab_pipeline, tma_a, tA, tma_w, tW, tma_sfw, tSFW, tma_sfa, tSFA,
+                        sA, sW, sSFW, sSFA, mGroupA, mGroupB, num_groups, max_m,
+                        total_rows, k_tiles, n_tiles, bidx, gdim,
+                    )
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                self.consumer(
+                    ab_pipeline, tiled_mma, tidx - 128, sA, sW, sSFW, sSFA, sAct, mD, mDSF, mRowW, mGroupA, mGroupB,
+                    num_groups, max_m, clamp, total_rows, k_tiles, n_tiles, bidx, gdim,
+                )
+
+        @cute.jit
+        def producer(self, ab_pipeline, tma_a, tA, tma_w, tW, tma_sfw, tSFW, tma_sfa, tSFA,
+                     sA, sW, sSFW, sSFA, mGroupA, mGroupB, num_groups, max_m,
+                     total_rows, k_tiles, n_tiles, bidx, gdim):
+            tt, tn = self.tile_tokens, self.tile_n
+            one = cute.make_layout(1)
+            # Weight-side partitions are static: (TMA, RestN, RestK, E).
+            tWs, tWg = cpasync.tma_partition(
+                tma_w, 0, one, cute.group_modes(sW, 0, 2),
+                cute.group_modes(cute.local_tile(tW, (tn, CHUNK_BYTES), (None, None, None)), 0, 2),
+            )
+            tSFWs, tSFWg = cpasync.tma_partition(
+                tma_sfw, 0, one, cute.group_modes(sSFW, 0, 2),
+                cute.group_modes(cute.local_tile(tSFW, (tn, 4), (None, None, None)), 0, 2),
+            )
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+            t = bidx
+            e, base, valid, row0, row_end, n_tile = self.find_tile(
+                t, Int32(0), Int32(0), n_tiles, num_groups, mGroupA, mGroupB, max_m, total_rows
+            )
+            while valid:
+                # Token-side tiles start at an arbitrary row: offset the TMA coordinate domain.
+                gA = cute.local_tile(cute.domain_offset((row0, 0), tA), (tt, K_CHUNK), (0, None))
+                tAs, tAg = cpasync.tma_partition(tma_a, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+                gSFA = cute.local_tile(cute.domain_offset((row0, 0), tSFA), (tt, 4), (0, None))
+                tSFAs, tSFAg = cpasync.tma_partition(
+                    tma_sfa, 0, one, cute.group_modes(sSFA, 0, 2), cute.group_modes(gSFA, 0, 2)
+                )
+                for kt in cutlass.range(k_tiles, unroll=1):
+                    ab_pipeline.producer_acquire(state)
+                    bar = ab_pipeline.producer_get_barrier(state)
+                    s = state.index
+                    cute.copy(tma_a, tAg[(None, kt)], tAs[(None, s)], tma_bar_ptr=bar)
+                    cute.copy(tma_w, tWg[(None, n_tile, kt, e)], tWs[(None, s)], tma_bar_ptr=bar)
+                    cute.copy(tma_sfw, tSFWg[(None, n_tile, kt // 4, e)], tSFWs[(None, s)], tma_bar_ptr=bar)
+                    cute.copy(tma_sfa, tSFAg[(None, kt // 4)], tSFAs[(None, s)], tma_bar_ptr=bar)
+                    ab_pipeline.producer_commit(state)
+                    state.advance()
+                t = t + gdim
+                e, base, valid, row0, row_end, n_tile = self.find_tile(
+                    t, e, base, n_tiles, num_groups, mGroupA, mGroupB, max_m, total_rows
+                )
+            ab_pipeline.producer_tail(state)
+
+        @cute.jit
+        def consumer(self, ab_pipeline, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sAct, mD, mDSF, mRowW, mGroupA, mGroupB,
+                     num_groups, max_m, clamp, total_rows, k_tiles, n_tiles, bidx, gdim):
+            tt, tn = self.tile_tokens, self.tile_n
+            thr_mma = tiled_mma.get_slice(ctidx)
+            # Register A fragment ((4,2,2), 1, 4): e4m3 x4 per (row r, k-half h) per k32 block; as int32.
+            tCrA = thr_mma.make_fragment_A(thr_mma.partition_shape_A((tn, K_CHUNK)))
+            frag = cute.recast_tensor(tCrA, Int32)
+            tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sA))  # (MMA, MMA_N, 4, stages)
+            # Explicit ((2, 2, tt/8), 1, 1): partition_shape_C drops the unit mode at tt == 8, which cute.gemm rejects.
+            acc_shape = ((2, 2, tt // 8), 1, 1)
+            acc = cute.make_rmem_tensor(acc_shape, Float32)
+            tmp0 = cute.make_rmem_tensor(acc_shape, Float32)
+            tmp1 = cute.make_rmem_tensor(acc_shape, Float32)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+
+            # This thread's coordinates: A-fragment rows (weights) and accumulator (row, token column).
+            cA = thr_mma.partition_A(cute.make_identity_tensor((tn, K_CHUNK)))
+            q = cA[(0, 0, 0), 0, 0][1] // 4
+            wrow0 = cA[(0, 0, 0), 0, 0][0]
+            wrow1 = cA[(0, 1, 0), 0, 0][0]
+            # Accumulator value i = c + 2*r + 4*j is (weight row g + 8r, token column 8j + 2q + c).
+            cC = thr_mma.partition_C(cute.make_identity_tensor((tn, tt)))
+            n_cols = tt // 8
+
+            sW_words = cute.make_tensor(
+                cute.recast_ptr(sW.iterator, dtype=Int32),
+                cute.make_layout((4, 4, tn, self.stages), stride=(1, 4, 16, tn * 16)),
+            )
+            wbuf = cute.make_rmem_tensor((4, 2), Int32)  # (kb, r)
+            sfw_words = cute.make_rmem_tensor((2,), Int32)
+            sfa_words = cute.make_rmem_tensor((2, n_cols), Int32)  # (c, j)
+            sw = cute.make_rmem_tensor((2,), Float32)
+            sa = cute.make_rmem_tensor((2, n_cols), Float32)
+            lut_lo = Int32(E4M3_LUT_LO)
+            lut_hi = Int32(E4M3_LUT_HI)
+
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            t = bidx
+            e, base, valid, row0, row_end, n_tile = self.find_tile(
+                t, Int32(0), Int32(0), n_tiles, num_groups, mGroupA, mGroupB, max_m, total_rows
+            )
+            while valid:
+                acc.fill(0.0)
+                for kt in cutlass.range(k_tiles, unroll=1):
+                    ab_pipeline.consumer_wait(state)
+                    s = state.index
+                    # FP4 -> E4M3 into the A fragment (one 16-byte load per weight row).
+                    cute.autovec_copy(sW_words[None, q, wrow0, s], wbuf[None, 0])
+                    cute.autovec_copy(sW_words[None, q, wrow1, s], wbuf[None, 1])
+                    for kb in cutlass.range_constexpr(4):
+                        for r in cutlass.range_constexpr(2):
+                            lo, hi = decode_e2m1x8(wbuf[kb, r], lut_lo, lut_hi)
+                            frag[(0, r, 0), 0, kb] = lo
+                            frag[(0, r, 1), 0, kb] = hi
+                    # Packed scale words of this 128-K chunk: word (kt % 4) of each 4-word box row.
+                    w = kt % 4
+                    sfw_words[0] = sSFW[wrow0, w, s]
+                    sfw_words[1] = sSFW[wrow1, w, s]
+                    for j in cutlass.range_constexpr(n_cols):
+                        for c in cutlass.range_constexpr(2):
+                            sfa_words[c, j] = sSFA[cC[c + 4 * j][1], w, s]
+                    for kb in cutlass.range_constexpr(4):
+                        tmp = tmp0 if kb % 2 == 0 else tmp1
+                        warpgroup.fence()
+                        cute.gemm(tiled_mma, tmp, tCrA[(None, None, kb)], tCrB[(None, None, kb, s)], tmp)
+                        warpgroup.commit_group()
+                        if cutlass.const_expr(kb > 0):
+                            warpgroup.wait_group(1)
+                            self.promote(acc, tmp1 if kb % 2 == 0 else tmp0, kb - 1, sfw_words, sfa_words, sw, sa)
+                    warpgroup.wait_group(0)
+                    self.promote(acc, tmp1, 3, sfw_words, sfa_words, sw, sa)
+                    ab_pipeline.consumer_release(state)
+                    state.advance()
+
+                if cutlass.const_expr(self.swiglu):
+                    self.epilogue_swiglu(acc, cC, ctidx, sAct, mD, mDSF, mRowW, clamp, row0, row_end, n_tile)
+                else:
+                    # BF16, stored only for token rows inside the group.
+                    n0 = n_tile * tn
+                    for j in cutlass.range_constexpr(n_cols):
+                        for c in cutlass.range_constexpr(2):
+                            m = row0 + cC[c + 4 * j][1]
+                            if m < row_end:
+                                for r in cutlass.range_constexpr(2):
+                                    i = c + 2 * r + 4 * j
+                                    mD[m, n0 + cC[i][0]] = acc[i].to(cutlass.BFloat16)
+
+                t = t + gdim
+                e, base, valid, row0, row_end, n_tile = self.find_tile(
+                    t, e, base, n_tiles, num_groups, mGroupA, mGroupB, max_m, total_rows
+                )
+
+        @cute.jit
+        def epilogue_swiglu(self, acc, cC, ctidx, sAct, mD, mDSF, mRowW, clamp, row0, row_end, n_tile):
+            """``megamoe.numerics`` steps 2-5 for one tile of interleaved (granularity 8) gate/up rows.
+
+            Accumulator rows g and g+8 of a 16-row group are gate and up of intermediate column
+            ``(row // 16) * 8 + row % 8``; each consumer warpgroup owns 32 consecutive columns, i.e. one
+            UE8M0 block per token. Phase 1: every thread writes ``silu(gate) * up`` (BF16-rounded, clamped
+            inputs, FP32 math) to shared memory; phase 2: thread t of the warpgroup takes token t, multiplies
+            by its routing weight, quantizes the 32 values (smallest power-of-two scale with amax / scale <= 448,
+            RNE) and stores 32 FP8 bytes and one scale byte."""
+            n_cols = self.tile_tokens // 8
+            wg = ctidx // 128
+            barrier = pipeline.NamedBarrier(barrier_id=1 + wg, num_threads=128)
+            for j in cutlass.range_constexpr(n_cols):
+                for c in cutlass.range_constexpr(2):
+                    row = cC[c + 4 * j][0]
+                    gate = acc[c + 4 * j].to(cutlass.BFloat16).to(Float32)
+                    up = acc[c + 2 + 4 * j].to(cutlass.BFloat16).to(Float32)
+                    gate = cutlass.min(gate, clamp)
+                    up = cutlass.max(cutlass.min(up, clamp), -clamp)
+                    silu = gate / (Float32(1.0) + Float32(cute.math.exp(-gate)))
+                    sAct[cC[c + 4 * j][1], (row // 16) * 8 + row % 8] = silu * up
+            barrier.arrive_and_wait()
+            t = ctidx % 128
+            m = row0 + t
+            if t < self.tile_tokens:
+                if m < row_end:
+                    weight = Float32(mRowW[m])
+                    vals = cute.make_rmem_tensor((32,), Float32)
+                    amax = Float32(0.0)
+                    for v in cutlass.range_constexpr(32):
+                        vals[v] = sAct[t, 32 * wg + v] * weight
+                        amax = cutlass.max(amax, cutlass.max(vals[v], -vals[v]))
+                    # Smallest e with amax <= 448 * 2^e: amax = 1.f * 2^(E-127) and 448 = 1.75 * 2^8, so
+                    # e = E - 135 + (f > 0.75), at least -127 (also for amax = 0 and subnormals).
+                    bits = f32_bits(amax)
+                    e = ((bits >> 23) & Int32(0xFF)) - Int32(135)
+                    if (bits & Int32(0x7FFFFF)) > Int32(0x600000):
+                        e = e + Int32(1)
+                    e = cutlass.max(e, Int32(-127))
+                    inv_scale = bits_to_f32((Int32(127) - e) << 23)  # 2^-e, exact
+                    words = cute.make_rmem_tensor((8,), Int32)
+                    for w in cutlass.range_constexpr(8):
+                        words[w] = f32x4_to_e4m3x4(
+                            vals[4 * w] * inv_scale,
+                            vals[4 * w + 1] * inv_scale,
+                            vals[4 * w + 2] * inv_scale,
+                            vals[4 * w + 3] * inv_scale,
+                        )
+                    block = n_tile * (self.tile_n // 64) + wg  # 32-wide block of the intermediate dim
+                    cute.autovec_copy(words, cute.local_tile(mD[m, None], (8,), (block,)))
+                    mDSF[m, block] = (e + Int32(127)).to(cutlass.Uint8)
+            barrier.arrive_and_wait()
+
+        @cute.jit
+        def promote(self, acc, tmp, kb: cutlass.Constexpr[int], sfw_words, sfa_words, sw, sa):
+            """acc += tmp * 2^(sb[row, kb]) * 2^(sa[token, kb]) (exact power-of-two scaling, one FP32 add)."""
+            n_cols = self.tile_tokens // 8
+            for r in cutlass.range_constexpr(2):
+                sw[r] = ue8m0_to_f32(sfw_words[r], kb)
+            for j in cutlass.range_constexpr(n_cols):
+                for c in cutlass.range_constexpr(2):
+                    sa[c, j] = ue8m0_to_f32(sfa_words[c, j], kb)
+            for j in cutlass.range_constexpr(n_cols):
+                for r in cutlass.range_constexpr(2):
+                    for c in cutlass.range_constexpr(2):
+                        i = c + 2 * r + 4 * j  # flat index of accumulator value (c, r, j)
+                        acc[i] = acc[i] + tmp[i] * (sw[r] * sa[c, j])
+
+    return Sm90Fp8Fp4GroupedGemm
+
+
+_KERNEL_CLASS = None
+
+
+def _kernel_class():
+    global _KERNEL_CLASS
+    if _KERNEL_CLASS is None:
+        _KERNEL_CLASS = _build_kernel_class()
+    return _KERNEL_CLASS
+
+
+def _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, group_a, group_b):
+    """Torch tensors (2-D token views, 4-D kernel-layout weights) -> CuTe tensors in kernel mode order."""
+    e, n, chunks, _ = b.shape
+    w = b.view(e, n, chunks * CHUNK_BYTES).permute(1, 2, 0)  # (N, K/2, E)
+    sfw = b_sf.permute(1, 2, 0)  # (N, K/128, E)
+    return (
+        runtime.to_cute(a, leading_dim=1),
+        runtime.to_cute(a_sf, leading_dim=1),
+        runtime.to_cute(w, leading_dim=1),
+        runtime.to_cute(sfw, leading_dim=1),
+        runtime.to_cute(out, leading_dim=1),
+        runtime.to_cute(out_sf, leading_dim=1, align=4),
+        runtime.to_cute(row_weights, leading_dim=0, align=4),
+        runtime.to_cute(group_a, leading_dim=0, align=4),
+        runtime.to_cute(group_b, leading_dim=0, align=4),
+    )
+
+
+def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "bf16"):
+    """Compile (and cache) the kernel for ``config``, ``group_mode`` and ``epilogue``; works on a CPU with
+    ``CUTE_DSL_ARCH=sm_90a``. Shapes are dynamic: one compile serves every M, N, K, E."""
+    if group_mode not in GROUP_MODES:
+        fail("group_mode", f"must be one of {GROUP_MODES}, got {group_mode!r}")
+    if epilogue not in EPILOGUES:
+        fail("epilogue", f"must be one of {EPILOGUES}, got {epilogue!r}")
+
+    def build():
+        import cutlass
+        import cutlass.cute as cute
+
+        m, n, k, e = 128, 256, 512, 2
+        a = torch.empty(m, k, dtype=torch.float8_e4m3fn)
+        a_sf = torch.empty(m, k // 128, dtype=torch.int32)
+        b = torch.empty(e, n, k // 128, CHUNK_BYTES, dtype=torch.uint8)
+        b_sf = torch.empty(e, n, k // 128, dtype=torch.int32)
+        if epilogue == "swiglu_fp8":
+            out = torch.empty(m, n // 8, dtype=torch.int32)
+        else:
+            out = torch.empty(m, n, dtype=torch.bfloat16)
+        out_sf = torch.empty(m, n // 64, dtype=torch.uint8)
+        row_weights = torch.empty(m, dtype=torch.float32)
+        groups = torch.zeros(e + 1, dtype=torch.int32)
+        args = _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, groups, groups)
+        kernel = _kernel_class()(config, group_mode, epilogue)
+        return cute.compile(
+            kernel, *args, cutlass.Int32(e), cutlass.Int32(m), cutlass.Float32(float("inf")), cutlass.Int32(1),
+            runtime.current_stream(),
+        )
+
+    return runtime.compiled(("sm90_fp8_fp4_grouped_gemm", config, group_mode, epilogue), build)
+
+
+_DUMMIES: dict = {}
+
+
+def _dummies(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Placeholder (out_sf, row_weights) operands for the BF16 epilogue, which never touches them."""
+    key = str(device)
+    if key not in _DUMMIES:
+        _DUMMIES[key] = (torch.zeros(1, 16, dtype=torch.uint8, device=device),
+                         torch.zeros(4, dtype=torch.float32, device=device))
+    return _DUMMIES[key]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Python entry points
+# ----------------------------------------------------------------------------------------------------
+
+
+def _check_weights(b: torch.Tensor, b_sf: torch.Tensor, k: int, device) -> tuple[int, int]:
+    check_tensor("b", b, dtype=torch.uint8, ndim=4, device=device, contiguous=True)
+    e, n, chunks, width = b.shape
+    if width != CHUNK_BYTES or chunks * K_CHUNK != k:
+        fail(
+            "b",
+            f"must be the SM90 kernel weight layout uint8 [E, N, K/128, 64] = [*, *, {k // K_CHUNK}, 64] "
+            f"(from prepare_fp4_weights / to_sm90_weight_layout), got {list(b.shape)}",
+        )
+    check_multiple("b.shape[1] (N)", n, N_MULTIPLE, "weight tiles of 64 rows per warpgroup")
+    check_tensor("b_sf", b_sf, dtype=torch.int32, shape=(e, n, k // K_CHUNK), device=device, contiguous=True)
+    return e, n
+
+
+def _check_tokens(a: torch.Tensor, a_sf: torch.Tensor, ndim: int) -> int:
+    check_tensor("a", a, dtype=torch.float8_e4m3fn, ndim=ndim, contiguous=True)
+    k = a.shape[-1]
+    check_multiple("a.shape[-1] (K)", k, K_MULTIPLE, "packed UE8M0 scale rows must be 16-byte aligned for TMA")
+    check_tensor("a_sf", a_sf, dtype=torch.int32, shape=(*a.shape[:-1], k // K_CHUNK), device=a.device, contiguous=True)
+    return k
+
+
+def _check_device(a: torch.Tensor, **tensors: torch.Tensor) -> None:
+    """After the dtype/shape checks: Hopper device, 16-byte aligned TMA operands."""
+    runtime.require_sm90(a, "a")
+    for name, t in dict(a=a, **tensors).items():
+        if t.numel() and t.data_ptr() % 16:
+            fail(name, f"data pointer must be 16-byte aligned for TMA, got address {t.data_ptr():#x}")
+
+
+def _resolve_config(config: GemmConfig | None, rows_per_expert: float, n: int, k: int) -> GemmConfig:
+    if config is None:
+        return select_config(rows_per_expert, n, k)
+    if not isinstance(config, GemmConfig):
+        raise TypeError(f"megamoe: `config` must be a GemmConfig or None, got {type(config).__name__}")
+    if n % config.tile_n:
+        fail("config.tile_n", f"must divide N={n}, got {config.tile_n}")
+    return config
+
+
+def _launch(config, group_mode, epilogue, a2, a_sf2, b, b_sf, out2, out_sf2, row_weights, group_a, group_b,
+            num_groups, max_m, clamp, max_tiles):
+    if max_tiles <= 0 or a2.shape[0] == 0:
+        return
+    import cutlass
+
+    kernel = compile_grouped_gemm(config, group_mode, epilogue)
+    num_sms = torch.cuda.get_device_properties(a2.device).multi_processor_count
+    if epilogue == "bf16":
+        out_sf2, row_weights = _dummies(a2.device)
+    args = _cute_args(a2, a_sf2, b, b_sf, out2, out_sf2, row_weights, group_a, group_b)
+    kernel(*args, cutlass.Int32(num_groups), cutlass.Int32(max_m), cutlass.Float32(clamp),
+           cutlass.Int32(min(num_sms, max_tiles)), runtime.current_stream())
+
+
+def grouped_gemm_fp8_fp4_contiguous(
+    a: torch.Tensor,
+    a_sf: torch.Tensor,
+    b: torch.Tensor,
+    b_sf: torch.Tensor,
+    offsets: torch.Tensor,
+    out: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+    *,
+    counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Contiguous grouped GEMM ``out[rows of e] = a[rows of e] . b[e]^T`` (FP8 x FP4 -> BF16, FP32 accumulate).
+
+    a ``float8_e4m3fn [M, K]``, a_sf ``int32 [M, K/128]`` (packed UE8M0 per 32); b ``uint8 [E, N, K/128, 64]``
+    in the kernel layout (``prepare_fp4_weights``), b_sf ``int32 [E, N, K/128]``; offsets ``int32 [E+1]``:
+    expert e owns rows ``[offsets[e], offsets[e+1])``, or ``[offsets[e], offsets[e] + counts[e])`` when
+    ``counts`` (``int32 [E]``, e.g. ``ContiguousLayout.counts``) is given. Any alignment; rows of no group are
+    neither read as data for the output nor written. Group bounds are read on the device (no sync; CUDA-graph
+    capturable) and clamped to ``[0, M)``. Needs K % 512 == 0, N % 64 == 0. Returns ``out`` (``bf16 [M, N]``,
+    allocated uninitialised when None)."""
+    k = _check_tokens(a, a_sf, ndim=2)
+    e, n = _check_weights(b, b_sf, k, a.device)
+    check_tensor("offsets", offsets, dtype=torch.int32, shape=(e + 1,), device=a.device, contiguous=True)
+    if counts is not None:
+        check_tensor("counts", counts, dtype=torch.int32, shape=(e,), device=a.device, contiguous=True)
+    m = a.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+    check_tensor("out", out, dtype=torch.bfloat16, shape=(m, n), device=a.device, contiguous=True)
+    cfg = _resolve_config(config, m / max(e, 1), n, k)
+    _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
+    max_tiles = (m // cfg.tile_tokens + e) * (n // cfg.tile_n)
+    mode = "offsets" if counts is None else "offsets_counts"
+    _launch(cfg, mode, "bf16", a, a_sf, b, b_sf, out, None, None, offsets, offsets if counts is None else counts,
+            e, 0, float("inf"), max_tiles)
+    return out
+
+
+def grouped_gemm_fp8_fp4_masked(
+    a: torch.Tensor,
+    a_sf: torch.Tensor,
+    b: torch.Tensor,
+    b_sf: torch.Tensor,
+    masked_m: torch.Tensor,
+    out: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+    expected_m: float | None = None,
+) -> torch.Tensor:
+    """Masked grouped GEMM: ``out[e, :masked_m[e]] = a[e, :masked_m[e]] . b[e]^T`` (FP8 x FP4 -> BF16).
+
+    a ``float8_e4m3fn [E, max_m, K]``, a_sf ``int32 [E, max_m, K/128]``, weights as in the contiguous entry,
+    masked_m ``int32 [E]`` (read on the device, clamped to [0, max_m]); rows ``>= masked_m[e]`` are never
+    written. ``expected_m`` (rows per expert) steers the config heuristic (default max_m)."""
+    k = _check_tokens(a, a_sf, ndim=3)
+    e, n = _check_weights(b, b_sf, k, a.device)
+    if a.shape[0] != e:
+        fail("a", f"must have one slab per expert: shape[0] = {e} (b.shape[0]), got {a.shape[0]}")
+    max_m = a.shape[1]
+    check_tensor("masked_m", masked_m, dtype=torch.int32, shape=(e,), device=a.device, contiguous=True)
+    if out is None:
+        out = torch.empty(e, max_m, n, dtype=torch.bfloat16, device=a.device)
+    check_tensor("out", out, dtype=torch.bfloat16, shape=(e, max_m, n), device=a.device, contiguous=True)
+    cfg = _resolve_config(config, max_m if expected_m is None else expected_m, n, k)
+    _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
+    max_tiles = e * math.ceil(max_m / cfg.tile_tokens) * (n // cfg.tile_n)
+    _launch(
+        cfg, "masked", "bf16", a.view(e * max_m, k), a_sf.view(e * max_m, k // K_CHUNK), b, b_sf,
+        out.view(e * max_m, n), None, None, masked_m, masked_m, e, max_m, float("inf"), max_tiles,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# L1 with the fused SwiGLU epilogue
+# ----------------------------------------------------------------------------------------------------
+
+
+def prepare_fp4_weights_l1(w1: torch.Tensor, w1_sf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Canonical L1 weights (``uint8 [E, 2I, H/2]`` with rows [gate; up], ``int32 [E, 2I, H/128]``) -> the
+    SwiGLU kernel's operands: rows interleaved (``interleave_gate_up``, granularity 8), then the kernel layout."""
+    from ..layouts import interleave_gate_up
+
+    check_tensor("w1", w1, dtype=torch.uint8, ndim=3)
+    check_tensor("w1_sf", w1_sf, dtype=torch.int32, ndim=3)
+    return prepare_fp4_weights(
+        interleave_gate_up(w1, SWIGLU_GRANULARITY), interleave_gate_up(w1_sf, SWIGLU_GRANULARITY)
+    )
+
+
+def _swiglu_outputs(rows: tuple[int, ...], inter: int, out, out_sf, device):
+    if out is None:
+        out = torch.empty(*rows, inter, dtype=torch.float8_e4m3fn, device=device)
+    if out_sf is None:
+        out_sf = torch.empty(*rows, inter // K_CHUNK, dtype=torch.int32, device=device)
+    check_tensor("out", out, dtype=torch.float8_e4m3fn, shape=(*rows, inter), device=device, contiguous=True)
+    check_tensor("out_sf", out_sf, dtype=torch.int32, shape=(*rows, inter // K_CHUNK), device=device, contiguous=True)
+    return out, out_sf
+
+
+def _bf16_clamp(clamp: float | None) -> float:
+    if clamp is None:
+        return float("inf")
+    if not clamp > 0:
+        fail("clamp", f"must be positive (or None), got {clamp}")
+    return float(torch.tensor(clamp, dtype=torch.float32).to(torch.bfloat16))
+
+
+def grouped_gemm_fp8_fp4_swiglu_contiguous(
+    a: torch.Tensor,
+    a_sf: torch.Tensor,
+    b: torch.Tensor,
+    b_sf: torch.Tensor,
+    offsets: torch.Tensor,
+    row_weights: torch.Tensor,
+    clamp: float | None = None,
+    out: torch.Tensor | None = None,
+    out_sf: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+    *,
+    counts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """L1 of the FP8 x FP4 recipe with the fused epilogue (``megamoe.numerics`` steps 1-5), contiguous layout.
+
+    Operands and groups as ``grouped_gemm_fp8_fp4_contiguous``, with b/b_sf from ``prepare_fp4_weights_l1``
+    (N = 2I, I % 128 == 0); ``row_weights`` float32 [M]: the routing weight of each row. Per row of a group:
+    gate, up = bf16(acc), optional clamp (rounded to BF16), ``(silu(gate) * up) * w`` in FP32, quantized per 32
+    columns to FP8 E4M3 with UE8M0 scales like ``layouts.quantize_fp8``. Returns ``(out float8_e4m3fn [M, I],
+    out_sf int32 [M, I/128])`` (the layout L2 consumes); rows of no group are not written."""
+    k = _check_tokens(a, a_sf, ndim=2)
+    e, n = _check_weights(b, b_sf, k, a.device)
+    check_multiple("b.shape[1] (2I)", n, 2 * K_CHUNK, "I must be a multiple of 128 for packed output scales")
+    check_tensor("offsets", offsets, dtype=torch.int32, shape=(e + 1,), device=a.device, contiguous=True)
+    if counts is not None:
+        check_tensor("counts", counts, dtype=torch.int32, shape=(e,), device=a.device, contiguous=True)
+    m = a.shape[0]
+    check_tensor("row_weights", row_weights, dtype=torch.float32, shape=(m,), device=a.device, contiguous=True)
+    out, out_sf = _swiglu_outputs((m,), n // 2, out, out_sf, a.device)
+    clamp_value = _bf16_clamp(clamp)
+    cfg = _resolve_config(config, m / max(e, 1), n, k)
+    _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
+    max_tiles = (m // cfg.tile_tokens + e) * (n // cfg.tile_n)
+    mode = "offsets" if counts is None else "offsets_counts"
+    _launch(cfg, mode, "swiglu_fp8", a, a_sf, b, b_sf, out.view(torch.int32), out_sf.view(torch.uint8), row_weights,
+            offsets, offsets if counts is None else counts, e, 0, clamp_value, max_tiles)
+    return out, out_sf
+
+
+def grouped_gemm_fp8_fp4_swiglu_masked(
+    a: torch.Tensor,
+    a_sf: torch.Tensor,
+    b: torch.Tensor,
+    b_sf: torch.Tensor,
+    masked_m: torch.Tensor,
+    row_weights: torch.Tensor,
+    clamp: float | None = None,
+    out: torch.Tensor | None = None,
+    out_sf: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+    expected_m: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked-layout L1 with the fused SwiGLU epilogue: a ``[E, max_m, H]``, row_weights float32 ``[E, max_m]``,
+    returns ``(out float8_e4m3fn [E, max_m, I], out_sf int32 [E, max_m, I/128])``; rows >= masked_m[e] are not
+    written. See ``grouped_gemm_fp8_fp4_swiglu_contiguous`` for the computation."""
+    k = _check_tokens(a, a_sf, ndim=3)
+    e, n = _check_weights(b, b_sf, k, a.device)
+    check_multiple("b.shape[1] (2I)", n, 2 * K_CHUNK, "I must be a multiple of 128 for packed output scales")
+    if a.shape[0] != e:
+        fail("a", f"must have one slab per expert: shape[0] = {e} (b.shape[0]), got {a.shape[0]}")
+    max_m = a.shape[1]
+    check_tensor("masked_m", masked_m, dtype=torch.int32, shape=(e,), device=a.device, contiguous=True)
+    check_tensor("row_weights", row_weights, dtype=torch.float32, shape=(e, max_m), device=a.device, contiguous=True)
+    out, out_sf = _swiglu_outputs((e, max_m), n // 2, out, out_sf, a.device)
+    clamp_value = _bf16_clamp(clamp)
+    cfg = _resolve_config(config, max_m if expected_m is None else expected_m, n, k)
+    _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
+    max_tiles = e * math.ceil(max_m / cfg.tile_tokens) * (n // cfg.tile_n)
+    rows = e * max_m
+    _launch(
+        cfg, "masked", "swiglu_fp8", a.view(rows, k), a_sf.view(rows, k // K_CHUNK), b, b_sf,
+        out.view(torch.int32).view(rows, n // 8), out_sf.view(torch.uint8).view(rows, n // 64),
+        row_weights.view(rows), masked_m, masked_m, e, max_m, clamp_value, max_tiles,
+    )
+    return out, out_sf

@@ -1,0 +1,513 @@
+"""SM90 FP8 x FP4 grouped GEMM: CPU compile/validation/layout checks and GPU correctness.
+
+CPU (CI): every kernel variant compiles for sm_90a, bad inputs raise ValueError naming the tensor, the
+weight layout + decode emulate to the exact E2M1 values. GPU (``-m gpu``): results against an FP64
+reference built from ``megamoe.layouts`` dequantization, poisoned outputs, padding never written.
+"""
+
+import os
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before the first cutlass import (CPU compile)
+
+import struct
+
+import pytest
+import torch
+
+from megamoe.kernels.sm90_fp4_decode import (
+    E4M3_LUT_HI,
+    E4M3_LUT_LO,
+    from_sm90_weight_layout,
+    to_sm90_weight_layout,
+)
+from megamoe.kernels.sm90_grouped_gemm import (
+    GemmConfig,
+    compile_grouped_gemm,
+    grouped_gemm_fp8_fp4_contiguous,
+    grouped_gemm_fp8_fp4_masked,
+    grouped_gemm_fp8_fp4_swiglu_contiguous,
+    grouped_gemm_fp8_fp4_swiglu_masked,
+    prepare_fp4_weights,
+    prepare_fp4_weights_l1,
+    select_config,
+)
+from megamoe.layouts import contiguous_layout, dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
+from megamoe.layouts.fp4 import e2m1_table, unpack_fp4_codes
+from megamoe.numerics import MOE_REL_FRO_TOL, MOE_ROW_REL_TOL, l1_epilogue, max_row_rel_error, rel_fro_error
+
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+gpu = pytest.mark.gpu
+needs_sm90 = pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 (Hopper) CUDA GPU")
+
+
+# ----------------------------------------------------------------------------------------------------
+# CPU: compile, validation, layout/decode emulation
+# ----------------------------------------------------------------------------------------------------
+
+# Every code path: each token tile (tile_tokens=8 has its own accumulator shape), one and two consumer
+# warpgroups, the three group modes.
+COMPILE_CASES = [
+    (GemmConfig(tile_tokens=8, tile_n=128), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=16, tile_n=128), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=32, tile_n=128), "offsets_counts", "bf16"),
+    (GemmConfig(tile_tokens=64, tile_n=128), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=64, tile_n=64), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=8, tile_n=64), "masked", "bf16"),
+    (GemmConfig(tile_tokens=64, tile_n=128, stages=4), "masked", "bf16"),
+    (GemmConfig(tile_tokens=64, tile_n=128), "offsets", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=8, tile_n=64), "offsets_counts", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=16, tile_n=128), "masked", "swiglu_fp8"),
+]
+
+
+@pytest.mark.parametrize(
+    "config,mode,epilogue", COMPILE_CASES, ids=[f"{c.tile_tokens}x{c.tile_n}-{m}-{e}" for c, m, e in COMPILE_CASES]
+)
+def test_compiles_for_sm90a(config, mode, epilogue):
+    assert compile_grouped_gemm(config, mode, epilogue) is not None
+
+
+def test_select_config():
+    assert select_config(1, 4096, 4096) == GemmConfig(tile_tokens=8, tile_n=128)
+    assert select_config(12, 4096, 4096).tile_tokens == 16
+    assert select_config(4096, 4096, 4096).tile_tokens == 64
+    assert select_config(64, 192, 512).tile_n == 64
+    cfg = select_config(33, 4096, 2048)
+    assert "tile_tokens=64" in cfg.describe() and cfg.num_stages() >= 4
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="config.tile_tokens"):
+        GemmConfig(tile_tokens=24)
+    with pytest.raises(ValueError, match="config.tile_n"):
+        GemmConfig(tile_n=256)
+    with pytest.raises(ValueError, match="config.stages"):
+        GemmConfig(stages=1)
+
+
+def _cpu_inputs(m=40, n=128, k=512, e=3):
+    a = torch.zeros(m, k, dtype=torch.float8_e4m3fn)
+    a_sf = torch.zeros(m, k // 128, dtype=torch.int32)
+    b = torch.zeros(e, n, k // 128, 64, dtype=torch.uint8)
+    b_sf = torch.zeros(e, n, k // 128, dtype=torch.int32)
+    offsets = torch.zeros(e + 1, dtype=torch.int32)
+    return dict(a=a, a_sf=a_sf, b=b, b_sf=b_sf, offsets=offsets)
+
+
+@pytest.mark.parametrize(
+    "name,change,pattern",
+    [
+        ("a", lambda d: d.update(a=d["a"].to(torch.bfloat16)), "`a` must have dtype float8_e4m3fn"),
+        ("a", lambda d: d.update(a=d["a"][:, :384].contiguous(), a_sf=d["a_sf"][:, :3].contiguous()), "of 512"),
+        ("a", lambda d: d.update(a=d["a"].t().contiguous().t()), "`a` must be contiguous"),
+        ("a_sf", lambda d: d.update(a_sf=d["a_sf"][:, :2]), "`a_sf` must have shape"),
+        ("a_sf", lambda d: d.update(a_sf=d["a_sf"].to(torch.int64)), "`a_sf` must have dtype int32"),
+        ("b", lambda d: d.update(b=from_sm90_weight_layout(d["b"])), "`b` must be 4-D"),
+        ("b", lambda d: d.update(b=d["b"][..., :32].contiguous()), "SM90 kernel weight layout"),
+        ("b", lambda d: d.update(b=d["b"][:, :96].contiguous(), b_sf=d["b_sf"][:, :96]), "multiple of 64"),
+        ("b_sf", lambda d: d.update(b_sf=d["b_sf"][:2]), "`b_sf` must have shape"),
+        ("offsets", lambda d: d.update(offsets=d["offsets"][:-1]), "`offsets` must have shape"),
+        ("offsets", lambda d: d.update(offsets=d["offsets"].long()), "`offsets` must have dtype int32"),
+        ("out", lambda d: d.update(out=torch.empty(40, 128, dtype=torch.float32)), "`out` must have dtype bfloat16"),
+        ("out", lambda d: d.update(out=torch.empty(41, 128, dtype=torch.bfloat16)), "`out` must have shape"),
+        ("counts", lambda d: d.update(counts=torch.zeros(2, dtype=torch.int32)), "`counts` must have shape"),
+        ("a", lambda d: None, "`a` must be a CUDA tensor"),  # all shapes right: the device check fires last
+    ],
+)
+def test_contiguous_validation(name, change, pattern):
+    args = _cpu_inputs()
+    change(args)
+    with pytest.raises(ValueError, match=pattern):
+        grouped_gemm_fp8_fp4_contiguous(**args)
+
+
+def test_masked_validation():
+    e, max_m, k, n = 3, 16, 512, 64
+    a = torch.zeros(e, max_m, k, dtype=torch.float8_e4m3fn)
+    a_sf = torch.zeros(e, max_m, k // 128, dtype=torch.int32)
+    b = torch.zeros(e, n, k // 128, 64, dtype=torch.uint8)
+    b_sf = torch.zeros(e, n, k // 128, dtype=torch.int32)
+    mm = torch.zeros(e, dtype=torch.int32)
+    with pytest.raises(ValueError, match="`a` must have one slab per expert"):
+        grouped_gemm_fp8_fp4_masked(a[:2], a_sf[:2], b, b_sf, mm)
+    with pytest.raises(ValueError, match="`masked_m` must have shape"):
+        grouped_gemm_fp8_fp4_masked(a, a_sf, b, b_sf, mm[:2])
+    with pytest.raises(ValueError, match="`a_sf` must have shape"):
+        grouped_gemm_fp8_fp4_masked(a, a_sf[:, :8], b, b_sf, mm)
+    with pytest.raises(ValueError, match="`out` must have shape"):
+        grouped_gemm_fp8_fp4_masked(a, a_sf, b, b_sf, mm, out=torch.empty(e, max_m + 1, n, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="`a` must be a CUDA tensor"):
+        grouped_gemm_fp8_fp4_masked(a, a_sf, b, b_sf, mm)
+
+
+def test_swiglu_validation():
+    args = _cpu_inputs(n=256)
+    args["b"], args["b_sf"] = args["b"][:, :128].contiguous(), args["b_sf"][:, :128].contiguous()
+    with pytest.raises(ValueError, match="multiple of 256"):
+        grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(40))
+    args = _cpu_inputs(n=256)
+    with pytest.raises(ValueError, match="`row_weights` must have shape"):
+        grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(39))
+    with pytest.raises(ValueError, match="`row_weights` must have dtype float32"):
+        grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(40, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="`out_sf` must have shape"):
+        grouped_gemm_fp8_fp4_swiglu_contiguous(
+            **args, row_weights=torch.zeros(40), out_sf=torch.zeros(40, 2, dtype=torch.int32)
+        )
+    with pytest.raises(ValueError, match="`clamp` must be positive"):
+        grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(40), clamp=-1.0)
+    with pytest.raises(ValueError, match="`a` must be a CUDA tensor"):
+        grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(40), clamp=7.0)
+
+
+def test_weight_layout_roundtrip():
+    b = torch.randint(0, 256, (2, 8, 256), dtype=torch.uint8)
+    bk = to_sm90_weight_layout(b)
+    assert bk.shape == (2, 8, 4, 64)
+    assert torch.equal(from_sm90_weight_layout(bk), b)
+
+
+def _prmt(lo: int, hi: int, sel: int) -> int:
+    src = lo.to_bytes(4, "little") + hi.to_bytes(4, "little")
+    out = bytearray(4)
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 0xF
+        byte = src[nib & 7]
+        out[i] = (0xFF if byte & 0x80 else 0) if nib & 8 else byte
+    return int.from_bytes(out, "little")
+
+
+def _decode_word(x: int) -> tuple[int, int]:
+    """Bit-exact Python model of ``decode_e2m1x8`` (same instruction sequence)."""
+    mag = x & 0x77777777
+    lo = _prmt(E4M3_LUT_LO, E4M3_LUT_HI, mag)
+    hi = _prmt(E4M3_LUT_LO, E4M3_LUT_HI, mag >> 16)
+    shifted = (x << 4) & 0xFFFFFFFF
+    return lo | (_prmt(shifted, x, 0x5140) & 0x80808080), hi | (_prmt(shifted, x, 0x7362) & 0x80808080)
+
+
+def test_decode_emulation_matches_e2m1():
+    """Kernel layout + per-thread decode reassemble the exact E2M1 values in wgmma A-fragment order:
+    thread (warp w, lane l) owns rows 16w + l//4 (+8), k = 32kb + 16h + 4(l%4) + i."""
+    torch.manual_seed(0)
+    rows, k = 64, 256
+    b = torch.randint(0, 256, (1, rows, k // 2), dtype=torch.uint8)
+    words = to_sm90_weight_layout(b).view(torch.int32)[0]  # [rows, K/128, 16 words]
+    expect = e2m1_table()[unpack_fp4_codes(b[0]).long()]  # [rows, K]
+    got = torch.full((rows, k), float("nan"))
+    for chunk in range(k // 128):
+        for warp in range(4):
+            for lane in range(32):
+                g, q = lane // 4 + 16 * warp, lane % 4
+                for r in range(2):
+                    for kb in range(4):
+                        word = int(words[g + 8 * r, chunk, 4 * q + kb]) & 0xFFFFFFFF
+                        for h, reg in enumerate(_decode_word(word)):
+                            vals = torch.tensor(list(struct.pack("<I", reg)), dtype=torch.uint8)
+                            k0 = chunk * 128 + 32 * kb + 16 * h + 4 * q
+                            got[g + 8 * r, k0 : k0 + 4] = vals.view(torch.float8_e4m3fn).float()
+    assert torch.equal(got, expect), (got != expect).nonzero()[:10]
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU correctness
+# ----------------------------------------------------------------------------------------------------
+
+
+def _random_tokens(m: int, k: int, gen: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 tokens whose 32-blocks span many scales (exercises per-block scale indexing)."""
+    x = torch.randn(m, k // 32, 32, generator=gen)
+    x = x * torch.exp2(torch.randint(-6, 7, (m, k // 32, 1), generator=gen).float())
+    return quantize_fp8(x.reshape(m, k).to(device), name="tokens")
+
+
+def _random_weights(e: int, n: int, k: int, gen: torch.Generator, device):
+    w = torch.randn(e, n, k // 32, 32, generator=gen)
+    w = w * torch.exp2(torch.randint(-6, 7, (e, n, k // 32, 1), generator=gen).float())
+    return quantize_fp4(w.reshape(e, n, k).to(device), name="weights")
+
+
+def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """One BF16 ulp at |x| (float64), the smallest normal's ulp at 0."""
+    ax = x.abs().clamp(min=2.0**-126)
+    return torch.exp2(torch.floor(torch.log2(ax)) - 7)
+
+
+def _check_rows(out: torch.Tensor, a, a_sf, b, b_sf, row_expert: torch.Tensor, what: str) -> None:
+    """Rows with ``row_expert >= 0`` against the FP64 reference; all other rows must still be NaN."""
+    a64 = dequantize_fp8(a, a_sf).double()
+    w64 = dequantize_fp4(b, b_sf).double()
+    k = a.shape[1]
+    valid = (row_expert >= 0).nonzero().flatten()
+    untouched = (row_expert < 0).nonzero().flatten()
+    problems = []
+    if untouched.numel():
+        written = ~torch.isnan(out[untouched].float()).all(dim=1)
+        if written.any():
+            problems.append(f"padding rows written: {untouched[written][:20].tolist()}")
+    if valid.numel():
+        ref = torch.empty(valid.numel(), out.shape[1], dtype=torch.float64, device=out.device)
+        absprod = torch.empty_like(ref)
+        for e in row_expert[valid].unique().tolist():
+            sel = row_expert[valid] == e
+            rows = valid[sel]
+            ref[sel] = a64[rows] @ w64[e].T
+            absprod[sel] = a64[rows].abs() @ w64[e].abs().T
+        got = out[valid].double()
+        ref_bf16 = ref.to(torch.bfloat16).double()
+        err = (got - ref_bf16).abs()
+        # Two BF16 ulps (rounding flips from FP32 summation order) plus the FP8 wgmma's own sum: inside
+        # one k32 instruction the exact products are aligned to the largest and kept to about 13
+        # fraction bits (truncated, so the error is biased and adds up linearly over the K blocks):
+        # at most ~2**-13 of sum |a*b|. It matters only for cancelling sums.
+        tol = 2 * _bf16_ulp(ref) + 2.0**-13 * absprod
+        bad = ~(err <= tol)  # NaN counts as bad
+        den = ref_bf16.norm()
+        rel_fro = float((got - ref_bf16).norm() / den) if den > 0 else float((got - ref_bf16).norm())
+        if not rel_fro < 1e-3:
+            problems.append(f"relative Frobenius error {rel_fro:.3e} >= 1e-3")
+        if bad.any():
+            idx = bad.nonzero()
+            nan = int(torch.isnan(got).sum())
+            bad_rows = valid[idx[:, 0].unique()]
+            bad_cols = idx[:, 1].unique()
+            ratio = (err / tol).nan_to_num(float("inf"))
+            worst = ratio.flatten().topk(min(8, ratio.numel())).indices
+            lines = [
+                f"{int(bad.sum())} of {bad.numel()} elements out of tolerance ({nan} NaN)",
+                f"bad rows ({bad_rows.numel()}): {bad_rows[:24].tolist()} "
+                f"experts {row_expert[bad_rows].unique().tolist()}",
+                f"bad cols ({bad_cols.numel()}): {bad_cols[:24].tolist()} (col % 64 histogram "
+                f"{torch.bincount(bad_cols % 64, minlength=64).nonzero().flatten().tolist()[:16]})",
+            ]
+            for flat in worst.tolist():
+                i, j = divmod(flat, ratio.shape[1])
+                lines.append(
+                    f"  row {int(valid[i])} (expert {int(row_expert[valid[i]])}) col {j}: got {float(got[i, j]):.6g} "
+                    f"ref {float(ref[i, j]):.6g} err/tol {float(ratio[i, j]):.3g}"
+                )
+            problems.append("\n".join(lines))
+    assert not problems, f"{what}:\n" + "\n".join(problems)
+
+
+def _contiguous_case(counts, n, k, lead_pad, tail_pad, gen, device="cuda", alignment=1):
+    """Tokens in the contiguous layout; padding rows (between/around groups) hold NaN bytes."""
+    e = len(counts)
+    group = torch.cat([torch.full((c,), i, dtype=torch.int64) for i, c in enumerate(counts)])
+    layout = contiguous_layout(group, e, alignment=alignment)
+    m = lead_pad + layout.num_rows + tail_pad
+    a, a_sf = _random_tokens(m, k, gen, device)
+    row_expert = torch.full((m,), -1, dtype=torch.int64)
+    row_expert[layout.row_index + lead_pad] = group
+    pad = (row_expert < 0).to(device)
+    a.view(torch.uint8)[pad] = 0x7F  # NaN in E4M3: any leak into a stored row shows
+    a_sf.view(torch.uint8)[pad] = 0xFF  # NaN-scale code
+    offsets = (layout.offsets + lead_pad).to(torch.int32).to(device)
+    return a, a_sf, offsets, layout.counts.to(device), row_expert.to(device)
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("tile_tokens", [8, 16, 32, 64])
+@pytest.mark.parametrize("tile_n", [64, 128])
+def test_contiguous_ragged(tile_tokens, tile_n):
+    gen = torch.Generator().manual_seed(1000 + tile_tokens + tile_n)
+    counts = [0, 1, 37, 5, 0, 130, 64, 1, 9]  # empty, one-row, partial last tiles, exact tiles
+    n, k = 256, 1024
+    a, a_sf, offsets, _, row_expert = _contiguous_case(counts, n, k, lead_pad=3, tail_pad=11, gen=gen)
+    b, b_sf = _random_weights(len(counts), n, k, gen, "cuda")
+    bk, bk_sf = prepare_fp4_weights(b, b_sf)
+    out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n)
+    grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg)
+    torch.cuda.synchronize()
+    _check_rows(out, a, a_sf, b, b_sf, row_expert, f"contiguous {cfg.describe()}")
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("n,k", [(64, 512), (192, 1536), (512, 2048), (128, 4096)])
+def test_contiguous_shapes_default_config(n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    counts = [17, 0, 200, 3, 64]
+    a, a_sf, offsets, _, row_expert = _contiguous_case(counts, n, k, lead_pad=0, tail_pad=5, gen=gen)
+    b, b_sf = _random_weights(len(counts), n, k, gen, "cuda")
+    bk, bk_sf = prepare_fp4_weights(b, b_sf)
+    out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out)
+    torch.cuda.synchronize()
+    cfg = select_config(a.shape[0] / len(counts), n, k)
+    _check_rows(out, a, a_sf, b, b_sf, row_expert, f"contiguous N={n} K={k} {cfg.describe()}")
+
+
+@gpu
+@needs_sm90
+def test_contiguous_aligned_groups_with_counts():
+    """``contiguous_layout`` with alignment 32 leaves padding inside [offsets[e], offsets[e+1]); passing
+    ``counts`` keeps it unwritten."""
+    gen = torch.Generator().manual_seed(7)
+    counts, n, k = [5, 0, 33, 1, 64], 128, 512
+    a, a_sf, offsets, cnt, row_expert = _contiguous_case(counts, n, k, 0, 0, gen, alignment=32)
+    b, b_sf = _random_weights(len(counts), n, k, gen, "cuda")
+    bk, bk_sf = prepare_fp4_weights(b, b_sf)
+    for cfg in (GemmConfig(tile_tokens=8), GemmConfig(tile_tokens=32)):
+        out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg, counts=cnt)
+        torch.cuda.synchronize()
+        _check_rows(out, a, a_sf, b, b_sf, row_expert, f"contiguous+counts {cfg.describe()}")
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("tile_tokens", [8, 64])
+def test_masked(tile_tokens):
+    gen = torch.Generator().manual_seed(99 + tile_tokens)
+    masked = [0, 1, 70, 33, 8]
+    e, max_m, n, k = len(masked), 70, 192, 1024
+    a, a_sf = _random_tokens(e * max_m, k, gen, "cuda")
+    row_expert = torch.full((e, max_m), -1, dtype=torch.int64)
+    for i, c in enumerate(masked):
+        row_expert[i, :c] = i
+    row_expert = row_expert.flatten().cuda()
+    pad = row_expert < 0
+    a.view(torch.uint8)[pad] = 0x7F
+    a_sf.view(torch.uint8)[pad] = 0xFF
+    b, b_sf = _random_weights(e, n, k, gen, "cuda")
+    bk, bk_sf = prepare_fp4_weights(b, b_sf)
+    out = torch.full((e, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=64)
+    masked_m = torch.tensor(masked, dtype=torch.int32, device="cuda")
+    grouped_gemm_fp8_fp4_masked(
+        a.view(e, max_m, k), a_sf.view(e, max_m, k // 128), bk, bk_sf, masked_m, out=out, config=cfg
+    )
+    torch.cuda.synchronize()
+    _check_rows(out.view(e * max_m, n), a, a_sf, b, b_sf, row_expert, f"masked {cfg.describe()}")
+
+
+@gpu
+@needs_sm90
+def test_cuda_graph_reads_sizes_on_device():
+    """Captured once, replayed with different group sizes written into ``offsets`` on the device."""
+    gen = torch.Generator().manual_seed(5)
+    e, n, k, m = 4, 128, 512, 96
+    a, a_sf = _random_tokens(m, k, gen, "cuda")
+    b, b_sf = _random_weights(e, n, k, gen, "cuda")
+    bk, bk_sf = prepare_fp4_weights(b, b_sf)
+    offsets = torch.tensor([0, 10, 10, 50, 96], dtype=torch.int32, device="cuda")
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cfg = GemmConfig(tile_tokens=16)
+    grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg)
+    for bounds in ([0, 10, 10, 50, 96], [4, 5, 60, 61, 90]):
+        offsets.copy_(torch.tensor(bounds, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        row_expert = torch.full((m,), -1, dtype=torch.int64)
+        for i in range(e):
+            row_expert[bounds[i] : bounds[i + 1]] = i
+        _check_rows(out, a, a_sf, b, b_sf, row_expert.cuda(), f"graph replay offsets={bounds}")
+
+
+@gpu
+@needs_sm90
+def test_empty_inputs():
+    e, n, k = 3, 64, 512
+    gen = torch.Generator().manual_seed(3)
+    b, b_sf = _random_weights(e, n, k, gen, "cuda")
+    bk, bk_sf = prepare_fp4_weights(b, b_sf)
+    a = torch.empty(0, k, dtype=torch.float8_e4m3fn, device="cuda")
+    a_sf = torch.empty(0, k // 128, dtype=torch.int32, device="cuda")
+    offsets = torch.zeros(e + 1, dtype=torch.int32, device="cuda")
+    assert grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets).shape == (0, n)
+    # rows exist but every group is empty: nothing may be written
+    a, a_sf = _random_tokens(20, k, gen, "cuda")
+    out = torch.full((20, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out)
+    torch.cuda.synchronize()
+    assert torch.isnan(out.float()).all()
+
+
+def _check_swiglu(out, out_sf, a, a_sf, w1, w1_sf, row_expert, row_weights, clamp, what):
+    """FP8 SwiGLU rows against ``numerics.l1_epilogue`` of the FP64 GEMM; other rows keep their poison."""
+    a64 = dequantize_fp8(a, a_sf).double()
+    w64 = dequantize_fp4(w1, w1_sf).double()
+    valid = (row_expert >= 0).nonzero().flatten()
+    untouched = (row_expert < 0).nonzero().flatten()
+    problems = []
+    if untouched.numel():
+        written = (out[untouched].view(torch.uint8) != 0x7F).any(dim=1) | (out_sf[untouched] != -1).any(dim=1)
+        if written.any():
+            problems.append(f"padding rows written: {untouched[written][:20].tolist()}")
+    if valid.numel():
+        acc = torch.empty(valid.numel(), w64.shape[1], dtype=torch.float64, device=out.device)
+        for e in row_expert[valid].unique().tolist():
+            sel = row_expert[valid] == e
+            acc[sel] = a64[valid[sel]] @ w64[e].T
+        ref_q, ref_sf = l1_epilogue(acc, row_weights[valid], clamp, fp8=True)
+        got = dequantize_fp8(out[valid], out_sf[valid])
+        ref = dequantize_fp8(ref_q, ref_sf)
+        fro, row = rel_fro_error(got, ref), max_row_rel_error(got, ref)
+        same = float((out[valid].view(torch.uint8) == ref_q.view(torch.uint8)).float().mean())
+        same_sf = float((out_sf[valid] == ref_sf).float().mean())
+        if not (fro <= MOE_REL_FRO_TOL and row <= MOE_ROW_REL_TOL and same >= 0.99):
+            diff = (got - ref).abs()
+            worst_rows = diff.norm(dim=1).topk(min(5, diff.shape[0])).indices
+            cols = (out[valid].view(torch.uint8) != ref_q.view(torch.uint8)).nonzero()[:, 1]
+            problems.append(
+                f"rel_fro={fro:.3e} (tol {MOE_REL_FRO_TOL:.1e}) max_row_rel={row:.3e} (tol {MOE_ROW_REL_TOL:.1e}) "
+                f"identical fp8 bytes {100 * same:.2f}% scales {100 * same_sf:.2f}%; worst rows "
+                f"{valid[worst_rows].tolist()}; mismatching columns (first 24) {cols.unique()[:24].tolist()} "
+                f"(col % 64 set {sorted(set((cols % 64).tolist()))[:16]})"
+            )
+    assert not problems, f"{what}:\n" + "\n".join(problems)
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("tile_tokens,tile_n,clamp", [(8, 128, None), (64, 128, 7.0), (16, 64, None), (32, 64, 3.0)])
+def test_swiglu_contiguous(tile_tokens, tile_n, clamp):
+    gen = torch.Generator().manual_seed(31 + tile_tokens + tile_n)
+    counts, inter, k = [0, 1, 37, 5, 0, 130, 64, 1], 256, 1024
+    a, a_sf, offsets, _, row_expert = _contiguous_case(counts, 2 * inter, k, lead_pad=2, tail_pad=9, gen=gen)
+    w1, w1_sf = _random_weights(len(counts), 2 * inter, k, gen, "cuda")  # canonical [gate; up] rows
+    bk, bk_sf = prepare_fp4_weights_l1(w1, w1_sf)
+    m = a.shape[0]
+    row_weights = torch.rand(m, generator=gen).cuda()
+    out = torch.full((m, inter), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    out_sf = torch.full((m, inter // 128), -1, dtype=torch.int32, device="cuda")
+    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n)
+    grouped_gemm_fp8_fp4_swiglu_contiguous(
+        a, a_sf, bk, bk_sf, offsets, row_weights, clamp=clamp, out=out, out_sf=out_sf, config=cfg
+    )
+    torch.cuda.synchronize()
+    _check_swiglu(out, out_sf, a, a_sf, w1, w1_sf, row_expert, row_weights, clamp,
+                  f"swiglu contiguous {cfg.describe('swiglu_fp8')} clamp={clamp}")
+
+
+@gpu
+@needs_sm90
+def test_swiglu_masked():
+    gen = torch.Generator().manual_seed(77)
+    masked, max_m, inter, k = [3, 0, 40, 17], 40, 128, 512
+    e = len(masked)
+    a, a_sf = _random_tokens(e * max_m, k, gen, "cuda")
+    row_expert = torch.full((e, max_m), -1, dtype=torch.int64)
+    for i, c in enumerate(masked):
+        row_expert[i, :c] = i
+    row_expert = row_expert.flatten().cuda()
+    w1, w1_sf = _random_weights(e, 2 * inter, k, gen, "cuda")
+    bk, bk_sf = prepare_fp4_weights_l1(w1, w1_sf)
+    row_weights = torch.rand(e, max_m, generator=gen).cuda()
+    out = torch.full((e, max_m, inter), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    out_sf = torch.full((e, max_m, inter // 128), -1, dtype=torch.int32, device="cuda")
+    cfg = GemmConfig(tile_tokens=16, tile_n=128)
+    grouped_gemm_fp8_fp4_swiglu_masked(
+        a.view(e, max_m, k), a_sf.view(e, max_m, k // 128), bk, bk_sf,
+        torch.tensor(masked, dtype=torch.int32, device="cuda"), row_weights, out=out, out_sf=out_sf, config=cfg,
+    )
+    torch.cuda.synchronize()
+    _check_swiglu(out.view(e * max_m, inter), out_sf.view(e * max_m, -1), a, a_sf, w1, w1_sf, row_expert,
+                  row_weights.flatten(), None, f"swiglu masked {cfg.describe('swiglu_fp8')}")
