@@ -1,0 +1,198 @@
+"""Warp-decode MoE on one GPU: ``python -m megamoe.bench decode [--shapes flash,pro] [--batches 1,2,...]``.
+
+For every shape (flash: hidden 4096, intermediate 2048, 32 and 128 experts; pro: 7168, 3072, 48 and
+192 experts), top-k and batch it builds random FP4 weights (random codes, scales around 2**-6) and
+``--routings`` random routings, checks ``moe_decode`` against a float64 reference on the first tokens
+of one routing, then times it in a CUDA graph that cycles through the routings (so consecutive calls
+read different experts and the timing is not an L2-resident replay). Bandwidth counts the weight
+bytes the routing actually needs: every row (and its scales) of W1 and W2 of each distinct routed
+expert. The HBM ceiling is measured in the same run (``torch.sum`` over ``--hbm-gib`` GiB). Beside it,
+torch's grouped GEMMs (FP8 rowwise ``torch._scaled_grouped_mm``, else BF16 ``torch._grouped_mm``) on
+the same routed rows: L1 and L2 GEMMs only (routing permutation and SwiGLU excluded), each checked.
+Every time printed carries its run's correctness verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from ..inputs import random_fp4_weights, random_routing, random_tokens
+from ..layouts import dequantize_fp4
+from ..numerics import max_row_rel_error, rel_fro_error
+from .common import environment_receipt, measure_hbm_read_bandwidth, time_graph
+
+SHAPES = {"flash": (4096, 2048, (32, 128)), "pro": (7168, 3072, (48, 192))}
+DECODE_TOL = 2.0**-8  # BF16 rounding of y; FP32 accumulation (see tests/test_warp_decode.py)
+ROW_TOL = 2.0**-8 * 1.05
+TORCH_TOL = 2.0**-4  # FP8 rowwise activations in the torch baseline: a few 2**-5 per row
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def reference_rows(x, topk_idx, topk_weights, l1, l2, tokens: int) -> torch.Tensor:
+    """float64 ``y[:tokens]`` of the BF16-activation decode path from exactly dequantized FP4 weights."""
+    inter = l1[0].shape[1] // 2
+    y = torch.zeros(tokens, x.shape[1], dtype=torch.float64, device=x.device)
+    for t in range(tokens):
+        for j in range(topk_idx.shape[1]):
+            e = int(topk_idx[t, j])
+            if not 0 <= e < l1[0].shape[0]:
+                continue
+            h = dequantize_fp4(l1[0][e], l1[1][e]).double() @ x[t].double()
+            g, u = h[:inter], h[inter:]
+            a = g / (1 + torch.exp(-g)) * u
+            y[t] += float(topk_weights[t, j]) * (dequantize_fp4(l2[0][e], l2[1][e]).double() @ a)
+    return y
+
+
+def expert_bytes(hidden: int, inter: int) -> int:
+    """HBM bytes of one expert's FP4 weights and packed scales (W1 and W2)."""
+    return 2 * (2 * inter * hidden // 2 + 2 * inter * hidden // 32)
+
+
+class TorchGroupedGemm:
+    """torch's grouped GEMMs for the routed rows (FP8 rowwise, else BF16): ``x W1^T`` then ``a W2^T``."""
+
+    def __init__(self, experts: int, hidden: int, inter: int, device: torch.device, gen: torch.Generator):
+        self.fp8 = hasattr(torch, "_scaled_grouped_mm")
+        dtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
+        # random weights with magnitudes in [2**-3, 2): E4M3 bytes 0x20..0x3f with random signs
+        self.w1 = self._random(experts, 2 * inter, hidden, device, gen, dtype)
+        self.w2 = self._random(experts, hidden, inter, device, gen, dtype)
+        self.name = "torch fp8 grouped" if self.fp8 else "torch bf16 grouped"
+
+    @staticmethod
+    def _random(e, n, k, device, gen, dtype):
+        codes = torch.randint(0x20, 0x40, (e, n, k), generator=gen, device=device, dtype=torch.uint8)
+        codes |= torch.randint(0, 2, (e, n, k), generator=gen, device=device, dtype=torch.uint8) << 7
+        w = codes.view(torch.float8_e4m3fn)
+        return w if dtype == torch.float8_e4m3fn else w.to(dtype)
+
+    def prepare(self, x: torch.Tensor, topk_idx: torch.Tensor):
+        """Rows of x sorted by expert, group end offsets, activations for L2 (outside the timing)."""
+        flat = topk_idx.flatten()
+        valid = (flat >= 0).nonzero().squeeze(1)
+        order = valid[torch.argsort(flat[valid], stable=True)]
+        rows = x[order // topk_idx.shape[1]]
+        counts = torch.bincount(flat[order], minlength=self.w1.shape[0])
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        a = torch.randn(rows.shape[0], self.w2.shape[2], device=x.device) * 0.1
+        return rows, offs, a, flat[order]
+
+    def _mm(self, act: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        if self.fp8:
+            scale = act.float().abs().amax(1).clamp(min=1e-12) / 448
+            q = (act.float() / scale.unsqueeze(1)).to(torch.float8_e4m3fn)
+            ones = torch.ones(w.shape[0], w.shape[1], device=w.device)
+            return torch._scaled_grouped_mm(q, w.transpose(-2, -1), scale, ones, offs=offs, out_dtype=torch.bfloat16)
+        return torch._grouped_mm(act.to(torch.bfloat16), w.transpose(-2, -1), offs=offs)
+
+    def __call__(self, prepared) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, offs, a, _ = prepared
+        return self._mm(rows, self.w1, offs), self._mm(a, self.w2, offs)
+
+    def check(self, prepared) -> str:
+        """Compare both GEMMs with float64 products of the rows actually fed (first rows)."""
+        rows, _, a, experts = prepared
+        if rows.shape[0] == 0:
+            return "ok"
+        h, o = self(prepared)
+        n = min(4, rows.shape[0])
+        errs = []
+        for out, act, w in ((h, rows, self.w1), (o, a, self.w2)):
+            ref = torch.stack([w[int(experts[r])].double() @ act[r].double() for r in range(n)])
+            errs.append(rel_fro_error(out[:n], ref))
+        return "ok" if max(errs) <= TORCH_TOL else f"FAIL({max(errs):.1e})"
+
+
+def _check_decode(moe_decode, x, idx, wts, l1, l2, tokens: int) -> str:
+    y = moe_decode(x, idx, wts, l1, l2)
+    ref = reference_rows(x, idx, wts, l1, l2, tokens)
+    fro, row = rel_fro_error(y[:tokens], ref), max_row_rel_error(y[:tokens], ref)
+    return "ok" if fro <= DECODE_TOL and row <= ROW_TOL else f"FAIL({fro:.1e}/{row:.1e})"
+
+
+def _time_cycling(fn, items: list, args) -> float:
+    """Median us per call of ``fn(item)`` from a CUDA graph holding one call per item, in order."""
+    calls = iter(range(10**9))
+    return statistics.median(
+        time_graph(lambda: fn(items[next(calls) % len(items)]), args.warmup, args.iters, calls_per_graph=len(items))
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m megamoe.bench decode", description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default="flash,pro", help="comma list of: " + ", ".join(SHAPES))
+    parser.add_argument("--experts", default="", help="comma list overriding each shape's expert counts")
+    parser.add_argument("--batches", default="1,2,4,8,16,32,64")
+    parser.add_argument("--topk", type=int, default=6)
+    parser.add_argument("--routings", type=int, default=8, help="routings cycled through inside the timed graph")
+    parser.add_argument("--check-tokens", type=int, default=2, help="tokens checked against the float64 reference")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--hbm-gib", type=float, default=4.0)
+    parser.add_argument("--down-rows", type=int, default=None, help="outputs per down warp (tuning)")
+    parser.add_argument("--no-torch", action="store_true", help="skip the torch grouped-GEMM baseline")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print("megamoe.bench decode needs a CUDA GPU (Hopper); nothing to measure here.")
+        return
+    from ..kernels import warp_decode
+
+    device = torch.device("cuda")
+    rows_kw = {} if args.down_rows is None else {"down_rows": args.down_rows}
+
+    def moe_decode(*a):
+        return warp_decode.moe_decode(*a, **rows_kw)
+
+    print(environment_receipt(device, 1))
+    hbm = measure_hbm_read_bandwidth(device, args.hbm_gib)
+    print(f"measured HBM read bandwidth: {hbm:.0f} GB/s (torch.sum over {args.hbm_gib} GiB)")
+    header = (f"{'shape':6} {'E':>4} {'T':>3} {'check':>7} {'us':>8} {'MB read':>8} {'GB/s':>7} {'%HBM':>6}"
+              f"  {'torch us':>9} {'torch check':>11}")
+    print(header)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    cpu_gen = torch.Generator().manual_seed(args.seed)
+    for shape in args.shapes.split(","):
+        hidden, inter, expert_counts = SHAPES[shape]
+        for experts in _ints(args.experts) or expert_counts:
+            l1 = random_fp4_weights(experts, 2 * inter, hidden, gen, device)
+            l2 = random_fp4_weights(experts, hidden, inter, gen, device)
+            baseline = None
+            if not args.no_torch:
+                try:
+                    baseline = TorchGroupedGemm(experts, hidden, inter, device, gen)
+                except (RuntimeError, torch.OutOfMemoryError) as exc:
+                    print(f"torch baseline unavailable: {exc}")
+            for tokens in _ints(args.batches):
+                x = random_tokens(tokens, hidden, cpu_gen).to(device)
+                routes = [random_routing(tokens, experts, args.topk, cpu_gen) for _ in range(args.routings)]
+                routes = [(i.to(device), w.to(device)) for i, w in routes]
+                verdict = _check_decode(moe_decode, x, *routes[0], l1, l2, min(tokens, args.check_tokens))
+                us = _time_cycling(lambda r, x=x, l1=l1, l2=l2: moe_decode(x, *r, l1, l2), routes, args)
+                unique = statistics.mean(int(torch.unique(i[i >= 0]).numel()) for i, _ in routes)
+                nbytes = unique * expert_bytes(hidden, inter)
+                gbs = nbytes / (us * 1e-6) / 1e9
+                torch_cols = f"{'-':>9} {'-':>11}"
+                if baseline is not None:
+                    try:
+                        prepared = [baseline.prepare(x, i) for i, _ in routes]
+                        torch_verdict = baseline.check(prepared[0])
+                        torch_cols = f"{_time_cycling(baseline, prepared, args):9.1f} {torch_verdict:>11}"
+                    except (RuntimeError, TypeError, ValueError) as exc:  # torch builds without these kernels
+                        torch_cols = f"{'n/a':>9} {str(exc).splitlines()[0][:40]}"
+                print(f"{shape:6} {experts:4d} {tokens:3d} {verdict:>7} {us:8.1f} {nbytes / 1e6:8.1f} {gbs:7.0f} "
+                      f"{100 * gbs / hbm:5.1f}%  {torch_cols}", flush=True)
+            l1 = l2 = baseline = None  # free this expert set before the next one is drawn
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,576 @@
+"""Warp-decode MoE for small batches on one GPU holding every expert's weights (sm_90a, CuTe DSL).
+
+The two kernels are organized around outputs instead of experts: no token permutation, no
+per-expert buffers, no shared memory, no cross-warp synchronization; 8 independent warps per CTA.
+Every warp streams whole weight rows with 16-byte loads per lane (consecutive lanes read consecutive
+16 bytes, so a warp reads 512 contiguous bytes per load); the per-lane loop over a row is fully
+unrolled and its weight loads are issued before the arithmetic (ptxas keeps about two rounds of
+vectors per row in flight per lane at 40-110 registers, no spills). Weight rows bypass L1
+(``L1::no_allocate``, with a 256-byte L2 prefetch hint) so that the activations, which many warps
+read, stay in L1.
+
+* ``gate_up``: a warp owns one intermediate neuron ``i`` of one (token t, slot j) pair. It reads
+  ``e = topk_idx[t, j]`` (ids outside ``[0, E)``, including -1, are masked: ``a = 0``), streams rows
+  ``i`` (gate) and ``I + i`` (up) of ``W1[e]`` and ``x[t]`` (BF16, never quantized), decodes the
+  weights to FP32 on the fly, accumulates both dot products in FP32, reduces across the warp with
+  shuffles, applies the optional clamp and ``silu(gate) * up`` and writes ``a[t, j, i]`` (FP32).
+  Warps are numbered pair-fastest, so the warps that read the same neuron of one expert for
+  different tokens run together (their repeated rows hit L1/L2, not HBM).
+* ``down``: a warp owns ``DOWN_ROWS_PER_WARP`` consecutive outputs ``y[t, h:h+R]``: it loops over the
+  token's k slots, streams rows ``h:h+R`` of ``W2[e]`` and ``a[t, j, :]`` (FP32, shared by the R
+  rows), accumulates ``w_tj * dot`` in FP32 and writes ``y[t, h]`` as BF16 once. At entry lane s
+  starts a bulk L2 prefetch of slot s's R rows (contiguous), so all k slots stream from HBM at once;
+  the slot loop is branch-free (a masked slot loads no weights and adds 0) and unrolled by two. R > 1 divides the FP32 activation traffic per weight byte by R (at R = 1 it is 8 bytes of
+  ``a`` per byte of FP4 weights, more than L1 can serve at HBM speed).
+
+Numerics (BF16-activation decode path, not the FP8 contract of ``megamoe.numerics``): with ``W1``,
+``W2`` dequantized exactly, ``g, u = x . W1[e]^T`` in FP32; ``g = min(g, c)``, ``u = clamp(u, -c, c)``
+with the optional clamp ``c``; ``a = silu(g) * u`` in FP32 (``silu(g) = g / (1 + exp(-g))``, exp
+approximate to a few ulps); ``y[t] = bf16_rne(sum_j w_tj * (a_j . W2[e_j]^T))`` in FP32, summation
+order the kernels'. The only rounding beyond FP32 is the final BF16.
+
+Weight decode: E2M1 nibbles are moved by bit operations into E4M3 bytes (exact, times 2**-6, the
+factor folded into the row's FP32 result); E4M3 bytes widen exactly through ``cvt.rn.f16x2.e4m3x2``
+and ``cvt.f32.f16``. Each lane multiplies its 16 or 32 products' partial sum by the block's UE8M0
+scale once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import torch
+from cutlass import Float32, Int32, Int64, cute
+from cutlass._mlir.dialects import llvm
+from cutlass._mlir.dialects import math as mlir_math
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from ..checks import check_multiple, check_tensor, fail
+from ..layouts import PACKED_BLOCK_K
+from . import runtime
+
+WARPS_PER_CTA = 8
+"""Warps per CTA of both kernels (256 threads); every warp works alone."""
+DOWN_ROWS_PER_WARP = 2
+"""Output elements y[t, h:h+R] per down warp; they share each lane's FP32 activation loads."""
+VEC_BYTES = 16
+"""Bytes of weights each lane loads per vector (one ``ld.global.v4``)."""
+WARP = 32
+FP4_DECODE_BIAS = 2.0**6
+"""The FP4 decode yields E2M1 values times 2**-6 (see ``_fp4x8``)."""
+FORMATS = ("fp4", "fp8")
+
+
+# --------------------------------------------------------------------------------------------------
+# PTX helpers
+
+
+def _asm(results: list, args: list, text: str, constraints: str, loc=None, ip=None) -> list:
+    """One pure inline-PTX block; returns its result values (i32 or f32 ``ir.Value``s)."""
+    ret = results[0] if len(results) == 1 else llvm.StructType.get_literal(results)
+    out = llvm.inline_asm(
+        ret, args, text, constraints, has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )
+    if len(results) == 1:
+        return [out]
+    return [llvm.extractvalue(r, out, [i], loc=loc, ip=ip) for i, r in enumerate(results)]
+
+
+@dsl_user_op
+def _ld_weights(addr: Int64, *, loc=None, ip=None) -> list:
+    """16 bytes of a weight row as 4 words; read-only path, not kept in L1, 256-byte L2 prefetch."""
+    vals = _asm(
+        [T.i32()] * 4, [Int64(addr).ir_value(loc=loc, ip=ip)],
+        "ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", loc, ip,
+    )
+    return [Int32(v) for v in vals]
+
+
+@dsl_user_op
+def _ld_weights_if(addr: Int64, on: Int32, *, loc=None, ip=None) -> list:
+    """``_ld_weights`` when ``on`` is nonzero, else four zero words (no memory access, no branch)."""
+    text = (
+        "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n"
+        "@p ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4];\n}"
+    )
+    args = [Int64(addr).ir_value(loc=loc, ip=ip), Int32(on).ir_value(loc=loc, ip=ip)]
+    return [Int32(v) for v in _asm([T.i32()] * 4, args, text, "=r,=r,=r,=r,l,r", loc, ip)]
+
+
+@dsl_user_op
+def _prefetch_l2(addr: Int64, nbytes: int, *, loc=None, ip=None) -> None:
+    """Start fetching ``nbytes`` (a multiple of 16, 16-byte aligned) at ``addr`` into L2; no registers, no wait."""
+    llvm.inline_asm(
+        None, [Int64(addr).ir_value(loc=loc, ip=ip)], f"cp.async.bulk.prefetch.L2.global [$0], {nbytes};", "l",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
+def _ld_words(addr: Int64, *, loc=None, ip=None) -> list:
+    """16 bytes of an activation row (kept in L1: other warps read it too) as 4 words."""
+    vals = _asm(
+        [T.i32()] * 4, [Int64(addr).ir_value(loc=loc, ip=ip)],
+        "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", loc, ip,
+    )
+    return [Int32(v) for v in vals]
+
+
+@dsl_user_op
+def _ld_floats(addr: Int64, *, loc=None, ip=None) -> list:
+    """16 bytes of an FP32 activation row as 4 floats (kept in L1)."""
+    vals = _asm(
+        [T.f32()] * 4, [Int64(addr).ir_value(loc=loc, ip=ip)],
+        "ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l", loc, ip,
+    )
+    return [Float32(v) for v in vals]
+
+
+@dsl_user_op
+def _ld_word(addr: Int64, *, loc=None, ip=None) -> Int32:
+    """One 32-bit word (packed scales) through the read-only path."""
+    return Int32(_asm([T.i32()], [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.b32 $0, [$1];", "=r,l", loc, ip)[0])
+
+
+@dsl_user_op
+def _ue8m0_scale(packed: Int32, shift: Int32, *, loc=None, ip=None) -> Float32:
+    """The FP32 scale ``2**(c - 127)`` of the UE8M0 code ``c = (packed >> shift) & 0xFF`` (exact, c = 0 too)."""
+    text = (
+        "{\n.reg .b32 c, f;\n.reg .pred z;\n"
+        "shr.u32 c, $1, $2;\nand.b32 c, c, 255;\nsetp.eq.u32 z, c, 0;\nshl.b32 f, c, 23;\n"
+        "selp.b32 f, 4194304, f, z;\nmov.b32 $0, f;\n}"
+    )
+    args = [Int32(packed).ir_value(loc=loc, ip=ip), Int32(shift).ir_value(loc=loc, ip=ip)]
+    return Float32(_asm([T.f32()], args, text, "=f,r,r", loc, ip)[0])
+
+
+_FP4_DECODE = """{
+.reg .b32 a, b, t, p;
+.reg .b16 a0, a1, b0, b1, l, h;
+shl.b32 t, $8, 2;
+and.b32 a, t, 0x1C1C1C1C;
+shl.b32 t, $8, 4;
+and.b32 t, t, 0x80808080;
+or.b32 a, a, t;
+shr.u32 t, $8, 2;
+and.b32 b, t, 0x1C1C1C1C;
+and.b32 t, $8, 0x80808080;
+or.b32 b, b, t;
+mov.b32 {a0, a1}, a;
+mov.b32 {b0, b1}, b;
+cvt.rn.f16x2.e4m3x2 p, a0;
+mov.b32 {l, h}, p;
+cvt.f32.f16 $0, l;
+cvt.f32.f16 $2, h;
+cvt.rn.f16x2.e4m3x2 p, a1;
+mov.b32 {l, h}, p;
+cvt.f32.f16 $4, l;
+cvt.f32.f16 $6, h;
+cvt.rn.f16x2.e4m3x2 p, b0;
+mov.b32 {l, h}, p;
+cvt.f32.f16 $1, l;
+cvt.f32.f16 $3, h;
+cvt.rn.f16x2.e4m3x2 p, b1;
+mov.b32 {l, h}, p;
+cvt.f32.f16 $5, l;
+cvt.f32.f16 $7, h;
+}"""
+
+
+@dsl_user_op
+def _fp4x8(word: Int32, *, loc=None, ip=None) -> list:
+    """8 E2M1 codes (element 2j in the low nibble of byte j) -> 8 FP32 values times 2**-6, in order.
+
+    Each nibble ``s e1 e0 m`` becomes the E4M3 byte ``s 00 e1 e0 m 00`` (E2M1's value times 2**-6,
+    its subnormal 0.5 an E4M3 subnormal), which ``cvt.rn.f16x2.e4m3x2`` and ``cvt.f32.f16`` widen exactly.
+    """
+    vals = _asm([T.f32()] * 8, [Int32(word).ir_value(loc=loc, ip=ip)], _FP4_DECODE, ",".join(["=f"] * 8 + ["r"]), loc, ip)
+    return [Float32(v) for v in vals]
+
+
+@dsl_user_op
+def _fp8x4(word: Int32, *, loc=None, ip=None) -> list:
+    """4 E4M3 bytes (little-endian) -> 4 FP32 values (exact), in order."""
+    text = (
+        "{\n.reg .b16 b0, b1, l, h;\n.reg .b32 p;\nmov.b32 {b0, b1}, $4;\n"
+        "cvt.rn.f16x2.e4m3x2 p, b0;\nmov.b32 {l, h}, p;\ncvt.f32.f16 $0, l;\ncvt.f32.f16 $1, h;\n"
+        "cvt.rn.f16x2.e4m3x2 p, b1;\nmov.b32 {l, h}, p;\ncvt.f32.f16 $2, l;\ncvt.f32.f16 $3, h;\n}"
+    )
+    vals = _asm([T.f32()] * 4, [Int32(word).ir_value(loc=loc, ip=ip)], text, "=f,=f,=f,=f,r", loc, ip)
+    return [Float32(v) for v in vals]
+
+
+@dsl_user_op
+def _bf16x2(word: Int32, *, loc=None, ip=None) -> list:
+    """Two BF16 (low half first) -> two FP32 (exact)."""
+    text = "{\n.reg .b32 t;\nshl.b32 t, $2, 16;\nmov.b32 $0, t;\nand.b32 t, $2, 0xFFFF0000;\nmov.b32 $1, t;\n}"
+    vals = _asm([T.f32()] * 2, [Int32(word).ir_value(loc=loc, ip=ip)], text, "=f,=f,r", loc, ip)
+    return [Float32(v) for v in vals]
+
+
+@dsl_user_op
+def _fma(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
+    """``a * b + c`` with one rounding."""
+    return Float32(mlir_math.fma(
+        Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip), Float32(c).ir_value(loc=loc, ip=ip),
+        loc=loc, ip=ip,
+    ))
+
+
+def _warp_sum(v: Float32) -> Float32:
+    """Sum over the 32 lanes (butterfly shuffles; every lane gets the total)."""
+    for offset in (16, 8, 4, 2, 1):
+        v = v + cute.arch.shuffle_sync_bfly(v, offset=offset)
+    return v
+
+
+@dataclass(frozen=True)
+class _Format:
+    """How one weight format maps onto a lane's 16-byte vector of a row of K elements."""
+
+    name: str
+    elems_per_vec: int  # weight elements in 16 bytes
+    decode_bias: float  # the decoded values are the weights divided by this
+
+    def vectors(self, k: int) -> int:
+        return k // self.elems_per_vec
+
+    def row_bytes(self, k: int) -> int:
+        return self.vectors(k) * VEC_BYTES
+
+    def values(self, words: list) -> list:
+        """The lane's 16 weight bytes -> FP32 values divided by ``decode_bias``, in element order."""
+        out = []
+        for w in words:
+            out += _fp4x8(w) if self.name == "fp4" else _fp8x4(w)
+        return out
+
+    def scale(self, sf_row: Int64, vec: Int32) -> Float32:
+        """Scale of the block holding vector ``vec`` of a row (FP4: one block per vector; FP8: half)."""
+        block = vec if self.name == "fp4" else vec >> 1
+        packed = _ld_word(sf_row + Int64(block >> 2) * 4)
+        return _ue8m0_scale(packed, (block & 3) * 8)
+
+
+_FMT = {"fp4": _Format("fp4", 32, 2.0**6), "fp8": _Format("fp8", 16, 1.0)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+#
+# Lane l of a warp handles the vectors l, l + 32, l + 64, ... of each row it streams. The loads of
+# all full rounds of vectors are issued before any arithmetic, so each lane keeps the whole row
+# slice in flight; a last partial round (K / elements-per-vector not a multiple of 32) is predicated.
+
+
+class _GateUp:
+    """``a[t, j, i] = silu(g) * u`` for every (t, j, i); one warp per (i, pair), pairs fastest."""
+
+    def __init__(self, hidden: int, inter: int, fmt: str, has_clamp: bool):
+        self.hidden, self.inter, self.fmt, self.has_clamp = hidden, inter, _FMT[fmt], has_clamp
+
+    @cute.jit
+    def __call__(self, x: cute.Pointer, idx: cute.Pointer, w: cute.Pointer, sf: cute.Pointer, a: cute.Pointer,
+                 tokens: Int32, topk: Int32, experts: Int32, clamp: Float32, stream):
+        idx_t = cute.make_tensor(idx, cute.make_layout((tokens, topk), stride=(topk, 1)))
+        a_t = cute.make_tensor(a, cute.make_layout((tokens, topk, self.inter), stride=(topk * self.inter, self.inter, 1)))
+        grid = (tokens * topk * self.inter + WARPS_PER_CTA - 1) // WARPS_PER_CTA
+        self.kernel(x, idx_t, w, sf, a_t, experts, clamp).launch(
+            grid=[grid, 1, 1], block=[WARPS_PER_CTA * WARP, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, x: cute.Pointer, idx: cute.Tensor, w: cute.Pointer, sf: cute.Pointer, a: cute.Tensor,
+               experts: Int32, clamp: Float32):
+        fmt, hidden, inter = self.fmt, self.hidden, self.inter
+        vecs = fmt.vectors(hidden)
+        full = vecs // WARP
+        tidx = cute.arch.thread_idx()[0]
+        lane = tidx % WARP
+        topk = idx.shape[1]
+        pairs = idx.shape[0] * topk
+        g = cute.arch.block_idx()[0] * WARPS_PER_CTA + tidx // WARP
+        neuron = g // pairs
+        pair = g - neuron * pairs
+        if neuron < inter:
+            t = pair // topk
+            j = pair - t * topk
+            e = idx[t, j]
+            out = Float32(0.0)
+            if (e >= 0) & (e < experts):
+                gate_row = Int64(e) * (2 * inter) + neuron
+                rows = (w.toint() + gate_row * fmt.row_bytes(hidden),
+                        sf.toint() + gate_row * (hidden // PACKED_BLOCK_K * 4))
+                x_row = x.toint() + Int64(t) * (hidden * 2)
+                acc = cute.make_rmem_tensor((2,), Float32)
+                acc.fill(0.0)
+                self.full_rounds(acc, lane, rows, x_row)
+                if cutlass.const_expr(vecs % WARP != 0):  # noqa: SIM102 (compile-time test, then the lane's)
+                    if lane + full * WARP < vecs:
+                        self.accumulate(acc, lane + full * WARP, self.load(rows, lane + full * WARP), rows, x_row)
+                gate = _warp_sum(acc[0]) * fmt.decode_bias
+                up = _warp_sum(acc[1]) * fmt.decode_bias
+                if cutlass.const_expr(self.has_clamp):
+                    gate = cutlass.min(gate, clamp)
+                    up = cutlass.max(cutlass.min(up, clamp), -clamp)
+                out = gate / (Float32(1.0) + cute.math.exp(-gate, fastmath=True)) * up
+            if lane == 0:
+                a[t, j, neuron] = out
+
+    def load(self, rows, vec) -> tuple:
+        """Vector ``vec`` of the gate row and of the up row (``inter`` rows further)."""
+        w_gate = rows[0] + Int64(vec) * VEC_BYTES
+        return _ld_weights(w_gate), _ld_weights(w_gate + self.inter * self.fmt.row_bytes(self.hidden))
+
+    def full_rounds(self, acc, lane, rows, x_row):
+        vecs = [lane + r * WARP for r in range(self.fmt.vectors(self.hidden) // WARP)]
+        loaded = [self.load(rows, v) for v in vecs]
+        for v, words in zip(vecs, loaded):
+            self.accumulate(acc, v, words, rows, x_row)
+
+    def accumulate(self, acc, vec, words, rows, x_row):
+        """``acc[0] += scale_g * (gate . x)``, ``acc[1] += scale_u * (up . x)`` over vector ``vec``."""
+        fmt = self.fmt
+        xs = []
+        for q in range(fmt.elems_per_vec // 8):
+            for word in _ld_words(x_row + Int64(vec) * (fmt.elems_per_vec * 2) + q * 16):
+                xs += _bf16x2(word)
+        sf_up = rows[1] + self.inter * (self.hidden // PACKED_BLOCK_K * 4)
+        for r, (row_words, sf_row) in enumerate(zip(words, (rows[1], sf_up))):
+            vals = fmt.values(row_words)
+            part = Float32(0.0)
+            for n in range(fmt.elems_per_vec):
+                part = _fma(vals[n], xs[n], part)
+            acc[r] = _fma(part, fmt.scale(sf_row, vec), acc[r])
+
+
+class _Down:
+    """``y[t, h] = bf16(sum_j w_tj * a[t, j] . W2[e_j][h])``; one warp per (t, R rows), rows fastest."""
+
+    def __init__(self, hidden: int, inter: int, fmt: str, rows: int):
+        self.hidden, self.inter, self.fmt, self.rows = hidden, inter, _FMT[fmt], rows
+
+    @cute.jit
+    def __call__(self, a: cute.Pointer, idx: cute.Pointer, wts: cute.Pointer, w: cute.Pointer, sf: cute.Pointer,
+                 y: cute.Pointer, tokens: Int32, topk: Int32, experts: Int32, stream):
+        idx_t = cute.make_tensor(idx, cute.make_layout((tokens, topk), stride=(topk, 1)))
+        wts_t = cute.make_tensor(wts, cute.make_layout((tokens, topk), stride=(topk, 1)))
+        y_t = cute.make_tensor(y, cute.make_layout((tokens, self.hidden), stride=(self.hidden, 1)))
+        grid = (tokens * (self.hidden // self.rows) + WARPS_PER_CTA - 1) // WARPS_PER_CTA
+        self.kernel(a, idx_t, wts_t, w, sf, y_t, experts).launch(
+            grid=[grid, 1, 1], block=[WARPS_PER_CTA * WARP, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, a: cute.Pointer, idx: cute.Tensor, wts: cute.Tensor, w: cute.Pointer, sf: cute.Pointer,
+               y: cute.Tensor, experts: Int32):
+        fmt, hidden, inter, rows = self.fmt, self.hidden, self.inter, self.rows
+        vecs = fmt.vectors(inter)
+        full = vecs // WARP
+        row_blocks = hidden // rows
+        tidx = cute.arch.thread_idx()[0]
+        lane = tidx % WARP
+        topk = idx.shape[1]
+        g = cute.arch.block_idx()[0] * WARPS_PER_CTA + tidx // WARP
+        t = g // row_blocks
+        h0 = (g - t * row_blocks) * rows
+        if t < idx.shape[0]:
+            acc = cute.make_rmem_tensor((rows,), Float32)
+            acc.fill(0.0)
+            dot = cute.make_rmem_tensor((rows,), Float32)
+            # Lane s starts pulling slot s's R rows (contiguous) and their scales into L2, so every
+            # slot's rows stream from HBM at once while the slot loop below works through them.
+            for s in cutlass.range(lane, topk, WARP):
+                e = idx[t, s]
+                if (e >= 0) & (e < experts):
+                    first = Int64(e) * hidden + h0
+                    _prefetch_l2(w.toint() + first * fmt.row_bytes(inter), rows * fmt.row_bytes(inter))
+                    sf_bytes = inter // PACKED_BLOCK_K * 4
+                    if cutlass.const_expr(sf_bytes % 16 == 0):  # scale rows 16-byte aligned (I % 512 == 0)
+                        _prefetch_l2(sf.toint() + first * sf_bytes, rows * sf_bytes)
+            # Branch-free slots (masked ones load no weights and add 0), unrolled by two so that
+            # the next slot's weight loads are in flight while this one computes.
+            for j in cutlass.range(topk, unroll=2):
+                e = idx[t, j]
+                valid = (e >= 0) & (e < experts)
+                on = Int32(cutlass.select_(valid, Int32(1), Int32(0)))
+                first = Int64(cutlass.select_(valid, e, Int64(0))) * hidden + h0
+                bases = (w.toint() + first * fmt.row_bytes(inter),
+                         sf.toint() + first * (inter // PACKED_BLOCK_K * 4), on)
+                a_row = a.toint() + (Int64(t) * topk + j) * (inter * 4)
+                dot.fill(0.0)
+                self.full_rounds(dot, lane, bases, a_row)
+                if cutlass.const_expr(vecs % WARP != 0):  # noqa: SIM102 (compile-time test, then the lane's)
+                    if lane + full * WARP < vecs:
+                        self.accumulate(dot, lane + full * WARP, self.load(bases, lane + full * WARP), bases, a_row)
+                weight = Float32(cutlass.select_(valid, wts[t, j] * fmt.decode_bias, Float32(0.0)))
+                for r in cutlass.range_constexpr(rows):
+                    acc[r] = _fma(weight, dot[r], acc[r])
+            for r in cutlass.range_constexpr(rows):
+                total = _warp_sum(acc[r])
+                if lane == r:
+                    y[t, h0 + r] = total.to(cutlass.BFloat16)
+
+    def load(self, bases, vec) -> list:
+        """Vector ``vec`` of each of the warp's R rows (zeros for a masked slot)."""
+        row_bytes = self.fmt.row_bytes(self.inter)
+        return [_ld_weights_if(bases[0] + r * row_bytes + Int64(vec) * VEC_BYTES, bases[2]) for r in range(self.rows)]
+
+    def full_rounds(self, dot, lane, bases, a_row):
+        vecs = [lane + r * WARP for r in range(self.fmt.vectors(self.inter) // WARP)]
+        loaded = [self.load(bases, v) for v in vecs]
+        for v, words in zip(vecs, loaded):
+            self.accumulate(dot, v, words, bases, a_row)
+
+    def accumulate(self, dot, vec, words, bases, a_row):
+        """``dot[r] += scale_r * (w_r . a)`` over vector ``vec`` of the R rows."""
+        fmt = self.fmt
+        av = []
+        for q in range(fmt.elems_per_vec // 4):
+            av += _ld_floats(a_row + Int64(vec) * (fmt.elems_per_vec * 4) + q * 16)
+        sf_row_bytes = self.inter // PACKED_BLOCK_K * 4
+        for r, row_words in enumerate(words):
+            vals = fmt.values(row_words)
+            part = Float32(0.0)
+            for n in range(fmt.elems_per_vec):
+                part = _fma(vals[n], av[n], part)
+            dot[r] = _fma(part, fmt.scale(bases[1] + r * sf_row_bytes, vec), dot[r])
+
+
+# --------------------------------------------------------------------------------------------------
+# Host side
+
+
+def _ptr(dtype, address: int = 0):
+    """A 16-byte aligned global-memory pointer argument (``address`` 0 stands in at compile time)."""
+    from cutlass.cute.runtime import make_ptr
+    from cutlass.cute.typing import AddressSpace
+
+    return make_ptr(dtype, address, AddressSpace.gmem, assumed_align=16)
+
+
+def compile_kernels(hidden: int, inter: int, weight_format: str, has_clamp: bool, down_rows: int = DOWN_ROWS_PER_WARP):
+    """The compiled (gate_up, down) pair for one static configuration (cached; works without a GPU
+    under ``CUTE_DSL_ARCH=sm_90a``). Token count, top-k and expert count stay runtime values."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    if weight_format not in FORMATS:
+        fail("weight_format", f"must be one of {FORMATS}, got {weight_format!r}")
+    for name, k in (("hidden", hidden), ("inter", inter)):
+        check_multiple(name, k, PACKED_BLOCK_K, "whole 16-byte vectors and packed UE8M0 scale words")
+    check_multiple("hidden", hidden, down_rows, "down rows per warp")
+
+    u8, i32, f32 = cutlass.Uint8, cutlass.Int32, cutlass.Float32
+    sizes = (Int32(1), Int32(1), Int32(1))  # tokens, top-k, experts: runtime values
+
+    def build_gate_up():
+        return cute.compile(
+            _GateUp(hidden, inter, weight_format, has_clamp), _ptr(cutlass.BFloat16), _ptr(cutlass.Int64), _ptr(u8),
+            _ptr(i32), _ptr(f32), *sizes, Float32(0.0), make_fake_stream(),
+        )
+
+    def build_down():
+        return cute.compile(
+            _Down(hidden, inter, weight_format, down_rows), _ptr(f32), _ptr(cutlass.Int64), _ptr(f32), _ptr(u8),
+            _ptr(i32), _ptr(cutlass.BFloat16), *sizes, make_fake_stream(),
+        )
+
+    gate_up = runtime.compiled(("warp_decode.gate_up", hidden, inter, weight_format, has_clamp), build_gate_up)
+    down = runtime.compiled(("warp_decode.down", hidden, inter, weight_format, down_rows), build_down)
+    return gate_up, down
+
+
+def _weight_format(w: object, name: str) -> str:
+    check_tensor(name, w, dtype=(torch.uint8, torch.float8_e4m3fn))
+    return "fp4" if w.dtype == torch.uint8 else "fp8"
+
+
+def _check_pair(name: str, pair: object) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+        fail(name, "must be a (weights, scales) tuple")
+    return pair[0], pair[1]
+
+
+def check_decode_inputs(x, topk_idx, topk_weights, l1, l2, activation_clamp=None, out=None) -> tuple[str, int, int]:
+    """Validate ``moe_decode``'s arguments without touching a GPU; returns (weight format, hidden, intermediate)."""
+    check_tensor("x", x, dtype=torch.bfloat16, ndim=2, contiguous=True)
+    tokens, hidden = x.shape
+    if tokens < 1:
+        fail("x", f"must hold at least one token (T >= 1), got shape {list(x.shape)}")
+    check_multiple("x.shape[1] (hidden)", hidden, PACKED_BLOCK_K, "16-byte weight vectors and packed UE8M0 scale words")
+    check_tensor("topk_idx", topk_idx, dtype=torch.int64, ndim=2, contiguous=True)
+    check_tensor("topk_idx", topk_idx, shape=(tokens, None))
+    topk = topk_idx.shape[1]
+    if topk < 1:
+        fail("topk_idx", f"must have at least one slot per token, got shape {list(topk_idx.shape)}")
+    check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(tokens, topk), contiguous=True)
+
+    w1, s1 = _check_pair("l1", l1)
+    w2, s2 = _check_pair("l2", l2)
+    fmt = _weight_format(w1, "l1[0]")
+    per_byte = 2 if fmt == "fp4" else 1
+    check_tensor("l1[0]", w1, ndim=3, contiguous=True)
+    experts, two_inter = w1.shape[:2]
+    if experts < 1:
+        fail("l1[0]", f"must hold at least one expert, got shape {list(w1.shape)}")
+    if two_inter % 2:
+        fail("l1[0]", f"dim 1 must be 2 * intermediate (gate rows then up rows), got {two_inter}")
+    inter = two_inter // 2
+    check_multiple("l1[0].shape[1] // 2 (intermediate)", inter, PACKED_BLOCK_K,
+                   "16-byte weight vectors and packed UE8M0 scale words")
+    check_tensor("l1[0]", w1, shape=(experts, two_inter, hidden // per_byte))
+    check_tensor("l1[1]", s1, dtype=torch.int32, shape=(experts, two_inter, hidden // PACKED_BLOCK_K), contiguous=True)
+    check_tensor("l2[0]", w2, dtype=w1.dtype, shape=(experts, hidden, inter // per_byte), contiguous=True)
+    check_tensor("l2[1]", s2, dtype=torch.int32, shape=(experts, hidden, inter // PACKED_BLOCK_K), contiguous=True)
+    if tokens * topk * inter >= 2**31:
+        fail("topk_idx", f"T * k * intermediate = {tokens * topk * inter} must stay below 2**31 (32-bit warp ids)")
+
+    if activation_clamp is not None:
+        if isinstance(activation_clamp, bool) or not isinstance(activation_clamp, (int, float)):
+            fail("activation_clamp", f"must be None or a number, got {type(activation_clamp).__name__}")
+        if not 0 < float(activation_clamp) < float("inf"):
+            fail("activation_clamp", f"must be a finite positive number, got {activation_clamp}")
+    if out is not None:
+        check_tensor("out", out, dtype=torch.bfloat16, shape=(tokens, hidden), contiguous=True)
+
+    named = {"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights, "l1[0]": w1, "l1[1]": s1,
+             "l2[0]": w2, "l2[1]": s2}
+    if out is not None:
+        named["out"] = out
+    for name, t in named.items():
+        if t.device != x.device:
+            fail(name, f"must be on x's device {x.device}, got {t.device}")
+        if t.data_ptr() % 16:
+            fail(name, "must start at a 16-byte aligned address (16-byte vector loads)")
+    return fmt, hidden, inter
+
+
+def moe_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp=None, out=None, *, down_rows: int = DOWN_ROWS_PER_WARP):
+    """MoE layer for small batches on one GPU that holds every expert: ``y [T, H]`` bfloat16.
+
+    ``x`` bfloat16 ``[T, H]``; ``topk_idx`` int64 ``[T, k]`` (ids outside ``[0, E)``, e.g. -1, mark
+    unused slots); ``topk_weights`` float32 ``[T, k]``; ``l1 = (w1, w1_sf)``, ``l2 = (w2, w2_sf)``:
+    FP4 (uint8 ``[E, 2I, H/2]`` and ``[E, H, I/2]``) or FP8 (float8_e4m3fn ``[E, 2I, H]`` and
+    ``[E, H, I]``) with packed UE8M0 scales int32 ``[E, 2I, H/128]`` and ``[E, H, I/128]``; H and I
+    multiples of 128. ``activation_clamp`` c: ``gate <= c``, ``|up| <= c``. ``out``: optional
+    bfloat16 ``[T, H]`` destination. ``down_rows``: outputs per down warp (tuning; divides H).
+    Numerics: see the module docstring (FP32 throughout, one BF16 rounding of ``y``).
+    """
+    fmt, hidden, inter = check_decode_inputs(x, topk_idx, topk_weights, l1, l2, activation_clamp, out)
+    if down_rows not in (1, 2, 4, 8):
+        fail("down_rows", f"must be 1, 2, 4 or 8, got {down_rows}")
+    runtime.require_sm90(x, "x")
+    gate_up, down = compile_kernels(hidden, inter, fmt, activation_clamp is not None, down_rows)
+    tokens, topk = topk_idx.shape
+    a = torch.empty(tokens, topk, inter, dtype=torch.float32, device=x.device)
+    y = out if out is not None else torch.empty(tokens, hidden, dtype=torch.bfloat16, device=x.device)
+    experts = l1[0].shape[0]
+    stream = runtime.current_stream()
+    clamp = 0.0 if activation_clamp is None else float(activation_clamp)
+    u8, i32, f32 = cutlass.Uint8, cutlass.Int32, cutlass.Float32
+    idx, a_ptr = _ptr(cutlass.Int64, topk_idx.data_ptr()), _ptr(f32, a.data_ptr())
+    gate_up(_ptr(cutlass.BFloat16, x.data_ptr()), idx, _ptr(u8, l1[0].data_ptr()), _ptr(i32, l1[1].data_ptr()), a_ptr,
+            tokens, topk, experts, clamp, stream)
+    down(a_ptr, idx, _ptr(f32, topk_weights.data_ptr()), _ptr(u8, l2[0].data_ptr()), _ptr(i32, l2[1].data_ptr()),
+         _ptr(cutlass.BFloat16, y.data_ptr()), tokens, topk, experts, stream)
+    return y
