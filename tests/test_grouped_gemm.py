@@ -57,18 +57,21 @@ COMPILE_CASES = [
     (GemmConfig(tile_tokens=64, tile_n=128), "offsets", "swiglu_fp8"),
     (GemmConfig(tile_tokens=8, tile_n=64), "offsets_counts", "swiglu_fp8"),
     (GemmConfig(tile_tokens=16, tile_n=128), "masked", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=16, tile_n=128, ctas_per_sm=2), "offsets", "swiglu_fp8"),
 ]
 
 
 @pytest.mark.parametrize(
-    "config,mode,epilogue", COMPILE_CASES, ids=[f"{c.tile_tokens}x{c.tile_n}-{m}-{e}" for c, m, e in COMPILE_CASES]
+    "config,mode,epilogue", COMPILE_CASES, ids=[f"{c.tile_tokens}x{c.tile_n}x{c.ctas_per_sm}-{m}-{e}" for c, m, e in COMPILE_CASES]
 )
 def test_compiles_for_sm90a(config, mode, epilogue):
     assert compile_grouped_gemm(config, mode, epilogue) is not None
 
 
 def test_select_config():
-    assert select_config(1, 4096, 4096) == GemmConfig(tile_tokens=8, tile_n=128)
+    assert select_config(1, 4096, 4096) == GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2)
+    assert select_config(33, 4096, 4096).ctas_per_sm == 1
     assert select_config(12, 4096, 4096).tile_tokens == 16
     assert select_config(4096, 4096, 4096).tile_tokens == 64
     assert select_config(64, 192, 512).tile_n == 64
@@ -83,6 +86,8 @@ def test_config_validation():
         GemmConfig(tile_n=256)
     with pytest.raises(ValueError, match="config.stages"):
         GemmConfig(stages=1)
+    with pytest.raises(ValueError, match="config.ctas_per_sm"):
+        GemmConfig(tile_tokens=32, ctas_per_sm=2)
 
 
 def _cpu_inputs(m=40, n=128, k=512, e=3):
@@ -308,9 +313,9 @@ def _contiguous_case(counts, n, k, lead_pad, tail_pad, gen, device="cuda", align
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize("tile_tokens", [8, 16, 32, 64])
+@pytest.mark.parametrize("tile_tokens,ctas", [(8, 1), (16, 1), (32, 1), (64, 1), (8, 2), (16, 2)])
 @pytest.mark.parametrize("tile_n", [64, 128])
-def test_contiguous_ragged(tile_tokens, tile_n):
+def test_contiguous_ragged(tile_tokens, ctas, tile_n):
     gen = torch.Generator().manual_seed(1000 + tile_tokens + tile_n)
     counts = [0, 1, 37, 5, 0, 130, 64, 1, 9]  # empty, one-row, partial last tiles, exact tiles
     n, k = 256, 1024
@@ -318,7 +323,7 @@ def test_contiguous_ragged(tile_tokens, tile_n):
     b, b_sf = _random_weights(len(counts), n, k, gen, "cuda")
     bk, bk_sf = prepare_fp4_weights(b, b_sf)
     out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n)
+    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas)
     grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg)
     torch.cuda.synchronize()
     _check_rows(out, a, a_sf, b, b_sf, row_expert, f"contiguous {cfg.describe()}")
@@ -467,8 +472,10 @@ def _check_swiglu(out, out_sf, a, a_sf, w1, w1_sf, row_expert, row_weights, clam
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize("tile_tokens,tile_n,clamp", [(8, 128, None), (64, 128, 7.0), (16, 64, None), (32, 64, 3.0)])
-def test_swiglu_contiguous(tile_tokens, tile_n, clamp):
+@pytest.mark.parametrize(
+    "tile_tokens,tile_n,clamp,ctas", [(8, 128, None, 1), (64, 128, 7.0, 1), (16, 64, None, 1), (32, 64, 3.0, 1), (16, 128, 2.0, 2)]
+)
+def test_swiglu_contiguous(tile_tokens, tile_n, clamp, ctas):
     gen = torch.Generator().manual_seed(31 + tile_tokens + tile_n)
     counts, inter, k = [0, 1, 37, 5, 0, 130, 64, 1], 256, 1024
     a, a_sf, offsets, _, row_expert = _contiguous_case(counts, 2 * inter, k, lead_pad=2, tail_pad=9, gen=gen)
@@ -478,7 +485,7 @@ def test_swiglu_contiguous(tile_tokens, tile_n, clamp):
     row_weights = torch.rand(m, generator=gen).cuda()
     out = torch.full((m, inter), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
     out_sf = torch.full((m, inter // 128), -1, dtype=torch.int32, device="cuda")
-    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n)
+    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas)
     grouped_gemm_fp8_fp4_swiglu_contiguous(
         a, a_sf, bk, bk_sf, offsets, row_weights, clamp=clamp, out=out, out_sf=out_sf, config=cfg
     )

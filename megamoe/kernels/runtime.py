@@ -53,9 +53,32 @@ def current_stream():
     return cuda.CUstream(0)
 
 
+H100_SMEM_PER_SM = 233472  # bytes, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR on sm_90
+
+
+def _answer_device_queries_without_gpu() -> None:
+    """GPU-blind compiles: the DSL asks the driver for the shared memory per SM when a kernel requests
+    several CTAs per SM; with ``CUTE_DSL_ARCH`` set and no GPU, answer with the sm_90 value."""
+    from cutlass.cutlass_dsl import cutlass as dsl
+
+    helpers = dsl.cuda_helpers
+    if getattr(helpers.get_device_attribute, "_megamoe_gpu_blind", False):
+        return
+    real = helpers.get_device_attribute
+    smem_attr = helpers.cuda.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR
+
+    def get_device_attribute(attr, *args, **kwargs):
+        return H100_SMEM_PER_SM if attr == smem_attr else real(attr, *args, **kwargs)
+
+    get_device_attribute._megamoe_gpu_blind = True
+    helpers.get_device_attribute = get_device_attribute
+
+
 def compiled(key: Hashable, build: Callable[[], Any]) -> Any:
     """Return the compiled kernel for ``key``, building (``cute.compile``) it on first use."""
     fn = _cache.get(key)
     if fn is None:
+        if compile_only_arch() and not torch.cuda.is_available():
+            _answer_device_queries_without_gpu()
         fn = _cache[key] = build()
     return fn

@@ -85,13 +85,19 @@ class GemmConfig:
     tile_tokens: tokens per CTA tile (wgmma N), one of 8, 16, 32, 64.
     tile_n: weight rows per CTA tile, 64 per consumer warpgroup (64 or 128).
     stages: TMA pipeline depth (stages of 128 K); ``None`` = as many as shared memory holds (max 16).
+    ctas_per_sm: 1, or 2 for token tiles <= 16 (two co-resident CTAs, each with half the shared memory and
+        fewer consumer registers, hide each other's per-k32 wgmma waits).
     """
 
     tile_tokens: int = 64
     tile_n: int = 128
     stages: int | None = None
+    ctas_per_sm: int = 1
 
     def __post_init__(self):
+        if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2 and self.tile_tokens > 16):
+            fail("config.ctas_per_sm", f"must be 1, or 2 with tile_tokens <= 16; got {self.ctas_per_sm} "
+                 f"with tile_tokens={self.tile_tokens}")
         if self.tile_tokens not in TILE_TOKENS_CHOICES:
             fail("config.tile_tokens", f"must be one of {TILE_TOKENS_CHOICES}, got {self.tile_tokens}")
         if self.tile_n not in TILE_N_CHOICES:
@@ -112,7 +118,8 @@ class GemmConfig:
         return self.tile_tokens * (self.tile_n // 2 + 4) * 4 if epilogue == "swiglu_fp8" else 0
 
     def max_stages(self, epilogue: str = "bf16") -> int:
-        return min(16, (SMEM_CAPACITY - 1024 - 4096 - self.epilogue_bytes(epilogue)) // self.stage_bytes())
+        budget = SMEM_CAPACITY // self.ctas_per_sm - 1024 - 4096 - self.epilogue_bytes(epilogue)
+        return min(16, budget // self.stage_bytes())
 
     def num_stages(self, epilogue: str = "bf16") -> int:
         if self.stages is None:
@@ -123,7 +130,7 @@ class GemmConfig:
     def describe(self, epilogue: str = "bf16") -> str:
         return (
             f"sm90 fp8xfp4 swapAB tile_tokens={self.tile_tokens} tile_n={self.tile_n} "
-            f"stages={self.num_stages(epilogue)} epilogue={epilogue}"
+            f"stages={self.num_stages(epilogue)} ctas/SM={self.ctas_per_sm} epilogue={epilogue}"
         )
 
 
@@ -135,7 +142,7 @@ def select_config(expected_rows_per_expert: float, n: int, k: int) -> GemmConfig
     del k  # the stage count is chosen from shared memory alone
     tile_tokens = next((t for t in TILE_TOKENS_CHOICES if t >= expected_rows_per_expert), TILE_TOKENS_CHOICES[-1])
     tile_n = 128 if n % 128 == 0 else 64
-    return GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n)
+    return GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=2 if tile_tokens <= 16 else 1)
 
 
 def prepare_fp4_weights(b: torch.Tensor, b_sf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,6 +188,10 @@ def _build_kernel_class():
             self.stages = config.num_stages(epilogue)
             self.act_stride = config.tile_n // 2 + 4  # FP32 activations per token row in smem (padded)
             self.threads = 128 * (1 + self.num_consumer_wg)
+            # One CTA per SM: move registers from the producer warpgroup to the consumers (setmaxnreg).
+            # Two CTAs per SM: every warp keeps the launch allocation (<= 64K / (2 * threads)); an
+            # increase could wait forever for registers the other CTA holds.
+            self.rebalance_registers = config.ctas_per_sm == 1
             self.producer_regs = 40
             self.consumer_regs = 232 if self.num_consumer_wg == 2 else 240
 
@@ -245,7 +256,8 @@ def _build_kernel_class():
                 tma_a, tA, tma_w, tW, tma_sfw, tSFW, tma_sfa, tSFA,
                 mD, mDSF, mRowW, mGroupA, mGroupB, num_groups, max_m, clamp,
                 tiled_mma, a_layout, w_layout, sfw_layout, sfa_layout,
-            ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1, stream=stream)
+            ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=self.cfg.ctas_per_sm,
+                     stream=stream)
 
         # ------------------------------------------------------------------------------------------
         # Work decomposition, shared by the producer warp and the consumer warpgroups.
@@ -360,7 +372,8 @@ def _build_kernel_class():
             n_tiles = Int32(tW.shape[0]) // tn
 
             if warp_idx < 4:
-                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if cutlass.const_expr(self.rebalance_registers):
+                    cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
                     self.producer(
                         ab_pipeline, tma_a, tA, tma_w, tW, tma_sfw, tSFW, tma_sfa, tSFA,
@@ -368,7 +381,8 @@ def _build_kernel_class():
                         total_rows, k_tiles, n_tiles, bidx, gdim,
                     )
             else:
-                cute.arch.setmaxregister_increase(self.consumer_regs)
+                if cutlass.const_expr(self.rebalance_registers):
+                    cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consumer(
                     ab_pipeline, tiled_mma, tidx - 128, sA, sW, sSFW, sSFA, sAct, mD, mDSF, mRowW, mGroupA, mGroupB,
                     num_groups, max_m, clamp, total_rows, k_tiles, n_tiles, bidx, gdim,
@@ -714,7 +728,7 @@ def _launch(config, group_mode, epilogue, a2, a_sf2, b, b_sf, out2, out_sf2, row
         out_sf2, row_weights = _dummies(a2.device)
     args = _cute_args(a2, a_sf2, b, b_sf, out2, out_sf2, row_weights, group_a, group_b)
     kernel(*args, cutlass.Int32(num_groups), cutlass.Int32(max_m), cutlass.Float32(clamp),
-           cutlass.Int32(min(num_sms, max_tiles)), runtime.current_stream())
+           cutlass.Int32(min(num_sms * config.ctas_per_sm, max_tiles)), runtime.current_stream())
 
 
 def grouped_gemm_fp8_fp4_contiguous(
