@@ -1,0 +1,125 @@
+"""Reading expert weights from standard checkpoint layouts.
+
+A checkpoint ``source`` is a state dict (``Mapping[str, Tensor]``), a ``.safetensors`` file, or a
+directory holding ``model.safetensors`` or a sharded ``model.safetensors.index.json``. Only the
+tensors asked for are read (safetensors files are opened lazily, fused tensors are sliced on read).
+
+Expert namings under a MoE block's ``prefix`` (e.g. ``"model.layers.3.mlp."``), expert ``e``:
+
+=============  ==============================================================  ====================
+naming         keys                                                            models
+=============  ==============================================================  ====================
+gate_up_down   ``experts.{e}.gate_proj.weight`` [I, H], ``up_proj`` [I, H],    Qwen2/3-MoE,
+               ``down_proj`` [H, I]                                            DeepSeek-V2/V3, OLMoE
+w1_w3_w2       ``experts.{e}.w1.weight`` (gate) [I, H], ``w3`` (up) [I, H],    Mixtral
+               ``w2`` (down) [H, I]
+fused          ``experts.gate_up_proj`` [E, 2I, H] (rows [gate; up]),          transformers >= 5
+               ``experts.down_proj`` [E, H, I]                                 in-memory state dicts
+=============  ==============================================================  ====================
+
+Every reader returns the canonical megamoe layout: ``w1 [E_l, 2I, H]`` (rows ``[0, I)`` gate,
+``[I, 2I)`` up) and ``w2 [E_l, H, I]``, in the checkpoint's dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+import torch
+
+from ..checks import check_multiple, fail
+
+EXPERT_NAMINGS = {"gate_up_down": ("gate_proj", "up_proj", "down_proj"), "w1_w3_w2": ("w1", "w3", "w2")}
+NAMINGS = (*EXPERT_NAMINGS, "fused")
+
+
+class Checkpoint:
+    """Uniform read access to a state dict or safetensors file(s); see the module docstring."""
+
+    def __init__(self, source: Mapping[str, torch.Tensor] | str | os.PathLike):
+        self._files: dict[str, object] = {}
+        if isinstance(source, Mapping):
+            self._tensors, self._where = source, None
+            return
+        self._tensors, path = None, os.fspath(source)
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isdir(path) and os.path.isfile(index):
+            with open(index) as f:
+                self._where = {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+            return
+        if os.path.isdir(path):
+            path = os.path.join(path, "model.safetensors")
+        if not os.path.isfile(path):
+            fail("source", f"is not a state dict, a .safetensors file or a checkpoint directory: {path!r}")
+        self._where = dict.fromkeys(self._open(path).keys(), path)
+
+    def _open(self, path: str):
+        if path not in self._files:
+            from safetensors import safe_open  # optional dependency, needed only for files
+
+            self._files[path] = safe_open(path, framework="pt", device="cpu")
+        return self._files[path]
+
+    def __contains__(self, key: str) -> bool:
+        return key in (self._tensors if self._tensors is not None else self._where)
+
+    def get(self, key: str, rows: range | None = None) -> torch.Tensor:
+        """Tensor ``key`` (only dim-0 ``rows`` of it when given); raises naming the missing key."""
+        if key not in self:
+            fail("source", f"has no tensor {key!r}")
+        if self._tensors is not None:
+            t = self._tensors[key]
+            return t if rows is None else t[rows.start : rows.stop]
+        f = self._open(self._where[key])
+        return f.get_tensor(key) if rows is None else f.get_slice(key)[rows.start : rows.stop]
+
+
+def detect_naming(ckpt: Checkpoint, prefix: str) -> str:
+    """Which of ``NAMINGS`` the experts under ``prefix`` use (raises when none matches)."""
+    if f"{prefix}experts.gate_up_proj" in ckpt:
+        return "fused"
+    for naming, (gate, _, _) in EXPERT_NAMINGS.items():
+        if f"{prefix}experts.0.{gate}.weight" in ckpt:
+            return naming
+    fail("prefix", f"{prefix!r} has no experts in a known naming {NAMINGS} (looked for {prefix}experts.0.gate_proj.weight, "
+         f"{prefix}experts.0.w1.weight, {prefix}experts.gate_up_proj)")
+
+
+def expert_range(num_experts: int, rank: int, num_ranks: int) -> range:
+    """Experts of ``rank``: the contiguous ``[rank * E / R, (rank + 1) * E / R)``."""
+    check_multiple("num_experts", num_experts, num_ranks, f"experts are split evenly over {num_ranks} ranks")
+    per = num_experts // num_ranks
+    return range(rank * per, (rank + 1) * per)
+
+
+def read_expert_weights(
+    source: Checkpoint | Mapping[str, torch.Tensor] | str | os.PathLike,
+    prefix: str,
+    experts: range,
+    naming: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts ``experts`` under ``prefix`` as canonical ``(w1 [E_l, 2I, H], w2 [E_l, H, I])`` on the CPU."""
+    ckpt = source if isinstance(source, Checkpoint) else Checkpoint(source)
+    if naming == "auto":
+        naming = detect_naming(ckpt, prefix)
+    if naming not in NAMINGS:
+        fail("naming", f"must be 'auto' or one of {NAMINGS}, got {naming!r}")
+    if naming == "fused":
+        return ckpt.get(f"{prefix}experts.gate_up_proj", experts), ckpt.get(f"{prefix}experts.down_proj", experts)
+    gate, up, down = EXPERT_NAMINGS[naming]
+    w1 = torch.stack([torch.cat([ckpt.get(f"{prefix}experts.{e}.{gate}.weight"), ckpt.get(f"{prefix}experts.{e}.{up}.weight")])
+                      for e in experts])
+    w2 = torch.stack([ckpt.get(f"{prefix}experts.{e}.{down}.weight") for e in experts])
+    return w1, w2
+
+
+def read_mlp_weights(
+    source: Checkpoint | Mapping[str, torch.Tensor] | str | os.PathLike, prefix: str, naming: str = "gate_up_down"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A dense MLP (e.g. DeepSeek's ``shared_experts.``) as ``(gate [I, H], up [I, H], down [H, I])``."""
+    ckpt = source if isinstance(source, Checkpoint) else Checkpoint(source)
+    if naming not in EXPERT_NAMINGS:
+        fail("naming", f"must be one of {tuple(EXPERT_NAMINGS)} for a dense MLP, got {naming!r}")
+    return tuple(ckpt.get(f"{prefix}{name}.weight") for name in EXPERT_NAMINGS[naming])

@@ -1,0 +1,244 @@
+"""``EPMoE``: an expert-parallel MoE layer as a ``torch.nn.Module`` (inference only).
+
+Each rank of the EP group holds the experts ``[r*E/R, (r+1)*E/R)`` in megamoe's canonical layout,
+quantized once at load (FP4 E2M1 with per-32 UE8M0 scales for ``mma_type="fp8xfp4"``, BF16 for
+``"bf16"``), and a ``SymmBuffer`` sized for ``max_tokens`` tokens per rank. A call quantizes the
+tokens as the recipe wants (FP8 E4M3 with per-32 UE8M0 scales, or BF16), runs the chosen
+implementation over the group with the caller's routing and returns BF16 hidden states; an optional
+shared expert (a dense BF16 SwiGLU MLP, computed locally) is added to the result. The routed part
+follows the numerics contract (``megamoe.numerics``). No gradients flow through it (backward raises).
+
+Implementations (``impl``, ``mode``), chosen explicitly, never substituted:
+
+* ``"legacy"``: ``megamoe.LegacyMoE``; ``mode="normal"`` (one host sync, exact sizes) or
+  ``"low_latency"`` (no host sync, CUDA-graph capturable).
+
+The routed part runs as the custom op ``torch.ops.megamoe.ep_moe`` (with a fake impl), so
+``torch.compile`` traces a layer without graph breaks. Construction and every call are collective
+over ``group``: all ranks call them, each with its own tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import weakref
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..checks import check_tensor, fail
+from ..dist import rank_and_size
+from ..inputs import fill_buffer
+from ..layouts import quantize_fp4
+from ..legacy import LegacyMoE
+from ..symm_buffer import SymmBuffer
+from .checkpoint import Checkpoint, expert_range, read_expert_weights, read_mlp_weights
+
+IMPLS = {"legacy": LegacyMoE.MODES}
+"""Implementation -> its modes."""
+
+_LAYERS: weakref.WeakValueDictionary[int, EPMoE] = weakref.WeakValueDictionary()
+_IDS = itertools.count()
+
+
+@torch.library.custom_op("megamoe::ep_moe", mutates_args=())
+def ep_moe(hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, layer_id: int) -> torch.Tensor:
+    """Routed experts of the ``EPMoE`` with id ``layer_id``: ``[T, H]`` float, ``[T, k]`` int, ``[T, k]``
+    float -> a new BF16 ``[T, H]`` tensor. Writes the layer's SymmBuffer (private state)."""
+    layer = _LAYERS.get(layer_id)
+    if layer is None:
+        fail("layer_id", f"{layer_id} names no live EPMoE layer")
+    return layer._routed(hidden_states, topk_idx, topk_weights)
+
+
+@ep_moe.register_fake
+def _ep_moe_fake(hidden_states, topk_idx, topk_weights, layer_id):
+    return hidden_states.new_empty(hidden_states.shape, dtype=torch.bfloat16)
+
+
+class SharedMLP(nn.Module):
+    """Dense SwiGLU MLP in BF16, ``down(silu(gate(x)) * up(x))`` for ``x [T, H]``, as Hugging Face
+    models compute their shared experts (``gate_proj``/``up_proj`` ``[I, H]``, ``down_proj`` ``[H, I]``)."""
+
+    def __init__(self, hidden: int, intermediate: int, device: torch.device | str | None = None):
+        super().__init__()
+        kw = dict(bias=False, dtype=torch.bfloat16, device=device)
+        self.gate_proj = nn.Linear(hidden, intermediate, **kw)
+        self.up_proj = nn.Linear(hidden, intermediate, **kw)
+        self.down_proj = nn.Linear(intermediate, hidden, **kw)
+        self.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    @torch.no_grad()
+    def load(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        """Copy checkpoint weights (any float dtype, rounded to BF16)."""
+        for name, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+            lin = getattr(self, name)
+            check_tensor(f"shared {name}", w, shape=tuple(lin.weight.shape))
+            lin.weight.copy_(w)
+
+
+class EPMoE(nn.Module):
+    """Expert-parallel MoE layer (module docstring). Collective: every rank of ``group`` builds it.
+
+    ``num_experts`` E (divisible by the group size R), ``num_topk`` k (<= min(E, 32)), ``hidden`` H
+    and ``intermediate`` I (multiples of 128), ``max_tokens``: most tokens per rank and call (sizes the
+    SymmBuffer). ``group=None``: one process. ``shared_intermediate``: width of the shared expert
+    (0 = none; DeepSeek-V3's ``n_shared_experts * moe_intermediate_size``). ``activation_clamp``: the
+    contract's optional SwiGLU clamp. ``device``: defaults to the current CUDA device, else CPU; the
+    layer stays there (weights are plain attributes, not moved by ``.to()``). ``buffer``: an existing
+    SymmBuffer to use instead of allocating one (layers of a model run one after the other and can
+    share one; its layout must match and hold ``max_tokens``; ``destroy`` then leaves it alone).
+
+    Weights: ``load_experts`` (this rank's experts, canonical layout) and, with a shared expert,
+    ``shared.load``; or build everything with ``EPMoE.from_checkpoint``. Loaded, ``w1``/``w2`` hold
+    the local experts as the impl reads them: FP4 ``(uint8, int32 scales)`` tuples or BF16 tensors.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        num_topk: int,
+        hidden: int,
+        intermediate: int,
+        max_tokens: int,
+        group: dist.ProcessGroup | None = None,
+        *,
+        mma_type: str = "fp8xfp4",
+        impl: str = "legacy",
+        mode: str = "normal",
+        shared_intermediate: int = 0,
+        activation_clamp: float | None = None,
+        device: torch.device | str | None = None,
+        buffer: SymmBuffer | None = None,
+    ):
+        super().__init__()
+        if impl not in IMPLS:
+            fail("impl", f"must be one of {tuple(IMPLS)} (the fused Mega MoE kernel is not available yet), got {impl!r}")
+        if mode not in IMPLS[impl]:
+            fail("mode", f"must be one of {IMPLS[impl]} for impl {impl!r}, got {mode!r}")
+        if activation_clamp is not None and not activation_clamp > 0:
+            fail("activation_clamp", f"must be positive, got {activation_clamp}")
+        rank, num_ranks = rank_and_size(group)
+        self.local_experts = expert_range(num_experts, rank, num_ranks)
+        self._owns_buffer = buffer is None
+        if buffer is None:
+            buffer = SymmBuffer(group, num_experts, max_tokens, num_topk, hidden, intermediate, mma_type=mma_type, device=device)
+        else:
+            lay = buffer.layout
+            have = (lay.num_ranks, lay.num_experts, lay.num_topk, lay.hidden, lay.intermediate_hidden, lay.mma_type)
+            want = (num_ranks, num_experts, num_topk, hidden, intermediate, mma_type)
+            if have != want or lay.num_max_tokens_per_rank < max_tokens:
+                fail("buffer", f"has (ranks, experts, top-k, hidden, intermediate, mma_type) = {have} and room for "
+                     f"{lay.num_max_tokens_per_rank} tokens; this layer needs {want} and {max_tokens} tokens")
+        self.buffer = buffer
+        self.num_experts, self.num_topk, self.hidden, self.intermediate = num_experts, num_topk, hidden, intermediate
+        self.max_tokens, self.mma_type, self.impl, self.mode = max_tokens, mma_type, impl, mode
+        self.activation_clamp, self.device = activation_clamp, self.buffer.device
+        self.shared = SharedMLP(hidden, shared_intermediate, self.device) if shared_intermediate else None
+        self.w1 = self.w2 = self._impl = None
+        self.layer_id = next(_IDS)
+        _LAYERS[self.layer_id] = self
+
+    @property
+    def cuda_graph_capturable(self) -> bool:
+        """Whether a call can be captured in a CUDA graph (legacy low-latency mode)."""
+        return (self.impl, self.mode) == ("legacy", "low_latency")
+
+    @torch.no_grad()
+    def load_experts(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
+        """This rank's experts, canonical layout, any float dtype: ``w1 [E/R, 2I, H]`` (rows ``[0, I)``
+        gate, ``[I, 2I)`` up) and ``w2 [E/R, H, I]``. Quantized once here (FP4 + UE8M0, or BF16)."""
+        e, i, h = len(self.local_experts), self.intermediate, self.hidden
+        check_tensor("w1", w1, dtype=(torch.float32, torch.bfloat16, torch.float16), shape=(e, 2 * i, h))
+        check_tensor("w2", w2, dtype=(torch.float32, torch.bfloat16, torch.float16), shape=(e, h, i))
+        w1, w2 = w1.to(self.device).contiguous(), w2.to(self.device).contiguous()
+        if self.mma_type == "fp8xfp4":
+            self.w1, self.w2 = quantize_fp4(w1, "w1"), quantize_fp4(w2, "w2")
+        else:
+            self.w1, self.w2 = w1.to(torch.bfloat16), w2.to(torch.bfloat16)
+        self._impl = LegacyMoE(self.w1, self.w2, self.mode)
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        source: Checkpoint | Mapping[str, torch.Tensor] | str | os.PathLike,
+        prefix: str,
+        num_experts: int,
+        num_topk: int,
+        max_tokens: int,
+        group: dist.ProcessGroup | None = None,
+        *,
+        naming: str = "auto",
+        shared_prefix: str | None = None,
+        **kwargs,
+    ) -> EPMoE:
+        """Build the layer from the experts under ``prefix`` (see ``megamoe.nn.checkpoint`` for the
+        sources and namings), reading only this rank's experts; H and I come from the weights.
+        ``shared_prefix`` (e.g. ``"model.layers.3.mlp.shared_experts."``) loads a shared expert.
+        ``kwargs`` go to the constructor."""
+        ckpt = source if isinstance(source, Checkpoint) else Checkpoint(source)
+        rank, num_ranks = rank_and_size(group)
+        w1, w2 = read_expert_weights(ckpt, prefix, expert_range(num_experts, rank, num_ranks), naming)
+        shared = read_mlp_weights(ckpt, shared_prefix) if shared_prefix else None
+        layer = cls(num_experts, num_topk, w2.shape[1], w2.shape[2], max_tokens, group,
+                    shared_intermediate=shared[0].shape[0] if shared else 0, **kwargs)
+        layer.load_experts(w1, w2)
+        if shared:
+            layer.shared.load(*shared)
+        return layer
+
+    def forward(self, hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """``hidden_states [..., H]`` (BF16, FP16 or FP32) with ``topk_idx [..., k]`` (int32/int64 expert
+        ids, -1 = unused slot) and ``topk_weights [..., k]`` (float) -> BF16 ``[..., H]``: the sum of
+        the routed experts' outputs, each scaled by its routing weight, plus the shared expert's.
+        At most ``max_tokens`` tokens (the product of the leading dims) per rank and call."""
+        check_tensor("hidden_states", hidden_states, dtype=(torch.bfloat16, torch.float16, torch.float32))
+        check_tensor("topk_idx", topk_idx, dtype=(torch.int32, torch.int64))
+        check_tensor("topk_weights", topk_weights, dtype=(torch.float32, torch.bfloat16, torch.float16))
+        lead = hidden_states.shape[:-1]
+        check_tensor("hidden_states", hidden_states, shape=(*lead, self.hidden))
+        for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+            check_tensor(name, t, shape=(*lead, self.num_topk))
+        x = hidden_states.reshape(-1, self.hidden)
+        k = self.num_topk
+        y = torch.ops.megamoe.ep_moe(x, topk_idx.reshape(-1, k), topk_weights.reshape(-1, k), self.layer_id)
+        if self.shared is not None:
+            y = y + self.shared(x.to(torch.bfloat16))
+        return y.view(hidden_states.shape)
+
+    def _routed(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The custom op's body: quantize and copy the inputs into the SymmBuffer, run the impl."""
+        if self._impl is None:
+            fail("weights", "are not loaded: call load_experts() or build the layer with EPMoE.from_checkpoint")
+        check_tensor("hidden_states", x, device=self.device)
+        t = x.shape[0]
+        if t > self.max_tokens:
+            fail("hidden_states", f"holds {t} tokens, above max_tokens={self.max_tokens} (the SymmBuffer's capacity "
+                 "per rank and call; build the layer with a larger max_tokens or split the batch)")
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing and not self.cuda_graph_capturable:
+            fail("mode", f"{self.mode!r} of impl {self.impl!r} syncs with the host and cannot be captured in a "
+                 "CUDA graph; use mode='low_latency'")
+        fill_buffer(self.buffer, x if self.mma_type == "fp8xfp4" else x.to(torch.bfloat16),
+                    topk_idx.to(torch.int64), topk_weights.to(torch.float32))
+        y = torch.empty(t, self.hidden, dtype=torch.bfloat16, device=self.device)
+        return self._impl(y, self.buffer, None, self.activation_clamp, validate=not capturing)
+
+    def destroy(self) -> None:
+        """Release the SymmBuffer it allocated (collective: every rank calls it); unusable after."""
+        _LAYERS.pop(self.layer_id, None)
+        self._impl = None
+        if self._owns_buffer:
+            self.buffer.destroy()
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.local_experts.start}..{self.local_experts.stop - 1} of {self.num_experts}, top_k={self.num_topk}, "
+                f"hidden={self.hidden}, intermediate={self.intermediate}, max_tokens={self.max_tokens}, "
+                f"mma_type={self.mma_type}, impl={self.impl}, mode={self.mode}")
