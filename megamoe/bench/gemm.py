@@ -21,6 +21,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..numerics import rel_fro_error
+from .common import environment_receipt, measure_hbm_read_bandwidth
+
 PRESETS = {
     # name: (hidden, intermediate, experts in all); experts per rank = total / EP
     "flash": (4096, 2048, 256),
@@ -99,19 +102,6 @@ def _time_us(fn, min_seconds: float = 0.3, repeats: int = 5) -> float:
     return statistics.median(samples)
 
 
-def measure_hbm_read_gbps(gib: float = 4.0) -> float:
-    """HBM read bandwidth (GB/s) from a large-tensor reduction (read-dominated, result negligible)."""
-    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32, device="cuda")
-    us = _time_us(lambda: x.sum(), min_seconds=0.5)
-    return gib * 2**30 / (us * 1e-6) / 1e9
-
-
-def _rel_fro(got: torch.Tensor, ref: torch.Tensor) -> float:
-    d = (got.double() - ref.double()).norm()
-    den = ref.double().norm()
-    return float(d / den) if den > 0 else float(d)
-
-
 def _verdict(rel: float, tol: float, nan: bool) -> str:
     ok = rel < tol and not nan
     return f"{'PASS' if ok else 'FAIL'} rel_fro={rel:.2e} (tol {tol:.0e}{', NaN' if nan else ''})"
@@ -168,7 +158,7 @@ def _check_kernel(p: Point, out, a, a_sf, b, b_sf) -> str:
         ref = (dequantize_fp8(a[rows], a_sf[rows]).double() @ w.T).to(torch.bfloat16)
         got = out[rows]
         nan |= bool(torch.isnan(got.float()).any())
-        worst = max(worst, _rel_fro(got, ref))
+        worst = max(worst, rel_fro_error(got, ref))
     return _verdict(worst, 1e-3, nan) + f" on experts {_check_experts(p)} x <= {CHECK_ROWS} rows"
 
 
@@ -221,7 +211,7 @@ def run_scaled_grouped_mm(p: Point) -> Result:
         r = slice(e * rows, e * rows + min(p.rows_per_expert, CHECK_ROWS))
         ref = (a[r].double() * sa[r, None].double()) @ (w[e].double() * sw[e, :, None].double()).T
         nan |= bool(torch.isnan(out[r].float()).any())
-        worst = max(worst, _rel_fro(out[r], ref.to(torch.bfloat16)))
+        worst = max(worst, rel_fro_error(out[r], ref.to(torch.bfloat16)))
     us = _time_us(call)
     flops = 2.0 * p.experts * p.rows_per_expert * p.n * p.k
     return Result("torch._scaled_grouped_mm fp8", _verdict(worst, 1e-2, nan), us, flops / us / 1e6,
@@ -249,7 +239,7 @@ def run_grouped_mm_bf16(p: Point) -> Result:
         r = slice(e * rows, e * rows + min(p.rows_per_expert, CHECK_ROWS))
         ref = a[r].double() @ w[e].double().T
         nan |= bool(torch.isnan(out[r].float()).any())
-        worst = max(worst, _rel_fro(out[r], ref.to(torch.bfloat16)))
+        worst = max(worst, rel_fro_error(out[r], ref.to(torch.bfloat16)))
     us = _time_us(call)
     flops = 2.0 * p.experts * p.rows_per_expert * p.n * p.k
     return Result("torch._grouped_mm bf16", _verdict(worst, 1e-2, nan), us, flops / us / 1e6,
@@ -291,9 +281,10 @@ def main(argv=None) -> int:
         args.presets.split(","), args.layers.split(","),
         [int(x) for x in args.ep.split(",")], [int(x) for x in args.rows.split(",")],
     )
-    props = torch.cuda.get_device_properties(0)
-    hbm = measure_hbm_read_gbps()
-    print(f"device: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}")
+    receipt = environment_receipt(torch.device("cuda"), 1)
+    hbm = measure_hbm_read_bandwidth(torch.device("cuda"))
+    print("receipt: " + ", ".join(f"{k} {v}" for k, v in receipt.items()))
+    print("method: CUDA graph replays of back-to-back calls (eager events if capture fails), median of 5")
     print(f"HBM read bandwidth (4 GiB reduction, this run): {hbm:.0f} GB/s")
     records = []
     failures = 0
@@ -325,7 +316,7 @@ def main(argv=None) -> int:
         records.append({"point": asdict(p), "results": [asdict(r) for r in results]})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"hbm_read_gbps": hbm, "device": props.name, "records": records}, f, indent=1)
+            json.dump({"hbm_read_gbps": hbm, "environment": receipt, "records": records}, f, indent=1)
     print(f"{failures} failed correctness checks")
     return 1 if failures else 0
 
