@@ -8,7 +8,13 @@ at offsets that are identical on every rank, so a kernel can address a peer's vi
 =================  ===============================  =============================================
 view               dtype, shape                      contents
 =================  ===============================  =============================================
-workspace          uint8 [workspace_bytes]           fused-kernel counters and signals (zeroed)
+signals            int32 [16]                        [0] calls completed, [1] grid-barrier count
+ready              int64 [R]                         ``(call + 1) << 32 | T`` from source rank r
+done               int32 [R]                         ``call + 1`` from expert rank r (combine rows in)
+expert_counts      int32 [E/R]                       rows received per local expert (this call)
+expert_offsets     int32 [E/R + 1]                   their starts in the L1 ring, then the total
+pool               int32 [E/R, R * T_max]            per local expert: source code of each row
+ring_source        int32 [ring]                      source code of each L1 ring row
 x                  e4m3 / bf16 [T_max, H]            input tokens (FP8, or BF16 for mma "bf16")
 x_sf               int32 [T_max, H/128]              packed UE8M0 token scales (FP8 only)
 topk_idx           int64 [T_max, k]                  routed expert ids, -1 = unused slot
@@ -21,11 +27,13 @@ l2_acts_sf         int32 [ring, I/128]               their scales (FP8 only)
 combine            bf16 [k, T_max, H]                L2 rows written back by expert ranks
 =================  ===============================  =============================================
 
+A source code packs (source rank, token, slot) as ``(src * T_max + token) * k + slot``. The counters
+in ``signals``, ``ready`` and ``done`` only grow (call numbers), so no call needs host-side zeroing;
+``expert_counts`` is reset by the kernels that use it at the end of each call.
+
 ``ring`` (``num_ring_tokens``) bounds the rows in flight on the expert side; by default it holds
 every row a rank can receive (``R * T_max * min(k, E/R)``) up to ``DEFAULT_MAX_RING_TOKENS``,
-rounded up to ``RING_ALIGNMENT``. The workspace reserves: 256 B of barrier signals, per-expert send
-counts (u64 [E]), per-(rank, local expert) receive counts (u64 [R, E/R]), four u32 ring counters per
-ring block of ``RING_ALIGNMENT`` rows, and a (rank, token, slot) int32 source record per ring row.
+rounded up to ``RING_ALIGNMENT``.
 """
 
 from __future__ import annotations
@@ -125,6 +133,9 @@ def symm_buffer_layout(
     check_multiple("hidden", hidden, PACKED_BLOCK_K, "four 32-element scale blocks per packed int32")
     check_multiple("intermediate_hidden", intermediate_hidden, PACKED_BLOCK_K, "four 32-element scale blocks per packed int32")
     num_local = num_experts // num_ranks
+    if num_ranks * num_max_tokens_per_rank * num_topk >= 2**31:
+        fail("num_max_tokens_per_rank", f"x num_ranks x num_topk must stay below 2**31 (int32 source codes), got "
+             f"{num_ranks} x {num_max_tokens_per_rank} x {num_topk}")
     if num_ring_tokens is None:
         num_ring_tokens = default_num_ring_tokens(num_ranks, num_max_tokens_per_rank, num_topk, num_local)
     check_range("num_ring_tokens", num_ring_tokens, RING_ALIGNMENT, 1 << 26)
@@ -133,9 +144,14 @@ def symm_buffer_layout(
     fp8 = mma_type == "fp8xfp4"
     act = torch.float8_e4m3fn if fp8 else torch.bfloat16
     t, k, h, i, ring = num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden, num_ring_tokens
-    workspace = 256 + 8 * num_experts + 8 * num_ranks * num_local + 16 * (ring // RING_ALIGNMENT) + 12 * ring
     specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
-        ("workspace", torch.uint8, (workspace,)),
+        ("signals", torch.int32, (16,)),
+        ("ready", torch.int64, (num_ranks,)),
+        ("done", torch.int32, (num_ranks,)),
+        ("expert_counts", torch.int32, (num_local,)),
+        ("expert_offsets", torch.int32, (num_local + 1,)),
+        ("pool", torch.int32, (num_local, num_ranks * t)),
+        ("ring_source", torch.int32, (ring,)),
         ("x", act, (t, h)),
         ("x_sf", torch.int32, (t, h // PACKED_BLOCK_K) if fp8 else (t, 0)),
         ("topk_idx", torch.int64, (t, k)),
