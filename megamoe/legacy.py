@@ -8,9 +8,11 @@ numerics contract (``megamoe.numerics``) exactly. One call:
 2. dispatch: each token travels once to every rank owning one of its experts, as one packed byte row
    (top-k ids, top-k weights, token, scales), in one ``all_to_all``;
 3. expert compute: (row, slot) pairs of local experts sorted by expert (contiguous layout), L1
-   grouped GEMM, SwiGLU x routing weight -> FP8 (or BF16), L2 grouped GEMM. The GEMMs are
-   ``torch._grouped_mm`` over BF16 operands dequantized from the FP8/FP4 data (exact: every FP8 or
-   FP4 value times a power of two is a BF16 value), FP32 accumulation, BF16 out;
+   grouped GEMM, SwiGLU x routing weight -> FP8 (or BF16), L2 grouped GEMM. With ``gemm="torch"``
+   the GEMMs are ``torch._grouped_mm`` over BF16 operands dequantized from the FP8/FP4 data (exact:
+   every FP8 or FP4 value times a power of two is a BF16 value), FP32 accumulation, BF16 out, and the
+   SwiGLU-quant step is torch code; with ``gemm="sm90"`` they are megamoe's SM90 FP8 x FP4 grouped
+   GEMMs on the FP4 weights, L1 with the SwiGLU-quant epilogue fused;
 4. combine: every slot's BF16 row returns to its source rank in one ``all_to_all`` and the source
    sums its slots in FP32 in slot order.
 
@@ -29,7 +31,7 @@ import math
 
 import torch
 
-from .checks import check_tensor, fail
+from .checks import check_multiple, check_tensor, fail
 from .dist import all_gather_rows, all_to_all_rows
 from .layouts import contiguous_layout, dequantize_fp4, dequantize_fp8
 from .layouts.weights import check_bf16_expert_weights, check_fp4_expert_weights
@@ -61,23 +63,38 @@ class LegacyMoE:
 
     ``l1``/``l2``: this rank's experts in canonical form, FP4 ``(uint8 weights, int32 scales)`` tuples
     (recipe fp8xfp4) or BF16 tensors (recipe bf16), see ``megamoe.layouts.weights``. ``mode``:
-    ``"normal"`` or ``"low_latency"`` (module docstring).
+    ``"normal"`` or ``"low_latency"``; ``gemm``: ``"torch"`` or ``"sm90"`` (module docstring; "sm90"
+    needs a Hopper GPU and hidden, intermediate multiples of 512).
     """
 
     MODES = ("normal", "low_latency")
+    GEMMS = ("torch", "sm90")
 
-    def __init__(self, l1, l2, mode: str = "normal"):
+    def __init__(self, l1, l2, mode: str = "normal", gemm: str = "torch"):
         if mode not in self.MODES:
             fail("mode", f"must be one of {self.MODES}, got {mode!r}")
-        self.mode = mode
+        if gemm not in self.GEMMS:
+            fail("gemm", f"must be one of {self.GEMMS}, got {gemm!r}")
+        self.mode, self.gemm = mode, gemm
         self.fp8 = isinstance(l1, tuple)
         w1 = l1[0] if self.fp8 else l1
         self.hidden = w1.shape[2] * (2 if self.fp8 else 1) if w1.dim() == 3 else -1
         self.intermediate = w1.shape[1] // 2 if w1.dim() == 3 else -1
         check = check_fp4_expert_weights if self.fp8 else check_bf16_expert_weights
         self.num_local_experts = check(l1, l2, self.hidden, self.intermediate)
-        self.w1t = self._bf16(l1).transpose(1, 2)  # [E_l, H, 2I], the K x N operand of _grouped_mm
-        self.w2t = self._bf16(l2).transpose(1, 2)  # [E_l, I, H]
+        if gemm == "torch":
+            self.w1t = self._bf16(l1).transpose(1, 2)  # [E_l, H, 2I], the K x N operand of _grouped_mm
+            self.w2t = self._bf16(l2).transpose(1, 2)  # [E_l, I, H]
+            return
+        # SM90 FP8 x FP4 grouped GEMMs straight on the FP4 weights (L1 with the fused SwiGLU-quant epilogue).
+        from .kernels import sm90_grouped_gemm as sm90
+
+        if not self.fp8:
+            fail("gemm", "'sm90' runs the fp8xfp4 recipe; BF16 weights need gemm='torch'")
+        for name, k in (("hidden", self.hidden), ("intermediate", self.intermediate)):
+            check_multiple(f"{name} (a GEMM K)", k, sm90.K_MULTIPLE, "the SM90 grouped GEMM's K granularity")
+        self.l1k = sm90.prepare_fp4_weights_l1(*l1)
+        self.l2k = sm90.prepare_fp4_weights(*l2)
 
     @staticmethod
     def _bf16(w) -> torch.Tensor:
@@ -134,10 +151,18 @@ class LegacyMoE:
             stats += grouped.counts
         if rows == 0:
             return torch.empty(0, self.hidden, dtype=torch.bfloat16, device=dev), dst
+        weights = r_w[src_row, src_slot]
+        if self.gemm == "sm90":
+            from .kernels import sm90_grouped_gemm as sm90
+
+            a, a_sf = sm90.grouped_gemm_fp8_fp4_swiglu_contiguous(
+                r_x[src_row], r_sf[src_row], *self.l1k, grouped.offsets, weights, clamp=clamp
+            )
+            return sm90.grouped_gemm_fp8_fp4_contiguous(a, a_sf, *self.l2k, grouped.offsets), dst
         a_in = dequantize_fp8(r_x[src_row], r_sf[src_row], torch.bfloat16) if self.fp8 else r_x[src_row]
         ends = grouped.offsets[1:]
         h1 = torch._grouped_mm(a_in, self.w1t, offs=ends)
-        a, a_sf = l1_epilogue(h1, r_w[src_row, src_slot], clamp, self.fp8)
+        a, a_sf = l1_epilogue(h1, weights, clamp, self.fp8)
         a_in = dequantize_fp8(a, a_sf, torch.bfloat16) if self.fp8 else a
         return torch._grouped_mm(a_in, self.w2t, offs=ends), dst
 

@@ -17,7 +17,7 @@ def check_legacy_against_reference(rank, group, device, case: dict) -> None:
     for call, seed in enumerate((case["seed"], case["seed"] + 1)):
         p = global_problem(seed, case["tokens_per_rank"], e, k, h, i, mma, case.get("masked_ratio", 0.0), case.get("hot_experts"))
         l1, l2 = local_experts(p["l1"], rank, num_ranks, device), local_experts(p["l2"], rank, num_ranks, device)
-        legacy = LegacyMoE(l1, l2, case.get("mode", "normal"))
+        legacy = LegacyMoE(l1, l2, case.get("mode", "normal"), case.get("gemm", "torch"))
         x_q, x_sf = fill_buffer(buf, p["x"][rank].to(device), p["topk_idx"][rank].to(device), p["topk_weights"][rank].to(device))
         t = p["x"][rank].shape[0]
         y = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=device)  # poisoned

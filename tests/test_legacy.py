@@ -34,6 +34,21 @@ def test_legacy_single_gpu(name):
     check_legacy_against_reference(0, None, torch.device("cuda"), CASES[name])
 
 
+SM90 = dict(experts=8, topk=3, hidden=512, intermediate=512, seed=3, gemm="sm90")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    dict(SM90, tokens_per_rank=[1]),
+    dict(SM90, tokens_per_rank=[45], masked_ratio=0.3, clamp=0.5),
+    dict(SM90, tokens_per_rank=[30], hot_experts=3, mode="low_latency"),
+], ids=["one_token", "ragged_masked_clamp", "skewed_low_latency"])
+def test_legacy_single_gpu_sm90_gemm(case):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    check_legacy_against_reference(0, None, torch.device("cuda"), case)
+
+
 def _setup(mma="fp8xfp4", t=4):
     p = global_problem(0, [t], 8, 2, 256, 128, mma)
     buf = get_symm_buffer_for_mega_moe(None, 8, 8, 2, 256, 128, mma_type=mma, device="cpu")
@@ -67,6 +82,10 @@ def test_legacy_weight_validation():
         LegacyMoE(p["l1"], p["l2"][0])
     with pytest.raises(ValueError, match="`mode` must be one of"):
         LegacyMoE(p["l1"], p["l2"], "fast")
+    with pytest.raises(ValueError, match="`gemm` must be one of"):
+        LegacyMoE(p["l1"], p["l2"], gemm="cublas")
+    with pytest.raises(ValueError, match=r"`hidden \(a GEMM K\)` must be a multiple of 512"):
+        LegacyMoE(p["l1"], p["l2"], gemm="sm90")
     half = LegacyMoE((w1[:4].contiguous(), s1[:4].contiguous()), (p["l2"][0][:4].contiguous(), p["l2"][1][:4].contiguous()))
     with pytest.raises(ValueError, match=r"`sym_buffer` has .* = \('fp8xfp4', 256, 128, 8\), the weights \('fp8xfp4', 256, 128, 4\)"):
         half(torch.empty(4, 256, dtype=torch.bfloat16), buf)

@@ -6,7 +6,7 @@ each call after a cross-rank barrier, median per rank, the slowest rank reported
 runs the tiny preset on CPU with gloo and says so.
 
 Columns: ``us`` time per call; ``TFLOP/s`` useful FLOPs ``6 * routed_rows * H * I`` per rank over
-time; ``weights GB/s`` bytes of the expert weights this path reads (BF16 for the legacy path) for
+time; ``weights GB/s`` bytes of the expert weights this path reads (BF16 with the torch GEMM, FP4 with the SM90 one) for
 experts that received rows; ``FP4 floor us`` the same experts' FP4 bytes over the HBM read bandwidth
 measured in this run (the floor a fused FP4 kernel could reach); ``a2a GB/s`` bytes this rank sends
 to other ranks (dispatch rows + combine rows) over time.
@@ -111,7 +111,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     else:
         l1 = random_bf16_weights(num_local, 2 * i, h, gen, device)
         l2 = random_bf16_weights(num_local, h, i, gen, device)
-    paths = {mode: LegacyMoE(l1, l2, mode) for mode in LegacyMoE.MODES}
+    gemms = ["torch"]
+    if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0) and h % 512 == 0 and i % 512 == 0:
+        gemms.append("sm90")
+    paths = {f"{mode}, {gemm} GEMM": LegacyMoE(l1, l2, mode, gemm) for gemm in gemms for mode in LegacyMoE.MODES}
     bf16_bytes_per_expert = 3 * h * i * 2
     fp4_bytes_per_expert = 3 * h * i // 2 + 3 * h * i // 32
     dispatch_row_bytes = k * 12 + (h + h // 32 if fp8 else 2 * h)
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 legacy(y, buf, None, activation_clamp=args.clamp, validate=False)
 
             method = f"{clock}, one call"
-            if mode == "low_latency" and device.type == "cuda":
+            if legacy.mode == "low_latency" and device.type == "cuda":
                 times = time_graph(call, args.warmup, args.iters, before=barrier)
                 method = "CUDA graph of 10 calls"
             else:
@@ -154,7 +157,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 _profile(call, barrier, lead, f"{t} tokens/rank, {mode}")
             routed = _sum_over_ranks(float(stats.sum()), group, device) / num_ranks
             touched = _sum_over_ranks(float((stats > 0).sum()), group, device) / num_ranks
-            if mode == "normal":
+            if legacy.mode == "normal":
                 sent = float(_traffic_bytes(idx, rank, num_ranks, num_local, dispatch_row_bytes, h))
             else:
                 sent = float((num_ranks - 1) * t * (dispatch_row_bytes + k * h * 2))
@@ -167,7 +170,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "tflops": 6 * routed * h * i / (us * 1e-6) / 1e12,
                 "routed_rows_per_rank": routed,
                 "experts_touched_per_rank": touched,
-                "weights_gbps": touched * bf16_bytes_per_expert / (us * 1e-6) / 1e9,
+                "weights_gbps": touched * (bf16_bytes_per_expert if legacy.gemm == "torch" else fp4_bytes_per_expert) / (us * 1e-6) / 1e9,
                 "fp4_floor_us": touched * fp4_bytes_per_expert / (hbm * 1e9) * 1e6 if hbm else None,
                 "a2a_gbps": sent / (us * 1e-6) / 1e9,
                 "rel_fro": fro,
