@@ -8,7 +8,10 @@ read different experts and the timing is not an L2-resident replay). Bandwidth c
 bytes the routing actually needs: every row (and its scales) of W1 and W2 of each distinct routed
 expert. The HBM ceiling is measured in the same run (``torch.sum`` over ``--hbm-gib`` GiB). Beside it,
 torch's grouped GEMMs (FP8 rowwise ``torch._scaled_grouped_mm``, else BF16 ``torch._grouped_mm``) on
-the same routed rows: L1 and L2 GEMMs only (routing permutation and SwiGLU excluded), each checked.
+the same routed rows: L1 and L2 GEMMs only (routing permutation and SwiGLU excluded), each checked,
+and megamoe's grouped path for the whole layer on one GPU (``LegacyMoE`` low-latency mode with the
+SM90 FP8 x FP4 grouped GEMMs: FP8 token quantization, expert sort, L1 + SwiGLU-quant, L2, combine),
+checked against the FP32 reference of the FP8 contract; the two megamoe columns give the crossover.
 Every time printed carries its run's correctness verdict.
 """
 
@@ -19,9 +22,12 @@ import statistics
 
 import torch
 
-from ..inputs import random_fp4_weights, random_routing, random_tokens
+from ..inputs import fill_buffer, random_fp4_weights, random_routing, random_tokens
 from ..layouts import dequantize_fp4
-from ..numerics import max_row_rel_error, rel_fro_error
+from ..legacy import LegacyMoE
+from ..numerics import MOE_REL_FRO_TOL, MOE_ROW_REL_TOL, max_row_rel_error, rel_fro_error
+from ..reference import reference_moe
+from ..symm_buffer import get_symm_buffer_for_mega_moe
 from .common import environment_receipt, measure_hbm_read_bandwidth, time_graph
 
 SHAPES = {"flash": (4096, 2048, (32, 128)), "pro": (7168, 3072, (48, 192))}
@@ -117,6 +123,28 @@ def _check_decode(moe_decode, x, idx, wts, l1, l2, tokens: int) -> str:
     return "ok" if fro <= DECODE_TOL and row <= ROW_TOL else f"FAIL({fro:.1e}/{row:.1e})"
 
 
+class GroupedPath:
+    """megamoe's grouped path for one GPU: ``LegacyMoE`` (low latency, SM90 GEMMs) over a SymmBuffer."""
+
+    def __init__(self, l1, l2, tokens: int, topk: int):
+        experts, hidden, inter = l1[0].shape[0], 2 * l1[0].shape[2], l1[0].shape[1] // 2
+        self.moe = LegacyMoE(l1, l2, "low_latency", "sm90")
+        self.buf = get_symm_buffer_for_mega_moe(None, experts, tokens, topk, hidden, inter)
+        self.y = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=l1[0].device)
+        self.l1, self.l2 = l1, l2
+
+    def __call__(self, x, route) -> torch.Tensor:
+        fill_buffer(self.buf, x, *route)
+        return self.moe(self.y, self.buf, None, validate=False)
+
+    def check(self, x, route) -> str:
+        self.y.fill_(float("nan"))
+        y = self(x, route)
+        ref = reference_moe(self.buf.x[: x.shape[0]], self.buf.x_sf[: x.shape[0]], *route, self.l1, self.l2)
+        fro, row = rel_fro_error(y, ref), max_row_rel_error(y, ref)
+        return "ok" if fro <= MOE_REL_FRO_TOL and row <= MOE_ROW_REL_TOL else f"FAIL({fro:.1e}/{row:.1e})"
+
+
 def _time_cycling(fn, items: list, args) -> float:
     """Median us per call of ``fn(item)`` from a CUDA graph holding one call per item, in order."""
     calls = iter(range(10**9))
@@ -156,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     hbm = measure_hbm_read_bandwidth(device, args.hbm_gib)
     print(f"measured HBM read bandwidth: {hbm:.0f} GB/s (torch.sum over {args.hbm_gib} GiB)")
     header = (f"{'shape':6} {'E':>4} {'T':>3} {'check':>7} {'us':>8} {'MB read':>8} {'GB/s':>7} {'%HBM':>6}"
-              f"  {'torch us':>9} {'torch check':>11}")
+              f"  {'grouped us':>10} {'check':>7}  {'torch us':>9} {'torch check':>11}")
     print(header)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     cpu_gen = torch.Generator().manual_seed(args.seed)
@@ -180,6 +208,9 @@ def main(argv: list[str] | None = None) -> None:
                 unique = statistics.mean(int(torch.unique(i[i >= 0]).numel()) for i, _ in routes)
                 nbytes = unique * expert_bytes(hidden, inter)
                 gbs = nbytes / (us * 1e-6) / 1e9
+                grouped = GroupedPath(l1, l2, tokens, args.topk)
+                grouped_cols = f"{_time_cycling(lambda r, x=x: grouped(x, r), routes, args):10.1f} {grouped.check(x, routes[0]):>7}"
+                del grouped
                 torch_cols = f"{'-':>9} {'-':>11}"
                 if baseline is not None:
                     try:
@@ -189,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
                     except (RuntimeError, TypeError, ValueError) as exc:  # torch builds without these kernels
                         torch_cols = f"{'n/a':>9} {str(exc).splitlines()[0][:40]}"
                 print(f"{shape:6} {experts:4d} {tokens:3d} {verdict:>7} {us:8.1f} {nbytes / 1e6:8.1f} {gbs:7.0f} "
-                      f"{100 * gbs / hbm:5.1f}%  {torch_cols}", flush=True)
+                      f"{100 * gbs / hbm:5.1f}%  {grouped_cols}  {torch_cols}", flush=True)
             l1 = l2 = baseline = None  # free this expert set before the next one is drawn
             torch.cuda.empty_cache()
 
