@@ -1,11 +1,13 @@
 """megamoe: expert-parallel Mixture-of-Experts layers for multi-GPU inference.
 
-Public surface (see README.md): the SymmBuffer and its sizing helper, the legacy EP baseline, the
-FP32 reference of the numerics contract, and the data layouts (``megamoe.layouts``).
+Public surface (see README.md): the SymmBuffer and its sizing helper, the Mega MoE path
+(``fp8_fp4_mega_moe``, staged for now), the legacy EP baseline, the FP32 reference of the numerics
+contract, the data layouts (``megamoe.layouts``) and the model layer (``megamoe.nn``).
 """
 
 from . import layouts, nn, numerics
 from .legacy import LegacyMoE
+from .mega import MegaMoE, debug_report, fp8_fp4_mega_moe, transform_weights_for_mega_moe
 from .reference import distributed_reference_moe, reference_moe
 from .symm_buffer import SymmBuffer, get_symm_buffer_for_mega_moe, symm_buffer_layout
 
@@ -13,6 +15,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LegacyMoE",
+    "MegaMoE",
+    "debug_report",
+    "fp8_fp4_mega_moe",
+    "transform_weights_for_mega_moe",
     "SymmBuffer",
     "distributed_reference_moe",
     "get_symm_buffer_for_mega_moe",

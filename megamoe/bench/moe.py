@@ -1,6 +1,7 @@
 """The EP MoE benchmark: ``torchrun --nproc-per-node N -m megamoe.bench [--preset ...] [--tokens ...]``.
 
-For every tokens-per-rank point: fresh random inputs, a correctness check of the legacy path
+For every tokens-per-rank point: fresh random inputs, a correctness check of every path (legacy
+normal / low-latency with torch's or megamoe's SM90 GEMMs, and the staged fused path on Hopper)
 against the distributed FP32 reference on those inputs, then timing (warm-up, CUDA events around
 each call after a cross-rank barrier, median per rank, the slowest rank reported). Without GPUs it
 runs the tiny preset on CPU with gloo and says so.
@@ -25,9 +26,10 @@ import torch.distributed as dist
 from ..dist import init_from_env, rank_and_size
 from ..inputs import fill_buffer, random_bf16_weights, random_fp4_weights, random_routing, random_tokens
 from ..legacy import LegacyMoE
+from ..mega import MegaMoE
 from ..numerics import MOE_REL_FRO_TOL, MOE_ROW_REL_TOL, max_row_rel_error, rel_fro_error
 from ..reference import distributed_reference_moe
-from ..symm_buffer import get_symm_buffer_for_mega_moe
+from ..symm_buffer import RING_ALIGNMENT, get_symm_buffer_for_mega_moe
 from .common import environment_receipt, measure_hbm_read_bandwidth, progress, time_events, time_graph
 
 PRESETS = {
@@ -114,7 +116,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     gemms = ["torch"]
     if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0) and h % 512 == 0 and i % 512 == 0:
         gemms.append("sm90")
-    paths = {f"{mode}, {gemm} GEMM": LegacyMoE(l1, l2, mode, gemm) for gemm in gemms for mode in LegacyMoE.MODES}
+    paths = {f"legacy {mode}, {gemm} GEMM": LegacyMoE(l1, l2, mode, gemm) for gemm in gemms for mode in LegacyMoE.MODES}
+    if "sm90" in gemms:
+        paths["fused (staged)"] = MegaMoE(l1, l2)
     bf16_bytes_per_expert = 3 * h * i * 2
     fp4_bytes_per_expert = 3 * h * i // 2 + 3 * h * i // 32
     dispatch_row_bytes = k * 12 + (h + h // 32 if fp8 else 2 * h)
@@ -129,48 +133,59 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for t in progress(tokens, f"{preset}: tokens/rank", enabled=lead):
         # One buffer per point, sized to it: the low-latency path moves num_max_tokens_per_rank rows.
-        buf = get_symm_buffer_for_mega_moe(group, e, max(t, 1), k, h, i, mma_type=args.mma_type, device=device)
+        ring = -(-num_ranks * max(t, 1) * min(k, num_local) // RING_ALIGNMENT) * RING_ALIGNMENT  # every row received
+        buf = get_symm_buffer_for_mega_moe(group, e, max(t, 1), k, h, i, mma_type=args.mma_type, num_ring_tokens=ring,
+                                           device=device)
         cpu_gen = torch.Generator().manual_seed(args.seed * 7919 + t * 31 + rank)
         x = random_tokens(t, h, cpu_gen, device)
         idx, w = random_routing(t, e, k, cpu_gen, args.masked_ratio, device=device)
         x_q, x_sf = fill_buffer(buf, x, idx, w)
         ref = distributed_reference_moe(x_q, x_sf, idx, w, l1, l2, group, max(t, 1), args.clamp)
-        for mode, legacy in paths.items():
+        for name, path in paths.items():
             y = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=device)
             stats = torch.zeros(num_local, dtype=torch.int32, device=device)
-            legacy(y, buf, stats, activation_clamp=args.clamp)
+            path(y, buf, stats, activation_clamp=args.clamp)
             fro = _max_over_ranks(rel_fro_error(y, ref) if t else 0.0, group, device)
             row_rel = _max_over_ranks(max_row_rel_error(y, ref), group, device)
             ok = fro <= MOE_REL_FRO_TOL and row_rel <= MOE_ROW_REL_TOL
 
+            fused = isinstance(path, MegaMoE)
+
             def call():
-                legacy(y, buf, None, activation_clamp=args.clamp, validate=False)
+                if fused:
+                    path(y, buf, None, activation_clamp=args.clamp)
+                else:
+                    path(y, buf, None, activation_clamp=args.clamp, validate=False)
 
             method = f"{clock}, one call"
-            if legacy.mode == "low_latency" and device.type == "cuda":
+            if (fused or path.mode == "low_latency") and device.type == "cuda":
                 times = time_graph(call, args.warmup, args.iters, before=barrier)
                 method = "CUDA graph of 10 calls"
             else:
                 times = time_events(call, args.warmup, args.iters, before=barrier)
             us = _max_over_ranks(statistics.median(times), group, device)
             if args.profile:
-                _profile(call, barrier, lead, f"{t} tokens/rank, {mode}")
+                _profile(call, barrier, lead, f"{t} tokens/rank, {name}")
             routed = _sum_over_ranks(float(stats.sum()), group, device) / num_ranks
             touched = _sum_over_ranks(float((stats > 0).sum()), group, device) / num_ranks
-            if legacy.mode == "normal":
+            if fused:  # one pulled row (token, scales, weight) and one combine row per remote slot
+                remote = (idx >= 0) & (idx // num_local != rank)
+                sent = float(int(remote.sum()) * (h + h // 32 + 4 + 2 * h))
+            elif path.mode == "normal":
                 sent = float(_traffic_bytes(idx, rank, num_ranks, num_local, dispatch_row_bytes, h))
             else:
                 sent = float((num_ranks - 1) * t * (dispatch_row_bytes + k * h * 2))
             sent = _max_over_ranks(sent, group, device)
             rows.append({
                 "tokens_per_rank": t,
-                "path": f"legacy {mode}",
+                "path": name,
                 "method": method,
                 "us": us,
                 "tflops": 6 * routed * h * i / (us * 1e-6) / 1e12,
                 "routed_rows_per_rank": routed,
                 "experts_touched_per_rank": touched,
-                "weights_gbps": touched * (bf16_bytes_per_expert if legacy.gemm == "torch" else fp4_bytes_per_expert) / (us * 1e-6) / 1e9,
+                "weights_gbps": touched * (fp4_bytes_per_expert if fused or path.gemm == "sm90" else bf16_bytes_per_expert)
+                / (us * 1e-6) / 1e9,
                 "fp4_floor_us": touched * fp4_bytes_per_expert / (hbm * 1e9) * 1e6 if hbm else None,
                 "a2a_gbps": sent / (us * 1e-6) / 1e9,
                 "rel_fro": fro,
@@ -178,7 +193,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "correct": ok,
             })
             if not ok:
-                say(f"INCORRECT: legacy {mode} at {t} tokens/rank: rel_fro={fro:.3e} max_row_rel={row_rel:.3e}")
+                say(f"INCORRECT: {name} at {t} tokens/rank: rel_fro={fro:.3e} max_row_rel={row_rel:.3e}")
         del ref
         buf.destroy()
 

@@ -1,0 +1,279 @@
+"""Mega MoE, staged: NVLink dispatch, SM90 grouped GEMMs, NVLink combine; no host sync, CUDA-graph capturable.
+
+``fp8_fp4_mega_moe(y, l1, l2, sym_buffer, ...)`` computes the numerics contract of ``megamoe.numerics``
+(FP8 x FP4 recipe) for the ``T = y.shape[0]`` tokens the caller copied into the buffer's ``x``, ``x_sf``,
+``topk_idx`` and ``topk_weights`` views; ``l1``/``l2`` come from ``transform_weights_for_mega_moe``. It is
+collective: every rank of the buffer's group makes the same sequence of calls on the same buffer. Four
+launches on the caller's stream, nothing else (no host sync, no host zeroing):
+
+1. dispatch (``kernels.ep_comm``): announce ``ready``, scan every rank's routing over NVLink, count and
+   pool the rows of local experts, prefix offsets, pull token rows + scales + routing weights into the
+   L1 ring (``l1_acts``, ``l1_acts_sf``, ``l1_topk_weights``, ``ring_source``), contiguous per expert
+   with ragged groups (``expert_offsets``);
+2. L1: ``grouped_gemm_fp8_fp4_swiglu_contiguous`` -> ``l2_acts``, ``l2_acts_sf`` (steps 1-5);
+3. L2: ``grouped_gemm_fp8_fp4_contiguous`` -> a BF16 ``[ring, H]`` scratch (step 6);
+4. combine (``kernels.ep_comm``): push each row to its source rank's ``combine[slot, token]``, publish
+   ``done``, wait for every rank's ``done``, sum each token's valid slots in slot order (step 7).
+
+Why no rank overwrites what a peer still reads (all flags only grow, comparisons are wrap-safe):
+
+* A rank's inputs (``x``, ``x_sf``, ``topk_idx``, ``topk_weights``) are read by peers during their
+  dispatch of call c; its next inputs are written by its host after its call c returned, and that call
+  ends only after ``done[p] >= c + 1`` from every peer p, which p publishes after its own dispatch
+  (stream order) -- so every peer has finished reading.
+* A rank's ``combine`` area is written by peers for call c + 1 only for rows of tokens they pulled in
+  call c + 1, i.e. after they saw its ``ready >= c + 2``, which it publishes at the start of call
+  c + 1, after it summed call c's rows.
+* ``ready[src]`` of call c + 1 (and its token count) lands in a peer only after that peer finished its
+  scan of call c (it published ``done`` for c, which the sender awaited); ``done`` of call c + 1 only
+  after the rows of c + 1, hence after the receiver's ``ready`` of c + 1, hence after it finished c.
+* ``expert_counts``, ``pool``, ``expert_offsets`` and the rings are local and stream-ordered; the
+  counts are zeroed by combine for the next call, the grid-barrier counter (``signals[1]``) and the
+  call counter (``signals[0]``) never reset.
+* The ring holds every row a rank can receive: ``num_ring_tokens >= R * T_max * min(k, E/R)``, checked
+  on the host (experts of one token are distinct, as any top-k router makes them).
+
+Memory ordering: rows stored to a peer, then ``fence.acq_rel.sys``, a grid barrier, and the ``done``
+flag stored with ``st.release.sys``; flags are read with ``ld.acquire.sys`` by one thread followed by a
+CTA barrier before anyone reads the data (see ``kernels.ep_comm``).
+
+Debug mode (``debug=True`` or ``MEGAMOE_DEBUG=1``): every spin-wait times out after
+``MEGAMOE_DEBUG_TIMEOUT_S`` seconds (default 10) and the kernels check the row codes they read; a
+failure printf's ``megamoe debug: rank R CTA C (SM S) role ROLE: <what it waited for / read>, sees V``
+and traps (the CUDA context is then unusable: the error surfaces at the next sync). The same lines
+stay readable from host memory: ``debug_report(sym_buffer)``. After each call the host poisons the
+rings, the pool and the combine area (NaN / -1), so stale data cannot pass for this call's.
+
+Hang diagnosis: rerun with ``MEGAMOE_DEBUG=1``. ``waits ready[src=r] >= c + 1, sees c`` (or less): rank
+r has not started call c (a missing or extra call there, or r is stuck earlier: read r's lines);
+``waits done[dst=r]``: rank r has not finished pushing its rows of call c (read r's lines);
+``waits grid barrier``: CTAs of this rank's own kernel are missing (not all resident: another kernel
+holds SMs) or stopped earlier; a bad pool / ring_source code or an expert / ring overflow: corrupted
+protocol state or duplicate experts in a token's top-k.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from .checks import check_multiple, check_tensor, fail
+from .layouts.weights import check_fp4_expert_weights
+from .symm_buffer import SymmBuffer
+
+DEBUG_ENV = "MEGAMOE_DEBUG"
+DEBUG_TIMEOUT_ENV = "MEGAMOE_DEBUG_TIMEOUT_S"
+DEFAULT_DEBUG_TIMEOUT_S = 10.0
+RECIPE = (1, 1, 32)
+"""Scale granularity (token rows, weight rows, K elements): per-token, per-row, per-32 UE8M0 scales."""
+K_MULTIPLE = 512
+"""The SM90 grouped GEMM's K granularity (hidden for L1, intermediate for L2)."""
+
+
+def transform_weights_for_mega_moe(l1: tuple, l2: tuple) -> tuple[tuple, tuple]:
+    """Canonical FP4 weights of this rank's experts -> the kernels' operands (once, at load time).
+
+    ``l1 = (uint8 [E_l, 2I, H/2], int32 [E_l, 2I, H/128])`` rows [gate; up], ``l2 = (uint8 [E_l, H, I/2],
+    int32 [E_l, H, I/128])``; H and I multiples of 512. Returns ``(l1k, l2k)``: L1 rows interleaved for
+    the SwiGLU epilogue and both in the SM90 kernel layout (``uint8 [E_l, N, K/128, 64]``, ``int32
+    [E_l, N, K/128]``).
+    """
+    from .kernels import sm90_grouped_gemm as sm90
+
+    for name, pair in (("l1", l1), ("l2", l2)):
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            fail(name, "must be a canonical FP4 (uint8 weights, int32 scales) tuple")
+    check_tensor("l1[0]", l1[0], dtype=torch.uint8, ndim=3)
+    hidden, inter = 2 * l1[0].shape[2], l1[0].shape[1] // 2
+    check_fp4_expert_weights(l1, l2, hidden, inter)
+    check_multiple("hidden (l1[0].shape[2] * 2)", hidden, K_MULTIPLE, "the SM90 grouped GEMM's K granularity")
+    check_multiple("intermediate (l1[0].shape[1] / 2)", inter, K_MULTIPLE, "the SM90 grouped GEMM's K granularity")
+    return sm90.prepare_fp4_weights_l1(*l1), sm90.prepare_fp4_weights(*l2)
+
+
+def debug_enabled(debug: bool | None) -> bool:
+    """``debug``, or the ``MEGAMOE_DEBUG`` environment variable ("1") when it is None."""
+    if debug is None:
+        return os.environ.get(DEBUG_ENV, "0") == "1"
+    if not isinstance(debug, bool):
+        raise TypeError(f"megamoe: `debug` must be a bool or None, got {type(debug).__name__}")
+    return debug
+
+
+def debug_timeout_ns() -> int:
+    """Spin-wait timeout of debug mode: ``MEGAMOE_DEBUG_TIMEOUT_S`` seconds (default 10)."""
+    seconds = float(os.environ.get(DEBUG_TIMEOUT_ENV, DEFAULT_DEBUG_TIMEOUT_S))
+    if not 0 < seconds < 1e6:
+        fail(DEBUG_TIMEOUT_ENV, f"must be a positive number of seconds, got {seconds}")
+    return int(seconds * 1e9)
+
+
+def check_mega_call(y, l1, l2, sym_buffer, stats, recipe, activation, activation_clamp, fast_math) -> int:
+    """Validate a call's arguments on the host (no device work, no sync); returns T."""
+    if not isinstance(sym_buffer, SymmBuffer):
+        raise TypeError(f"megamoe: `sym_buffer` must be a SymmBuffer, got {type(sym_buffer).__name__}")
+    lay = sym_buffer.layout
+    if lay.mma_type != "fp8xfp4":
+        fail("sym_buffer", f"must be allocated with mma_type='fp8xfp4' for fp8_fp4_mega_moe, got {lay.mma_type!r}")
+    if tuple(recipe) != RECIPE:
+        fail("recipe", f"must be {RECIPE} (per-token, per-row, per-32 UE8M0 scales), got {tuple(recipe)}")
+    if activation != "swiglu":
+        fail("activation", f"must be 'swiglu', got {activation!r}")
+    if activation_clamp is not None:
+        if isinstance(activation_clamp, bool) or not isinstance(activation_clamp, (int, float)):
+            fail("activation_clamp", f"must be None or a number, got {type(activation_clamp).__name__}")
+        if not 0 < activation_clamp < math.inf:
+            fail("activation_clamp", f"must be finite and positive, got {activation_clamp}")
+    if not isinstance(fast_math, bool):
+        raise TypeError(f"megamoe: `fast_math` must be a bool, got {type(fast_math).__name__}")
+    r, e_l, k, t_max = lay.num_ranks, lay.num_local_experts, lay.num_topk, lay.num_max_tokens_per_rank
+    h, i = lay.hidden, lay.intermediate_hidden
+    check_multiple("sym_buffer hidden", h, K_MULTIPLE, "the SM90 grouped GEMM's K granularity")
+    check_multiple("sym_buffer intermediate_hidden", i, K_MULTIPLE, "the SM90 grouped GEMM's K granularity")
+    worst = r * t_max * min(k, e_l)
+    if lay.num_ring_tokens < worst:
+        fail("sym_buffer", f"ring (num_ring_tokens = {lay.num_ring_tokens} rows of l1_acts / l2_acts) must hold "
+             f"every row a rank can receive, R * T_max * min(k, E/R) = {r} * {t_max} * {min(k, e_l)} = {worst}; "
+             f"allocate the buffer with num_ring_tokens >= {worst} or fewer num_max_tokens_per_rank")
+    from .kernels.ep_comm import MAX_LOCAL_EXPERTS
+
+    if e_l > MAX_LOCAL_EXPERTS:
+        fail("sym_buffer", f"has {e_l} local experts; the dispatch kernel holds at most {MAX_LOCAL_EXPERTS}")
+    dev = sym_buffer.device
+    check_tensor("y", y, dtype=torch.bfloat16, ndim=2, device=dev, contiguous=True)
+    check_tensor("y", y, shape=(None, h))
+    sym_buffer.check_num_tokens(y.shape[0])
+    if y.numel() and y.data_ptr() % 16:
+        fail("y", f"must start at a 16-byte aligned address (16-byte stores), got {y.data_ptr():#x}")
+    if stats is not None:
+        check_tensor("cumulative_local_expert_recv_stats", stats, dtype=torch.int32, shape=(e_l,), device=dev,
+                     contiguous=True)
+    for name, pair, n, kk in (("l1", l1, 2 * i, h), ("l2", l2, h, i)):
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            fail(name, "must be the (weights, scales) tuple of transform_weights_for_mega_moe")
+        check_tensor(f"{name}[0]", pair[0], dtype=torch.uint8, shape=(e_l, n, kk // 128, 64), device=dev,
+                     contiguous=True)
+        check_tensor(f"{name}[1]", pair[1], dtype=torch.int32, shape=(e_l, n, kk // 128), device=dev, contiguous=True)
+    return y.shape[0]
+
+
+@dataclass
+class _State:
+    """Per-buffer launch state, made on the first call (outside CUDA-graph capture)."""
+
+    peers: torch.Tensor  # int64 [R]: every rank's buffer base address
+    record: torch.Tensor  # int64 [num_ctas, RECORD_WORDS], host-mapped: debug reports
+    num_ctas: int
+
+
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _state(buf: SymmBuffer) -> _State:
+    st = _STATES.get(buf)
+    if st is None:
+        if torch.cuda.is_current_stream_capturing():
+            fail("sym_buffer", "was never used by fp8_fp4_mega_moe outside CUDA-graph capture: make one call "
+                 "before capturing (it compiles the kernels and stores the peer addresses)")
+        from .kernels.ep_comm import RECORD_WORDS
+
+        num_ctas = torch.cuda.get_device_properties(buf.device).multi_processor_count
+        peers = torch.tensor(buf.peer_ptrs, dtype=torch.int64).to(buf.device)
+        record = torch.zeros(num_ctas, RECORD_WORDS, dtype=torch.int64, pin_memory=True)
+        st = _STATES[buf] = _State(peers, record, num_ctas)
+    return st
+
+
+def poison_buffer(buf: SymmBuffer) -> None:
+    """Debug: fill the rings, the pool and the combine area with NaN / -1 (stream-ordered)."""
+    for name in ("l1_acts", "l2_acts"):
+        getattr(buf, name).view(torch.uint8).fill_(0xFF)  # E4M3 NaN
+    for name in ("l1_acts_sf", "l2_acts_sf", "pool", "ring_source"):
+        getattr(buf, name).fill_(-1)  # UE8M0 NaN scales, invalid source codes
+    buf.l1_topk_weights.fill_(float("nan"))
+    buf.combine.fill_(float("nan"))
+
+
+def debug_report(sym_buffer: SymmBuffer) -> str | None:
+    """The debug diagnostics the kernels wrote for this buffer (one line per trapped CTA), or None.
+
+    Reads host memory only, so it works after a trap left the CUDA context unusable."""
+    from .kernels.ep_comm import format_record
+
+    st = _STATES.get(sym_buffer)
+    if st is None:
+        return None
+    lines = [format_record(row) for row in st.record.tolist() if row[0]]
+    return "\n".join(lines) if lines else None
+
+
+def fp8_fp4_mega_moe(
+    y: torch.Tensor,
+    l1: tuple,
+    l2: tuple,
+    sym_buffer: SymmBuffer,
+    cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+    recipe: tuple = RECIPE,
+    activation: str = "swiglu",
+    activation_clamp: float | None = None,
+    fast_math: bool = True,
+    debug: bool | None = None,
+) -> torch.Tensor:
+    """Fill ``y [T, H]`` (BF16) with the MoE output of the tokens in ``sym_buffer``'s input views.
+
+    ``l1``, ``l2``: this rank's experts from ``transform_weights_for_mega_moe``. ``sym_buffer``: from
+    ``get_symm_buffer_for_mega_moe(..., mma_type="fp8xfp4")`` with the default ring (or any ring of
+    ``R * T_max * min(k, E/R)`` rows or more). ``cumulative_local_expert_recv_stats``: optional int32
+    ``[E/R]``, incremented by the rows each local expert received. ``recipe``: (1, 1, 32) only.
+    ``activation_clamp``: ``gate <= c``, ``|up| <= c`` (rounded to BF16). ``fast_math``: allow
+    approximate exp / reciprocal (the contract allows both; the SM90 SwiGLU epilogue's exp is used as is).
+    ``debug``: module docstring (None: ``MEGAMOE_DEBUG``). Collective, asynchronous, CUDA-graph capturable
+    once a first call has been made outside capture. Returns ``y``.
+    """
+    from .kernels import ep_comm, runtime
+    from .kernels import sm90_grouped_gemm as sm90
+
+    debug = debug_enabled(debug)
+    stats = cumulative_local_expert_recv_stats
+    num_tokens = check_mega_call(y, l1, l2, sym_buffer, stats, recipe, activation, activation_clamp, fast_math)
+    runtime.require_sm90(y, "y")
+    buf, lay = sym_buffer, sym_buffer.layout
+    st = _state(buf)
+    cfg = ep_comm.EpCommConfig(lay, debug, stats is not None)
+    base = buf.buffer.data_ptr()
+    record = st.record.data_ptr()
+    timeout = debug_timeout_ns() if debug else 0
+
+    ep_comm.dispatch(cfg, buf.rank, num_tokens, base, st.peers, stats, record, timeout, st.num_ctas)
+    sm90.grouped_gemm_fp8_fp4_swiglu_contiguous(
+        buf.l1_acts, buf.l1_acts_sf, *l1, buf.expert_offsets, buf.l1_topk_weights, clamp=activation_clamp,
+        out=buf.l2_acts, out_sf=buf.l2_acts_sf,
+    )
+    rows = torch.empty(lay.num_ring_tokens, lay.hidden, dtype=torch.bfloat16, device=buf.device)
+    if debug:
+        rows.fill_(float("nan"))
+    sm90.grouped_gemm_fp8_fp4_contiguous(buf.l2_acts, buf.l2_acts_sf, *l2, buf.expert_offsets, out=rows)
+    ep_comm.combine(cfg, buf.rank, num_tokens, base, st.peers, rows, y, record, timeout, st.num_ctas)
+    if debug:
+        poison_buffer(buf)
+    return y
+
+
+class MegaMoE:
+    """``fp8_fp4_mega_moe`` with this rank's experts transformed once: a drop-in beside ``LegacyMoE``.
+
+    ``l1``, ``l2``: canonical FP4 tuples (as ``LegacyMoE`` takes them). Call as
+    ``moe(y, sym_buffer, cumulative_local_expert_recv_stats, activation_clamp=None, debug=None)``.
+    """
+
+    def __init__(self, l1: tuple, l2: tuple):
+        self.l1, self.l2 = transform_weights_for_mega_moe(l1, l2)
+
+    def __call__(self, y: torch.Tensor, sym_buffer: SymmBuffer, cumulative_local_expert_recv_stats=None,
+                 activation_clamp: float | None = None, debug: bool | None = None) -> torch.Tensor:
+        return fp8_fp4_mega_moe(y, self.l1, self.l2, sym_buffer, cumulative_local_expert_recv_stats,
+                                activation_clamp=activation_clamp, debug=debug)

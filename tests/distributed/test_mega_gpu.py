@@ -1,0 +1,273 @@
+"""Mega MoE (staged, ``megamoe.mega``) on 1 and 2 GPUs against the FP32 reference and the legacy path.
+
+A protocol bug hangs or traps (and so poisons) a CUDA context, so every test runs this file as a
+subprocess with a timeout (``python test_mega_gpu.py one|two|hang``) and shows its output on failure:
+one progress line per rank and call, the contract errors, and any ``megamoe debug:`` diagnostic.
+
+* ``one`` / ``two``: one buffer (T_max = 32, H = I = 512, 8 experts per rank, top-4), every case
+  three calls with fresh inputs (the first in debug mode: timeouts, device checks, poisoned rings
+  and combine area), ``y`` poisoned with NaN before each call; outputs within the contract tolerances
+  of the FP32 reference, recv stats equal to the legacy low-latency path's. Cases: ragged routing with
+  masked slots and uneven T, skewed routing (every token to the first k experts, all on rank 0), a
+  rank with 0 tokens, 1 token per rank, T = T_max with a clamp; then a CUDA graph captured once and
+  replayed three times with new inputs copied in between.
+* ``hang``: rank 1 never calls; rank 0's debug-mode call must trap with the diagnostic naming
+  ``ready[src=1]`` (printf and the host-mapped record) instead of hanging.
+
+    python -m pytest -q -m gpu tests/distributed/test_mega_gpu.py     # ~60 s on 2 x H200
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+H, I, K, E_PER_RANK, T_MAX = 512, 512, 4, 8, 32
+GENERATIONS = 3
+DEBUG_TIMEOUT_S = "5"  # debug-mode spin-wait timeout inside the subprocesses
+CASES = {
+    1: [
+        ("ragged_masked", dict(tokens=[29], masked=0.25)),
+        ("skewed", dict(tokens=[32], hot=K)),
+        ("one_token", dict(tokens=[1])),
+        ("no_tokens", dict(tokens=[0])),
+        ("full_clamped", dict(tokens=[T_MAX], clamp=0.75, masked=0.1)),
+    ],
+    2: [
+        ("ragged_masked_uneven", dict(tokens=[13, 5], masked=0.25)),
+        ("skewed_to_rank0", dict(tokens=[24, 17], hot=K)),
+        ("zero_token_rank", dict(tokens=[0, 9])),
+        ("one_token_per_rank", dict(tokens=[1, 1])),
+        ("full_clamped", dict(tokens=[T_MAX, T_MAX], clamp=0.75, masked=0.1)),
+    ],
+}
+GRAPH_TOKENS = {1: [9], 2: [9, 4]}
+
+
+# --------------------------------------------------------------------------------------------------
+# What the ranks run (module level: mp.spawn pickles functions by name)
+
+
+def _say(rank: int, text: str) -> None:
+    print(f"[rank {rank}] {text}", flush=True)
+
+
+def _problem(seed: int, tokens: list[int], case: dict) -> dict:
+    from megamoe.inputs import global_problem
+
+    return global_problem(seed, tokens, E_PER_RANK * len(tokens), K, H, I, "fp8xfp4",
+                          case.get("masked", 0.0), case.get("hot"))
+
+
+def _expected(p: dict, weights: dict, rank: int, device, clamp) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's reference rows (FP32 reference on every rank's tokens, all experts) and the rows
+    each of its local experts receives."""
+    from megamoe import reference_moe
+    from megamoe.inputs import local_experts
+    from megamoe.layouts import quantize_fp8
+
+    q, sf = quantize_fp8(torch.cat(p["x"]).to(device))
+    idx = torch.cat(p["topk_idx"]).to(device)
+    ref = reference_moe(q, sf, idx, torch.cat(p["topk_weights"]).to(device),
+                        local_experts(weights["l1"], 0, 1, device), local_experts(weights["l2"], 0, 1, device), clamp)
+    start = sum(x.shape[0] for x in p["x"][:rank])
+    mine = idx[(idx >= rank * E_PER_RANK) & (idx < (rank + 1) * E_PER_RANK)] - rank * E_PER_RANK
+    return ref[start : start + p["x"][rank].shape[0]], torch.bincount(mine, minlength=E_PER_RANK).int()
+
+
+def _check(rank: int, what: str, y, ref, stats, want_stats, y_legacy=None) -> None:
+    from megamoe.numerics import check_moe_output, rel_fro_error
+
+    errs = check_moe_output(y, ref, what)
+    assert not y.isnan().any(), f"{what}: NaN in y (a row was not written or read poisoned data)"
+    if not torch.equal(stats, want_stats):
+        raise AssertionError(f"{what}: recv stats {stats.tolist()}, want {want_stats.tolist()}")
+    vs_legacy = "" if y_legacy is None else f", vs legacy rel_fro={rel_fro_error(y, y_legacy):.2e}"
+    _say(rank, f"{what}: ok rel_fro={errs['rel_fro']:.2e} max_row_rel={errs['max_row_rel']:.2e}{vs_legacy}")
+
+
+def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
+    """GENERATIONS calls with fresh inputs and weights; the first in debug mode."""
+    from megamoe import LegacyMoE
+    from megamoe.inputs import fill_buffer, local_experts
+    from megamoe.mega import MegaMoE
+
+    num_ranks, clamp = len(case["tokens"]), case.get("clamp")
+    for gen in range(GENERATIONS):
+        debug = gen == 0
+        what = f"{name} {case['tokens']} call {gen}{' (debug)' if debug else ''}"
+        p = _problem(seed + gen, case["tokens"], case)
+        l1, l2 = local_experts(p["l1"], rank, num_ranks, device), local_experts(p["l2"], rank, num_ranks, device)
+        fill_buffer(buf, p["x"][rank].to(device), p["topk_idx"][rank].to(device), p["topk_weights"][rank].to(device))
+        t = p["x"][rank].shape[0]
+        y_legacy = torch.full((t, H), float("nan"), dtype=torch.bfloat16, device=device)
+        stats_legacy = torch.full((E_PER_RANK,), 7, dtype=torch.int32, device=device)
+        LegacyMoE(l1, l2, "low_latency")(y_legacy, buf, stats_legacy, activation_clamp=clamp)
+        y = torch.full((t, H), float("nan"), dtype=torch.bfloat16, device=device)
+        stats = torch.full((E_PER_RANK,), 7, dtype=torch.int32, device=device)
+        MegaMoE(l1, l2)(y, buf, stats, activation_clamp=clamp, debug=debug)
+        ref, counts = _expected(p, p, rank, device, clamp)
+        _check(rank, what, y, ref, stats, stats_legacy, y_legacy)
+        assert torch.equal(stats_legacy, counts + 7), f"{what}: legacy stats disagree with the routing"
+
+
+def _run_graph(rank, device, buf, tokens: list[int]) -> None:
+    """One call captured in a CUDA graph, replayed with new inputs copied into the buffer each time."""
+    from megamoe.inputs import fill_buffer, local_experts
+    from megamoe.mega import MegaMoE
+
+    case = dict(tokens=tokens, masked=0.2)
+    weights = _problem(900, tokens, case)
+    moe = MegaMoE(local_experts(weights["l1"], rank, len(tokens), device),
+                  local_experts(weights["l2"], rank, len(tokens), device))
+    t = tokens[rank]
+    y = torch.full((t, H), float("nan"), dtype=torch.bfloat16, device=device)
+    stats = torch.zeros(E_PER_RANK, dtype=torch.int32, device=device)
+    want_stats = stats.clone()
+
+    def load(seed: int) -> dict:
+        p = _problem(seed, tokens, case)
+        fill_buffer(buf, p["x"][rank].to(device), p["topk_idx"][rank].to(device), p["topk_weights"][rank].to(device))
+        return p
+
+    p = load(901)  # eager warm-up call on the graph's buffers (and a check)
+    moe(y, buf, stats)
+    ref, counts = _expected(p, weights, rank, device, None)
+    want_stats += counts
+    _check(rank, f"graph {tokens} eager warm-up", y, ref, stats, want_stats)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe(y, buf, stats)
+    for replay in range(GENERATIONS):
+        p = load(902 + replay)
+        y.fill_(float("nan"))
+        graph.replay()
+        ref, counts = _expected(p, weights, rank, device, None)
+        want_stats += counts
+        _check(rank, f"graph {tokens} replay {replay}", y, ref, stats, want_stats)
+
+
+def _suite(rank, group, device, num_ranks: int) -> None:
+    from megamoe import get_symm_buffer_for_mega_moe
+    from megamoe.mega import debug_report
+
+    buf = get_symm_buffer_for_mega_moe(group, E_PER_RANK * num_ranks, T_MAX, K, H, I, device=device)
+    _say(rank, f"{num_ranks} GPU(s), {torch.cuda.get_device_name(device)}; ring {buf.layout.num_ring_tokens} rows")
+    try:
+        for i, (name, case) in enumerate(CASES[num_ranks]):
+            start = time.perf_counter()
+            _run_case(rank, device, buf, name, case, seed=100 * (i + 1))
+            _say(rank, f"{name}: {GENERATIONS} calls in {time.perf_counter() - start:.1f} s")
+        _run_graph(rank, device, buf, GRAPH_TOKENS[num_ranks])
+    except BaseException:
+        traceback.print_exc()
+        _say(rank, f"device debug record: {debug_report(buf)}")
+        raise
+    buf.destroy()
+
+
+def _hang(rank, group, device, flag: str) -> None:
+    """Rank 1 allocates its buffer and never calls; rank 0's debug call must trap with a diagnostic."""
+    import ctypes
+
+    from megamoe import get_symm_buffer_for_mega_moe
+    from megamoe.inputs import fill_buffer, local_experts
+    from megamoe.mega import MegaMoE, debug_report
+
+    buf = get_symm_buffer_for_mega_moe(group, 2 * E_PER_RANK, T_MAX, K, H, I, device=device)
+    if rank == 1:
+        deadline = time.time() + 300
+        while not os.path.exists(flag) and time.time() < deadline:
+            time.sleep(0.1)
+        os._exit(0)  # no collective teardown: rank 0's context is dead
+    p = _problem(7, [5, 5], {})
+    fill_buffer(buf, p["x"][0].to(device), p["topk_idx"][0].to(device), p["topk_weights"][0].to(device))
+    moe = MegaMoE(local_experts(p["l1"], 0, 2, device), local_experts(p["l2"], 0, 2, device))
+    y = torch.empty(5, H, dtype=torch.bfloat16, device=device)
+    code = 1
+    try:
+        moe(y, buf, debug=True)
+        torch.cuda.synchronize()
+        _say(0, "the call returned although rank 1 never called")
+    except RuntimeError as err:
+        _say(0, f"CUDA error after the trap (expected): {str(err).splitlines()[0]}")
+        _say(0, f"host-mapped record:\n{debug_report(buf)}")
+        code = 0
+    finally:
+        Path(flag).touch()
+    ctypes.CDLL(None).fflush(None)  # device printf goes through C stdio: flush it before _exit
+    os._exit(code)
+
+
+def _main(mode: str, *args: str) -> None:
+    from launch.spawn import spawn
+
+    if mode == "hang":
+        spawn(_hang, 2, args[0], use_cuda=True)
+    else:
+        spawn(_suite, {"one": 1, "two": 2}[mode], {"one": 1, "two": 2}[mode], use_cuda=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# The tests: each runs _main in a subprocess
+
+
+def _run(*args: str, timeout: int, **env: str) -> str:
+    environ = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+                   MEGAMOE_DEBUG_TIMEOUT_S=DEBUG_TIMEOUT_S)
+    environ.pop("MEGAMOE_DEBUG", None)
+    environ.update(env)
+    start = time.perf_counter()
+    # A new session, so that a hang is ended with every rank process (a spinning kernel holds its GPU).
+    proc = subprocess.Popen([sys.executable, __file__, *args], cwd=REPO, env=environ, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"`{' '.join(args)}` still running after {timeout} s (a hang?); output:\n{out[-6000:]}")
+    if proc.returncode != 0:
+        raise AssertionError(f"`{' '.join(args)}` failed (exit {proc.returncode}); output:\n{out[-8000:]}")
+    print(f"{' '.join(args)}: {time.perf_counter() - start:.1f} s\n{out[-3000:]}")
+    return out
+
+
+def _gpus(n: int) -> None:
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} GPU(s)")
+
+
+@pytest.mark.gpu
+def test_mega_one_gpu():
+    _gpus(1)
+    _run("one", timeout=180)
+
+
+@pytest.mark.gpu
+def test_mega_two_gpus():
+    _gpus(2)
+    _run("two", timeout=180)
+
+
+@pytest.mark.gpu
+def test_mega_debug_hang_diagnostic(tmp_path):
+    _gpus(2)
+    out = _run("hang", str(tmp_path / "rank0_done"), timeout=180, MEGAMOE_DEBUG_TIMEOUT_S="2",
+               TORCH_NCCL_ASYNC_ERROR_HANDLING="0", TORCH_NCCL_ENABLE_MONITORING="0")
+    want = "megamoe debug: rank 0 CTA"
+    assert want in out and "role dispatch: timed out: waits ready[src=1] >= 1 (call + 1), sees 0" in out, out[-6000:]
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:])

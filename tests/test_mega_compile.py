@@ -1,0 +1,136 @@
+"""Mega MoE (staged) on a CPU: both EP kernels compile for sm_90a (debug and not), the host validates
+every argument before any device work, and the debug-report plumbing formats what the kernels write.
+GPU behaviour: tests/distributed/test_mega_gpu.py (-m gpu)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from megamoe import get_symm_buffer_for_mega_moe, symm_buffer_layout
+from megamoe.inputs import random_fp4_weights
+from megamoe.kernels import ep_comm
+from megamoe.mega import debug_enabled, debug_timeout_ns, fp8_fp4_mega_moe, transform_weights_for_mega_moe
+
+LAYOUTS = {
+    "r2_small": symm_buffer_layout(2, 16, 8, 4, 512, 512),
+    "r1": symm_buffer_layout(1, 8, 33, 3, 512, 1024),
+    "r8_flash_like": symm_buffer_layout(8, 256, 64, 6, 4096, 2048),
+    "r4_wide_hidden": symm_buffer_layout(4, 64, 16, 8, 7168, 512),
+}
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["release", "debug"])
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_ep_kernels_compile_for_sm90a(name, debug):
+    for has_stats in (False, True):
+        cfg = ep_comm.EpCommConfig(LAYOUTS[name], debug, has_stats)
+        start = time.perf_counter()
+        assert ep_comm.compile_dispatch(cfg) is not None
+        print(f"{name} debug={debug} stats={has_stats}: dispatch compiled in {time.perf_counter() - start:.2f} s")
+    start = time.perf_counter()
+    assert ep_comm.compile_combine(cfg) is not None
+    print(f"{name} debug={debug}: combine compiled in {time.perf_counter() - start:.2f} s")
+
+
+def test_debug_sites_format_like_the_kernels():
+    for site, (role, text) in enumerate(ep_comm.SITES):
+        assert text.count("%d") == 3 and role in ("dispatch", "combine")
+        line = ep_comm.format_record([site + 1, 0, 5, 17, 1, 3, 2, 0])
+        assert line.startswith(f"megamoe debug: rank 0 CTA 5 (SM 17) role {role}: ")
+    assert "waits ready[src=1] >= 3 (call + 1), sees 2" in ep_comm.format_record([ep_comm.SITE_READY + 1, 0, 5, 17, 1, 3, 2, 0])
+
+
+def test_debug_switches(monkeypatch):
+    monkeypatch.delenv("MEGAMOE_DEBUG", raising=False)
+    assert debug_enabled(None) is False and debug_enabled(True) is True
+    monkeypatch.setenv("MEGAMOE_DEBUG", "1")
+    assert debug_enabled(None) is True and debug_enabled(False) is False
+    with pytest.raises(TypeError, match="debug"):
+        debug_enabled(1)
+    monkeypatch.setenv("MEGAMOE_DEBUG_TIMEOUT_S", "2.5")
+    assert debug_timeout_ns() == 2_500_000_000
+    monkeypatch.setenv("MEGAMOE_DEBUG_TIMEOUT_S", "0")
+    with pytest.raises(ValueError, match="MEGAMOE_DEBUG_TIMEOUT_S"):
+        debug_timeout_ns()
+
+
+E, T_MAX, K, H, I = 8, 16, 4, 512, 512
+
+
+def _weights(num_experts=E, hidden=H, inter=I):
+    gen = torch.Generator().manual_seed(0)
+    return random_fp4_weights(num_experts, 2 * inter, hidden, gen), random_fp4_weights(num_experts, hidden, inter, gen)
+
+
+def test_transform_weights_shapes():
+    l1, l2 = _weights()
+    l1k, l2k = transform_weights_for_mega_moe(l1, l2)
+    assert l1k[0].shape == (E, 2 * I, H // 128, 64) and l1k[1].shape == (E, 2 * I, H // 128)
+    assert l2k[0].shape == (E, H, I // 128, 64) and l2k[1].shape == (E, H, I // 128)
+    with pytest.raises(ValueError, match="hidden"):
+        transform_weights_for_mega_moe(*_weights(hidden=256))
+    with pytest.raises(ValueError, match="l1"):
+        transform_weights_for_mega_moe(l1[0], l2)
+
+
+@pytest.fixture(scope="module")
+def cpu_call():
+    """A valid CPU call: buffer, y, transformed weights, stats (it fails only at the device check)."""
+    buf = get_symm_buffer_for_mega_moe(None, E, T_MAX, K, H, I, device="cpu")
+    l1k, l2k = transform_weights_for_mega_moe(*_weights())
+    return dict(y=torch.empty(5, H, dtype=torch.bfloat16), l1=l1k, l2=l2k, sym_buffer=buf,
+                cumulative_local_expert_recv_stats=torch.zeros(E, dtype=torch.int32))
+
+
+def _call(args, **change):
+    fp8_fp4_mega_moe(**{**args, **change})
+
+
+def test_valid_cpu_call_stops_at_the_device_check(cpu_call):
+    with pytest.raises(ValueError, match="`y` must be a CUDA tensor"):
+        _call(cpu_call)
+
+
+BAD_CALLS = {
+    "y dtype": (dict(y=torch.empty(5, H)), "`y` must have dtype bfloat16"),
+    "y width": (dict(y=torch.empty(5, 256, dtype=torch.bfloat16)), r"`y` must have shape \[\*, 512\]"),
+    "too many tokens": (dict(y=torch.empty(T_MAX + 1, H, dtype=torch.bfloat16)), "tokens on this rank"),
+    "stats shape": (dict(cumulative_local_expert_recv_stats=torch.zeros(E + 1, dtype=torch.int32)),
+                    "cumulative_local_expert_recv_stats"),
+    "recipe": (dict(recipe=(1, 128, 128)), "`recipe` must be"),
+    "activation": (dict(activation="gelu"), "`activation` must be 'swiglu'"),
+    "clamp": (dict(activation_clamp=-1.0), "`activation_clamp` must be finite and positive"),
+    "canonical weights": (dict(l1=_weights()[0]), r"`l1\[0\]` must have shape"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_CALLS)
+def test_call_validation(cpu_call, name):
+    change, pattern = BAD_CALLS[name]
+    with pytest.raises(ValueError, match=pattern):
+        _call(cpu_call, **change)
+
+
+def test_fast_math_and_debug_types(cpu_call):
+    with pytest.raises(TypeError, match="fast_math"):
+        _call(cpu_call, fast_math=1)
+    with pytest.raises(TypeError, match="debug"):
+        _call(cpu_call, debug="yes")
+
+
+def test_ring_too_small_names_the_buffer(cpu_call):
+    small = get_symm_buffer_for_mega_moe(None, E, T_MAX * 4, K, H, I, num_ring_tokens=128, device="cpu")
+    with pytest.raises(ValueError, match=r"`sym_buffer` ring \(num_ring_tokens = 128 .* = 256"):
+        _call(cpu_call, sym_buffer=small)
+
+
+def test_buffer_recipe_and_shapes(cpu_call):
+    bf16 = get_symm_buffer_for_mega_moe(None, E, T_MAX, K, H, I, mma_type="bf16", device="cpu")
+    with pytest.raises(ValueError, match="mma_type='fp8xfp4'"):
+        _call(cpu_call, sym_buffer=bf16)
+    narrow = get_symm_buffer_for_mega_moe(None, E, T_MAX, K, 256, I, device="cpu")
+    with pytest.raises(ValueError, match="hidden"):
+        _call(cpu_call, sym_buffer=narrow, y=torch.empty(5, 256, dtype=torch.bfloat16))
