@@ -1,8 +1,9 @@
-"""SM90 FP8 x FP4 grouped GEMM: CPU compile/validation/layout checks and GPU correctness.
+"""SM90 FP4 grouped GEMM (BF16 and FP8 MMA modes): CPU compile/validation/layout checks and GPU correctness.
 
 CPU (CI): every kernel variant compiles for sm_90a, bad inputs raise ValueError naming the tensor, the
-weight layout + decode emulate to the exact E2M1 values. GPU (``-m gpu``): results against an FP64
-reference built from ``megamoe.layouts`` dequantization, poisoned outputs, padding never written.
+weight layouts + decodes emulate to the exact E2M1 (times scale) values. GPU (``-m gpu``): results against an
+FP64 reference built from ``megamoe.layouts`` dequantization, poisoned outputs, padding never written; the
+BF16-mode tests carry ``bf16`` in their names (``-k bf16``: about 8 compiles).
 """
 
 import os
@@ -15,9 +16,15 @@ import pytest
 import torch
 
 from megamoe.kernels.sm90_fp4_decode import (
+    BF16_ACC_SHIFT,
+    BF16_MAX_SCALE_CODE,
+    BF16_MIN_SCALE_CODE,
+    BF16_SCALE_FIELD_OFFSET,
     E4M3_LUT_HI,
     E4M3_LUT_LO,
+    from_sm90_bf16_weight_layout,
     from_sm90_weight_layout,
+    to_sm90_bf16_weight_layout,
     to_sm90_weight_layout,
 )
 from megamoe.kernels.sm90_grouped_gemm import (
@@ -31,8 +38,16 @@ from megamoe.kernels.sm90_grouped_gemm import (
     prepare_fp4_weights_l1,
     select_config,
 )
-from megamoe.layouts import contiguous_layout, dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
-from megamoe.layouts.fp4 import e2m1_table, unpack_fp4_codes
+from megamoe.layouts import (
+    contiguous_layout,
+    dequantize_fp4,
+    dequantize_fp8,
+    pack_ue8m0,
+    quantize_fp4,
+    quantize_fp8,
+    unpack_ue8m0,
+)
+from megamoe.layouts.fp4 import e2m1_table, pack_fp4_codes, unpack_fp4_codes
 from megamoe.numerics import MOE_REL_FRO_TOL, MOE_ROW_REL_TOL, l1_epilogue, max_row_rel_error, rel_fro_error
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -44,50 +59,70 @@ needs_sm90 = pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 (Hopper) CU
 # CPU: compile, validation, layout/decode emulation
 # ----------------------------------------------------------------------------------------------------
 
-# Every code path: each token tile (tile_tokens=8 has its own accumulator shape), one and two consumer
-# warpgroups, the three group modes.
+# Every code path of both MMA modes: each token tile (tile_tokens=8 has its own accumulator shape), one and
+# two consumer warpgroups, one and two CTAs per SM, the three group modes, both epilogues.
+FP8 = {"mma": "fp8"}
 COMPILE_CASES = [
+    (GemmConfig(tile_tokens=8, tile_n=128, **FP8), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=16, tile_n=128, **FP8), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=32, tile_n=128, **FP8), "offsets_counts", "bf16"),
+    (GemmConfig(tile_tokens=64, tile_n=128, **FP8), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=64, tile_n=64, **FP8), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=8, tile_n=64, **FP8), "masked", "bf16"),
+    (GemmConfig(tile_tokens=64, tile_n=128, stages=4, **FP8), "masked", "bf16"),
+    (GemmConfig(tile_tokens=64, tile_n=128, **FP8), "offsets", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=8, tile_n=64, **FP8), "offsets_counts", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=16, tile_n=128, **FP8), "masked", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, **FP8), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=16, tile_n=128, ctas_per_sm=2, **FP8), "offsets", "swiglu_fp8"),
     (GemmConfig(tile_tokens=8, tile_n=128), "offsets", "bf16"),
-    (GemmConfig(tile_tokens=16, tile_n=128), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=16, tile_n=128, ctas_per_sm=2), "offsets", "bf16"),
     (GemmConfig(tile_tokens=32, tile_n=128), "offsets_counts", "bf16"),
-    (GemmConfig(tile_tokens=64, tile_n=128), "offsets", "bf16"),
     (GemmConfig(tile_tokens=64, tile_n=64), "offsets", "bf16"),
-    (GemmConfig(tile_tokens=8, tile_n=64), "masked", "bf16"),
-    (GemmConfig(tile_tokens=64, tile_n=128, stages=4), "masked", "bf16"),
-    (GemmConfig(tile_tokens=64, tile_n=128), "offsets", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=128, tile_n=128), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=128, tile_n=64, stages=3), "masked", "bf16"),
+    (GemmConfig(tile_tokens=128, tile_n=128), "offsets", "swiglu_fp8"),
     (GemmConfig(tile_tokens=8, tile_n=64), "offsets_counts", "swiglu_fp8"),
-    (GemmConfig(tile_tokens=16, tile_n=128), "masked", "swiglu_fp8"),
-    (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "bf16"),
-    (GemmConfig(tile_tokens=16, tile_n=128, ctas_per_sm=2), "offsets", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=16, tile_n=128, ctas_per_sm=2), "masked", "swiglu_fp8"),
 ]
 
 
 @pytest.mark.parametrize(
-    "config,mode,epilogue", COMPILE_CASES, ids=[f"{c.tile_tokens}x{c.tile_n}x{c.ctas_per_sm}-{m}-{e}" for c, m, e in COMPILE_CASES]
+    "config,mode,epilogue", COMPILE_CASES,
+    ids=[f"{c.mma}-{c.tile_tokens}x{c.tile_n}x{c.ctas_per_sm}-{m}-{e}" for c, m, e in COMPILE_CASES],
 )
 def test_compiles_for_sm90a(config, mode, epilogue):
     assert compile_grouped_gemm(config, mode, epilogue) is not None
 
 
 def test_select_config():
-    assert select_config(1, 4096, 4096) == GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2)
-    assert select_config(33, 4096, 4096).ctas_per_sm == 1
+    assert select_config(1, 4096, 4096) == GemmConfig(tile_tokens=8, tile_n=128, mma="bf16")
+    assert select_config(1, 4096, 4096, mma="fp8") == GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, **FP8)
+    assert select_config(33, 4096, 4096, mma="fp8").ctas_per_sm == 1
     assert select_config(12, 4096, 4096).tile_tokens == 16
-    assert select_config(4096, 4096, 4096).tile_tokens == 64
+    assert select_config(4096, 4096, 4096).tile_tokens == 128
+    assert select_config(4096, 4096, 4096, mma="fp8").tile_tokens == 64
     assert select_config(64, 192, 512).tile_n == 64
     cfg = select_config(33, 4096, 2048)
-    assert "tile_tokens=64" in cfg.describe() and cfg.num_stages() >= 4
+    assert "tile_tokens=64" in cfg.describe() and "mma=bf16" in cfg.describe() and cfg.num_stages() >= 4
+    assert select_config(200, 4096, 4096).num_stages("swiglu_fp8") >= 3
+    with pytest.raises(ValueError, match="`mma` must be one of"):
+        select_config(1, 4096, 4096, mma="fp16")
 
 
 def test_config_validation():
     with pytest.raises(ValueError, match="config.tile_tokens"):
         GemmConfig(tile_tokens=24)
+    with pytest.raises(ValueError, match="config.tile_tokens"):
+        GemmConfig(tile_tokens=128, mma="fp8")
     with pytest.raises(ValueError, match="config.tile_n"):
         GemmConfig(tile_n=256)
     with pytest.raises(ValueError, match="config.stages"):
         GemmConfig(stages=1)
     with pytest.raises(ValueError, match="config.ctas_per_sm"):
         GemmConfig(tile_tokens=32, ctas_per_sm=2)
+    with pytest.raises(ValueError, match="config.mma"):
+        GemmConfig(mma="int8")
 
 
 def _cpu_inputs(m=40, n=128, k=512, e=3):
@@ -108,7 +143,7 @@ def _cpu_inputs(m=40, n=128, k=512, e=3):
         ("a_sf", lambda d: d.update(a_sf=d["a_sf"][:, :2]), "`a_sf` must have shape"),
         ("a_sf", lambda d: d.update(a_sf=d["a_sf"].to(torch.int64)), "`a_sf` must have dtype int32"),
         ("b", lambda d: d.update(b=from_sm90_weight_layout(d["b"])), "`b` must be 4-D"),
-        ("b", lambda d: d.update(b=d["b"][..., :32].contiguous()), "SM90 kernel weight layout"),
+        ("b", lambda d: d.update(b=d["b"][..., :32].contiguous()), "SM90 fp8-mode weight layout"),
         ("b", lambda d: d.update(b=d["b"][:, :96].contiguous(), b_sf=d["b_sf"][:, :96]), "multiple of 64"),
         ("b_sf", lambda d: d.update(b_sf=d["b_sf"][:2]), "`b_sf` must have shape"),
         ("offsets", lambda d: d.update(offsets=d["offsets"][:-1]), "`offsets` must have shape"),
@@ -124,6 +159,41 @@ def test_contiguous_validation(name, change, pattern):
     change(args)
     with pytest.raises(ValueError, match=pattern):
         grouped_gemm_fp8_fp4_contiguous(**args)
+
+
+def _cpu_inputs_bf16(m=40, n=128, k=512, e=3):
+    return {"a": torch.zeros(m, k, dtype=torch.bfloat16), "a_sf": None,
+            "b": torch.zeros(e, n, k // 128, 16, dtype=torch.int32),
+            "b_sf": torch.zeros(e, n, k // 128, dtype=torch.int32), "offsets": torch.zeros(e + 1, dtype=torch.int32)}
+
+
+@pytest.mark.parametrize(
+    "change,pattern",
+    [
+        (lambda d: d.update(a=d["a"].to(torch.float8_e4m3fn)), "`a` must have dtype bfloat16 .*dequantize_fp8"),
+        (lambda d: d.update(a_sf=torch.zeros(40, 4, dtype=torch.int32)), "`a_sf` must be None"),
+        (lambda d: d.update(b=d["b"].float()), "`b` must be a kernel weight layout"),
+        (lambda d: d.update(b=d["b"][..., :8].contiguous()), "SM90 bf16-mode weight layout"),
+        (lambda d: d.update(config=GemmConfig(**FP8)), "config.mma"),
+        (lambda d: d.update(a=d["a"][:, :384].contiguous()), "of 512"),
+        (lambda d: None, "`a` must be a CUDA tensor"),  # all shapes right: the device check fires last
+    ],
+)
+def test_bf16_mode_validation(change, pattern):
+    args = _cpu_inputs_bf16()
+    change(args)
+    with pytest.raises(ValueError, match=pattern):
+        grouped_gemm_fp8_fp4_contiguous(**args)
+
+
+def test_fp8_mode_needs_token_scales():
+    args = _cpu_inputs()
+    args["a_sf"] = None
+    with pytest.raises(ValueError, match="`a_sf` is required"):
+        grouped_gemm_fp8_fp4_contiguous(**args)
+    args = _cpu_inputs()
+    with pytest.raises(ValueError, match="config.mma"):
+        grouped_gemm_fp8_fp4_contiguous(**args, config=GemmConfig())
 
 
 def test_masked_validation():
@@ -214,6 +284,111 @@ def test_decode_emulation_matches_e2m1():
     assert torch.equal(got, expect), (got != expect).nonzero()[:10]
 
 
+def test_bf16_weight_layout_roundtrip():
+    b = torch.randint(0, 256, (2, 8, 256), dtype=torch.uint8)
+    bk = to_sm90_bf16_weight_layout(b)
+    assert bk.shape == (2, 8, 4, 16) and bk.dtype == torch.int32
+    assert torch.equal(from_sm90_bf16_weight_layout(bk), b)
+
+
+def _bf16_half(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
+
+
+def _to_bf16_rne(x: float) -> int:
+    """float -> BF16 bits, round to nearest even (through FP32: exact for the products modelled here)."""
+    f = struct.unpack("<I", struct.pack("<f", x))[0]
+    return ((f + 0x7FFF + ((f >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def _mul_bf16x2(a: int, b: int) -> int:
+    """``mul.rn.bf16x2``: both halves, exact product rounded once (subnormals kept)."""
+    lo = _to_bf16_rne(_bf16_half(a) * _bf16_half(b))
+    hi = _to_bf16_rne(_bf16_half(a >> 16) * _bf16_half(b >> 16))
+    return lo | (hi << 16)
+
+
+def _bf16_multiplier(code: int) -> int:
+    """Model of ``ue8m0_to_bf16x2_multiplier``: ``code * 0x00800080 + offset * 0x00800080``."""
+    return (code * 0x00800080 + BF16_SCALE_FIELD_OFFSET * 0x00800080) & 0xFFFFFFFF
+
+
+def _decode_word_bf16(x: int, mult: int) -> tuple[int, int, int, int]:
+    """Bit-exact Python model of ``decode_e2m1x8_bf16`` (same instruction sequence)."""
+    m32 = 0xFFFFFFFF
+    d0 = _mul_bf16x2(x & 0x81C081C0, mult)
+    d1 = _mul_bf16x2((x << 3) & m32 & 0x81C081C0, mult)
+    d2 = _mul_bf16x2((x << 6) & m32 & 0x01C001C0, mult) ^ ((x << 1) & m32 & 0x80008000)
+    d3 = _mul_bf16x2((x >> 3) & 0x01C001C0, mult) ^ ((x << 2) & m32 & 0x80008000)
+    return d0, d1, d2, d3
+
+
+def _bf16_decode_case(rows=64, k=256, seed=0, low=BF16_MIN_SCALE_CODE):
+    """Canonical FP4 weights covering every E2M1 code in every 32-block, scale codes sweeping
+    ``[low, BF16_MAX_SCALE_CODE]`` (by default the BF16 mode's whole exact range) and all-zero blocks with
+    codes below ``BF16_MIN_SCALE_CODE``."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = rows * k // 32
+    codes = torch.stack([torch.randperm(32, generator=gen) % 16 for _ in range(blocks)]).to(torch.uint8)
+    in_range = torch.arange(low, BF16_MAX_SCALE_CODE + 1)
+    scale = in_range[torch.arange(blocks) % in_range.numel()]
+    zero = torch.arange(blocks) % 37 == 5  # all-zero blocks, scale codes below the range
+    codes[zero] = codes[zero] & 8
+    scale[zero] = torch.arange(int(zero.sum())) % BF16_MIN_SCALE_CODE
+    perm = torch.randperm(blocks, generator=gen)
+    codes, scale = codes[perm].reshape(1, rows, k), scale[perm].to(torch.uint8).reshape(1, rows, k // 32)
+    return pack_fp4_codes(codes), pack_ue8m0(scale)
+
+
+def test_bf16_decode_emulation_matches_dequantize():
+    """BF16-mode layout + per-thread decode + scale multiplier reassemble ``dequantize_fp4 * 2**-P`` bit for bit
+    (every code, -0 included, every exact scale code) in wgmma bf16 A-fragment order: thread (warp w, lane l)
+    owns rows 16w + l//4 (+8), k = 16kk + 8h + 2(l%4) + i, register (kk, h) holding i = 0, 1."""
+    rows, k = 64, 256
+    b, b_sf = _bf16_decode_case(rows, k)
+    words = to_sm90_bf16_weight_layout(b)[0]  # [rows, K/128, 16]
+    sf = unpack_ue8m0(b_sf[0])  # [rows, K/32] codes
+    expect = (dequantize_fp4(b, b_sf)[0] * 2.0**-BF16_ACC_SHIFT).to(torch.bfloat16).view(torch.int16)
+    got = torch.zeros(rows, k, dtype=torch.int32) - 1
+    for chunk in range(k // 128):
+        for warp in range(4):
+            for lane in range(32):
+                g, q = lane // 4 + 16 * warp, lane % 4
+                for r in range(2):
+                    row = g + 8 * r
+                    for kb in range(4):
+                        word = int(words[row, chunk, 4 * q + kb]) & 0xFFFFFFFF
+                        mult = _bf16_multiplier(int(sf[row, 4 * chunk + kb]))
+                        for j, reg in enumerate(_decode_word_bf16(word, mult)):
+                            k0 = chunk * 128 + 32 * kb + 16 * (j // 2) + 8 * (j % 2) + 2 * q
+                            got[row, k0], got[row, k0 + 1] = reg & 0xFFFF, reg >> 16
+    expect = expect.to(torch.int32) & 0xFFFF
+    bad = (got != expect).nonzero()
+    assert not bad.numel(), (
+        f"{bad.shape[0]} mismatches; first (row, k, code, scale code, got, want): "
+        + str([(r, c, int(unpack_fp4_codes(b[0])[r, c]), int(sf[r, c // 32]), hex(int(got[r, c])), hex(int(expect[r, c])))
+               for r, c in bad[:8].tolist()])
+    )
+
+
+def test_bf16_prepare_checks_the_scale_range():
+    b, b_sf = _bf16_decode_case(8, 128, seed=1)
+    bk, bk_sf = prepare_fp4_weights(b, b_sf, mma="bf16")
+    assert torch.equal(bk, to_sm90_bf16_weight_layout(b)) and torch.equal(bk_sf, b_sf)
+    codes = unpack_ue8m0(b_sf).clone()
+    codes[0, 3, 1] = BF16_MAX_SCALE_CODE + 1
+    with pytest.raises(ValueError, match=r"`b_sf` has UE8M0 codes above .* \[0, 3, 1\]"):
+        prepare_fp4_weights(b, pack_ue8m0(codes), mma="bf16")
+    codes = unpack_ue8m0(b_sf).clone()
+    nonzero = (unpack_fp4_codes(b) & 7).reshape(1, 8, 4, 32).amax(-1) > 0
+    e, r, blk = nonzero.nonzero()[0].tolist()
+    codes[e, r, blk] = BF16_MIN_SCALE_CODE - 1
+    with pytest.raises(ValueError, match="`b_sf` has UE8M0 codes below"):
+        prepare_fp4_weights(b, pack_ue8m0(codes), mma="bf16")
+    with pytest.raises(ValueError, match="`mma` must be one of"):
+        prepare_fp4_weights(b, b_sf, mma="bf8")
+
+
 # ----------------------------------------------------------------------------------------------------
 # GPU correctness
 # ----------------------------------------------------------------------------------------------------
@@ -238,9 +413,15 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(ax)) - 7)
 
 
+def _tokens64(a: torch.Tensor, a_sf: torch.Tensor | None) -> torch.Tensor:
+    """Exact token values: FP8 + scales dequantized, or BF16 tokens (a_sf None) as they are."""
+    return (a if a_sf is None else dequantize_fp8(a, a_sf)).double()
+
+
 def _check_rows(out: torch.Tensor, a, a_sf, b, b_sf, row_expert: torch.Tensor, what: str) -> None:
-    """Rows with ``row_expert >= 0`` against the FP64 reference; all other rows must still be NaN."""
-    a64 = dequantize_fp8(a, a_sf).double()
+    """Rows with ``row_expert >= 0`` against the FP64 reference; all other rows must still be NaN. ``a_sf``
+    None: BF16 tokens (BF16 mode)."""
+    a64 = _tokens64(a, a_sf)
     w64 = dequantize_fp4(b, b_sf).double()
     k = a.shape[1]
     valid = (row_expert >= 0).nonzero().flatten()
@@ -323,7 +504,7 @@ def test_contiguous_ragged(tile_tokens, ctas, tile_n):
     b, b_sf = _random_weights(len(counts), n, k, gen, "cuda")
     bk, bk_sf = prepare_fp4_weights(b, b_sf)
     out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas)
+    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas, **FP8)
     grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg)
     torch.cuda.synchronize()
     _check_rows(out, a, a_sf, b, b_sf, row_expert, f"contiguous {cfg.describe()}")
@@ -341,7 +522,7 @@ def test_contiguous_shapes_default_config(n, k):
     out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
     grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out)
     torch.cuda.synchronize()
-    cfg = select_config(a.shape[0] / len(counts), n, k)
+    cfg = select_config(a.shape[0] / len(counts), n, k, mma="fp8")
     _check_rows(out, a, a_sf, b, b_sf, row_expert, f"contiguous N={n} K={k} {cfg.describe()}")
 
 
@@ -355,7 +536,7 @@ def test_contiguous_aligned_groups_with_counts():
     a, a_sf, offsets, cnt, row_expert = _contiguous_case(counts, n, k, 0, 0, gen, alignment=32)
     b, b_sf = _random_weights(len(counts), n, k, gen, "cuda")
     bk, bk_sf = prepare_fp4_weights(b, b_sf)
-    for cfg in (GemmConfig(tile_tokens=8), GemmConfig(tile_tokens=32)):
+    for cfg in (GemmConfig(tile_tokens=8, **FP8), GemmConfig(tile_tokens=32, **FP8)):
         out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
         grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg, counts=cnt)
         torch.cuda.synchronize()
@@ -380,7 +561,7 @@ def test_masked(tile_tokens):
     b, b_sf = _random_weights(e, n, k, gen, "cuda")
     bk, bk_sf = prepare_fp4_weights(b, b_sf)
     out = torch.full((e, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=64)
+    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=64, **FP8)
     masked_m = torch.tensor(masked, dtype=torch.int32, device="cuda")
     grouped_gemm_fp8_fp4_masked(
         a.view(e, max_m, k), a_sf.view(e, max_m, k // 128), bk, bk_sf, masked_m, out=out, config=cfg
@@ -400,7 +581,7 @@ def test_cuda_graph_reads_sizes_on_device():
     bk, bk_sf = prepare_fp4_weights(b, b_sf)
     offsets = torch.tensor([0, 10, 10, 50, 96], dtype=torch.int32, device="cuda")
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    cfg = GemmConfig(tile_tokens=16)
+    cfg = GemmConfig(tile_tokens=16, **FP8)
     grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg)  # compile outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -436,8 +617,9 @@ def test_empty_inputs():
 
 
 def _check_swiglu(out, out_sf, a, a_sf, w1, w1_sf, row_expert, row_weights, clamp, what):
-    """FP8 SwiGLU rows against ``numerics.l1_epilogue`` of the FP64 GEMM; other rows keep their poison."""
-    a64 = dequantize_fp8(a, a_sf).double()
+    """FP8 SwiGLU rows against ``numerics.l1_epilogue`` of the FP64 GEMM; other rows keep their poison.
+    ``a_sf`` None: BF16 tokens (BF16 mode)."""
+    a64 = _tokens64(a, a_sf)
     w64 = dequantize_fp4(w1, w1_sf).double()
     valid = (row_expert >= 0).nonzero().flatten()
     untouched = (row_expert < 0).nonzero().flatten()
@@ -485,7 +667,7 @@ def test_swiglu_contiguous(tile_tokens, tile_n, clamp, ctas):
     row_weights = torch.rand(m, generator=gen).cuda()
     out = torch.full((m, inter), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
     out_sf = torch.full((m, inter // 128), -1, dtype=torch.int32, device="cuda")
-    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas)
+    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas, **FP8)
     grouped_gemm_fp8_fp4_swiglu_contiguous(
         a, a_sf, bk, bk_sf, offsets, row_weights, clamp=clamp, out=out, out_sf=out_sf, config=cfg
     )
@@ -510,7 +692,7 @@ def test_swiglu_masked():
     row_weights = torch.rand(e, max_m, generator=gen).cuda()
     out = torch.full((e, max_m, inter), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
     out_sf = torch.full((e, max_m, inter // 128), -1, dtype=torch.int32, device="cuda")
-    cfg = GemmConfig(tile_tokens=16, tile_n=128)
+    cfg = GemmConfig(tile_tokens=16, tile_n=128, **FP8)
     grouped_gemm_fp8_fp4_swiglu_masked(
         a.view(e, max_m, k), a_sf.view(e, max_m, k // 128), bk, bk_sf,
         torch.tensor(masked, dtype=torch.int32, device="cuda"), row_weights, out=out, out_sf=out_sf, config=cfg,
@@ -518,3 +700,153 @@ def test_swiglu_masked():
     torch.cuda.synchronize()
     _check_swiglu(out.view(e * max_m, inter), out_sf.view(e * max_m, -1), a, a_sf, w1, w1_sf, row_expert,
                   row_weights.flatten(), None, f"swiglu masked {cfg.describe('swiglu_fp8')}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU correctness, BF16 mode (``-k bf16``: 7 compiles)
+# ----------------------------------------------------------------------------------------------------
+
+BF16_NAN = 0x7FC0
+
+
+def _bf16_case(counts, n, k, gen, lead_pad=3, tail_pad=11):
+    """BF16 tokens (exactly dequantized FP8) in the contiguous layout, NaN padding rows; BF16-mode weights."""
+    a, a_sf, offsets, cnt, row_expert = _contiguous_case(counts, n, k, lead_pad, tail_pad, gen)
+    a16 = dequantize_fp8(a, a_sf, torch.bfloat16)
+    a16.view(torch.int16)[row_expert < 0] = BF16_NAN
+    b, b_sf = _random_weights(len(counts), n, k, gen, "cuda")
+    return a16, offsets, cnt, row_expert, b, b_sf
+
+
+@gpu
+@needs_sm90
+def test_bf16_decode_exact_on_device():
+    """One-hot tokens read the decoded weights back: out[m, n] = w[n, m] exactly, for every E2M1 code in
+    every 32-block, -0, and scale codes from 20 (decoded value * 2**-P still FP32-normal in the accumulator)
+    to the top of the exact range. A mismatch names the (row, k) positions, codes and scale codes."""
+    n, k = 128, 512
+    b, b_sf = _bf16_decode_case(n, k, seed=2, low=20)
+    b, b_sf = b.cuda(), b_sf.cuda()
+    bk, bk_sf = prepare_fp4_weights(b, b_sf, mma="bf16")
+    a = torch.eye(k, dtype=torch.bfloat16, device="cuda")
+    out = torch.full((k, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    offsets = torch.tensor([0, k], dtype=torch.int32, device="cuda")
+    cfg = GemmConfig(tile_tokens=128, tile_n=128)
+    grouped_gemm_fp8_fp4_contiguous(a, None, bk, bk_sf, offsets, out=out, config=cfg)
+    torch.cuda.synchronize()
+    got, want = out.T.float().cpu(), dequantize_fp4(b, b_sf)[0].cpu()
+    bad = ~(got == want)
+    if bad.any():
+        idx = bad.nonzero()
+        codes, scales = unpack_fp4_codes(b[0].cpu()), unpack_ue8m0(b_sf[0].cpu())
+        sample = [(r, c, int(codes[r, c]), int(scales[r, c // 32]), float(got[r, c]), float(want[r, c]))
+                  for r, c in idx[:12].tolist()]
+        pytest.fail(
+            f"{int(bad.sum())} of {bad.numel()} decoded weights differ ({int(torch.isnan(got).sum())} NaN); "
+            f"k % 32 histogram {torch.bincount(idx[:, 1] % 32, minlength=32).tolist()}; k16 block in the 128-K "
+            f"stage {torch.bincount(idx[:, 1] % 128 // 16, minlength=8).tolist()}; row % 16 histogram "
+            f"{torch.bincount(idx[:, 0] % 16, minlength=16).tolist()}; codes {sorted(set(codes[bad].tolist()))}; "
+            f"first (row, k, code, scale code, got, want): {sample}"
+        )
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("tile_tokens,tile_n,ctas", [(8, 128, 1), (16, 128, 2), (64, 64, 1), (128, 128, 1)])
+def test_bf16_contiguous_ragged(tile_tokens, tile_n, ctas):
+    gen = torch.Generator().manual_seed(2000 + tile_tokens + tile_n)
+    counts, n, k = [0, 1, 37, 5, 0, 130, 64, 1, 9], 256, 1024
+    a, offsets, _, row_expert, b, b_sf = _bf16_case(counts, n, k, gen)
+    bk, bk_sf = prepare_fp4_weights(b, b_sf, mma="bf16")
+    out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas)
+    grouped_gemm_fp8_fp4_contiguous(a, None, bk, bk_sf, offsets, out=out, config=cfg)
+    torch.cuda.synchronize()
+    _check_rows(out, a, None, b, b_sf, row_expert, f"contiguous {cfg.describe()}")
+
+
+@gpu
+@needs_sm90
+def test_bf16_counts_masked_graph_and_empty():
+    """offsets + counts (aligned groups), the masked layout, CUDA-graph replay with new bounds, empty groups."""
+    gen = torch.Generator().manual_seed(11)
+    counts, n, k = [5, 0, 33, 1, 64], 128, 512
+    a, a_sf, offsets, cnt, row_expert = _contiguous_case(counts, n, k, 0, 0, gen, alignment=32)
+    a = dequantize_fp8(a, a_sf, torch.bfloat16)
+    b, b_sf = _random_weights(len(counts), n, k, gen, "cuda")
+    bk, bk_sf = prepare_fp4_weights(b, b_sf, mma="bf16")
+    cfg8 = GemmConfig(tile_tokens=8, tile_n=128)
+    out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    grouped_gemm_fp8_fp4_contiguous(a, None, bk, bk_sf, offsets, out=out, config=cfg8, counts=cnt)
+    torch.cuda.synchronize()
+    _check_rows(out, a, None, b, b_sf, row_expert, f"contiguous+counts {cfg8.describe()}")
+
+    masked, max_m = [0, 1, 70, 33, 8], 70
+    e = len(masked)
+    a2 = dequantize_fp8(*_random_tokens(e * max_m, k, gen, "cuda"), torch.bfloat16)
+    row_expert = torch.tensor([i if p < c else -1 for i, c in enumerate(masked) for p in range(max_m)], device="cuda")
+    a2.view(torch.int16)[row_expert < 0] = BF16_NAN
+    b, b_sf = _random_weights(e, n, k, gen, "cuda")
+    bk, bk_sf = prepare_fp4_weights(b, b_sf, mma="bf16")
+    out = torch.full((e, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cfg = GemmConfig(tile_tokens=32, tile_n=128)
+    masked_m = torch.tensor(masked, dtype=torch.int32, device="cuda")
+    grouped_gemm_fp8_fp4_masked(a2.view(e, max_m, k), None, bk, bk_sf, masked_m, out=out, config=cfg)
+    torch.cuda.synchronize()
+    _check_rows(out.view(e * max_m, n), a2, None, b, b_sf, row_expert, f"masked {cfg.describe()}")
+
+    m = 96
+    a3 = dequantize_fp8(*_random_tokens(m, k, gen, "cuda"), torch.bfloat16)
+    offsets = torch.tensor([0, 10, 10, 50, 96, 96], dtype=torch.int32, device="cuda")
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    grouped_gemm_fp8_fp4_contiguous(a3, None, bk, bk_sf, offsets, out=out, config=cfg8)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grouped_gemm_fp8_fp4_contiguous(a3, None, bk, bk_sf, offsets, out=out, config=cfg8)
+    for bounds in ([0, 10, 10, 50, 96, 96], [4, 5, 60, 61, 90, 90], [0, 0, 0, 0, 0, 0]):
+        offsets.copy_(torch.tensor(bounds, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        row_expert = torch.full((m,), -1, dtype=torch.int64)
+        for i in range(e):
+            row_expert[bounds[i] : bounds[i + 1]] = i
+        _check_rows(out, a3, None, b, b_sf, row_expert.cuda(), f"graph replay offsets={bounds}")
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("layout,tile_tokens,tile_n,clamp", [("contiguous", 64, 128, 7.0), ("masked", 8, 64, None)])
+def test_bf16_swiglu(layout, tile_tokens, tile_n, clamp):
+    gen = torch.Generator().manual_seed(41 + tile_tokens)
+    inter, k = 256, 1024
+    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n)
+    if layout == "contiguous":
+        counts = [0, 1, 37, 5, 0, 130, 64, 1]
+        a, offsets, _, row_expert, w1, w1_sf = _bf16_case(counts, 2 * inter, k, gen, lead_pad=2, tail_pad=9)
+        m = a.shape[0]
+    else:
+        masked, max_m = [3, 0, 40, 17], 40
+        m = len(masked) * max_m
+        a = dequantize_fp8(*_random_tokens(m, k, gen, "cuda"), torch.bfloat16)
+        row_expert = torch.tensor([i if p < c else -1 for i, c in enumerate(masked) for p in range(max_m)],
+                                  device="cuda")
+        w1, w1_sf = _random_weights(len(masked), 2 * inter, k, gen, "cuda")
+    bk, bk_sf = prepare_fp4_weights_l1(w1, w1_sf, mma="bf16")
+    row_weights = torch.rand(m, generator=gen).cuda()
+    out = torch.full((m, inter), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    out_sf = torch.full((m, inter // 128), -1, dtype=torch.int32, device="cuda")
+    if layout == "contiguous":
+        grouped_gemm_fp8_fp4_swiglu_contiguous(
+            a, None, bk, bk_sf, offsets, row_weights, clamp=clamp, out=out, out_sf=out_sf, config=cfg
+        )
+    else:
+        e, max_m = len(masked), m // len(masked)
+        grouped_gemm_fp8_fp4_swiglu_masked(
+            a.view(e, max_m, k), None, bk, bk_sf, torch.tensor(masked, dtype=torch.int32, device="cuda"),
+            row_weights.view(e, max_m), clamp=clamp, out=out.view(e, max_m, inter), out_sf=out_sf.view(e, max_m, -1),
+            config=cfg,
+        )
+    torch.cuda.synchronize()
+    _check_swiglu(out, out_sf, a, None, w1, w1_sf, row_expert, row_weights, clamp,
+                  f"swiglu {layout} {cfg.describe('swiglu_fp8')} clamp={clamp}")

@@ -1,14 +1,17 @@
-"""Benchmark: SM90 FP8 x FP4 grouped GEMM (contiguous layout) against torch grouped-GEMM baselines.
+"""Benchmark: SM90 FP4 grouped GEMM (contiguous layout), BF16 and FP8 MMA modes, against torch baselines.
 
 For every point (preset x layer x expert-parallel degree x rows per expert) it checks the kernel's output
 on sampled experts and rows against an FP64 reference, then times it (CUDA-graph replays timed with
 events, after warm-up, median of repeats) and reports microseconds, TFLOP/s and weight bytes/s next to the
-HBM read bandwidth measured in the same run. Baselines, timed and checked the same way:
+HBM read bandwidth measured in the same run. Kernel rows: each ``--mma`` mode with ``select_config``'s
+choice, and in BF16 mode one alternative config (2 CTAs/SM for token tiles <= 16, tile_tokens=64 instead
+of 128; ``--no-alt`` skips it). Both modes read the same FP4 weights and FP8 tokens; BF16 mode gets them
+dequantized to BF16 outside the timing (exact). Baselines, timed and checked the same way:
 ``torch._scaled_grouped_mm`` (FP8 x FP8, rowwise scales) and ``torch._grouped_mm`` (BF16). A time is
 never printed without its run's verdict.
 
-    python -m megamoe.bench.gemm [--quick] [--presets flash,pro] [--layers l1,l2] [--ep 8,2]
-                                 [--rows 1,4,16,64,256,1024,4096] [--max-gb 100] [--json PATH]
+    python -m megamoe.bench.gemm [--quick] [--mma bf16,fp8] [--no-alt] [--presets flash,pro] [--layers l1,l2]
+                                 [--ep 8,2] [--rows 1,4,16,64,256,1024,4096] [--max-gb 100] [--json PATH]
 """
 
 import argparse
@@ -116,16 +119,22 @@ def _fill_rows(out: torch.Tensor, make) -> torch.Tensor:
     return out
 
 
-def make_fp4_weights(experts: int, n: int, k: int):
-    """Random FP4 weights (quantized randn) in the kernel layout: ``(uint8 [E, N, K/128, 64], int32 [E, N, K/128])``."""
+def make_fp4_weights(experts: int, n: int, k: int, mmas=("bf16", "fp8")) -> dict:
+    """Random FP4 weights (quantized randn) in each mode's kernel layout: ``{mma: (b, b_sf int32 [E, N, K/128])}``
+    with b ``int32 [E, N, K/128, 16]`` (BF16 mode) or ``uint8 [E, N, K/128, 64]`` (FP8 mode), same values."""
     from megamoe.kernels.sm90_grouped_gemm import prepare_fp4_weights
     from megamoe.layouts import quantize_fp4
 
-    b = torch.empty(experts, n, k // 128, 64, dtype=torch.uint8, device="cuda")
-    b_sf = torch.empty(experts, n, k // 128, dtype=torch.int32, device="cuda")
+    out = {}
+    for mma in mmas:
+        shape, dtype = ((16,), torch.int32) if mma == "bf16" else ((64,), torch.uint8)
+        out[mma] = (torch.empty(experts, n, k // 128, *shape, dtype=dtype, device="cuda"),
+                    torch.empty(experts, n, k // 128, dtype=torch.int32, device="cuda"))
     for e in range(experts):
-        b[e : e + 1], b_sf[e : e + 1] = prepare_fp4_weights(*quantize_fp4(torch.randn(1, n, k, device="cuda")))
-    return b, b_sf
+        canonical = quantize_fp4(torch.randn(1, n, k, device="cuda"))
+        for mma, (b, b_sf) in out.items():
+            b[e : e + 1], b_sf[e : e + 1] = prepare_fp4_weights(*canonical, mma=mma)
+    return out
 
 
 def make_fp8_tokens(p: Point):
@@ -147,15 +156,17 @@ def _check_experts(p: Point) -> list[int]:
 
 
 def _check_kernel(p: Point, out, a, a_sf, b, b_sf) -> str:
-    from megamoe.kernels.sm90_fp4_decode import from_sm90_weight_layout
+    from megamoe.kernels.sm90_fp4_decode import from_sm90_bf16_weight_layout, from_sm90_weight_layout
     from megamoe.layouts import dequantize_fp4, dequantize_fp8
 
+    canonical = from_sm90_bf16_weight_layout if b.dtype == torch.int32 else from_sm90_weight_layout
     worst, nan = 0.0, False
     for e in _check_experts(p):
         r0 = e * p.rows_per_expert
         rows = slice(r0, r0 + min(p.rows_per_expert, CHECK_ROWS))
-        w = dequantize_fp4(from_sm90_weight_layout(b[e : e + 1]), b_sf[e : e + 1])[0].double()
-        ref = (dequantize_fp8(a[rows], a_sf[rows]).double() @ w.T).to(torch.bfloat16)
+        w = dequantize_fp4(canonical(b[e : e + 1]), b_sf[e : e + 1])[0].double()
+        a64 = a[rows].double() if a_sf is None else dequantize_fp8(a[rows], a_sf[rows]).double()
+        ref = (a64 @ w.T).to(torch.bfloat16)
         got = out[rows]
         nan |= bool(torch.isnan(got.float()).any())
         worst = max(worst, rel_fro_error(got, ref))
@@ -166,12 +177,32 @@ def _weight_bytes(p: Point, bytes_per_weight: float) -> float:
     return p.experts * p.n * p.k * bytes_per_weight
 
 
-def run_kernel(p: Point, weights) -> Result:
-    from megamoe.kernels.sm90_grouped_gemm import grouped_gemm_fp8_fp4_contiguous, select_config
+def kernel_configs(p: Point, mma: str, alternatives: bool) -> list:
+    """``select_config``'s choice for ``mma``, plus in BF16 mode one alternative: 2 CTAs/SM for token tiles
+    <= 16, tile_tokens=64 for 128."""
+    import dataclasses
 
-    b, b_sf = weights
-    a, a_sf, offsets = make_fp8_tokens(p)
-    cfg = select_config(p.rows_per_expert, p.n, p.k)
+    from megamoe.kernels.sm90_grouped_gemm import select_config
+
+    cfg = select_config(p.rows_per_expert, p.n, p.k, mma)
+    configs = [cfg]
+    if alternatives and mma == "bf16":
+        if cfg.tile_tokens <= 16:
+            configs.append(dataclasses.replace(cfg, ctas_per_sm=2))
+        elif cfg.tile_tokens == 128:
+            configs.append(dataclasses.replace(cfg, tile_tokens=64))
+    return configs
+
+
+def run_kernel(p: Point, weights, tokens, cfg) -> Result:
+    """One kernel config on the point's tokens (``(a, a_sf, offsets)``, FP8) and the config's weight layout."""
+    from megamoe.kernels.sm90_grouped_gemm import grouped_gemm_fp8_fp4_contiguous
+    from megamoe.layouts import dequantize_fp8
+
+    b, b_sf = weights[cfg.mma]
+    a, a_sf, offsets = tokens
+    if cfg.mma == "bf16":  # exact; outside the timing, as the contract puts it on the caller
+        a, a_sf = dequantize_fp8(a, a_sf, torch.bfloat16), None
     out = torch.full((a.shape[0], p.n), float("nan"), dtype=torch.bfloat16, device="cuda")
     grouped_gemm_fp8_fp4_contiguous(a, a_sf, b, b_sf, offsets, out=out, config=cfg)
     torch.cuda.synchronize()
@@ -179,7 +210,7 @@ def run_kernel(p: Point, weights) -> Result:
     us = _time_us(lambda: grouped_gemm_fp8_fp4_contiguous(a, a_sf, b, b_sf, offsets, out=out, config=cfg))
     flops = 2.0 * a.shape[0] * p.n * p.k
     wbytes = _weight_bytes(p, 0.5 + 1 / 32)  # FP4 values + one UE8M0 byte per 32
-    return Result("megamoe fp8xfp4", verdict, us, flops / us / 1e6, wbytes / us / 1e3, cfg.describe())
+    return Result(f"megamoe {cfg.mma} mode", verdict, us, flops / us / 1e6, wbytes / us / 1e3, cfg.describe())
 
 
 def _baseline_offsets(p: Point) -> tuple[torch.Tensor, int]:
@@ -249,7 +280,7 @@ def run_grouped_mm_bf16(p: Point) -> Result:
 def _gb_needed(p: Point, baselines: bool) -> float:
     """Peak device memory of a point: kernel operands (weights stay resident) plus the larger baseline."""
     m = p.experts * math.ceil(p.rows_per_expert / 16) * 16
-    kernel = m * p.k * 1.05 + m * p.n * 2 + p.experts * p.n * p.k * 0.55
+    kernel = m * p.k * 3.05 + m * p.n * 2 + p.experts * p.n * p.k * 1.1  # FP8 + BF16 tokens, both layouts
     bf16 = 2 * (m * p.k + p.experts * p.n * p.k + m * p.n)
     return (kernel + (bf16 if baselines else 0)) / 1e9
 
@@ -267,7 +298,9 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", default="l1,l2")
     parser.add_argument("--ep", default="8,2", help="expert-parallel degrees (experts per rank = total / EP)")
     parser.add_argument("--rows", default=",".join(map(str, ROWS_PER_EXPERT)), help="rows per expert")
-    parser.add_argument("--quick", action="store_true", help="flash only, EP8, rows 1,16,256")
+    parser.add_argument("--mma", default="bf16,fp8", help="kernel MMA modes to run (bf16, fp8)")
+    parser.add_argument("--no-alt", action="store_true", help="no alternative BF16-mode config rows")
+    parser.add_argument("--quick", action="store_true", help="flash only, EP8, rows 1,16,64,1024")
     parser.add_argument("--no-baselines", action="store_true")
     parser.add_argument("--max-gb", type=float, default=100.0, help="skip points needing more device memory")
     parser.add_argument("--json", default=None, help="write all results to this JSON file")
@@ -276,7 +309,10 @@ def main(argv=None) -> int:
         print("megamoe.bench gemm: needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.quick:
-        args.presets, args.ep, args.rows = "flash", "8", "1,16,256"
+        args.presets, args.ep, args.rows = "flash", "8", "1,16,64,1024"
+    mmas = tuple(args.mma.split(","))
+    if any(mma not in ("bf16", "fp8") for mma in mmas):
+        parser.error(f"--mma takes bf16 and/or fp8, got {args.mma!r}")
     points = _points(
         args.presets.split(","), args.layers.split(","),
         [int(x) for x in args.ep.split(",")], [int(x) for x in args.rows.split(",")],
@@ -301,8 +337,10 @@ def main(argv=None) -> int:
         if weights_key != (p.experts, p.n, p.k):
             weights = None
             torch.cuda.empty_cache()
-            weights, weights_key = make_fp4_weights(p.experts, p.n, p.k), (p.experts, p.n, p.k)
-        results = [run_kernel(p, weights)]
+            weights, weights_key = make_fp4_weights(p.experts, p.n, p.k, mmas), (p.experts, p.n, p.k)
+        tokens = make_fp8_tokens(p)
+        results = [run_kernel(p, weights, tokens, cfg) for mma in mmas for cfg in kernel_configs(p, mma, not args.no_alt)]
+        tokens = None
         torch.cuda.empty_cache()
         if not args.no_baselines:
             results.append(run_scaled_grouped_mm(p))

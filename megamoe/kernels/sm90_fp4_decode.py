@@ -1,27 +1,59 @@
-"""FP4 (E2M1) -> FP8 (E4M3) decode for Hopper register-sourced (RS) wgmma, and the weight layout it reads.
+"""FP4 (E2M1) weight decodes for Hopper register-sourced (RS) wgmma, and the weight layouts they read.
 
-Hopper has no FP4 tensor cores, so the SM90 grouped GEMM decodes packed E2M1 weights into E4M3 (exact:
-every E2M1 value is an E4M3 value) directly into the wgmma A fragment. The weights are the wgmma M side
-(swap-AB), so each thread of a warpgroup owns, per 32-wide K block ``kb`` of a 64-row slab, the values
+Hopper has no FP4 tensor cores, so the SM90 grouped GEMM decodes packed E2M1 weights in registers straight
+into the wgmma A fragment (weights are the wgmma M side, swap-AB). Two modes, two layouts; in both, one
+16-byte shared-memory load per weight row and 128-wide K chunk yields a thread's whole slice of that chunk
+in fragment order (four 16-byte segments per chunk and row, segment ``q = lane % 4``; rows ``g`` and
+``g + 8``, ``g = lane // 4 + 16 * warp``).
 
-    rows  g and g + 8        (g = lane // 4 + 16 * warp)
-    k     kb*32 + 16*h + 4*q + i,   h in {0, 1}, i in 0..3   (q = lane % 4)
+FP8 mode (``to_sm90_weight_layout``, uint8 ``[E, N, K/128, 64]``): E2M1 -> E4M3, exact (every E2M1 value is
+an E4M3 value); the per-32 scales are applied outside the MMA. A thread owns, per 32-wide K block ``kb``,
+``k = kb*32 + 16*h + 4*q + i`` (h in {0, 1}, i in 0..3): the PTX ``wgmma .e4m3`` A fragment, four registers
+of four bytes, ``(row, h)`` major. Segment ``q`` holds words ``kb = 0..3`` whose low half is ``h = 0`` and
+high half ``h = 1``; nibble order inside a byte is unchanged (even element in the low nibble). Decode of one
+word: magnitudes through a byte-permute (``prmt``) table lookup, sign bits moved to bit 7 of each byte with
+a second ``prmt``; -0 (code 8) becomes E4M3 -0 (0x80), never NaN.
 
-(the PTX ``wgmma .e4m3`` A-fragment: four registers of four bytes, ``(row, h)`` major). The kernel weight
-layout (``to_sm90_weight_layout``) stores every 128-wide K chunk of a row as four 16-byte segments, one per
-``q``, each holding words ``kb = 0..3`` whose low half is ``h = 0`` and high half ``h = 1``; one 16-byte
-shared-memory load per row then yields a thread's whole 128-K slice in fragment order. Nibble order inside
-a byte is unchanged (even element in the low nibble), so a decoded 16-bit half maps to four consecutive K.
+BF16 mode (``to_sm90_bf16_weight_layout``, int32 ``[E, N, K/128, 16]``): E2M1 times its UE8M0 scale ->
+BF16, exact, so the MMA needs no scales at all. A thread owns, per 16-wide K block ``kk``, ``k = 16*kk +
+8*h + 2*q + i`` (the ``wgmma .bf16`` A fragment: registers ``(row, h)``, element i = 0 in the low half).
+Word ``w`` of segment ``q`` holds the 8 elements of K blocks ``kk = 2w, 2w + 1`` (one 32-wide scale block)
+for one row; register ``j = 2 * (kk - 2w) + h`` of them is decoded from the word x as follows:
 
-Decode of one 32-bit word (8 nibbles): magnitudes through a byte-permute (``prmt``) table lookup, sign bits
-moved to bit 7 of each byte with a second ``prmt``; -0 (code 8) becomes E4M3 -0 (0x80), never NaN.
+    j  magnitude window        magnitudes (low half)  sign window   sign bit (low half)
+    0  x                        bits 6-8               (same)        15
+    1  x << 3                   bits 3-5               (same)        12
+    2  x << 6                   bits 0-2               x << 1        14
+    3  x >> 3                   bits 9-11              x << 2        13
+
+(high half: the same + 16). ``t = window & 0x01C001C0`` puts the three magnitude bits ``e1 e0 m`` of both
+elements at BF16 bits 8..6 -- exponent bits 1..0 and the top mantissa bit -- so the BF16 value of ``t`` is
+exactly ``v * 2**-126`` for every E2M1 magnitude v (e = 0, code 1 = 0.5, lands on the BF16 subnormal
+2**-127). For j = 0, 1 the sign already sits at bit 15 of the same window (mask ``0x81C081C0``); for
+j = 2, 3 it is xor-ed in after the multiply (negation is exact). One ``mul.rn.bf16x2`` by ``2**(126 + s - P)``
+(s the UE8M0 exponent, ``P = BF16_ACC_SHIFT``) restores the value and applies the scale in one exact
+rounding-free step: ``mul.bf16``/``.bf16x2`` have no ``.ftz`` form in PTX, subnormal inputs and results are
+kept. 15 instructions per 8 weights (11 integer, 4 ``HMUL2``), plus 2 per scale.
+
+Exact range: the multiplier ``2**(126 + s - P)`` must be a finite BF16 (``s <= P + 1``) and the smallest
+product ``0.5 * 2**(s - P)`` at least the smallest BF16 subnormal 2**-133 (``s >= P - 132``). With
+``P = 16`` the decoded weights are ``w * 2**-16`` and the kernel multiplies its FP32 accumulator by ``2**16``
+(exact) before the epilogue: UE8M0 codes ``BF16_MIN_SCALE_CODE..BF16_MAX_SCALE_CODE`` = 11..144
+(scales ``2**-116 .. 2**17``, block maxima up to 786432) are exact; an all-zero block is exact for any code
+<= 144 (``quantize_fp4`` gives it code 0). ``prepare_fp4_weights(..., mma="bf16")`` checks this once. The
+FP32 accumulator then holds sums times 2**-16: (partial) sums below 2**-110 in magnitude are FP32-subnormal
+inside the MMA (instead of below 2**-126), far from any real activation x weight product.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from ..checks import check_multiple, check_tensor, fail
+from ..layouts.fp4 import pack_fp4_codes, unpack_fp4_codes
+from ..layouts.ue8m0 import unpack_ue8m0
 
 K_CHUNK = 128
 """K elements per kernel-layout chunk (one pipeline stage, one packed UE8M0 scale word)."""
@@ -31,6 +63,21 @@ CHUNK_BYTES = K_CHUNK // 2
 E4M3_LUT_LO = 0x3C383000
 E4M3_LUT_HI = 0x4C484440
 _SIGN_BITS = 0x80808080
+
+BF16_ACC_SHIFT = 16
+"""P: BF16-mode weights are decoded as ``w * 2**-P``; the accumulator is multiplied by ``2**P``."""
+BF16_MIN_SCALE_CODE = BF16_ACC_SHIFT - 5
+"""Smallest UE8M0 code exact in BF16 mode for a block with a nonzero value (``0.5 * 2**(s - P) >= 2**-133``)."""
+BF16_MAX_SCALE_CODE = BF16_ACC_SHIFT + 128
+"""Largest UE8M0 code allowed in BF16 mode (the multiplier ``2**(126 + s - P)`` stays a finite BF16)."""
+BF16_SCALE_FIELD_OFFSET = 126 - BF16_ACC_SHIFT
+"""BF16 exponent field of the decode multiplier = UE8M0 code + this."""
+BF16_WORDS = 16
+"""int32 words per row and 128-wide K chunk in the BF16-mode layout."""
+# Per fragment register j of a word (low-half bit positions; the high half is the same + 16): where the
+# three magnitude bits and the sign bit of its element are stored (see the module docstring).
+BF16_MAG_BIT = (6, 3, 0, 9)
+BF16_SIGN_BIT = (15, 12, 14, 13)
 
 
 def to_sm90_weight_layout(b: torch.Tensor) -> torch.Tensor:
@@ -51,6 +98,63 @@ def from_sm90_weight_layout(bk: torch.Tensor) -> torch.Tensor:
         fail("b", f"must have {CHUNK_BYTES} bytes per 128-K chunk (shape [E, N, K/128, 64]), got {list(bk.shape)}")
     parts = bk.reshape(e, n, chunks, 4, 4, 2, 2)  # (q, kb, h, p)
     return parts.permute(0, 1, 2, 4, 5, 3, 6).reshape(e, n, chunks * CHUNK_BYTES).contiguous()
+
+
+def _bf16_word_view(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes ``[E, N, K]`` -> ``[E, N, K/128, q, w, kk', h, i]`` (k = 128c + 32w + 16kk' + 8h + 2q + i)."""
+    e, n, k = codes.shape
+    return codes.reshape(e, n, k // K_CHUNK, 4, 2, 2, 4, 2).permute(0, 1, 2, 6, 3, 4, 5, 7)
+
+
+def to_sm90_bf16_weight_layout(b: torch.Tensor) -> torch.Tensor:
+    """Canonical packed FP4 ``uint8 [E, N, K/2]`` -> BF16-mode kernel layout ``int32 [E, N, K/128, 16]``
+    (word ``4*q + w`` of a chunk: see the module docstring). Done once at weight-load time."""
+    check_tensor("b", b, dtype=torch.uint8, ndim=3)
+    e, n, half_k = b.shape
+    check_multiple("b.shape[2] * 2 (K)", 2 * half_k, K_CHUNK, "the kernel layout works in 128-wide K chunks")
+    codes = _bf16_word_view(unpack_fp4_codes(b).to(torch.int64))  # [..., q, w, kk', h, i]
+    j = torch.arange(4, device=b.device).view(2, 2, 1)  # register j = 2 kk' + h
+    i = torch.arange(2, device=b.device).view(1, 1, 2)
+    mag_bit = torch.tensor(BF16_MAG_BIT, device=b.device)[j] + 16 * i
+    sign_bit = torch.tensor(BF16_SIGN_BIT, device=b.device)[j] + 16 * i
+    bits = ((codes & 7) << mag_bit) | ((codes >> 3) << sign_bit)
+    words = bits.flatten(-3).sum(-1)  # disjoint bit fields: the sum is their OR
+    words = torch.where(words >= 2**31, words - 2**32, words)  # uint32 -> the same bits as int32
+    return words.to(torch.int32).reshape(e, n, half_k // CHUNK_BYTES, BF16_WORDS).contiguous()
+
+
+def from_sm90_bf16_weight_layout(bk: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``to_sm90_bf16_weight_layout``: ``int32 [E, N, K/128, 16]`` -> canonical ``uint8 [E, N, K/2]``."""
+    check_tensor("b", bk, dtype=torch.int32, ndim=4)
+    e, n, chunks, width = bk.shape
+    if width != BF16_WORDS:
+        fail("b", f"must have {BF16_WORDS} words per 128-K chunk (shape [E, N, K/128, 16]), got {list(bk.shape)}")
+    words = (bk.to(torch.int64) & 0xFFFFFFFF).reshape(e, n, chunks, 4, 4, 1, 1, 1)  # [..., q, w]
+    j = torch.arange(4, device=bk.device).view(2, 2, 1)
+    i = torch.arange(2, device=bk.device).view(1, 1, 2)
+    mag = (words >> (torch.tensor(BF16_MAG_BIT, device=bk.device)[j] + 16 * i)) & 7
+    sign = (words >> (torch.tensor(BF16_SIGN_BIT, device=bk.device)[j] + 16 * i)) & 1
+    codes = (mag | (sign << 3)).permute(0, 1, 2, 4, 5, 6, 3, 7)  # (w, kk', h, q, i): natural k order
+    return pack_fp4_codes(codes.reshape(e, n, chunks * K_CHUNK).to(torch.uint8))
+
+
+def check_bf16_scale_range(b: torch.Tensor, b_sf: torch.Tensor) -> None:
+    """Raise unless canonical FP4 weights (``uint8 [E, N, K/2]``, ``int32 [E, N, K/128]``) are exact in BF16
+    mode: every UE8M0 code <= ``BF16_MAX_SCALE_CODE``, and >= ``BF16_MIN_SCALE_CODE`` where the 32-block
+    holds a nonzero value. One host sync (weight-load time)."""
+    codes = unpack_ue8m0(b_sf).to(torch.int32)  # [E, N, K/32]
+    nonzero = (unpack_fp4_codes(b) & 7).reshape(*codes.shape, 32).amax(-1) > 0
+    checks = (
+        ("above", codes > BF16_MAX_SCALE_CODE, f"<= {BF16_MAX_SCALE_CODE} (scale 2**{BF16_MAX_SCALE_CODE - 127})"),
+        ("below", nonzero & (codes < BF16_MIN_SCALE_CODE),
+         f">= {BF16_MIN_SCALE_CODE} (scale 2**{BF16_MIN_SCALE_CODE - 127}) where the block holds a nonzero value"),
+    )
+    for name, bad, what in checks:
+        if bool(bad.any()):
+            at = bad.nonzero()[0].tolist()
+            fail("b_sf", f"has UE8M0 codes {name} the exact range of the BF16 decode: codes must be {what}; "
+                 f"first offending [expert, row, 32-block] = {at} (code {int(codes[tuple(at)])}); "
+                 "use mma='fp8' for such weights")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -122,6 +226,47 @@ def _device_helpers():
         sign_mask = Int32(_SIGN_BITS - (1 << 32))
         return lo | (sign_lo & sign_mask), hi | (sign_hi & sign_mask)
 
+    @dsl_user_op
+    def decode_e2m1x8_bf16(x, multiplier, *, loc=None, ip=None):
+        """One BF16-mode word (8 E2M1 elements) and its bf16x2 multiplier ``2**(126 + s - P)`` (both halves)
+        -> the four bf16x2 fragment registers j = 0..3 (``BF16_MAG_BIT`` / ``BF16_SIGN_BIT``)."""
+        res = llvm.inline_asm(
+            llvm.StructType.get_literal([T.i32()] * 4),
+            [Int32(v).ir_value(loc=loc, ip=ip) for v in (x, multiplier)],
+            "{.reg .b32 t0, t1, t2, t3, s2, s3;\n"
+            "and.b32 t0, $4, 0x81C081C0;\n"
+            "shl.b32 t1, $4, 3;\n"
+            "and.b32 t1, t1, 0x81C081C0;\n"
+            "shl.b32 t2, $4, 6;\n"
+            "and.b32 t2, t2, 0x01C001C0;\n"
+            "shr.u32 t3, $4, 3;\n"
+            "and.b32 t3, t3, 0x01C001C0;\n"
+            "shl.b32 s2, $4, 1;\n"
+            "and.b32 s2, s2, 0x80008000;\n"
+            "shl.b32 s3, $4, 2;\n"
+            "and.b32 s3, s3, 0x80008000;\n"
+            "mul.rn.bf16x2 $0, t0, $5;\n"
+            "mul.rn.bf16x2 $1, t1, $5;\n"
+            "mul.rn.bf16x2 t2, t2, $5;\n"
+            "mul.rn.bf16x2 t3, t3, $5;\n"
+            "xor.b32 $2, t2, s2;\n"
+            "xor.b32 $3, t3, s3;}",
+            "=r,=r,=r,=r,r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc,
+            ip=ip,
+        )
+        return tuple(Int32(llvm.extractvalue(T.i32(), res, [j], loc=loc, ip=ip)) for j in range(4))
+
+    @cutlass.cute.jit
+    def ue8m0_to_bf16x2_multiplier(word: Int32, byte: cutlass.Constexpr[int]) -> Int32:
+        """UE8M0 code in byte ``byte`` of a packed scale word -> the BF16-mode decode multiplier
+        ``2**(126 + s - P)`` in both halves of a bf16x2 (exponent field ``code + BF16_SCALE_FIELD_OFFSET``)."""
+        code = prmt(word, Int32(0), Int32(0x4440 | byte))  # byte ``byte`` alone, in byte 0
+        return code * Int32(0x00800080) + Int32(BF16_SCALE_FIELD_OFFSET * 0x00800080)
+
     @cutlass.cute.jit
     def ue8m0_to_f32(word: Int32, byte: cutlass.Constexpr[int]) -> Float32:
         """UE8M0 code in byte ``byte`` of a packed scale word -> ``2**(code - 127)`` as float32 (exact;
@@ -132,15 +277,18 @@ def _device_helpers():
             bits = Int32(0x00400000)
         return bits_to_f32(bits)
 
-    return prmt, bits_to_f32, f32_bits, decode_e2m1x8, ue8m0_to_f32, f32x4_to_e4m3x4
+    return SimpleNamespace(
+        prmt=prmt, bits_to_f32=bits_to_f32, f32_bits=f32_bits, decode_e2m1x8=decode_e2m1x8,
+        ue8m0_to_f32=ue8m0_to_f32, f32x4_to_e4m3x4=f32x4_to_e4m3x4, decode_e2m1x8_bf16=decode_e2m1x8_bf16,
+        ue8m0_to_bf16x2_multiplier=ue8m0_to_bf16x2_multiplier,
+    )
 
 
 _HELPERS = None
 
 
 def device_helpers():
-    """``(prmt, bits_to_f32, f32_bits, decode_e2m1x8, ue8m0_to_f32, f32x4_to_e4m3x4)`` DSL device functions
-    (built on first use)."""
+    """The DSL device functions above as attributes of a namespace (built on first use)."""
     global _HELPERS
     if _HELPERS is None:
         _HELPERS = _device_helpers()

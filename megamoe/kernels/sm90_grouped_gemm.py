@@ -1,4 +1,4 @@
-"""SM90 (Hopper) grouped GEMM: FP8 E4M3 tokens x FP4 E2M1 expert weights, exact UE8M0 block scales.
+"""SM90 (Hopper) grouped GEMM: FP4 E2M1 expert weights with exact UE8M0 block scales, two MMA modes.
 
 ``acc[m, n] = sum_k dequant(a)[m, k] * dequant(b[e])[n, k]`` for every row m of expert e's group in FP32
 (``megamoe.numerics`` steps 1 / 6), then one of two epilogues:
@@ -7,30 +7,45 @@
 * ``swiglu_fp8``: L1 steps 2-5 on interleaved gate/up rows (``prepare_fp4_weights_l1``): FP8 ``[M, I]`` +
   packed UE8M0 ``[M, I/128]``, the layout L2 consumes -- ``grouped_gemm_fp8_fp4_swiglu_{contiguous,masked}``.
 
+MMA modes (``GemmConfig.mma``), fixed by how the weights were prepared (``prepare_fp4_weights(..., mma=)``):
+
+* ``"bf16"`` (recommended): tokens BF16 ``[M, K]`` (FP8 tokens dequantized by the caller,
+  ``layouts.dequantize_fp8(a, a_sf, torch.bfloat16)``, exact) and ``a_sf=None``; weights decoded with their
+  per-32 scale folded in to exact BF16 (``sm90_fp4_decode``), RS wgmma ``m64 x tile_tokens x k16`` bf16 x bf16
+  -> f32 into one FP32 accumulator over the whole K: no promotion, wgmmas back to back.
+* ``"fp8"``: tokens FP8 E4M3 + packed UE8M0 ``a_sf``; weights decoded to E4M3, RS wgmma ``k32`` e4m3 into a
+  fresh accumulator per 32-K block, then ``acc += tmp * (2^sb[n, kb] * 2^sa[m, kb])`` in FP32 (two
+  temporaries alternate so the promotion of block kb overlaps the wgmma of kb+1).
+
+Both are exact up to FP32 summation order (every product is exact) and the final rounding.
+
 Both group layouts run the same kernel: contiguous (``offsets`` [E+1], optional ``counts``) and masked
 (``[E, max_m]`` slabs viewed as contiguous rows with group e at ``e * max_m``, ``masked_m`` rows long).
 
 Design:
 
 * Swap-AB: weights are the wgmma M side (64 rows per consumer warpgroup, ``tile_n`` = 64 or 128 rows per
-  CTA) and tokens the N side (``tile_tokens`` = 8..64 rows), so a decode-sized group (a few tokens) wastes
-  no tensor-core work on padding beyond the wgmma N granularity of 8.
+  CTA) and tokens the N side (``tile_tokens`` = 8..64 rows, 128 in BF16 mode), so a decode-sized group (a
+  few tokens) wastes no tensor-core work on padding beyond the wgmma N granularity of 8.
 * Persistent, warp-specialized CTA of 1 + tile_n/64 warpgroups: warpgroup 0's first warp issues TMA loads
-  (tokens FP8 [tile_tokens, 128] 128B-swizzled; packed weights [tile_n, 64 B]; the packed scale words of
-  both operands, a 4-word box covering K/128 chunks 4j..4j+3) into a ``stages``-deep mbarrier pipeline,
-  one stage per 128 of K. The consumer warpgroups decode FP4 -> E4M3 straight into the register A fragment
-  (``sm90_fp4_decode``; weights pre-permuted once by ``to_sm90_weight_layout``) and issue RS wgmma
-  ``m64 x tile_tokens x k32`` (e4m3 x e4m3 -> f32).
-* Exact scales: every k32 wgmma writes a fresh temporary accumulator (two alternate, so the promotion of
-  block kb overlaps the wgmma of kb+1); then ``acc += tmp * (2^sb[n, kb] * 2^sa[m, kb])`` in FP32. All
-  products are exact; the only roundings are FP32 additions and the final BF16 conversion.
+  (tokens [tile_tokens, 128] 128B-swizzled; packed weights [tile_n, 64 B]; the packed weight scale words, a
+  4-word box covering K/128 chunks 4j..4j+3, and in FP8 mode the token scale words likewise) into a
+  ``stages``-deep mbarrier pipeline, one stage per 128 of K. The consumer warpgroups decode FP4 straight
+  into the register A fragment (weights pre-permuted once per mode) and issue RS wgmma.
+* BF16 mode pipeline: one wgmma group per 32-K block (two k16 wgmmas), up to three groups in flight while
+  the next block is decoded: block kb's fragment registers are rewritten after ``wait_group(3)`` retires the
+  previous chunk's block-kb group, and chunk kt-1's stage is released inside chunk kt once its last group
+  has retired (chunk 0 of a tile is peeled: a data-dependent branch between wgmmas makes ptxas serialize
+  them). The decoded weights carry a factor 2**-16 (``BF16_ACC_SHIFT``); the FP32 accumulator is multiplied
+  by 2**16 (exact) before the epilogue.
 * Groups: tile work items are (expert, token tile, weight tile), token tiles fastest (CTAs working at the
   same time share the weight tile in L2); group bounds are read on device (no host sync, CUDA-graph safe).
   Token tiles start at the group's first row, any alignment; rows past the group are loaded (TMA zero-fills
   past the tensor) but never stored: the epilogues store with a per-row predicate.
 
 Constraints: K % 512 == 0 (packed scale rows must be 16-byte aligned for TMA), N % 64 == 0 (SwiGLU: N = 2I,
-I % 128 == 0).
+I % 128 == 0). BF16 mode: weight scale codes within the decode's exact range (``sm90_fp4_decode``), checked
+by ``prepare_fp4_weights``.
 """
 
 import math
@@ -41,11 +56,16 @@ import torch
 from ..checks import check_multiple, check_range, check_tensor, fail
 from . import runtime
 from .sm90_fp4_decode import (
+    BF16_ACC_SHIFT,
+    BF16_WORDS,
     CHUNK_BYTES,
     E4M3_LUT_HI,
     E4M3_LUT_LO,
     K_CHUNK,
+    check_bf16_scale_range,
+    from_sm90_bf16_weight_layout,
     from_sm90_weight_layout,
+    to_sm90_bf16_weight_layout,
     to_sm90_weight_layout,
 )
 
@@ -60,16 +80,20 @@ __all__ = [
     "prepare_fp4_weights_l1",
     "to_sm90_weight_layout",
     "from_sm90_weight_layout",
+    "to_sm90_bf16_weight_layout",
+    "from_sm90_bf16_weight_layout",
     "compile_grouped_gemm",
     "K_MULTIPLE",
     "N_MULTIPLE",
+    "MMA_MODES",
 ]
 
 NUM_SMS_H200 = 132
 SMEM_CAPACITY = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
 K_MULTIPLE = 512
 N_MULTIPLE = 64
-TILE_TOKENS_CHOICES = (8, 16, 32, 64)
+MMA_MODES = ("bf16", "fp8")
+TILE_TOKENS_CHOICES = {"bf16": (8, 16, 32, 64, 128), "fp8": (8, 16, 32, 64)}
 TILE_N_CHOICES = (64, 128)
 GROUP_MODES = ("offsets", "offsets_counts", "masked")
 EPILOGUES = ("bf16", "swiglu_fp8")
@@ -80,26 +104,32 @@ wgmma accumulator, g and g + 8 of each 16-row group, are then gate and up of the
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """Static kernel configuration (one compiled kernel per config and group mode).
+    """Static kernel configuration (one compiled kernel per config, group mode and epilogue).
 
-    tile_tokens: tokens per CTA tile (wgmma N), one of 8, 16, 32, 64.
+    tile_tokens: tokens per CTA tile (wgmma N): 8, 16, 32, 64, or 128 in BF16 mode.
     tile_n: weight rows per CTA tile, 64 per consumer warpgroup (64 or 128).
     stages: TMA pipeline depth (stages of 128 K); ``None`` = as many as shared memory holds (max 16).
     ctas_per_sm: 1, or 2 for token tiles <= 16 (two co-resident CTAs, each with half the shared memory and
-        fewer consumer registers, hide each other's per-k32 wgmma waits).
+        no register rebalancing, hide each other's waits).
+    mma: "bf16" (BF16 tokens, weights from ``prepare_fp4_weights(..., mma="bf16")``) or "fp8" (FP8 tokens +
+        UE8M0 scales, FP8-mode weights); see the module docstring.
     """
 
     tile_tokens: int = 64
     tile_n: int = 128
     stages: int | None = None
     ctas_per_sm: int = 1
+    mma: str = "bf16"
 
     def __post_init__(self):
+        if self.mma not in MMA_MODES:
+            fail("config.mma", f"must be one of {MMA_MODES}, got {self.mma!r}")
         if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2 and self.tile_tokens > 16):
             fail("config.ctas_per_sm", f"must be 1, or 2 with tile_tokens <= 16; got {self.ctas_per_sm} "
                  f"with tile_tokens={self.tile_tokens}")
-        if self.tile_tokens not in TILE_TOKENS_CHOICES:
-            fail("config.tile_tokens", f"must be one of {TILE_TOKENS_CHOICES}, got {self.tile_tokens}")
+        if self.tile_tokens not in TILE_TOKENS_CHOICES[self.mma]:
+            fail("config.tile_tokens", f"must be one of {TILE_TOKENS_CHOICES[self.mma]} in {self.mma} mode, "
+                 f"got {self.tile_tokens}")
         if self.tile_n not in TILE_N_CHOICES:
             fail("config.tile_n", f"must be one of {TILE_N_CHOICES}, got {self.tile_n}")
         if self.stages is not None:
@@ -110,7 +140,9 @@ class GemmConfig:
         return self.tile_n // 64
 
     def stage_bytes(self) -> int:
-        """Shared memory of one pipeline stage: tokens, packed weights, both packed-scale boxes."""
+        """Shared memory of one pipeline stage: tokens, packed weights, the packed-scale boxes."""
+        if self.mma == "bf16":
+            return self.tile_tokens * K_CHUNK * 2 + self.tile_n * CHUNK_BYTES + 16 * self.tile_n
         return self.tile_tokens * K_CHUNK + self.tile_n * CHUNK_BYTES + 16 * (self.tile_n + self.tile_tokens)
 
     def epilogue_bytes(self, epilogue: str = "bf16") -> int:
@@ -129,29 +161,44 @@ class GemmConfig:
 
     def describe(self, epilogue: str = "bf16") -> str:
         return (
-            f"sm90 fp8xfp4 swapAB tile_tokens={self.tile_tokens} tile_n={self.tile_n} "
+            f"sm90 fp4 swapAB mma={self.mma} tile_tokens={self.tile_tokens} tile_n={self.tile_n} "
             f"stages={self.num_stages(epilogue)} ctas/SM={self.ctas_per_sm} epilogue={epilogue}"
         )
 
 
-def select_config(expected_rows_per_expert: float, n: int, k: int) -> GemmConfig:
-    """Heuristic config from the expected rows per expert (tokens) and the problem's N, K.
+def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "bf16") -> GemmConfig:
+    """Heuristic config for ``mma`` mode from the expected rows per expert (tokens) and the problem's N, K.
 
-    Token tile: the smallest of 8/16/32/64 covering the expected group (64 beyond), weight tile 128 rows
-    (two consumer warpgroups) when N allows it, else 64."""
+    Token tile: the smallest tile_tokens choice covering the expected group (the largest beyond), weight tile
+    128 rows (two consumer warpgroups) when N allows it, else 64. Two CTAs per SM for token tiles <= 16 in FP8
+    mode (they hide each other's per-k32 promotion waits); BF16 mode has no such waits and keeps one CTA
+    with the deeper pipeline and the consumer register rebalancing."""
     del k  # the stage count is chosen from shared memory alone
-    tile_tokens = next((t for t in TILE_TOKENS_CHOICES if t >= expected_rows_per_expert), TILE_TOKENS_CHOICES[-1])
+    if mma not in MMA_MODES:
+        fail("mma", f"must be one of {MMA_MODES}, got {mma!r}")
+    tiles = TILE_TOKENS_CHOICES[mma]
+    tile_tokens = next((t for t in tiles if t >= expected_rows_per_expert), tiles[-1])
     tile_n = 128 if n % 128 == 0 else 64
-    return GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=2 if tile_tokens <= 16 else 1)
+    ctas = 2 if mma == "fp8" and tile_tokens <= 16 else 1
+    return GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas, mma=mma)
 
 
-def prepare_fp4_weights(b: torch.Tensor, b_sf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Canonical FP4 weights (``uint8 [E, N, K/2]``, ``int32 [E, N, K/128]``) -> the kernel's
-    ``(uint8 [E, N, K/128, 64], int32 [E, N, K/128])``: nibbles reordered into wgmma fragment order, scales
-    unchanged (made contiguous). Run once at weight-load time."""
+def prepare_fp4_weights(b: torch.Tensor, b_sf: torch.Tensor, mma: str = "fp8") -> tuple[torch.Tensor, torch.Tensor]:
+    """Canonical FP4 weights (``uint8 [E, N, K/2]``, ``int32 [E, N, K/128]``) -> the kernel's operands for
+    ``mma`` mode, scales unchanged (made contiguous). Run once at weight-load time.
+
+    "fp8" (default, the layout existing callers pass FP8 tokens with): ``uint8 [E, N, K/128, 64]``, nibbles
+    reordered into the e4m3 fragment order. "bf16" (recommended; BF16 tokens): ``int32 [E, N, K/128, 16]``
+    (``to_sm90_bf16_weight_layout``); raises if a scale code is outside the exact range of the BF16 decode
+    (one host sync)."""
+    if mma not in MMA_MODES:
+        fail("mma", f"must be one of {MMA_MODES}, got {mma!r}")
     check_tensor("b", b, dtype=torch.uint8, ndim=3)
     e, n, half_k = b.shape
     check_tensor("b_sf", b_sf, dtype=torch.int32, shape=(e, n, 2 * half_k // K_CHUNK))
+    if mma == "bf16":
+        check_bf16_scale_range(b, b_sf)
+        return to_sm90_bf16_weight_layout(b), b_sf.contiguous()
     return to_sm90_weight_layout(b), b_sf.contiguous()
 
 
@@ -171,14 +218,16 @@ def _build_kernel_class():
 
     from .sm90_fp4_decode import device_helpers
 
-    _prmt, bits_to_f32, f32_bits, decode_e2m1x8, ue8m0_to_f32, f32x4_to_e4m3x4 = device_helpers()
+    dev = device_helpers()
 
-    class Sm90Fp8Fp4GroupedGemm:
-        """One compiled variant: ``GemmConfig`` x group mode ("offsets", "offsets_counts", "masked") x epilogue
-        ("bf16": D [M, N] BF16; "swiglu_fp8": SwiGLU of interleaved gate/up rows, FP8 [M, N/2] + UE8M0)."""
+    class Sm90Fp4GroupedGemm:
+        """One compiled variant: ``GemmConfig`` (incl. the MMA mode) x group mode ("offsets", "offsets_counts",
+        "masked") x epilogue ("bf16": D [M, N] BF16; "swiglu_fp8": SwiGLU of interleaved gate/up rows, FP8
+        [M, N/2] + UE8M0)."""
 
         def __init__(self, config: GemmConfig, group_mode: str, epilogue: str = "bf16"):
             self.cfg = config
+            self.bf16 = config.mma == "bf16"
             self.group_mode = group_mode
             self.epilogue = epilogue
             self.swiglu = epilogue == "swiglu_fp8"
@@ -198,9 +247,9 @@ def _build_kernel_class():
         @cute.jit
         def __call__(
             self,
-            mA: cute.Tensor,  # (M, K) fp8, K-major
-            mSFA: cute.Tensor,  # (M, K/128) int32
-            mW: cute.Tensor,  # (N, K/2, E) uint8, kernel layout
+            mA: cute.Tensor,  # (M, K) bf16 or fp8, K-major
+            mSFA,  # FP8 mode: (M, K/128) int32; BF16 mode: None
+            mW: cute.Tensor,  # (N, K/2, E) uint8 view of the mode's kernel layout
             mSFW: cute.Tensor,  # (N, K/128, E) int32
             mD: cute.Tensor,  # (M, N) bf16, or "swiglu_fp8": (M, N/8) int32 view of FP8 [M, N/2]
             mDSF: cute.Tensor,  # "swiglu_fp8": (M, N/64) uint8 view of the packed UE8M0 scales; else unused
@@ -214,8 +263,9 @@ def _build_kernel_class():
             stream,
         ):
             tt, tn, st = self.tile_tokens, self.tile_n, self.stages
+            a_dtype = cutlass.BFloat16 if cutlass.const_expr(self.bf16) else cutlass.Float8E4M3FN
             a_layout = cute.tile_to_shape(
-                warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, cutlass.Float8E4M3FN),
+                warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, a_dtype),
                 (tt, K_CHUNK, st),
                 order=(0, 1, 2),
             )
@@ -227,11 +277,15 @@ def _build_kernel_class():
             tma_a, tA = cpasync.make_tiled_tma_atom(g2s, mA, cute.slice_(a_layout, (None, None, 0)), (tt, K_CHUNK))
             tma_w, tW = cpasync.make_tiled_tma_atom(g2s, mW, cute.slice_(w_layout, (None, None, 0)), (tn, CHUNK_BYTES))
             tma_sfw, tSFW = cpasync.make_tiled_tma_atom(g2s, mSFW, cute.slice_(sfw_layout, (None, None, 0)), (tn, 4))
-            tma_sfa, tSFA = cpasync.make_tiled_tma_atom(g2s, mSFA, cute.slice_(sfa_layout, (None, None, 0)), (tt, 4))
+            tma_sfa, tSFA = None, None
+            if cutlass.const_expr(not self.bf16):
+                tma_sfa, tSFA = cpasync.make_tiled_tma_atom(
+                    g2s, mSFA, cute.slice_(sfa_layout, (None, None, 0)), (tt, 4)
+                )
 
             tiled_mma = sm90_utils.make_trivial_tiled_mma(
-                cutlass.Float8E4M3FN,
-                cutlass.Float8E4M3FN,
+                a_dtype,
+                a_dtype,
                 cute.nvgpu.OperandMajorMode.K,
                 cute.nvgpu.OperandMajorMode.K,
                 Float32,
@@ -243,14 +297,14 @@ def _build_kernel_class():
             @cute.struct
             class SharedStorage:
                 mbar: cute.struct.MemRange[cutlass.Int64, st * 2]
-                sA: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN, cute.cosize(a_layout)], 1024]
+                sA: cute.struct.Align[cute.struct.MemRange[a_dtype, cute.cosize(a_layout)], 1024]
                 sW: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(w_layout)], 1024]
                 sSFW: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(sfw_layout)], 128]
-                sSFA: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(sfa_layout)], 128]
+                sSFA: cute.struct.Align[cute.struct.MemRange[Int32, 1 if self.bf16 else cute.cosize(sfa_layout)], 128]
                 sAct: cute.struct.Align[cute.struct.MemRange[Float32, tt * self.act_stride if self.swiglu else 1], 16]
 
             self.shared_storage = SharedStorage
-            self.tx_bytes = tt * K_CHUNK + tn * CHUNK_BYTES + 16 * tn + 16 * tt
+            self.tx_bytes = tt * K_CHUNK * a_dtype.width // 8 + tn * CHUNK_BYTES + 16 * tn + (0 if self.bf16 else 16 * tt)
 
             self.kernel(
                 tma_a, tA, tma_w, tW, tma_sfw, tSFW, tma_sfa, tSFA,
@@ -321,8 +375,8 @@ def _build_kernel_class():
             tW: cute.Tensor,
             tma_sfw: cute.CopyAtom,
             tSFW: cute.Tensor,
-            tma_sfa: cute.CopyAtom,
-            tSFA: cute.Tensor,
+            tma_sfa,  # FP8 mode: cute.CopyAtom; BF16 mode: None
+            tSFA,  # FP8 mode: cute.Tensor; BF16 mode: None
             mD: cute.Tensor,
             mDSF: cute.Tensor,
             mRowW: cute.Tensor,
@@ -344,7 +398,7 @@ def _build_kernel_class():
             gdim, _, _ = cute.arch.grid_dim()
 
             if warp_idx == 0:
-                for atom in (tma_a, tma_w, tma_sfw, tma_sfa):
+                for atom in (tma_a, tma_w, tma_sfw) if cutlass.const_expr(self.bf16) else (tma_a, tma_w, tma_sfw, tma_sfa):
                     cpasync.prefetch_descriptor(atom)
 
             smem = utils.SmemAllocator()
@@ -360,7 +414,9 @@ def _build_kernel_class():
             sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
             sW = storage.sW.get_tensor(w_layout)
             sSFW = storage.sSFW.get_tensor(sfw_layout)
-            sSFA = storage.sSFA.get_tensor(sfa_layout)
+            sSFA = None
+            if cutlass.const_expr(not self.bf16):
+                sSFA = storage.sSFA.get_tensor(sfa_layout)
             sAct = None
             if cutlass.const_expr(self.swiglu):
                 sAct = storage.sAct.get_tensor(
@@ -412,10 +468,12 @@ def _build_kernel_class():
                 # Token-side tiles start at an arbitrary row: offset the TMA coordinate domain.
                 gA = cute.local_tile(cute.domain_offset((row0, 0), tA), (tt, K_CHUNK), (0, None))
                 tAs, tAg = cpasync.tma_partition(tma_a, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
-                gSFA = cute.local_tile(cute.domain_offset((row0, 0), tSFA), (tt, 4), (0, None))
-                tSFAs, tSFAg = cpasync.tma_partition(
-                    tma_sfa, 0, one, cute.group_modes(sSFA, 0, 2), cute.group_modes(gSFA, 0, 2)
-                )
+                tSFAs, tSFAg = None, None
+                if cutlass.const_expr(not self.bf16):
+                    gSFA = cute.local_tile(cute.domain_offset((row0, 0), tSFA), (tt, 4), (0, None))
+                    tSFAs, tSFAg = cpasync.tma_partition(
+                        tma_sfa, 0, one, cute.group_modes(sSFA, 0, 2), cute.group_modes(gSFA, 0, 2)
+                    )
                 for kt in cutlass.range(k_tiles, unroll=1):
                     ab_pipeline.producer_acquire(state)
                     bar = ab_pipeline.producer_get_barrier(state)
@@ -423,7 +481,8 @@ def _build_kernel_class():
                     cute.copy(tma_a, tAg[(None, kt)], tAs[(None, s)], tma_bar_ptr=bar)
                     cute.copy(tma_w, tWg[(None, n_tile, kt, e)], tWs[(None, s)], tma_bar_ptr=bar)
                     cute.copy(tma_sfw, tSFWg[(None, n_tile, kt // 4, e)], tSFWs[(None, s)], tma_bar_ptr=bar)
-                    cute.copy(tma_sfa, tSFAg[(None, kt // 4)], tSFAs[(None, s)], tma_bar_ptr=bar)
+                    if cutlass.const_expr(not self.bf16):
+                        cute.copy(tma_sfa, tSFAg[(None, kt // 4)], tSFAs[(None, s)], tma_bar_ptr=bar)
                     ab_pipeline.producer_commit(state)
                     state.advance()
                 t = t + gdim
@@ -437,20 +496,18 @@ def _build_kernel_class():
                      num_groups, max_m, clamp, total_rows, k_tiles, n_tiles, bidx, gdim):
             tt, tn = self.tile_tokens, self.tile_n
             thr_mma = tiled_mma.get_slice(ctidx)
-            # Register A fragment ((4,2,2), 1, 4): e4m3 x4 per (row r, k-half h) per k32 block; as int32.
+            # Register A fragment as int32, ((1, 2, 2), 1, k blocks): per (row r, k-half h) of each k block
+            # (FP8: k32, four e4m3; BF16: k16, two bf16).
             tCrA = thr_mma.make_fragment_A(thr_mma.partition_shape_A((tn, K_CHUNK)))
             frag = cute.recast_tensor(tCrA, Int32)
-            tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sA))  # (MMA, MMA_N, 4, stages)
+            tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sA))  # (MMA, MMA_N, k blocks, stages)
             # Explicit ((2, 2, tt/8), 1, 1): partition_shape_C drops the unit mode at tt == 8, which cute.gemm rejects.
             acc_shape = ((2, 2, tt // 8), 1, 1)
             acc = cute.make_rmem_tensor(acc_shape, Float32)
-            tmp0 = cute.make_rmem_tensor(acc_shape, Float32)
-            tmp1 = cute.make_rmem_tensor(acc_shape, Float32)
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
 
             # This thread's coordinates: A-fragment rows (weights) and accumulator (row, token column).
             cA = thr_mma.partition_A(cute.make_identity_tensor((tn, K_CHUNK)))
-            q = cA[(0, 0, 0), 0, 0][1] // 4
+            q = cA[(0, 0, 0), 0, 0][1] // (2 if self.bf16 else 4)
             wrow0 = cA[(0, 0, 0), 0, 0][0]
             wrow1 = cA[(0, 1, 0), 0, 0][0]
             # Accumulator value i = c + 2*r + 4*j is (weight row g + 8r, token column 8j + 2q + c).
@@ -461,13 +518,21 @@ def _build_kernel_class():
                 cute.recast_ptr(sW.iterator, dtype=Int32),
                 cute.make_layout((4, 4, tn, self.stages), stride=(1, 4, 16, tn * 16)),
             )
-            wbuf = cute.make_rmem_tensor((4, 2), Int32)  # (kb, r)
+            wbuf = cute.make_rmem_tensor((4, 2), Int32)  # (word, r): FP8 k32 block kb / BF16 k16 blocks 2w, 2w+1
             sfw_words = cute.make_rmem_tensor((2,), Int32)
-            sfa_words = cute.make_rmem_tensor((2, n_cols), Int32)  # (c, j)
-            sw = cute.make_rmem_tensor((2,), Float32)
-            sa = cute.make_rmem_tensor((2, n_cols), Float32)
-            lut_lo = Int32(E4M3_LUT_LO)
-            lut_hi = Int32(E4M3_LUT_HI)
+            if cutlass.const_expr(self.bf16):
+                mult = cute.make_rmem_tensor((4, 2), Int32)  # (k32 block, r): bf16x2 decode multipliers
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            else:
+                tmp0 = cute.make_rmem_tensor(acc_shape, Float32)
+                tmp1 = cute.make_rmem_tensor(acc_shape, Float32)
+                sfa_words = cute.make_rmem_tensor((2, n_cols), Int32)  # (c, j)
+                sw = cute.make_rmem_tensor((2,), Float32)
+                sa = cute.make_rmem_tensor((2, n_cols), Float32)
+                lut_lo = Int32(E4M3_LUT_LO)
+                lut_hi = Int32(E4M3_LUT_HI)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
 
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             t = bidx
@@ -476,36 +541,60 @@ def _build_kernel_class():
             )
             while valid:
                 acc.fill(0.0)
-                for kt in cutlass.range(k_tiles, unroll=1):
-                    ab_pipeline.consumer_wait(state)
-                    s = state.index
-                    # FP4 -> E4M3 into the A fragment (one 16-byte load per weight row).
-                    cute.autovec_copy(sW_words[None, q, wrow0, s], wbuf[None, 0])
-                    cute.autovec_copy(sW_words[None, q, wrow1, s], wbuf[None, 1])
+                if cutlass.const_expr(self.bf16):
+                    # The release of chunk kt-1 sits between chunk kt's wgmma groups; a data-dependent branch
+                    # there makes ptxas serialize every wgmma, so chunk 0 (nothing to release) is peeled.
+                    self.bf16_load(ab_pipeline, state, Int32(0), sW_words, sSFW, q, wrow0, wrow1, wbuf, sfw_words, mult)
                     for kb in cutlass.range_constexpr(4):
-                        for r in cutlass.range_constexpr(2):
-                            lo, hi = decode_e2m1x8(wbuf[kb, r], lut_lo, lut_hi)
-                            frag[(0, r, 0), 0, kb] = lo
-                            frag[(0, r, 1), 0, kb] = hi
-                    # Packed scale words of this 128-K chunk: word (kt % 4) of each 4-word box row.
-                    w = kt % 4
-                    sfw_words[0] = sSFW[wrow0, w, s]
-                    sfw_words[1] = sSFW[wrow1, w, s]
-                    for j in cutlass.range_constexpr(n_cols):
-                        for c in cutlass.range_constexpr(2):
-                            sfa_words[c, j] = sSFA[cC[c + 4 * j][1], w, s]
-                    for kb in cutlass.range_constexpr(4):
-                        tmp = tmp0 if kb % 2 == 0 else tmp1
-                        warpgroup.fence()
-                        cute.gemm(tiled_mma, tmp, tCrA[(None, None, kb)], tCrB[(None, None, kb, s)], tmp)
-                        warpgroup.commit_group()
-                        if cutlass.const_expr(kb > 0):
-                            warpgroup.wait_group(1)
-                            self.promote(acc, tmp1 if kb % 2 == 0 else tmp0, kb - 1, sfw_words, sfa_words, sw, sa)
-                    warpgroup.wait_group(0)
-                    self.promote(acc, tmp1, 3, sfw_words, sfa_words, sw, sa)
-                    ab_pipeline.consumer_release(state)
+                        warpgroup.wait_group(3)
+                        self.bf16_block(tiled_mma, acc, frag, tCrA, tCrB, wbuf, mult, state.index, kb)
                     state.advance()
+                    for kt in cutlass.range(1, k_tiles, unroll=1):
+                        self.bf16_load(ab_pipeline, state, kt, sW_words, sSFW, q, wrow0, wrow1, wbuf, sfw_words, mult)
+                        for kb in cutlass.range_constexpr(4):
+                            # Block kb's registers were last read by the previous chunk's block-kb wgmmas, four
+                            # groups ago: at most three may still be pending.
+                            warpgroup.wait_group(3)
+                            if cutlass.const_expr(kb == 3):  # every group of chunk kt-1 is done: free its stage
+                                ab_pipeline.consumer_release(release)
+                                release.advance()
+                            self.bf16_block(tiled_mma, acc, frag, tCrA, tCrB, wbuf, mult, state.index, kb)
+                        state.advance()
+                    warpgroup.wait_group(0)
+                    ab_pipeline.consumer_release(release)
+                    release.advance()
+                    acc.store(acc.load() * Float32(2.0**BF16_ACC_SHIFT))  # undo the decode's 2**-P (exact)
+                else:
+                    for kt in cutlass.range(k_tiles, unroll=1):
+                        ab_pipeline.consumer_wait(state)
+                        s = state.index
+                        # FP4 -> E4M3 into the A fragment (one 16-byte load per weight row).
+                        cute.autovec_copy(sW_words[None, q, wrow0, s], wbuf[None, 0])
+                        cute.autovec_copy(sW_words[None, q, wrow1, s], wbuf[None, 1])
+                        for kb in cutlass.range_constexpr(4):
+                            for r in cutlass.range_constexpr(2):
+                                lo, hi = dev.decode_e2m1x8(wbuf[kb, r], lut_lo, lut_hi)
+                                frag[(0, r, 0), 0, kb] = lo
+                                frag[(0, r, 1), 0, kb] = hi
+                        # Packed scale words of this 128-K chunk: word (kt % 4) of each 4-word box row.
+                        w = kt % 4
+                        sfw_words[0] = sSFW[wrow0, w, s]
+                        sfw_words[1] = sSFW[wrow1, w, s]
+                        for j in cutlass.range_constexpr(n_cols):
+                            for c in cutlass.range_constexpr(2):
+                                sfa_words[c, j] = sSFA[cC[c + 4 * j][1], w, s]
+                        for kb in cutlass.range_constexpr(4):
+                            tmp = tmp0 if kb % 2 == 0 else tmp1
+                            warpgroup.fence()
+                            cute.gemm(tiled_mma, tmp, tCrA[(None, None, kb)], tCrB[(None, None, kb, s)], tmp)
+                            warpgroup.commit_group()
+                            if cutlass.const_expr(kb > 0):
+                                warpgroup.wait_group(1)
+                                self.promote(acc, tmp1 if kb % 2 == 0 else tmp0, kb - 1, sfw_words, sfa_words, sw, sa)
+                        warpgroup.wait_group(0)
+                        self.promote(acc, tmp1, 3, sfw_words, sfa_words, sw, sa)
+                        ab_pipeline.consumer_release(state)
+                        state.advance()
 
                 if cutlass.const_expr(self.swiglu):
                     self.epilogue_swiglu(acc, cC, ctidx, sAct, mD, mDSF, mRowW, clamp, row0, row_end, n_tile)
@@ -560,15 +649,15 @@ def _build_kernel_class():
                         amax = cutlass.max(amax, cutlass.max(vals[v], -vals[v]))
                     # Smallest e with amax <= 448 * 2^e: amax = 1.f * 2^(E-127) and 448 = 1.75 * 2^8, so
                     # e = E - 135 + (f > 0.75), at least -127 (also for amax = 0 and subnormals).
-                    bits = f32_bits(amax)
+                    bits = dev.f32_bits(amax)
                     e = ((bits >> 23) & Int32(0xFF)) - Int32(135)
                     if (bits & Int32(0x7FFFFF)) > Int32(0x600000):
                         e = e + Int32(1)
                     e = cutlass.max(e, Int32(-127))
-                    inv_scale = bits_to_f32((Int32(127) - e) << 23)  # 2^-e, exact
+                    inv_scale = dev.bits_to_f32((Int32(127) - e) << 23)  # 2^-e, exact
                     words = cute.make_rmem_tensor((8,), Int32)
                     for w in cutlass.range_constexpr(8):
-                        words[w] = f32x4_to_e4m3x4(
+                        words[w] = dev.f32x4_to_e4m3x4(
                             vals[4 * w] * inv_scale,
                             vals[4 * w + 1] * inv_scale,
                             vals[4 * w + 2] * inv_scale,
@@ -580,21 +669,51 @@ def _build_kernel_class():
             barrier.arrive_and_wait()
 
         @cute.jit
+        def bf16_load(self, ab_pipeline, state, kt, sW_words, sSFW, q, wrow0, wrow1, wbuf, sfw_words, mult):
+            """BF16 mode: wait for chunk kt's stage; this thread's weight words of rows wrow0/wrow1 (one 16-byte
+            load each) and the bf16x2 decode multipliers of its four 32-K blocks."""
+            ab_pipeline.consumer_wait(state)
+            s = state.index
+            cute.autovec_copy(sW_words[None, q, wrow0, s], wbuf[None, 0])
+            cute.autovec_copy(sW_words[None, q, wrow1, s], wbuf[None, 1])
+            w = kt % 4  # packed scale word of this 128-K chunk in each 4-word box row
+            sfw_words[0] = sSFW[wrow0, w, s]
+            sfw_words[1] = sSFW[wrow1, w, s]
+            for r in cutlass.range_constexpr(2):
+                for kb in cutlass.range_constexpr(4):
+                    mult[kb, r] = dev.ue8m0_to_bf16x2_multiplier(sfw_words[r], kb)
+
+        @cute.jit
+        def bf16_block(self, tiled_mma, acc, frag, tCrA, tCrB, wbuf, mult, s, kb: cutlass.Constexpr[int]):
+            """BF16 mode: decode 32-K block kb (word kb of both rows) into the fragment registers of k16 blocks
+            2kb, 2kb+1 and issue their wgmmas as one group."""
+            for r in cutlass.range_constexpr(2):
+                d0, d1, d2, d3 = dev.decode_e2m1x8_bf16(wbuf[kb, r], mult[kb, r])
+                frag[(0, r, 0), 0, 2 * kb] = d0
+                frag[(0, r, 1), 0, 2 * kb] = d1
+                frag[(0, r, 0), 0, 2 * kb + 1] = d2
+                frag[(0, r, 1), 0, 2 * kb + 1] = d3
+            warpgroup.fence()
+            for kk in cutlass.range_constexpr(2 * kb, 2 * kb + 2):
+                cute.gemm(tiled_mma, acc, tCrA[(None, None, kk)], tCrB[(None, None, kk, s)], acc)
+            warpgroup.commit_group()
+
+        @cute.jit
         def promote(self, acc, tmp, kb: cutlass.Constexpr[int], sfw_words, sfa_words, sw, sa):
             """acc += tmp * 2^(sb[row, kb]) * 2^(sa[token, kb]) (exact power-of-two scaling, one FP32 add)."""
             n_cols = self.tile_tokens // 8
             for r in cutlass.range_constexpr(2):
-                sw[r] = ue8m0_to_f32(sfw_words[r], kb)
+                sw[r] = dev.ue8m0_to_f32(sfw_words[r], kb)
             for j in cutlass.range_constexpr(n_cols):
                 for c in cutlass.range_constexpr(2):
-                    sa[c, j] = ue8m0_to_f32(sfa_words[c, j], kb)
+                    sa[c, j] = dev.ue8m0_to_f32(sfa_words[c, j], kb)
             for j in cutlass.range_constexpr(n_cols):
                 for r in cutlass.range_constexpr(2):
                     for c in cutlass.range_constexpr(2):
                         i = c + 2 * r + 4 * j  # flat index of accumulator value (c, r, j)
                         acc[i] = acc[i] + tmp[i] * (sw[r] * sa[c, j])
 
-    return Sm90Fp8Fp4GroupedGemm
+    return Sm90Fp4GroupedGemm
 
 
 _KERNEL_CLASS = None
@@ -608,13 +727,14 @@ def _kernel_class():
 
 
 def _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, group_a, group_b):
-    """Torch tensors (2-D token views, 4-D kernel-layout weights) -> CuTe tensors in kernel mode order."""
+    """Torch tensors (2-D token views, 4-D kernel-layout weights of either mode) -> CuTe tensors in kernel mode
+    order; ``a_sf`` None (BF16 mode) stays None."""
     e, n, chunks, _ = b.shape
-    w = b.view(e, n, chunks * CHUNK_BYTES).permute(1, 2, 0)  # (N, K/2, E)
+    w = b.view(torch.uint8).view(e, n, chunks * CHUNK_BYTES).permute(1, 2, 0)  # (N, K/2, E) bytes
     sfw = b_sf.permute(1, 2, 0)  # (N, K/128, E)
     return (
         runtime.to_cute(a, leading_dim=1),
-        runtime.to_cute(a_sf, leading_dim=1),
+        None if a_sf is None else runtime.to_cute(a_sf, leading_dim=1),
         runtime.to_cute(w, leading_dim=1),
         runtime.to_cute(sfw, leading_dim=1),
         runtime.to_cute(out, leading_dim=1),
@@ -626,8 +746,8 @@ def _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, group_a, group_b):
 
 
 def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "bf16"):
-    """Compile (and cache) the kernel for ``config``, ``group_mode`` and ``epilogue``; works on a CPU with
-    ``CUTE_DSL_ARCH=sm_90a``. Shapes are dynamic: one compile serves every M, N, K, E."""
+    """Compile (and cache) the kernel for ``config`` (incl. its MMA mode), ``group_mode`` and ``epilogue``;
+    works on a CPU with ``CUTE_DSL_ARCH=sm_90a``. Shapes are dynamic: one compile serves every M, N, K, E."""
     if group_mode not in GROUP_MODES:
         fail("group_mode", f"must be one of {GROUP_MODES}, got {group_mode!r}")
     if epilogue not in EPILOGUES:
@@ -638,9 +758,12 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
         import cutlass.cute as cute
 
         m, n, k, e = 128, 256, 512, 2
-        a = torch.empty(m, k, dtype=torch.float8_e4m3fn)
-        a_sf = torch.empty(m, k // 128, dtype=torch.int32)
-        b = torch.empty(e, n, k // 128, CHUNK_BYTES, dtype=torch.uint8)
+        if config.mma == "bf16":
+            a, a_sf = torch.empty(m, k, dtype=torch.bfloat16), None
+            b = torch.empty(e, n, k // 128, BF16_WORDS, dtype=torch.int32)
+        else:
+            a, a_sf = torch.empty(m, k, dtype=torch.float8_e4m3fn), torch.empty(m, k // 128, dtype=torch.int32)
+            b = torch.empty(e, n, k // 128, CHUNK_BYTES, dtype=torch.uint8)
         b_sf = torch.empty(e, n, k // 128, dtype=torch.int32)
         if epilogue == "swiglu_fp8":
             out = torch.empty(m, n // 8, dtype=torch.int32)
@@ -656,7 +779,7 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
             runtime.current_stream(),
         )
 
-    return runtime.compiled(("sm90_fp8_fp4_grouped_gemm", config, group_mode, epilogue), build)
+    return runtime.compiled(("sm90_fp4_grouped_gemm", config, group_mode, epilogue), build)
 
 
 _DUMMIES: dict = {}
@@ -675,45 +798,83 @@ def _dummies(device) -> tuple[torch.Tensor, torch.Tensor]:
 # Python entry points
 # ----------------------------------------------------------------------------------------------------
 
+_LAYOUTS = {
+    "fp8": (torch.uint8, CHUNK_BYTES, "uint8 [E, N, K/128, 64] (prepare_fp4_weights(..., mma='fp8'))"),
+    "bf16": (torch.int32, BF16_WORDS, "int32 [E, N, K/128, 16] (prepare_fp4_weights(..., mma='bf16'))"),
+}
 
-def _check_weights(b: torch.Tensor, b_sf: torch.Tensor, k: int, device) -> tuple[int, int]:
-    check_tensor("b", b, dtype=torch.uint8, ndim=4, device=device, contiguous=True)
-    e, n, chunks, width = b.shape
-    if width != CHUNK_BYTES or chunks * K_CHUNK != k:
-        fail(
-            "b",
-            f"must be the SM90 kernel weight layout uint8 [E, N, K/128, 64] = [*, *, {k // K_CHUNK}, 64] "
-            f"(from prepare_fp4_weights / to_sm90_weight_layout), got {list(b.shape)}",
-        )
+
+def _weights_mode(b: torch.Tensor) -> str:
+    """The MMA mode the kernel-layout weights ``b`` were prepared for (from their dtype)."""
+    if isinstance(b, torch.Tensor):
+        for mma, (dtype, _, _) in _LAYOUTS.items():
+            if b.dtype == dtype:
+                return mma
+    got = f"dtype {str(b.dtype).removeprefix('torch.')}" if isinstance(b, torch.Tensor) else type(b).__name__
+    fail("b", f"must be a kernel weight layout, FP8 mode {_LAYOUTS['fp8'][2]} or BF16 mode {_LAYOUTS['bf16'][2]}; "
+         f"got {got}")
+
+
+def _check_weights(b: torch.Tensor, b_sf: torch.Tensor, k: int, device, mma: str) -> tuple[int, int]:
+    dtype, width, what = _LAYOUTS[mma]
+    check_tensor("b", b, dtype=dtype, ndim=4, device=device, contiguous=True)
+    e, n, chunks, got_width = b.shape
+    if got_width != width or chunks * K_CHUNK != k:
+        fail("b", f"must be the SM90 {mma}-mode weight layout {what} = [*, *, {k // K_CHUNK}, {width}], "
+             f"got {list(b.shape)}")
     check_multiple("b.shape[1] (N)", n, N_MULTIPLE, "weight tiles of 64 rows per warpgroup")
     check_tensor("b_sf", b_sf, dtype=torch.int32, shape=(e, n, k // K_CHUNK), device=device, contiguous=True)
     return e, n
 
 
-def _check_tokens(a: torch.Tensor, a_sf: torch.Tensor, ndim: int) -> int:
-    check_tensor("a", a, dtype=torch.float8_e4m3fn, ndim=ndim, contiguous=True)
+def _check_tokens(a: torch.Tensor, a_sf: torch.Tensor | None, ndim: int, mma: str) -> int:
+    """Tokens of ``mma`` mode: BF16 with ``a_sf`` None, or FP8 E4M3 with packed UE8M0 ``a_sf``. Returns K."""
+    check_tensor("a", a, ndim=ndim)
+    if mma == "bf16":
+        if a.dtype != torch.bfloat16:
+            fail("a", f"must have dtype bfloat16 for BF16-mode weights ({_LAYOUTS['bf16'][2]}), got "
+                 f"{str(a.dtype).removeprefix('torch.')}; dequantize FP8 tokens exactly with "
+                 "layouts.dequantize_fp8(a, a_sf, torch.bfloat16), or prepare the weights with mma='fp8'")
+        if a_sf is not None:
+            fail("a_sf", "must be None with BF16 tokens (BF16 mode: the token scales are already applied)")
+    else:
+        if a.dtype != torch.float8_e4m3fn:
+            fail("a", f"must have dtype float8_e4m3fn for FP8-mode weights ({_LAYOUTS['fp8'][2]}), got "
+                 f"{str(a.dtype).removeprefix('torch.')}; BF16 tokens need weights prepared with mma='bf16'")
+        if a_sf is None:
+            fail("a_sf", "is required with FP8 tokens: packed UE8M0 scales int32 [..., K/128]")
+    check_tensor("a", a, contiguous=True)
     k = a.shape[-1]
     check_multiple("a.shape[-1] (K)", k, K_MULTIPLE, "packed UE8M0 scale rows must be 16-byte aligned for TMA")
-    check_tensor("a_sf", a_sf, dtype=torch.int32, shape=(*a.shape[:-1], k // K_CHUNK), device=a.device, contiguous=True)
+    if mma == "fp8":
+        check_tensor("a_sf", a_sf, dtype=torch.int32, shape=(*a.shape[:-1], k // K_CHUNK), device=a.device,
+                     contiguous=True)
     return k
 
 
-def _check_device(a: torch.Tensor, **tensors: torch.Tensor) -> None:
-    """After the dtype/shape checks: Hopper device, 16-byte aligned TMA operands."""
+def _check_device(a: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    """After the dtype/shape checks: Hopper device, 16-byte aligned TMA operands (None: absent operand)."""
     runtime.require_sm90(a, "a")
     for name, t in dict(a=a, **tensors).items():
-        if t.numel() and t.data_ptr() % 16:
+        if t is not None and t.numel() and t.data_ptr() % 16:
             fail(name, f"data pointer must be 16-byte aligned for TMA, got address {t.data_ptr():#x}")
 
 
-def _resolve_config(config: GemmConfig | None, rows_per_expert: float, n: int, k: int) -> GemmConfig:
+def _resolve_config(config: GemmConfig | None, rows_per_expert: float, n: int, k: int, mma: str) -> GemmConfig:
     if config is None:
-        return select_config(rows_per_expert, n, k)
+        return select_config(rows_per_expert, n, k, mma)
     if not isinstance(config, GemmConfig):
         raise TypeError(f"megamoe: `config` must be a GemmConfig or None, got {type(config).__name__}")
+    if config.mma != mma:
+        fail("config.mma", f"is {config.mma!r} but the weights are in the {mma}-mode layout {_LAYOUTS[mma][2]}")
     if n % config.tile_n:
         fail("config.tile_n", f"must divide N={n}, got {config.tile_n}")
     return config
+
+
+def _rows_view(a_sf: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """Masked-layout token scales ``[E, max_m, K/128]`` as ``[E * max_m, K/128]`` (None stays None)."""
+    return None if a_sf is None else a_sf.view(rows, a_sf.shape[-1])
 
 
 def _launch(config, group_mode, epilogue, a2, a_sf2, b, b_sf, out2, out_sf2, row_weights, group_a, group_b,
@@ -733,7 +894,7 @@ def _launch(config, group_mode, epilogue, a2, a_sf2, b, b_sf, out2, out_sf2, row
 
 def grouped_gemm_fp8_fp4_contiguous(
     a: torch.Tensor,
-    a_sf: torch.Tensor,
+    a_sf: torch.Tensor | None,
     b: torch.Tensor,
     b_sf: torch.Tensor,
     offsets: torch.Tensor,
@@ -742,17 +903,20 @@ def grouped_gemm_fp8_fp4_contiguous(
     *,
     counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Contiguous grouped GEMM ``out[rows of e] = a[rows of e] . b[e]^T`` (FP8 x FP4 -> BF16, FP32 accumulate).
+    """Contiguous grouped GEMM ``out[rows of e] = a[rows of e] . b[e]^T`` (tokens x FP4 -> BF16, FP32 accumulate).
 
-    a ``float8_e4m3fn [M, K]``, a_sf ``int32 [M, K/128]`` (packed UE8M0 per 32); b ``uint8 [E, N, K/128, 64]``
-    in the kernel layout (``prepare_fp4_weights``), b_sf ``int32 [E, N, K/128]``; offsets ``int32 [E+1]``:
+    The MMA mode follows the weights (``prepare_fp4_weights(..., mma=)``): BF16 mode, b ``int32 [E, N, K/128,
+    16]`` with a ``bfloat16 [M, K]`` and a_sf None; FP8 mode, b ``uint8 [E, N, K/128, 64]`` with a
+    ``float8_e4m3fn [M, K]`` and a_sf ``int32 [M, K/128]`` (packed UE8M0 per 32). b_sf ``int32 [E, N, K/128]``;
+    ``config.mma``, when a config is given, must match the weights. offsets ``int32 [E+1]``:
     expert e owns rows ``[offsets[e], offsets[e+1])``, or ``[offsets[e], offsets[e] + counts[e])`` when
     ``counts`` (``int32 [E]``, e.g. ``ContiguousLayout.counts``) is given. Any alignment; rows of no group are
     neither read as data for the output nor written. Group bounds are read on the device (no sync; CUDA-graph
     capturable) and clamped to ``[0, M)``. Needs K % 512 == 0, N % 64 == 0. Returns ``out`` (``bf16 [M, N]``,
     allocated uninitialised when None)."""
-    k = _check_tokens(a, a_sf, ndim=2)
-    e, n = _check_weights(b, b_sf, k, a.device)
+    mma = _weights_mode(b)
+    k = _check_tokens(a, a_sf, 2, mma)
+    e, n = _check_weights(b, b_sf, k, a.device, mma)
     check_tensor("offsets", offsets, dtype=torch.int32, shape=(e + 1,), device=a.device, contiguous=True)
     if counts is not None:
         check_tensor("counts", counts, dtype=torch.int32, shape=(e,), device=a.device, contiguous=True)
@@ -760,7 +924,7 @@ def grouped_gemm_fp8_fp4_contiguous(
     if out is None:
         out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     check_tensor("out", out, dtype=torch.bfloat16, shape=(m, n), device=a.device, contiguous=True)
-    cfg = _resolve_config(config, m / max(e, 1), n, k)
+    cfg = _resolve_config(config, m / max(e, 1), n, k, mma)
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
     max_tiles = (m // cfg.tile_tokens + e) * (n // cfg.tile_n)
     mode = "offsets" if counts is None else "offsets_counts"
@@ -771,7 +935,7 @@ def grouped_gemm_fp8_fp4_contiguous(
 
 def grouped_gemm_fp8_fp4_masked(
     a: torch.Tensor,
-    a_sf: torch.Tensor,
+    a_sf: torch.Tensor | None,
     b: torch.Tensor,
     b_sf: torch.Tensor,
     masked_m: torch.Tensor,
@@ -779,13 +943,15 @@ def grouped_gemm_fp8_fp4_masked(
     config: GemmConfig | None = None,
     expected_m: float | None = None,
 ) -> torch.Tensor:
-    """Masked grouped GEMM: ``out[e, :masked_m[e]] = a[e, :masked_m[e]] . b[e]^T`` (FP8 x FP4 -> BF16).
+    """Masked grouped GEMM: ``out[e, :masked_m[e]] = a[e, :masked_m[e]] . b[e]^T`` (tokens x FP4 -> BF16).
 
-    a ``float8_e4m3fn [E, max_m, K]``, a_sf ``int32 [E, max_m, K/128]``, weights as in the contiguous entry,
+    a ``[E, max_m, K]`` (bfloat16 with a_sf None, or float8_e4m3fn with a_sf ``int32 [E, max_m, K/128]``,
+    as the weights' mode requires), weights and config as in the contiguous entry,
     masked_m ``int32 [E]`` (read on the device, clamped to [0, max_m]); rows ``>= masked_m[e]`` are never
     written. ``expected_m`` (rows per expert) steers the config heuristic (default max_m)."""
-    k = _check_tokens(a, a_sf, ndim=3)
-    e, n = _check_weights(b, b_sf, k, a.device)
+    mma = _weights_mode(b)
+    k = _check_tokens(a, a_sf, 3, mma)
+    e, n = _check_weights(b, b_sf, k, a.device, mma)
     if a.shape[0] != e:
         fail("a", f"must have one slab per expert: shape[0] = {e} (b.shape[0]), got {a.shape[0]}")
     max_m = a.shape[1]
@@ -793,11 +959,11 @@ def grouped_gemm_fp8_fp4_masked(
     if out is None:
         out = torch.empty(e, max_m, n, dtype=torch.bfloat16, device=a.device)
     check_tensor("out", out, dtype=torch.bfloat16, shape=(e, max_m, n), device=a.device, contiguous=True)
-    cfg = _resolve_config(config, max_m if expected_m is None else expected_m, n, k)
+    cfg = _resolve_config(config, max_m if expected_m is None else expected_m, n, k, mma)
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
     max_tiles = e * math.ceil(max_m / cfg.tile_tokens) * (n // cfg.tile_n)
     _launch(
-        cfg, "masked", "bf16", a.view(e * max_m, k), a_sf.view(e * max_m, k // K_CHUNK), b, b_sf,
+        cfg, "masked", "bf16", a.view(e * max_m, k), _rows_view(a_sf, e * max_m), b, b_sf,
         out.view(e * max_m, n), None, None, masked_m, masked_m, e, max_m, float("inf"), max_tiles,
     )
     return out
@@ -808,15 +974,16 @@ def grouped_gemm_fp8_fp4_masked(
 # ----------------------------------------------------------------------------------------------------
 
 
-def prepare_fp4_weights_l1(w1: torch.Tensor, w1_sf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def prepare_fp4_weights_l1(w1: torch.Tensor, w1_sf: torch.Tensor, mma: str = "fp8") -> tuple[torch.Tensor, torch.Tensor]:
     """Canonical L1 weights (``uint8 [E, 2I, H/2]`` with rows [gate; up], ``int32 [E, 2I, H/128]``) -> the
-    SwiGLU kernel's operands: rows interleaved (``interleave_gate_up``, granularity 8), then the kernel layout."""
+    SwiGLU kernel's operands: rows interleaved (``interleave_gate_up``, granularity 8), then the kernel layout
+    of ``mma`` mode (``prepare_fp4_weights``)."""
     from ..layouts import interleave_gate_up
 
     check_tensor("w1", w1, dtype=torch.uint8, ndim=3)
     check_tensor("w1_sf", w1_sf, dtype=torch.int32, ndim=3)
     return prepare_fp4_weights(
-        interleave_gate_up(w1, SWIGLU_GRANULARITY), interleave_gate_up(w1_sf, SWIGLU_GRANULARITY)
+        interleave_gate_up(w1, SWIGLU_GRANULARITY), interleave_gate_up(w1_sf, SWIGLU_GRANULARITY), mma
     )
 
 
@@ -840,7 +1007,7 @@ def _bf16_clamp(clamp: float | None) -> float:
 
 def grouped_gemm_fp8_fp4_swiglu_contiguous(
     a: torch.Tensor,
-    a_sf: torch.Tensor,
+    a_sf: torch.Tensor | None,
     b: torch.Tensor,
     b_sf: torch.Tensor,
     offsets: torch.Tensor,
@@ -854,13 +1021,15 @@ def grouped_gemm_fp8_fp4_swiglu_contiguous(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """L1 of the FP8 x FP4 recipe with the fused epilogue (``megamoe.numerics`` steps 1-5), contiguous layout.
 
-    Operands and groups as ``grouped_gemm_fp8_fp4_contiguous``, with b/b_sf from ``prepare_fp4_weights_l1``
+    Operands (either MMA mode), groups and config as ``grouped_gemm_fp8_fp4_contiguous``, with b/b_sf from
+    ``prepare_fp4_weights_l1``
     (N = 2I, I % 128 == 0); ``row_weights`` float32 [M]: the routing weight of each row. Per row of a group:
     gate, up = bf16(acc), optional clamp (rounded to BF16), ``(silu(gate) * up) * w`` in FP32, quantized per 32
     columns to FP8 E4M3 with UE8M0 scales like ``layouts.quantize_fp8``. Returns ``(out float8_e4m3fn [M, I],
     out_sf int32 [M, I/128])`` (the layout L2 consumes); rows of no group are not written."""
-    k = _check_tokens(a, a_sf, ndim=2)
-    e, n = _check_weights(b, b_sf, k, a.device)
+    mma = _weights_mode(b)
+    k = _check_tokens(a, a_sf, 2, mma)
+    e, n = _check_weights(b, b_sf, k, a.device, mma)
     check_multiple("b.shape[1] (2I)", n, 2 * K_CHUNK, "I must be a multiple of 128 for packed output scales")
     check_tensor("offsets", offsets, dtype=torch.int32, shape=(e + 1,), device=a.device, contiguous=True)
     if counts is not None:
@@ -869,7 +1038,7 @@ def grouped_gemm_fp8_fp4_swiglu_contiguous(
     check_tensor("row_weights", row_weights, dtype=torch.float32, shape=(m,), device=a.device, contiguous=True)
     out, out_sf = _swiglu_outputs((m,), n // 2, out, out_sf, a.device)
     clamp_value = _bf16_clamp(clamp)
-    cfg = _resolve_config(config, m / max(e, 1), n, k)
+    cfg = _resolve_config(config, m / max(e, 1), n, k, mma)
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
     max_tiles = (m // cfg.tile_tokens + e) * (n // cfg.tile_n)
     mode = "offsets" if counts is None else "offsets_counts"
@@ -880,7 +1049,7 @@ def grouped_gemm_fp8_fp4_swiglu_contiguous(
 
 def grouped_gemm_fp8_fp4_swiglu_masked(
     a: torch.Tensor,
-    a_sf: torch.Tensor,
+    a_sf: torch.Tensor | None,
     b: torch.Tensor,
     b_sf: torch.Tensor,
     masked_m: torch.Tensor,
@@ -894,8 +1063,9 @@ def grouped_gemm_fp8_fp4_swiglu_masked(
     """Masked-layout L1 with the fused SwiGLU epilogue: a ``[E, max_m, H]``, row_weights float32 ``[E, max_m]``,
     returns ``(out float8_e4m3fn [E, max_m, I], out_sf int32 [E, max_m, I/128])``; rows >= masked_m[e] are not
     written. See ``grouped_gemm_fp8_fp4_swiglu_contiguous`` for the computation."""
-    k = _check_tokens(a, a_sf, ndim=3)
-    e, n = _check_weights(b, b_sf, k, a.device)
+    mma = _weights_mode(b)
+    k = _check_tokens(a, a_sf, 3, mma)
+    e, n = _check_weights(b, b_sf, k, a.device, mma)
     check_multiple("b.shape[1] (2I)", n, 2 * K_CHUNK, "I must be a multiple of 128 for packed output scales")
     if a.shape[0] != e:
         fail("a", f"must have one slab per expert: shape[0] = {e} (b.shape[0]), got {a.shape[0]}")
@@ -904,12 +1074,12 @@ def grouped_gemm_fp8_fp4_swiglu_masked(
     check_tensor("row_weights", row_weights, dtype=torch.float32, shape=(e, max_m), device=a.device, contiguous=True)
     out, out_sf = _swiglu_outputs((e, max_m), n // 2, out, out_sf, a.device)
     clamp_value = _bf16_clamp(clamp)
-    cfg = _resolve_config(config, max_m if expected_m is None else expected_m, n, k)
+    cfg = _resolve_config(config, max_m if expected_m is None else expected_m, n, k, mma)
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
     max_tiles = e * math.ceil(max_m / cfg.tile_tokens) * (n // cfg.tile_n)
     rows = e * max_m
     _launch(
-        cfg, "masked", "swiglu_fp8", a.view(rows, k), a_sf.view(rows, k // K_CHUNK), b, b_sf,
+        cfg, "masked", "swiglu_fp8", a.view(rows, k), _rows_view(a_sf, rows), b, b_sf,
         out.view(torch.int32).view(rows, n // 8), out_sf.view(torch.uint8).view(rows, n // 64),
         row_weights.view(rows), masked_m, masked_m, e, max_m, clamp_value, max_tiles,
     )
