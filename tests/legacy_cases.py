@@ -36,7 +36,7 @@ def check_legacy_against_reference(rank, group, device, case: dict) -> None:
         l1_all, l2_all = local_experts(p["l1"], 0, 1, device), local_experts(p["l2"], 0, 1, device)
         ref = reference_moe(all_q, all_sf, all_idx, all_w, l1_all, l2_all, case.get("clamp"))
         start = sum(case["tokens_per_rank"][:rank])
-        check_moe_output(y, ref[start : start + t], f"rank {rank} call {call}")
+        check_moe_output(y, ref[start : start + t], i, f"rank {rank} call {call}")
         assert not y.isnan().any()
 
         per = e // num_ranks

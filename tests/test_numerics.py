@@ -7,12 +7,12 @@ import torch
 
 from megamoe.layouts import dequantize_fp8
 from megamoe.numerics import (
-    MOE_REL_FRO_TOL,
     check_moe_output,
     clamp_gate_up,
     combine_slots,
     l1_epilogue,
     max_row_rel_error,
+    moe_tolerances,
     rel_fro_error,
 )
 
@@ -62,12 +62,14 @@ def test_combine_slots_sums_in_slot_order_in_fp32():
 def test_error_measures_and_check():
     ref = torch.randn(64, 32)
     assert rel_fro_error(ref, ref) == 0.0 and max_row_rel_error(ref, ref) == 0.0
-    noisy = ref * (1 + MOE_REL_FRO_TOL / 4 * torch.randn_like(ref).sign())
-    check_moe_output(noisy, ref)
+    tol = moe_tolerances(2048)
+    assert tol["rel_fro"] == 2.0**-8 + 2.0**-2 / 2048**0.5 and tol["max_row_rel"] > tol["rel_fro"]
+    noisy = ref * (1 + 2.0**-10 * torch.randn_like(ref).sign())
+    check_moe_output(noisy, ref, 2048)
     wrong_row = ref.clone()
     wrong_row[7] = torch.randn(32)  # one misrouted token: small overall, caught per row
     with pytest.raises(AssertionError, match="max_row_rel"):
-        check_moe_output(wrong_row, ref)
+        check_moe_output(wrong_row, ref, 2048)
     nan = ref.clone()
     nan[0, 0] = float("nan")
     assert rel_fro_error(nan, ref) == float("inf")

@@ -25,7 +25,7 @@ import torch
 from ..inputs import fill_buffer, random_fp4_weights, random_routing, random_tokens
 from ..layouts import dequantize_fp4
 from ..legacy import LegacyMoE
-from ..numerics import MOE_REL_FRO_TOL, MOE_ROW_REL_TOL, max_row_rel_error, rel_fro_error
+from ..numerics import max_row_rel_error, moe_tolerances, rel_fro_error
 from ..reference import reference_moe
 from ..symm_buffer import get_symm_buffer_for_mega_moe
 from .common import environment_receipt, measure_hbm_read_bandwidth, time_graph
@@ -142,7 +142,8 @@ class GroupedPath:
         y = self(x, route)
         ref = reference_moe(self.buf.x[: x.shape[0]], self.buf.x_sf[: x.shape[0]], *route, self.l1, self.l2)
         fro, row = rel_fro_error(y, ref), max_row_rel_error(y, ref)
-        return "ok" if fro <= MOE_REL_FRO_TOL and row <= MOE_ROW_REL_TOL else f"FAIL({fro:.1e}/{row:.1e})"
+        tol = moe_tolerances(self.l2[0].shape[2] * 2)
+        return "ok" if fro <= tol["rel_fro"] and row <= tol["max_row_rel"] else f"FAIL({fro:.1e}/{row:.1e})"
 
 
 def _time_cycling(fn, items: list, args) -> float:

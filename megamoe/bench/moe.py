@@ -27,7 +27,7 @@ from ..dist import init_from_env, rank_and_size
 from ..inputs import fill_buffer, random_bf16_weights, random_fp4_weights, random_routing, random_tokens
 from ..legacy import LegacyMoE
 from ..mega import MegaMoE
-from ..numerics import MOE_REL_FRO_TOL, MOE_ROW_REL_TOL, max_row_rel_error, rel_fro_error
+from ..numerics import max_row_rel_error, moe_tolerances, rel_fro_error
 from ..reference import distributed_reference_moe
 from ..symm_buffer import RING_ALIGNMENT, get_symm_buffer_for_mega_moe
 from .common import environment_receipt, measure_hbm_read_bandwidth, progress, time_events, time_graph
@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if e % num_ranks:
         raise SystemExit(f"megamoe.bench: {e} experts do not split over {num_ranks} ranks")
     num_local = e // num_ranks
+    tol = moe_tolerances(i)
     fp8 = args.mma_type == "fp8xfp4"
 
     receipt = environment_receipt(device, num_ranks)
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             path(y, buf, stats, activation_clamp=args.clamp)
             fro = _max_over_ranks(rel_fro_error(y, ref) if t else 0.0, group, device)
             row_rel = _max_over_ranks(max_row_rel_error(y, ref), group, device)
-            ok = fro <= MOE_REL_FRO_TOL and row_rel <= MOE_ROW_REL_TOL
+            ok = fro <= tol["rel_fro"] and row_rel <= tol["max_row_rel"]
 
             fused = isinstance(path, MegaMoE)
 
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "benchmark": "megamoe.bench moe", "preset": preset, "shape": shape,
                     "mma_type": args.mma_type, "masked_ratio": args.masked_ratio, "clamp": args.clamp,
                     "hbm_read_gbps": hbm, "warmup": args.warmup, "iters": args.iters, "method": method,
-                    "tolerance": {"rel_fro": MOE_REL_FRO_TOL, "max_row_rel": MOE_ROW_REL_TOL},
+                    "tolerance": tol,
                     "environment": receipt, "results": rows,
                 }, f, indent=1)
             say(f"receipt written to {args.json}")

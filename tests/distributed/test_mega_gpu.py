@@ -87,11 +87,14 @@ def _expected(p: dict, weights: dict, rank: int, device, clamp) -> tuple[torch.T
 def _check(rank: int, what: str, y, ref, stats, want_stats, y_legacy=None) -> None:
     from megamoe.numerics import check_moe_output, rel_fro_error
 
-    errs = check_moe_output(y, ref, what)
+    errs = check_moe_output(y, ref, I, what)
     assert not y.isnan().any(), f"{what}: NaN in y (a row was not written or read poisoned data)"
     if not torch.equal(stats, want_stats):
         raise AssertionError(f"{what}: recv stats {stats.tolist()}, want {want_stats.tolist()}")
-    vs_legacy = "" if y_legacy is None else f", vs legacy rel_fro={rel_fro_error(y, y_legacy):.2e}"
+    # The legacy path with the same SM90 GEMMs rounds at the same points: report bitwise equality.
+    vs_legacy = "" if y_legacy is None else (
+        f", vs legacy (SM90 GEMMs): {'bitwise equal' if torch.equal(y, y_legacy) else 'differs'}, "
+        f"rel_fro={rel_fro_error(y, y_legacy):.2e}")
     _say(rank, f"{what}: ok rel_fro={errs['rel_fro']:.2e} max_row_rel={errs['max_row_rel']:.2e}{vs_legacy}")
 
 
@@ -111,7 +114,7 @@ def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
         t = p["x"][rank].shape[0]
         y_legacy = torch.full((t, H), float("nan"), dtype=torch.bfloat16, device=device)
         stats_legacy = torch.full((E_PER_RANK,), 7, dtype=torch.int32, device=device)
-        LegacyMoE(l1, l2, "low_latency")(y_legacy, buf, stats_legacy, activation_clamp=clamp)
+        LegacyMoE(l1, l2, "low_latency", "sm90")(y_legacy, buf, stats_legacy, activation_clamp=clamp)
         y = torch.full((t, H), float("nan"), dtype=torch.bfloat16, device=device)
         stats = torch.full((E_PER_RANK,), 7, dtype=torch.int32, device=device)
         MegaMoE(l1, l2)(y, buf, stats, activation_clamp=clamp, debug=debug)
@@ -222,7 +225,7 @@ def _main(mode: str, *args: str) -> None:
 # The tests: each runs _main in a subprocess
 
 
-def _run(*args: str, timeout: int, **env: str) -> str:
+def _run(*args: str, timeout: int, expect_exit_zero: bool = True, **env: str) -> str:
     environ = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                    MEGAMOE_DEBUG_TIMEOUT_S=DEBUG_TIMEOUT_S)
     environ.pop("MEGAMOE_DEBUG", None)
@@ -237,7 +240,7 @@ def _run(*args: str, timeout: int, **env: str) -> str:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         raise AssertionError(f"`{' '.join(args)}` still running after {timeout} s (a hang?); output:\n{out[-6000:]}")
-    if proc.returncode != 0:
+    if expect_exit_zero and proc.returncode != 0:
         raise AssertionError(f"`{' '.join(args)}` failed (exit {proc.returncode}); output:\n{out[-8000:]}")
     print(f"{' '.join(args)}: {time.perf_counter() - start:.1f} s\n{out[-3000:]}")
     return out
@@ -263,7 +266,8 @@ def test_mega_two_gpus():
 @pytest.mark.gpu
 def test_mega_debug_hang_diagnostic(tmp_path):
     _gpus(2)
-    out = _run("hang", str(tmp_path / "rank0_done"), timeout=180, MEGAMOE_DEBUG_TIMEOUT_S="2",
+    # The trap leaves a dead CUDA context, whose teardown may abort the process: only the output counts.
+    out = _run("hang", str(tmp_path / "rank0_done"), timeout=180, expect_exit_zero=False, MEGAMOE_DEBUG_TIMEOUT_S="2",
                TORCH_NCCL_ASYNC_ERROR_HANDLING="0", TORCH_NCCL_ENABLE_MONITORING="0")
     want = "megamoe debug: rank 0 CTA"
     assert want in out and "role dispatch: timed out: waits ready[src=1] >= 1 (call + 1), sees 0" in out, out[-6000:]
