@@ -96,7 +96,8 @@ def test_compiles_for_sm90a(config, mode, epilogue):
 
 
 def test_select_config():
-    assert select_config(1, 4096, 4096) == GemmConfig(tile_tokens=8, tile_n=128, mma="bf16")
+    assert select_config(1, 4096, 4096) == GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, mma="bf16")
+    assert select_config(33, 4096, 4096).ctas_per_sm == 1
     assert select_config(1, 4096, 4096, mma="fp8") == GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, **FP8)
     assert select_config(33, 4096, 4096, mma="fp8").ctas_per_sm == 1
     assert select_config(12, 4096, 4096).tile_tokens == 16
