@@ -11,8 +11,9 @@ numerics contract (``megamoe.numerics``) exactly. One call:
    grouped GEMM, SwiGLU x routing weight -> FP8 (or BF16), L2 grouped GEMM. With ``gemm="torch"``
    the GEMMs are ``torch._grouped_mm`` over BF16 operands dequantized from the FP8/FP4 data (exact:
    every FP8 or FP4 value times a power of two is a BF16 value), FP32 accumulation, BF16 out, and the
-   SwiGLU-quant step is torch code; with ``gemm="sm90"`` they are megamoe's SM90 FP8 x FP4 grouped
-   GEMMs on the FP4 weights, L1 with the SwiGLU-quant epilogue fused;
+   SwiGLU-quant step is torch code; with ``gemm="sm90"`` they are megamoe's SM90 grouped GEMMs on the
+   FP4 weights in BF16-operand mode (tokens dequantized exactly to BF16), L1 with the SwiGLU-quant
+   epilogue fused;
 4. combine: every slot's BF16 row returns to its source rank in one ``all_to_all`` and the source
    sums its slots in FP32 in slot order.
 
@@ -93,8 +94,8 @@ class LegacyMoE:
             fail("gemm", "'sm90' runs the fp8xfp4 recipe; BF16 weights need gemm='torch'")
         for name, k in (("hidden", self.hidden), ("intermediate", self.intermediate)):
             check_multiple(f"{name} (a GEMM K)", k, sm90.K_MULTIPLE, "the SM90 grouped GEMM's K granularity")
-        self.l1k = sm90.prepare_fp4_weights_l1(*l1)
-        self.l2k = sm90.prepare_fp4_weights(*l2)
+        self.l1k = sm90.prepare_fp4_weights_l1(*l1, mma="bf16")
+        self.l2k = sm90.prepare_fp4_weights(*l2, mma="bf16")
 
     @staticmethod
     def _bf16(w) -> torch.Tensor:
@@ -152,14 +153,13 @@ class LegacyMoE:
         if rows == 0:
             return torch.empty(0, self.hidden, dtype=torch.bfloat16, device=dev), dst
         weights = r_w[src_row, src_slot]
-        if self.gemm == "sm90":
+        a_in = dequantize_fp8(r_x[src_row], r_sf[src_row], torch.bfloat16) if self.fp8 else r_x[src_row]
+        if self.gemm == "sm90":  # BF16-operand mode: exact BF16 tokens, FP4 weights decoded with their scales
             from .kernels import sm90_grouped_gemm as sm90
 
-            a, a_sf = sm90.grouped_gemm_fp8_fp4_swiglu_contiguous(
-                r_x[src_row], r_sf[src_row], *self.l1k, grouped.offsets, weights, clamp=clamp
-            )
-            return sm90.grouped_gemm_fp8_fp4_contiguous(a, a_sf, *self.l2k, grouped.offsets), dst
-        a_in = dequantize_fp8(r_x[src_row], r_sf[src_row], torch.bfloat16) if self.fp8 else r_x[src_row]
+            a, a_sf = sm90.grouped_gemm_fp8_fp4_swiglu_contiguous(a_in, None, *self.l1k, grouped.offsets, weights, clamp=clamp)
+            a_in = dequantize_fp8(a, a_sf, torch.bfloat16)
+            return sm90.grouped_gemm_fp8_fp4_contiguous(a_in, None, *self.l2k, grouped.offsets), dst
         ends = grouped.offsets[1:]
         h1 = torch._grouped_mm(a_in, self.w1t, offs=ends)
         a, a_sf = l1_epilogue(h1, weights, clamp, self.fp8)
