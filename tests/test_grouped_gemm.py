@@ -571,6 +571,24 @@ def test_masked(tile_tokens):
     _check_rows(out.view(e * max_m, n), a, a_sf, b, b_sf, row_expert, f"masked {cfg.describe()}")
 
 
+def _check_graph_replay(call, offsets, out, operands, bounds_list) -> None:
+    """Capture ``call`` in a CUDA graph, then replay it with new group bounds written into ``offsets`` on
+    the device and check every replay (rows outside all groups must stay poisoned)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    m = out.shape[0]
+    for bounds in bounds_list:
+        offsets.copy_(torch.tensor(bounds, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        row_expert = torch.full((m,), -1, dtype=torch.int64)
+        for i in range(len(bounds) - 1):
+            row_expert[bounds[i] : bounds[i + 1]] = i
+        _check_rows(out, *operands, row_expert.cuda(), f"graph replay offsets={bounds}")
+
+
 @gpu
 @needs_sm90
 def test_cuda_graph_reads_sizes_on_device():
@@ -584,18 +602,8 @@ def test_cuda_graph_reads_sizes_on_device():
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     cfg = GemmConfig(tile_tokens=16, **FP8)
     grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg)  # compile outside capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg)
-    for bounds in ([0, 10, 10, 50, 96], [4, 5, 60, 61, 90]):
-        offsets.copy_(torch.tensor(bounds, dtype=torch.int32))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        row_expert = torch.full((m,), -1, dtype=torch.int64)
-        for i in range(e):
-            row_expert[bounds[i] : bounds[i + 1]] = i
-        _check_rows(out, a, a_sf, b, b_sf, row_expert.cuda(), f"graph replay offsets={bounds}")
+    _check_graph_replay(lambda: grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg),
+                        offsets, out, (a, a_sf, b, b_sf), ([0, 10, 10, 50, 96], [4, 5, 60, 61, 90]))
 
 
 @gpu
@@ -802,18 +810,9 @@ def test_bf16_counts_masked_graph_and_empty():
     offsets = torch.tensor([0, 10, 10, 50, 96, 96], dtype=torch.int32, device="cuda")
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     grouped_gemm_fp8_fp4_contiguous(a3, None, bk, bk_sf, offsets, out=out, config=cfg8)  # compile outside capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        grouped_gemm_fp8_fp4_contiguous(a3, None, bk, bk_sf, offsets, out=out, config=cfg8)
-    for bounds in ([0, 10, 10, 50, 96, 96], [4, 5, 60, 61, 90, 90], [0, 0, 0, 0, 0, 0]):
-        offsets.copy_(torch.tensor(bounds, dtype=torch.int32))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        row_expert = torch.full((m,), -1, dtype=torch.int64)
-        for i in range(e):
-            row_expert[bounds[i] : bounds[i + 1]] = i
-        _check_rows(out, a3, None, b, b_sf, row_expert.cuda(), f"graph replay offsets={bounds}")
+    _check_graph_replay(lambda: grouped_gemm_fp8_fp4_contiguous(a3, None, bk, bk_sf, offsets, out=out, config=cfg8),
+                        offsets, out, (a3, None, b, b_sf),
+                        ([0, 10, 10, 50, 96, 96], [4, 5, 60, 61, 90, 90], [0, 0, 0, 0, 0, 0]))
 
 
 @gpu
