@@ -36,7 +36,7 @@ from .checks import check_multiple, check_tensor, fail
 from .dist import all_gather_rows, all_to_all_rows
 from .layouts import contiguous_layout, dequantize_fp4, dequantize_fp8
 from .layouts.weights import check_bf16_expert_weights, check_fp4_expert_weights
-from .numerics import combine_slots, l1_epilogue
+from .numerics import check_activation_clamp, combine_slots, l1_epilogue
 from .symm_buffer import SymmBuffer
 
 
@@ -119,8 +119,7 @@ class LegacyMoE:
         if stats is not None:
             check_tensor("cumulative_local_expert_recv_stats", stats, dtype=torch.int32,
                          shape=(lay.num_local_experts,), device=y.device, contiguous=True)
-        if clamp is not None and not clamp > 0:
-            fail("activation_clamp", f"must be positive, got {clamp}")
+        check_activation_clamp(clamp)
 
     def __call__(
         self,

@@ -54,7 +54,6 @@ protocol state or duplicate experts in a token's top-k.
 
 from __future__ import annotations
 
-import math
 import os
 import weakref
 from dataclasses import dataclass
@@ -63,6 +62,7 @@ import torch
 
 from .checks import check_multiple, check_tensor, fail
 from .layouts.weights import check_fp4_expert_weights
+from .numerics import check_activation_clamp
 from .symm_buffer import SymmBuffer
 
 DEBUG_ENV = "MEGAMOE_DEBUG"
@@ -123,11 +123,7 @@ def check_mega_call(y, l1, l2, sym_buffer, stats, recipe, activation, activation
         fail("recipe", f"must be {RECIPE} (per-token, per-row, per-32 UE8M0 scales), got {tuple(recipe)}")
     if activation != "swiglu":
         fail("activation", f"must be 'swiglu', got {activation!r}")
-    if activation_clamp is not None:
-        if isinstance(activation_clamp, bool) or not isinstance(activation_clamp, (int, float)):
-            fail("activation_clamp", f"must be None or a number, got {type(activation_clamp).__name__}")
-        if not 0 < activation_clamp < math.inf:
-            fail("activation_clamp", f"must be finite and positive, got {activation_clamp}")
+    check_activation_clamp(activation_clamp)
     if not isinstance(fast_math, bool):
         raise TypeError(f"megamoe: `fast_math` must be a bool, got {type(fast_math).__name__}")
     r, e_l, k, t_max = lay.num_ranks, lay.num_local_experts, lay.num_topk, lay.num_max_tokens_per_rank

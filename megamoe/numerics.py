@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import torch
 
+from .checks import fail
 from .layouts import quantize_fp8
 
 def moe_tolerances(intermediate: int) -> dict[str, float]:
@@ -56,6 +57,17 @@ def moe_tolerances(intermediate: int) -> dict[str, float]:
 def bf16_rne(x: torch.Tensor) -> torch.Tensor:
     """Round to BF16 (round to nearest even), returned as bfloat16."""
     return x.to(torch.bfloat16)
+
+
+def check_activation_clamp(clamp, name: str = "activation_clamp") -> float | None:
+    """Validate the step-3 clamp: ``None`` or a finite positive number (returned as float)."""
+    if clamp is None:
+        return None
+    if isinstance(clamp, bool) or not isinstance(clamp, (int, float)):
+        raise TypeError(f"megamoe: `{name}` must be None or a number, got {type(clamp).__name__}")
+    if not 0 < float(clamp) < float("inf"):
+        fail(name, f"must be positive and finite (or None), got {clamp}")
+    return float(clamp)
 
 
 def clamp_gate_up(gate: torch.Tensor, up: torch.Tensor, clamp: float | None) -> tuple[torch.Tensor, torch.Tensor]:

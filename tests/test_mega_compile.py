@@ -102,7 +102,7 @@ BAD_CALLS = {
                     "cumulative_local_expert_recv_stats"),
     "recipe": (dict(recipe=(1, 128, 128)), "`recipe` must be"),
     "activation": (dict(activation="gelu"), "`activation` must be 'swiglu'"),
-    "clamp": (dict(activation_clamp=-1.0), "`activation_clamp` must be finite and positive"),
+    "clamp": (dict(activation_clamp=-1.0), "`activation_clamp` must be positive and finite"),
     "canonical weights": (dict(l1=_weights()[0]), r"`l1\[0\]` must have shape"),
 }
 

@@ -129,7 +129,7 @@ def _bad_cases():
         "sf1 dtype": (_with(a, l1=(w1, s1.view(torch.uint8))), "`l1[1]` must have dtype int32"),
         "w2 format": (_with(a, l2=(w2.view(torch.float8_e4m3fn), s2)), "`l2[0]` must have dtype uint8"),
         "sf2 shape": (_with(a, l2=(w2, s2[:, :128].contiguous())), "`l2[1]` must have shape"),
-        "clamp": (_with(a, activation_clamp=-1.0), "`activation_clamp` must be a finite positive number"),
+        "clamp": (_with(a, activation_clamp=-1.0), "`activation_clamp` must be positive and finite"),
         "out dtype": (_with(a, out=torch.empty(3, 256)), "`out` must have dtype bfloat16"),
         "cpu tensors": (a, "`x` must be a CUDA tensor"),
     }

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_multiple, check_range, check_tensor, fail
+from ..numerics import check_activation_clamp
 from . import runtime
 from .sm90_fp4_decode import (
     BF16_ACC_SHIFT,
@@ -998,10 +999,8 @@ def _swiglu_outputs(rows: tuple[int, ...], inter: int, out, out_sf, device):
 
 
 def _bf16_clamp(clamp: float | None) -> float:
-    if clamp is None:
+    if check_activation_clamp(clamp, "clamp") is None:
         return float("inf")
-    if not clamp > 0:
-        fail("clamp", f"must be positive (or None), got {clamp}")
     return float(torch.tensor(clamp, dtype=torch.float32).to(torch.bfloat16))
 
 

@@ -48,6 +48,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..checks import check_multiple, check_tensor, fail
 from ..layouts import PACKED_BLOCK_K
+from ..numerics import check_activation_clamp
 from . import runtime
 
 WARPS_PER_CTA = 8
@@ -525,11 +526,7 @@ def check_decode_inputs(x, topk_idx, topk_weights, l1, l2, activation_clamp=None
     if tokens * topk * inter >= 2**31:
         fail("topk_idx", f"T * k * intermediate = {tokens * topk * inter} must stay below 2**31 (32-bit warp ids)")
 
-    if activation_clamp is not None:
-        if isinstance(activation_clamp, bool) or not isinstance(activation_clamp, (int, float)):
-            fail("activation_clamp", f"must be None or a number, got {type(activation_clamp).__name__}")
-        if not 0 < float(activation_clamp) < float("inf"):
-            fail("activation_clamp", f"must be a finite positive number, got {activation_clamp}")
+    check_activation_clamp(activation_clamp)
     if out is not None:
         check_tensor("out", out, dtype=torch.bfloat16, shape=(tokens, hidden), contiguous=True)
 

@@ -35,6 +35,7 @@ from ..dist import rank_and_size
 from ..inputs import fill_buffer
 from ..layouts import quantize_fp4
 from ..legacy import LegacyMoE
+from ..numerics import check_activation_clamp
 from ..symm_buffer import SymmBuffer
 from .checkpoint import Checkpoint, expert_range, read_expert_weights, read_mlp_weights
 
@@ -123,8 +124,7 @@ class EPMoE(nn.Module):
             fail("impl", f"must be one of {tuple(IMPLS)} (the fused Mega MoE kernel is not available yet), got {impl!r}")
         if mode not in IMPLS[impl]:
             fail("mode", f"must be one of {IMPLS[impl]} for impl {impl!r}, got {mode!r}")
-        if activation_clamp is not None and not activation_clamp > 0:
-            fail("activation_clamp", f"must be positive, got {activation_clamp}")
+        check_activation_clamp(activation_clamp)
         rank, num_ranks = rank_and_size(group)
         self.local_experts = expert_range(num_experts, rank, num_ranks)
         self._owns_buffer = buffer is None
