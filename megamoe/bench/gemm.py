@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..numerics import rel_fro_error
-from .common import environment_receipt, measure_hbm_read_bandwidth
+from .common import environment_receipt, measure_hbm_read_bandwidth, time_graph
 
 PRESETS = {
     # name: (hidden, intermediate, experts in all); experts per rank = total / EP
@@ -70,39 +70,9 @@ def _points(presets, layers, eps, rows) -> list[Point]:
     return out
 
 
-def _time_us(fn, min_seconds: float = 0.3, repeats: int = 5) -> float:
-    """Median per-call device time (us): ``fn`` captured ``n`` times into a CUDA graph (no host launch
-    overhead in the measurement), replayed ``repeats`` x, after warm-up; plain event timing of eager calls
-    if capture fails."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    once_ms = max(start.elapsed_time(end), 1e-3)
-    inner = max(1, min(20, int(2.0 / once_ms)))
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(inner):
-                fn()
-        run, per_run = graph.replay, inner
-    except RuntimeError:
-        run, per_run = fn, 1
-    run()
-    torch.cuda.synchronize()
-    iters = max(1, min(200, int(min_seconds * 1e3 / repeats / (once_ms * per_run))))
-    samples = []
-    for _ in range(repeats):
-        start.record()
-        for _ in range(iters):
-            run()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / (iters * per_run))
-    return statistics.median(samples)
+def _time_us(fn) -> float:
+    """Median per-call device time (us) over 5 replays of a CUDA graph of 10 back-to-back calls."""
+    return statistics.median(time_graph(fn, warmup=2, iters=5, calls_per_graph=10))
 
 
 def _verdict(rel: float, tol: float, nan: bool) -> str:
@@ -320,7 +290,7 @@ def main(argv=None) -> int:
     receipt = environment_receipt(torch.device("cuda"), 1)
     hbm = measure_hbm_read_bandwidth(torch.device("cuda"))
     print("receipt: " + ", ".join(f"{k} {v}" for k, v in receipt.items()))
-    print("method: CUDA graph replays of back-to-back calls (eager events if capture fails), median of 5")
+    print("method: CUDA graph of 10 back-to-back calls, median of 5 replays after 2 warm-up calls")
     print(f"HBM read bandwidth (4 GiB reduction, this run): {hbm:.0f} GB/s")
     records = []
     failures = 0
