@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from .checks import check_multiple, check_tensor, fail
+from .checks import check_multiple, fail
 from .dist import all_gather_rows, all_to_all_rows
 from .layouts import contiguous_layout, dequantize_fp4, dequantize_fp8
 from .layouts.weights import check_bf16_expert_weights, check_fp4_expert_weights
@@ -113,12 +113,7 @@ class LegacyMoE:
         have = (lay.mma_type, lay.hidden, lay.intermediate_hidden, lay.num_local_experts)
         if want != have:
             fail("sym_buffer", f"has (mma_type, hidden, intermediate, local experts) = {have}, the weights {want}")
-        check_tensor("y", y, dtype=torch.bfloat16, ndim=2, device=buf.device, contiguous=True)
-        check_tensor("y", y, shape=(None, lay.hidden))
-        buf.check_num_tokens(y.shape[0])
-        if stats is not None:
-            check_tensor("cumulative_local_expert_recv_stats", stats, dtype=torch.int32,
-                         shape=(lay.num_local_experts,), device=y.device, contiguous=True)
+        buf.check_call(y, stats)
         check_activation_clamp(clamp)
 
     def __call__(

@@ -140,14 +140,9 @@ def check_mega_call(y, l1, l2, sym_buffer, stats, recipe, activation, activation
     if e_l > MAX_LOCAL_EXPERTS:
         fail("sym_buffer", f"has {e_l} local experts; the dispatch kernel holds at most {MAX_LOCAL_EXPERTS}")
     dev = sym_buffer.device
-    check_tensor("y", y, dtype=torch.bfloat16, ndim=2, device=dev, contiguous=True)
-    check_tensor("y", y, shape=(None, h))
-    sym_buffer.check_num_tokens(y.shape[0])
+    sym_buffer.check_call(y, stats)
     if y.numel() and y.data_ptr() % 16:
         fail("y", f"must start at a 16-byte aligned address (16-byte stores), got {y.data_ptr():#x}")
-    if stats is not None:
-        check_tensor("cumulative_local_expert_recv_stats", stats, dtype=torch.int32, shape=(e_l,), device=dev,
-                     contiguous=True)
     for name, pair, n, kk in (("l1", l1, 2 * i, h), ("l2", l2, h, i)):
         if not (isinstance(pair, tuple) and len(pair) == 2):
             fail(name, "must be the (weights, scales) tuple of transform_weights_for_mega_moe")

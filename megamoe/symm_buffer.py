@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .checks import check_multiple, check_range, fail
+from .checks import check_multiple, check_range, check_tensor, fail
 from .dist import rank_and_size
 from .layouts import PACKED_BLOCK_K
 
@@ -243,6 +243,16 @@ class SymmBuffer:
             fail("rank", f"{rank} is not addressable: this buffer is not symmetric memory")
         peer = self.handle.get_buffer(rank, (self.layout.num_bytes,), torch.uint8)
         return self._view(peer, s)
+
+    def check_call(self, y: torch.Tensor, stats: torch.Tensor | None) -> None:
+        """Validate a MoE call's output ``y [T, H]`` (BF16, contiguous, on this buffer's device, T within
+        capacity) and optional ``cumulative_local_expert_recv_stats`` (int32 ``[E/R]``)."""
+        check_tensor("y", y, dtype=torch.bfloat16, ndim=2, device=self.device, contiguous=True)
+        check_tensor("y", y, shape=(None, self.layout.hidden))
+        self.check_num_tokens(y.shape[0])
+        if stats is not None:
+            check_tensor("cumulative_local_expert_recv_stats", stats, dtype=torch.int32,
+                         shape=(self.layout.num_local_experts,), device=self.device, contiguous=True)
 
     def check_num_tokens(self, num_tokens: int, name: str = "y") -> None:
         """Raise unless ``0 <= num_tokens <= num_max_tokens_per_rank``."""
