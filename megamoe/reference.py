@@ -5,7 +5,8 @@ roundings are the contract's R1..R4), one expert at a time. ``reference_slot_out
 the BF16 rows ``o [T, k, H]`` for the slots that route to a given expert range (zeros elsewhere):
 called with all experts it is the single-process reference; called per rank with its local experts
 and summed over ranks it is the distributed one (each slot is owned by exactly one rank, so the sum
-of one row and zeros is exact).
+of one row and zeros is exact). ``reference_decode`` is the float64 reference of the warp-decode path
+(BF16 activations, no rounding).
 """
 
 from __future__ import annotations
@@ -105,3 +106,35 @@ def distributed_reference_moe(
     dist.all_reduce(o32, group=group)
     mine = o32[rank * num_max_tokens : rank * num_max_tokens + t]
     return combine_slots(mine.to(torch.bfloat16))
+
+
+def reference_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp=None) -> torch.Tensor:
+    """float64 ``y [T, H]`` of the BF16-activation decode path: exact weights, no rounding anywhere.
+
+    The warp-decode path's numbers (not the FP8 contract): dequantize with ``megamoe.layouts``; for each valid slot
+    ``g, u = W1[e] x``, clamp, ``a = silu(g) * u``, ``y += w_tj * W2[e] a``; ids outside [0, E) add nothing.
+    """
+
+    def dequant(pair, e):
+        w, sf = pair[0][e], pair[1][e]
+        return (dequantize_fp4(w, sf) if w.dtype == torch.uint8 else dequantize_fp8(w, sf)).double()
+
+    num_experts = l1[0].shape[0]
+    inter = l1[0].shape[1] // 2
+    y = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for t in range(x.shape[0]):
+        for j in range(topk_idx.shape[1]):
+            e = int(topk_idx[t, j])
+            if not 0 <= e < num_experts:
+                continue
+            if e not in cache:
+                cache[e] = dequant(l1, e), dequant(l2, e)
+            w1, w2 = cache[e]
+            h = w1 @ x[t].double()
+            g, u = h[:inter], h[inter:]
+            if activation_clamp is not None:
+                g, u = g.clamp(max=activation_clamp), u.clamp(-activation_clamp, activation_clamp)
+            a = g / (1 + torch.exp(-g)) * u
+            y[t] += float(topk_weights[t, j]) * (w2 @ a)
+    return y

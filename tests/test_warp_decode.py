@@ -19,41 +19,10 @@ import torch
 from megamoe.inputs import random_fp4_weights, random_routing, random_tokens
 from megamoe.layouts import dequantize_fp4, dequantize_fp8, quantize_fp8
 from megamoe.numerics import max_row_rel_error, rel_fro_error
+from megamoe.reference import reference_decode
 
 BF16_TOL = 2.0**-8
 ROW_TOL = 2.0**-8 * 1.05
-
-
-def reference_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp=None) -> torch.Tensor:
-    """float64 ``y [T, H]`` of the BF16-activation decode path: exact weights, no rounding anywhere.
-
-    Written from the numerics statement only: dequantize with ``megamoe.layouts``; for each valid slot
-    ``g, u = W1[e] x``, clamp, ``a = silu(g) * u``, ``y += w_tj * W2[e] a``; ids outside [0, E) add nothing.
-    """
-
-    def dequant(pair, e):
-        w, sf = pair[0][e], pair[1][e]
-        return (dequantize_fp4(w, sf) if w.dtype == torch.uint8 else dequantize_fp8(w, sf)).double()
-
-    num_experts = l1[0].shape[0]
-    inter = l1[0].shape[1] // 2
-    y = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
-    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for t in range(x.shape[0]):
-        for j in range(topk_idx.shape[1]):
-            e = int(topk_idx[t, j])
-            if not 0 <= e < num_experts:
-                continue
-            if e not in cache:
-                cache[e] = dequant(l1, e), dequant(l2, e)
-            w1, w2 = cache[e]
-            h = w1 @ x[t].double()
-            g, u = h[:inter], h[inter:]
-            if activation_clamp is not None:
-                g, u = g.clamp(max=activation_clamp), u.clamp(-activation_clamp, activation_clamp)
-            a = g / (1 + torch.exp(-g)) * u
-            y[t] += float(topk_weights[t, j]) * (w2 @ a)
-    return y
 
 
 def _fp8_weights(num_experts: int, n: int, k: int, gen: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:

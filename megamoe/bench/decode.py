@@ -23,10 +23,9 @@ import statistics
 import torch
 
 from ..inputs import fill_buffer, random_fp4_weights, random_routing, random_tokens
-from ..layouts import dequantize_fp4
 from ..legacy import LegacyMoE
 from ..numerics import max_row_rel_error, moe_tolerances, rel_fro_error
-from ..reference import reference_moe
+from ..reference import reference_decode, reference_moe
 from ..symm_buffer import get_symm_buffer_for_mega_moe
 from .common import environment_receipt, measure_hbm_read_bandwidth, time_graph
 
@@ -38,22 +37,6 @@ TORCH_TOL = 2.0**-4  # FP8 rowwise activations in the torch baseline: a few 2**-
 
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
-
-
-def reference_rows(x, topk_idx, topk_weights, l1, l2, tokens: int) -> torch.Tensor:
-    """float64 ``y[:tokens]`` of the BF16-activation decode path from exactly dequantized FP4 weights."""
-    inter = l1[0].shape[1] // 2
-    y = torch.zeros(tokens, x.shape[1], dtype=torch.float64, device=x.device)
-    for t in range(tokens):
-        for j in range(topk_idx.shape[1]):
-            e = int(topk_idx[t, j])
-            if not 0 <= e < l1[0].shape[0]:
-                continue
-            h = dequantize_fp4(l1[0][e], l1[1][e]).double() @ x[t].double()
-            g, u = h[:inter], h[inter:]
-            a = g / (1 + torch.exp(-g)) * u
-            y[t] += float(topk_weights[t, j]) * (dequantize_fp4(l2[0][e], l2[1][e]).double() @ a)
-    return y
 
 
 def expert_bytes(hidden: int, inter: int) -> int:
@@ -118,7 +101,7 @@ class TorchGroupedGemm:
 
 def _check_decode(moe_decode, x, idx, wts, l1, l2, tokens: int) -> str:
     y = moe_decode(x, idx, wts, l1, l2)
-    ref = reference_rows(x, idx, wts, l1, l2, tokens)
+    ref = reference_decode(x[:tokens], idx[:tokens], wts[:tokens], l1, l2)
     fro, row = rel_fro_error(y[:tokens], ref), max_row_rel_error(y[:tokens], ref)
     return "ok" if fro <= DECODE_TOL and row <= ROW_TOL else f"FAIL({fro:.1e}/{row:.1e})"
 
