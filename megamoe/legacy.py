@@ -13,7 +13,7 @@ numerics contract (``megamoe.numerics``) exactly. One call:
    every FP8 or FP4 value times a power of two is a BF16 value), FP32 accumulation, BF16 out, and the
    SwiGLU-quant step is torch code; with ``gemm="sm90"`` they are megamoe's SM90 grouped GEMMs on the
    FP4 weights in BF16-operand mode (tokens dequantized exactly to BF16), L1 with the SwiGLU-quant
-   epilogue fused;
+   epilogue fused (its output: the FP8-quantized values stored as BF16, L2's operand);
 4. combine: every slot's BF16 row returns to its source rank in one ``all_to_all`` and the source
    sums its slots in FP32 in slot order.
 
@@ -151,8 +151,9 @@ class LegacyMoE:
         if self.gemm == "sm90":  # BF16-operand mode: exact BF16 tokens, FP4 weights decoded with their scales
             from .kernels import sm90_grouped_gemm as sm90
 
-            a, a_sf = sm90.grouped_gemm_fp8_fp4_swiglu_contiguous(a_in, None, *self.l1k, grouped.offsets, weights, clamp=clamp)
-            a_in = dequantize_fp8(a, a_sf, torch.bfloat16)
+            a_in, _ = sm90.grouped_gemm_fp8_fp4_swiglu_contiguous(
+                a_in, None, *self.l1k, grouped.offsets, weights, clamp=clamp, out_dtype=torch.bfloat16
+            )
             return sm90.grouped_gemm_fp8_fp4_contiguous(a_in, None, *self.l2k, grouped.offsets), dst
         ends = grouped.offsets[1:]
         h1 = torch._grouped_mm(a_in, self.w1t, offs=ends)

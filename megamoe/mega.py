@@ -7,11 +7,12 @@ collective: every rank of the buffer's group makes the same sequence of calls on
 launches on the caller's stream, nothing else (no host sync, no host zeroing):
 
 1. dispatch (``kernels.ep_comm``): announce ``ready``, scan every rank's routing over NVLink, count and
-   pool the rows of local experts, prefix offsets, pull token rows + scales + routing weights into the
-   L1 ring (``l1_acts``, ``l1_acts_sf``, ``l1_topk_weights``, ``ring_source``), contiguous per expert
+   pool the rows of local experts, prefix offsets, pull FP8 token rows + scales + routing weights into
+   the L1 ring (``l1_acts`` as exact BF16, ``l1_topk_weights``, ``ring_source``), contiguous per expert
    with ragged groups (``expert_offsets``);
-2. L1: ``grouped_gemm_fp8_fp4_swiglu_contiguous`` -> ``l2_acts``, ``l2_acts_sf`` (steps 1-5);
-3. L2: ``grouped_gemm_fp8_fp4_contiguous`` -> a BF16 ``[ring, H]`` scratch (step 6);
+2. L1: ``grouped_gemm_fp8_fp4_swiglu_contiguous`` (BF16-operand mode) -> ``l2_acts``: the FP8-quantized
+   SwiGLU outputs as their exact BF16 values (steps 1-5);
+3. L2: ``grouped_gemm_fp8_fp4_contiguous`` (BF16-operand mode) -> a BF16 ``[ring, H]`` scratch (step 6);
 4. combine (``kernels.ep_comm``): push each row to its source rank's ``combine[slot, token]``, publish
    ``done``, wait for every rank's ``done``, sum each token's valid slots in slot order (step 7).
 
@@ -79,8 +80,8 @@ def transform_weights_for_mega_moe(l1: tuple, l2: tuple) -> tuple[tuple, tuple]:
 
     ``l1 = (uint8 [E_l, 2I, H/2], int32 [E_l, 2I, H/128])`` rows [gate; up], ``l2 = (uint8 [E_l, H, I/2],
     int32 [E_l, H, I/128])``; H and I multiples of 512. Returns ``(l1k, l2k)``: L1 rows interleaved for
-    the SwiGLU epilogue and both in the SM90 kernel layout (``uint8 [E_l, N, K/128, 64]``, ``int32
-    [E_l, N, K/128]``).
+    the SwiGLU epilogue and both in the SM90 kernel's BF16-operand-mode layout (``int32 [E_l, N, K/128,
+    16]``, ``int32 [E_l, N, K/128]``); scale codes outside that mode's exact decode range raise.
     """
     from .kernels import sm90_grouped_gemm as sm90
 
@@ -92,7 +93,7 @@ def transform_weights_for_mega_moe(l1: tuple, l2: tuple) -> tuple[tuple, tuple]:
     check_fp4_expert_weights(l1, l2, hidden, inter)
     check_multiple("hidden (l1[0].shape[2] * 2)", hidden, K_MULTIPLE, "the SM90 grouped GEMM's K granularity")
     check_multiple("intermediate (l1[0].shape[1] / 2)", inter, K_MULTIPLE, "the SM90 grouped GEMM's K granularity")
-    return sm90.prepare_fp4_weights_l1(*l1), sm90.prepare_fp4_weights(*l2)
+    return sm90.prepare_fp4_weights_l1(*l1, mma="bf16"), sm90.prepare_fp4_weights(*l2, mma="bf16")
 
 
 def debug_enabled(debug: bool | None) -> bool:
@@ -146,7 +147,10 @@ def check_mega_call(y, l1, l2, sym_buffer, stats, recipe, activation, activation
     for name, pair, n, kk in (("l1", l1, 2 * i, h), ("l2", l2, h, i)):
         if not (isinstance(pair, tuple) and len(pair) == 2):
             fail(name, "must be the (weights, scales) tuple of transform_weights_for_mega_moe")
-        check_tensor(f"{name}[0]", pair[0], dtype=torch.uint8, shape=(e_l, n, kk // 128, 64), device=dev,
+        if isinstance(pair[0], torch.Tensor) and pair[0].dtype == torch.uint8:
+            fail(f"{name}[0]", "is uint8 (canonical FP4 weights?): pass the kernel operands of "
+                 "transform_weights_for_mega_moe(l1, l2), int32 [E/R, N, K/128, 16]")
+        check_tensor(f"{name}[0]", pair[0], dtype=torch.int32, shape=(e_l, n, kk // 128, 16), device=dev,
                      contiguous=True)
         check_tensor(f"{name}[1]", pair[1], dtype=torch.int32, shape=(e_l, n, kk // 128), device=dev, contiguous=True)
     return y.shape[0]
@@ -181,11 +185,10 @@ def _state(buf: SymmBuffer) -> _State:
 
 def poison_buffer(buf: SymmBuffer) -> None:
     """Debug: fill the rings, the pool and the combine area with NaN / -1 (stream-ordered)."""
-    for name in ("l1_acts", "l2_acts"):
-        getattr(buf, name).view(torch.uint8).fill_(0xFF)  # E4M3 NaN
-    for name in ("l1_acts_sf", "l2_acts_sf", "pool", "ring_source"):
-        getattr(buf, name).fill_(-1)  # UE8M0 NaN scales, invalid source codes
-    buf.l1_topk_weights.fill_(float("nan"))
+    for name in ("l1_acts", "l2_acts", "l1_topk_weights"):
+        getattr(buf, name).fill_(float("nan"))
+    for name in ("pool", "ring_source"):
+        getattr(buf, name).fill_(-1)  # invalid source codes
     buf.combine.fill_(float("nan"))
 
 
@@ -239,15 +242,20 @@ def fp8_fp4_mega_moe(
     record = st.record.data_ptr()
     timeout = debug_timeout_ns() if debug else 0
 
+    # GEMM tiles from the rows an expert gets when every rank routes T tokens uniformly (the ring's size
+    # would overstate them: it bounds the worst case).
+    rows_per_expert = lay.num_ranks * num_tokens * lay.num_topk / lay.num_experts
+    cfg1 = sm90.select_config(rows_per_expert, 2 * lay.intermediate_hidden, lay.hidden)
+    cfg2 = sm90.select_config(rows_per_expert, lay.hidden, lay.intermediate_hidden)
     ep_comm.dispatch(cfg, buf.rank, num_tokens, base, st.peers, stats, record, timeout, st.num_ctas)
     sm90.grouped_gemm_fp8_fp4_swiglu_contiguous(
-        buf.l1_acts, buf.l1_acts_sf, *l1, buf.expert_offsets, buf.l1_topk_weights, clamp=activation_clamp,
-        out=buf.l2_acts, out_sf=buf.l2_acts_sf,
+        buf.l1_acts, None, *l1, buf.expert_offsets, buf.l1_topk_weights, clamp=activation_clamp, out=buf.l2_acts,
+        config=cfg1, out_dtype=torch.bfloat16,
     )
     rows = torch.empty(lay.num_ring_tokens, lay.hidden, dtype=torch.bfloat16, device=buf.device)
     if debug:
         rows.fill_(float("nan"))
-    sm90.grouped_gemm_fp8_fp4_contiguous(buf.l2_acts, buf.l2_acts_sf, *l2, buf.expert_offsets, out=rows)
+    sm90.grouped_gemm_fp8_fp4_contiguous(buf.l2_acts, None, *l2, buf.expert_offsets, out=rows, config=cfg2)
     ep_comm.combine(cfg, buf.rank, num_tokens, base, st.peers, rows, y, record, timeout, st.num_ctas)
     if debug:
         poison_buffer(buf)

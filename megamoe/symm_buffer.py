@@ -19,17 +19,19 @@ x                  e4m3 / bf16 [T_max, H]            input tokens (FP8, or BF16 
 x_sf               int32 [T_max, H/128]              packed UE8M0 token scales (FP8 only)
 topk_idx           int64 [T_max, k]                  routed expert ids, -1 = unused slot
 topk_weights       float32 [T_max, k]                routing weights
-l1_acts            e4m3 / bf16 [ring, H]             L1 input ring (pulled token rows)
-l1_acts_sf         int32 [ring, H/128]               their scales (FP8 only)
+l1_acts            bf16 [ring, H]                    L1 input ring (pulled token rows, FP8 dequantized)
 l1_topk_weights    float32 [ring]                    routing weight of each ring row
-l2_acts            e4m3 / bf16 [ring, I]             L2 input ring (SwiGLU outputs)
-l2_acts_sf         int32 [ring, I/128]               their scales (FP8 only)
+l2_acts            bf16 [ring, I]                    L2 input ring (SwiGLU outputs, FP8-quantized values)
 combine            bf16 [k, T_max, H]                L2 rows written back by expert ranks
 =================  ===============================  =============================================
 
 A source code packs (source rank, token, slot) as ``(src * T_max + token) * k + slot``. The counters
 in ``signals``, ``ready`` and ``done`` only grow (call numbers), so no call needs host-side zeroing;
 ``expert_counts`` is reset by the kernels that use it at the end of each call.
+
+The rings hold the SM90 grouped GEMM's BF16-operand mode inputs: FP8 token rows travel over NVLink
+as FP8 + scales and land dequantized (exact), and the L1 epilogue's FP8-quantized SwiGLU outputs are
+stored as their exact BF16 values, so every rounding point of the contract is kept.
 
 ``ring`` (``num_ring_tokens``) bounds the rows in flight on the expert side; by default it holds
 every row a rank can receive (``R * T_max * min(k, E/R)``) up to ``DEFAULT_MAX_RING_TOKENS``,
@@ -156,11 +158,9 @@ def symm_buffer_layout(
         ("x_sf", torch.int32, (t, h // PACKED_BLOCK_K) if fp8 else (t, 0)),
         ("topk_idx", torch.int64, (t, k)),
         ("topk_weights", torch.float32, (t, k)),
-        ("l1_acts", act, (ring, h)),
-        ("l1_acts_sf", torch.int32, (ring, h // PACKED_BLOCK_K) if fp8 else (ring, 0)),
+        ("l1_acts", torch.bfloat16, (ring, h)),
         ("l1_topk_weights", torch.float32, (ring,)),
-        ("l2_acts", act, (ring, i)),
-        ("l2_acts_sf", torch.int32, (ring, i // PACKED_BLOCK_K) if fp8 else (ring, 0)),
+        ("l2_acts", torch.bfloat16, (ring, i)),
         ("combine", torch.bfloat16, (k, t, h)),
     ]
     sections = []

@@ -60,7 +60,7 @@ needs_sm90 = pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 (Hopper) CU
 # ----------------------------------------------------------------------------------------------------
 
 # Every code path of both MMA modes: each token tile (tile_tokens=8 has its own accumulator shape), one and
-# two consumer warpgroups, one and two CTAs per SM, the three group modes, both epilogues.
+# two consumer warpgroups, one and two CTAs per SM, the three group modes, the three epilogues.
 FP8 = {"mma": "fp8"}
 COMPILE_CASES = [
     (GemmConfig(tile_tokens=8, tile_n=128, **FP8), "offsets", "bf16"),
@@ -84,6 +84,9 @@ COMPILE_CASES = [
     (GemmConfig(tile_tokens=128, tile_n=128), "offsets", "swiglu_fp8"),
     (GemmConfig(tile_tokens=8, tile_n=64), "offsets_counts", "swiglu_fp8"),
     (GemmConfig(tile_tokens=16, tile_n=128, ctas_per_sm=2), "masked", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=128, tile_n=128), "offsets", "swiglu_fp8_bf16"),
+    (GemmConfig(tile_tokens=8, tile_n=64), "offsets_counts", "swiglu_fp8_bf16"),
+    (GemmConfig(tile_tokens=16, tile_n=128, ctas_per_sm=2), "masked", "swiglu_fp8_bf16"),
 ]
 
 
@@ -232,6 +235,14 @@ def test_swiglu_validation():
         )
     with pytest.raises(ValueError, match="`clamp` must be positive"):
         grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(40), clamp=-1.0)
+    with pytest.raises(ValueError, match="`out_dtype` must be torch.float8_e4m3fn"):
+        grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(40), out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="`out_sf` must be None with out_dtype=torch.bfloat16"):
+        grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(40), out_dtype=torch.bfloat16,
+                                               out_sf=torch.zeros(40, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="`out` must have dtype bfloat16"):
+        grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(40), out_dtype=torch.bfloat16,
+                                               out=torch.zeros(40, 128, dtype=torch.float8_e4m3fn))
     with pytest.raises(ValueError, match="`a` must be a CUDA tensor"):
         grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(40), clamp=7.0)
 
@@ -851,3 +862,21 @@ def test_bf16_swiglu(layout, tile_tokens, tile_n, clamp):
     torch.cuda.synchronize()
     _check_swiglu(out, out_sf, a, None, w1, w1_sf, row_expert, row_weights, clamp,
                   f"swiglu {layout} {cfg.describe('swiglu_fp8')} clamp={clamp}")
+    # out_dtype=bfloat16: exactly the checked FP8 values times their scales; padding rows keep their NaN.
+    out_bf16 = torch.full((m, inter), float("nan"), dtype=torch.bfloat16, device="cuda")
+    if layout == "contiguous":
+        grouped_gemm_fp8_fp4_swiglu_contiguous(
+            a, None, bk, bk_sf, offsets, row_weights, clamp=clamp, out=out_bf16, config=cfg, out_dtype=torch.bfloat16
+        )
+    else:
+        grouped_gemm_fp8_fp4_swiglu_masked(
+            a.view(e, max_m, k), None, bk, bk_sf, torch.tensor(masked, dtype=torch.int32, device="cuda"),
+            row_weights.view(e, max_m), clamp=clamp, out=out_bf16.view(e, max_m, inter), config=cfg,
+            out_dtype=torch.bfloat16,
+        )
+    torch.cuda.synchronize()
+    valid = row_expert >= 0
+    want = dequantize_fp8(out[valid], out_sf[valid], torch.bfloat16)
+    differ = (out_bf16[valid].view(torch.int16) != want.view(torch.int16)).sum().item()
+    assert differ == 0, f"swiglu {layout} BF16 output: {differ} values differ from the FP8 output's dequantization"
+    assert torch.isnan(out_bf16[~valid].float()).all(), f"swiglu {layout} BF16 output: padding rows written"

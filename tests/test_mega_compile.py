@@ -68,8 +68,8 @@ def _weights(num_experts=E, hidden=H, inter=I):
 def test_transform_weights_shapes():
     l1, l2 = _weights()
     l1k, l2k = transform_weights_for_mega_moe(l1, l2)
-    assert l1k[0].shape == (E, 2 * I, H // 128, 64) and l1k[1].shape == (E, 2 * I, H // 128)
-    assert l2k[0].shape == (E, H, I // 128, 64) and l2k[1].shape == (E, H, I // 128)
+    assert l1k[0].shape == (E, 2 * I, H // 128, 16) and l1k[0].dtype == torch.int32 and l1k[1].shape == (E, 2 * I, H // 128)
+    assert l2k[0].shape == (E, H, I // 128, 16) and l2k[1].shape == (E, H, I // 128)
     with pytest.raises(ValueError, match="hidden"):
         transform_weights_for_mega_moe(*_weights(hidden=256))
     with pytest.raises(ValueError, match="l1"):
@@ -103,7 +103,7 @@ BAD_CALLS = {
     "recipe": (dict(recipe=(1, 128, 128)), "`recipe` must be"),
     "activation": (dict(activation="gelu"), "`activation` must be 'swiglu'"),
     "clamp": (dict(activation_clamp=-1.0), "`activation_clamp` must be positive and finite"),
-    "canonical weights": (dict(l1=_weights()[0]), r"`l1\[0\]` must have shape"),
+    "canonical weights": (dict(l1=_weights()[0]), r"`l1\[0\]` is uint8 .* transform_weights_for_mega_moe"),
 }
 
 

@@ -17,10 +17,11 @@ dispatch:
      it as ``expert_offsets [E_l + 1]`` and adds the counts to the recv stats.
   4. pull: ring row ``r < offsets[E_l]`` belongs to expert ``e`` (binary search,
      ``scheduler.schedule.expert_of_block``) and holds pool entry ``r - offsets[e]``; one warp per
-     (row, 2 KiB chunk) copies the FP8 token row from the source rank into ``l1_acts[r]`` (16-byte
-     loads, ``VECS_PER_LANE`` in flight per lane); chunk 0 also copies the packed scales into
-     ``l1_acts_sf[r]``, the routing weight into ``l1_topk_weights[r]`` and the code into
-     ``ring_source[r]``.
+     (row, 2 KiB chunk of FP8) reads the chunk and its 64 packed UE8M0 scales from the source rank
+     (16-byte loads, ``VECS_PER_LANE`` in flight per lane; half the lanes load one scale word each,
+     shuffled to the lanes that need it) and stores it dequantized, exactly, as BF16 into
+     ``l1_acts[r]`` (the BF16-mode GEMM operand); chunk 0's lane 0 also copies the routing weight
+     into ``l1_topk_weights[r]`` and the code into ``ring_source[r]``.
 
 combine (after the L1 / L2 grouped GEMMs wrote the BF16 rows ``o [ring, H]``):
   1. push: one warp per (ring row, 2 KiB chunk) stores ``o[r]`` to its source rank's
@@ -64,6 +65,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from ..scheduler.schedule import expert_of_block
 from ..symm_buffer import SymmBufferLayout
 from . import runtime
+from .sm90_fp4_decode import device_helpers
 
 THREADS = 512
 """Threads per CTA of both kernels (16 warps)."""
@@ -142,6 +144,14 @@ def _st_v4(addr: Int64, words: list, on, *, loc=None, ip=None) -> None:
     text = "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n@p st.global.v4.b32 [$0], {$1, $2, $3, $4};\n}"
     args = [_v(addr, Int64, loc, ip)] + [_v(w, Int32, loc, ip) for w in words] + [_v(on, Int32, loc, ip)]
     _asm([], args, text, "l,r,r,r,r,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def _ld_u32_if(addr: Int64, on, *, loc=None, ip=None) -> Int32:
+    """The word at ``addr`` (L2, ``.cg``) when ``on``, else 0 (no access)."""
+    text = "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\nmov.b32 $0, 0;\n@p ld.global.cg.b32 $0, [$1];\n}"
+    args = [_v(addr, Int64, loc, ip), _v(on, Int32, loc, ip)]
+    return Int32(_asm([T.i32()], args, text, "=r,l,r,~{memory}", loc, ip)[0])
 
 
 @dsl_user_op
@@ -353,6 +363,36 @@ class _EpKernel:
             v = unit * (WARP * VECS_PER_LANE) + i * WARP + lane
             _st_v4(dst + Int64(v) * VEC, words[i], on[i])
 
+    @cute.jit
+    def pull_unit(self, x_src: Int64, sf_src: Int64, dst: Int64, unit: Int32, lane: Int32):
+        """A warp dequantizes FP8 vectors ``[unit * 32 * VECS_PER_LANE, +32 * VECS_PER_LANE) ∩ [0, H/16)`` of
+        a token row (``x_src``; packed UE8M0 scales at ``sf_src``) into BF16 at ``dst``: all loads first.
+        Lane l < 16 loads the unit's scale word l; vector v (16 values) needs scale byte v // 2."""
+        dev = device_helpers()
+        num_vecs = self.hidden // VEC
+        words_per_unit = WARP * VECS_PER_LANE // 8
+        wi = unit * words_per_unit + lane
+        sf_word = _ld_u32_if(sf_src + Int64(wi) * 4,
+                             Int32(cutlass.select_((lane < words_per_unit) & (wi < self.hidden // 128), Int32(1), Int32(0))))
+        words = []
+        on = []
+        for i in cutlass.range_constexpr(VECS_PER_LANE):
+            v = unit * (WARP * VECS_PER_LANE) + i * WARP + lane
+            ok = Int32(cutlass.select_(v < num_vecs, Int32(1), Int32(0)))
+            on.append(ok)
+            words.append(_ld_v4(x_src + Int64(v) * VEC, ok))
+        shift = ((lane // 2) % 4) * 8  # byte of vector v = unit * 128 + i * 32 + lane in its scale word
+        for i in cutlass.range_constexpr(VECS_PER_LANE):
+            v = unit * (WARP * VECS_PER_LANE) + i * WARP + lane
+            word = cute.arch.shuffle_sync(sf_word, i * (WARP // 8) + lane // 8)
+            scale = dev.ue8m0_code_to_f32((word >> shift) & Int32(0xFF))
+            out = []
+            for w in cutlass.range_constexpr(4):
+                lo, hi = dev.e4m3x4_to_bf16x4(words[i][w], scale)
+                out += [lo, hi]
+            _st_v4(dst + Int64(v) * (2 * VEC), out[:4], on[i])
+            _st_v4(dst + Int64(v) * (2 * VEC) + VEC, out[4:], on[i])
+
     def units(self, num_vecs: int) -> int:
         """Copy units (one warp each) per row of ``num_vecs`` vectors."""
         return -(-num_vecs // (WARP * VECS_PER_LANE))
@@ -435,10 +475,8 @@ class Dispatch(_EpKernel):
                         stat = stats + Int64(e) * 4
                         _st_u32(stat, _ld_u32(stat) + _ld_u32(base + (counts + Int64(e) * 4)))
 
-        # 4. Pull every row of the ring from its source rank.
-        x_vecs = hidden // VEC
-        sf_vecs = hidden // 32 // VEC  # packed UE8M0 bytes per token row / 16
-        units = self.units(x_vecs)
+        # 4. Pull every row of the ring from its source rank, dequantized to BF16.
+        units = self.units(hidden // VEC)
         gw = cta * WARPS + tid // WARP
         for u in cutlass.range(gw, total * units, num_ctas * WARPS):
             row = u // units
@@ -449,16 +487,12 @@ class Dispatch(_EpKernel):
             src, q = self.decode(code)
             t = q // k
             peer = _ld_u64(peers + Int64(src) * 8)
-            self.copy_unit(peer + (cfg.offset("x") + Int64(t) * hidden), base + (cfg.offset("l1_acts") + Int64(row) * hidden),
-                           x_vecs, unit, lane)
-            if unit == 0:
-                for v in cutlass.range(lane, sf_vecs, WARP):
-                    words = _ld_v4(peer + (cfg.offset("x_sf") + Int64(t) * (hidden // 32) + Int64(v) * VEC), 1)
-                    _st_v4(base + (cfg.offset("l1_acts_sf") + Int64(row) * (hidden // 32) + Int64(v) * VEC), words, 1)
-                if lane == 0:
-                    weight = _ld_u32(peer + (cfg.offset("topk_weights") + Int64(q) * 4))
-                    _st_u32(base + (cfg.offset("l1_topk_weights") + Int64(row) * 4), weight)
-                    _st_u32(base + (cfg.offset("ring_source") + Int64(row) * 4), code)
+            self.pull_unit(peer + (cfg.offset("x") + Int64(t) * hidden), peer + (cfg.offset("x_sf") + Int64(t) * (hidden // 32)),
+                           base + (cfg.offset("l1_acts") + Int64(row) * (hidden * 2)), unit, lane)
+            if (unit == 0) & (lane == 0):
+                weight = _ld_u32(peer + (cfg.offset("topk_weights") + Int64(q) * 4))
+                _st_u32(base + (cfg.offset("l1_topk_weights") + Int64(row) * 4), weight)
+                _st_u32(base + (cfg.offset("ring_source") + Int64(row) * 4), code)
 
     @cute.jit
     def warp_exclusive_scan(self, offs: cute.Tensor, lane: Int32):

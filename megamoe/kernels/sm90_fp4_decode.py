@@ -214,6 +214,49 @@ def _device_helpers():
         )
         return Int32(res)
 
+    @dsl_user_op
+    def e4m3x4_to_bf16x4(word, scale, *, loc=None, ip=None):
+        """Four E4M3 bytes (byte 0 first) times a float32 power-of-two ``scale`` -> two bf16x2 words (elements
+        0-1, 2-3; low half first). Exact: an E4M3 value times 2**s is a BF16 value for every UE8M0 scale
+        s whose products stay at or above 2**-133 (BF16's smallest subnormal)."""
+        res = llvm.inline_asm(
+            llvm.StructType.get_literal([T.i32()] * 2),
+            [Int32(word).ir_value(loc=loc, ip=ip), Float32(scale).ir_value(loc=loc, ip=ip)],
+            "{.reg .b16 l, h, a0, a1, b0, b1;\n"
+            ".reg .b32 a, b;\n"
+            ".reg .f32 f0, f1, f2, f3;\n"
+            "mov.b32 {l, h}, $2;\n"
+            "cvt.rn.f16x2.e4m3x2 a, l;\n"
+            "cvt.rn.f16x2.e4m3x2 b, h;\n"
+            "mov.b32 {a0, a1}, a;\n"
+            "mov.b32 {b0, b1}, b;\n"
+            "cvt.f32.f16 f0, a0;\n"
+            "cvt.f32.f16 f1, a1;\n"
+            "cvt.f32.f16 f2, b0;\n"
+            "cvt.f32.f16 f3, b1;\n"
+            "mul.rn.f32 f0, f0, $3;\n"
+            "mul.rn.f32 f1, f1, $3;\n"
+            "mul.rn.f32 f2, f2, $3;\n"
+            "mul.rn.f32 f3, f3, $3;\n"
+            "cvt.rn.bf16x2.f32 $0, f1, f0;\n"
+            "cvt.rn.bf16x2.f32 $1, f3, f2;}",
+            "=r,=r,r,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc,
+            ip=ip,
+        )
+        return tuple(Int32(llvm.extractvalue(T.i32(), res, [j], loc=loc, ip=ip)) for j in range(2))
+
+    @cutlass.cute.jit
+    def ue8m0_code_to_f32(code: Int32) -> Float32:
+        """UE8M0 code (0..254) -> ``2**(code - 127)`` as float32 (exact; code 0 is the subnormal 2**-127)."""
+        bits = code << 23
+        if code == 0:
+            bits = Int32(0x00400000)
+        return bits_to_f32(bits)
+
     @cutlass.cute.jit
     def decode_e2m1x8(x: Int32, lut_lo: Int32, lut_hi: Int32):
         """8 E2M1 nibbles (nibble j = element j) -> (E4M3 x4 of elements 0-3, E4M3 x4 of elements 4-7)."""
@@ -271,16 +314,13 @@ def _device_helpers():
     def ue8m0_to_f32(word: Int32, byte: cutlass.Constexpr[int]) -> Float32:
         """UE8M0 code in byte ``byte`` of a packed scale word -> ``2**(code - 127)`` as float32 (exact;
         code 0 is the subnormal 2**-127)."""
-        code = (word >> (8 * byte)) & Int32(0xFF)
-        bits = code << 23
-        if code == 0:
-            bits = Int32(0x00400000)
-        return bits_to_f32(bits)
+        return ue8m0_code_to_f32((word >> (8 * byte)) & Int32(0xFF))
 
     return SimpleNamespace(
         prmt=prmt, bits_to_f32=bits_to_f32, f32_bits=f32_bits, decode_e2m1x8=decode_e2m1x8,
         ue8m0_to_f32=ue8m0_to_f32, f32x4_to_e4m3x4=f32x4_to_e4m3x4, decode_e2m1x8_bf16=decode_e2m1x8_bf16,
-        ue8m0_to_bf16x2_multiplier=ue8m0_to_bf16x2_multiplier,
+        ue8m0_to_bf16x2_multiplier=ue8m0_to_bf16x2_multiplier, e4m3x4_to_bf16x4=e4m3x4_to_bf16x4,
+        ue8m0_code_to_f32=ue8m0_code_to_f32,
     )
 
 

@@ -1,11 +1,13 @@
 """SM90 (Hopper) grouped GEMM: FP4 E2M1 expert weights with exact UE8M0 block scales, two MMA modes.
 
 ``acc[m, n] = sum_k dequant(a)[m, k] * dequant(b[e])[n, k]`` for every row m of expert e's group in FP32
-(``megamoe.numerics`` steps 1 / 6), then one of two epilogues:
+(``megamoe.numerics`` steps 1 / 6), then one of three epilogues:
 
 * ``bf16``: ``out[m, n] = bf16(acc)`` (R1 / R3) -- ``grouped_gemm_fp8_fp4_{contiguous,masked}``;
 * ``swiglu_fp8``: L1 steps 2-5 on interleaved gate/up rows (``prepare_fp4_weights_l1``): FP8 ``[M, I]`` +
-  packed UE8M0 ``[M, I/128]``, the layout L2 consumes -- ``grouped_gemm_fp8_fp4_swiglu_{contiguous,masked}``.
+  packed UE8M0 ``[M, I/128]``, the layout FP8-mode L2 consumes -- ``grouped_gemm_fp8_fp4_swiglu_{contiguous,masked}``;
+* ``swiglu_fp8_bf16``: the same FP8-quantized values stored dequantized (exactly) as BF16 ``[M, I]``, the
+  operand BF16-mode L2 consumes -- the same entries with ``out_dtype=torch.bfloat16``.
 
 MMA modes (``GemmConfig.mma``), fixed by how the weights were prepared (``prepare_fp4_weights(..., mma=)``):
 
@@ -97,7 +99,7 @@ MMA_MODES = ("bf16", "fp8")
 TILE_TOKENS_CHOICES = {"bf16": (8, 16, 32, 64, 128), "fp8": (8, 16, 32, 64)}
 TILE_N_CHOICES = (64, 128)
 GROUP_MODES = ("offsets", "offsets_counts", "masked")
-EPILOGUES = ("bf16", "swiglu_fp8")
+EPILOGUES = ("bf16", "swiglu_fp8", "swiglu_fp8_bf16")
 SWIGLU_GRANULARITY = 8
 """``interleave_gate_up`` granularity of L1 weights for the SwiGLU epilogue: the rows a thread holds in the
 wgmma accumulator, g and g + 8 of each 16-row group, are then gate and up of the same intermediate column."""
@@ -148,7 +150,7 @@ class GemmConfig:
 
     def epilogue_bytes(self, epilogue: str = "bf16") -> int:
         """Shared memory the epilogue needs besides the pipeline (SwiGLU: FP32 activations of one tile)."""
-        return self.tile_tokens * (self.tile_n // 2 + 4) * 4 if epilogue == "swiglu_fp8" else 0
+        return self.tile_tokens * (self.tile_n // 2 + 4) * 4 if epilogue.startswith("swiglu") else 0
 
     def max_stages(self, epilogue: str = "bf16") -> int:
         budget = SMEM_CAPACITY // self.ctas_per_sm - 1024 - 4096 - self.epilogue_bytes(epilogue)
@@ -224,14 +226,15 @@ def _build_kernel_class():
     class Sm90Fp4GroupedGemm:
         """One compiled variant: ``GemmConfig`` (incl. the MMA mode) x group mode ("offsets", "offsets_counts",
         "masked") x epilogue ("bf16": D [M, N] BF16; "swiglu_fp8": SwiGLU of interleaved gate/up rows, FP8
-        [M, N/2] + UE8M0)."""
+        [M, N/2] + UE8M0; "swiglu_fp8_bf16": those FP8 values as BF16 [M, N/2])."""
 
         def __init__(self, config: GemmConfig, group_mode: str, epilogue: str = "bf16"):
             self.cfg = config
             self.bf16 = config.mma == "bf16"
             self.group_mode = group_mode
             self.epilogue = epilogue
-            self.swiglu = epilogue == "swiglu_fp8"
+            self.swiglu = epilogue.startswith("swiglu")
+            self.swiglu_bf16 = epilogue == "swiglu_fp8_bf16"
             self.tile_tokens = config.tile_tokens
             self.tile_n = config.tile_n
             self.num_consumer_wg = config.consumer_warpgroups
@@ -252,7 +255,7 @@ def _build_kernel_class():
             mSFA,  # FP8 mode: (M, K/128) int32; BF16 mode: None
             mW: cute.Tensor,  # (N, K/2, E) uint8 view of the mode's kernel layout
             mSFW: cute.Tensor,  # (N, K/128, E) int32
-            mD: cute.Tensor,  # (M, N) bf16, or "swiglu_fp8": (M, N/8) int32 view of FP8 [M, N/2]
+            mD: cute.Tensor,  # (M, N) bf16; "swiglu_fp8": (M, N/8) int32 view of FP8 [M, N/2]; "swiglu_fp8_bf16": (M, N/4) of BF16
             mDSF: cute.Tensor,  # "swiglu_fp8": (M, N/64) uint8 view of the packed UE8M0 scales; else unused
             mRowW: cute.Tensor,  # "swiglu_fp8": (M,) float32 routing weight per row; else unused
             mGroupA: cute.Tensor,  # offsets [E+1] ("offsets*") or masked_m [E] ("masked")
@@ -665,8 +668,17 @@ def _build_kernel_class():
                             vals[4 * w + 3] * inv_scale,
                         )
                     block = n_tile * (self.tile_n // 64) + wg  # 32-wide block of the intermediate dim
-                    cute.autovec_copy(words, cute.local_tile(mD[m, None], (8,), (block,)))
-                    mDSF[m, block] = (e + Int32(127)).to(cutlass.Uint8)
+                    if cutlass.const_expr(self.swiglu_bf16):
+                        scale = dev.ue8m0_code_to_f32(e + Int32(127))  # 2^e, exact
+                        halves = cute.make_rmem_tensor((16,), Int32)
+                        for w in cutlass.range_constexpr(8):
+                            h0, h1 = dev.e4m3x4_to_bf16x4(words[w], scale)
+                            halves[2 * w] = h0
+                            halves[2 * w + 1] = h1
+                        cute.autovec_copy(halves, cute.local_tile(mD[m, None], (16,), (block,)))
+                    else:
+                        cute.autovec_copy(words, cute.local_tile(mD[m, None], (8,), (block,)))
+                        mDSF[m, block] = (e + Int32(127)).to(cutlass.Uint8)
             barrier.arrive_and_wait()
 
         @cute.jit
@@ -768,6 +780,8 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
         b_sf = torch.empty(e, n, k // 128, dtype=torch.int32)
         if epilogue == "swiglu_fp8":
             out = torch.empty(m, n // 8, dtype=torch.int32)
+        elif epilogue == "swiglu_fp8_bf16":
+            out = torch.empty(m, n // 4, dtype=torch.int32)
         else:
             out = torch.empty(m, n, dtype=torch.bfloat16)
         out_sf = torch.empty(m, n // 64, dtype=torch.uint8)
@@ -888,6 +902,8 @@ def _launch(config, group_mode, epilogue, a2, a_sf2, b, b_sf, out2, out_sf2, row
     num_sms = torch.cuda.get_device_properties(a2.device).multi_processor_count
     if epilogue == "bf16":
         out_sf2, row_weights = _dummies(a2.device)
+    elif out_sf2 is None:  # "swiglu_fp8_bf16" writes no scales
+        out_sf2 = _dummies(a2.device)[0]
     args = _cute_args(a2, a_sf2, b, b_sf, out2, out_sf2, row_weights, group_a, group_b)
     kernel(*args, cutlass.Int32(num_groups), cutlass.Int32(max_m), cutlass.Float32(clamp),
            cutlass.Int32(min(num_sms * config.ctas_per_sm, max_tiles)), runtime.current_stream())
@@ -988,14 +1004,28 @@ def prepare_fp4_weights_l1(w1: torch.Tensor, w1_sf: torch.Tensor, mma: str = "fp
     )
 
 
-def _swiglu_outputs(rows: tuple[int, ...], inter: int, out, out_sf, device):
+SWIGLU_OUT_DTYPES = {torch.float8_e4m3fn: "swiglu_fp8", torch.bfloat16: "swiglu_fp8_bf16"}
+"""L1 output dtype -> epilogue: FP8 + packed UE8M0 scales, or the same quantized values as BF16."""
+
+
+def _swiglu_outputs(rows: tuple[int, ...], inter: int, out, out_sf, out_dtype, device):
+    """Check or allocate the L1 outputs; returns (epilogue, out, out_sf or None, kernel views of both)."""
+    if out_dtype not in SWIGLU_OUT_DTYPES:
+        fail("out_dtype", f"must be torch.float8_e4m3fn (FP8 + UE8M0 scales) or torch.bfloat16 (the same quantized "
+             f"values in BF16), got {out_dtype}")
     if out is None:
-        out = torch.empty(*rows, inter, dtype=torch.float8_e4m3fn, device=device)
+        out = torch.empty(*rows, inter, dtype=out_dtype, device=device)
+    check_tensor("out", out, dtype=out_dtype, shape=(*rows, inter), device=device, contiguous=True)
+    n_rows = math.prod(rows)
+    if out_dtype == torch.bfloat16:
+        if out_sf is not None:
+            fail("out_sf", "must be None with out_dtype=torch.bfloat16 (the values carry their scales)")
+        return "swiglu_fp8_bf16", out, None, out.view(torch.int32).view(n_rows, inter // 2), None
     if out_sf is None:
         out_sf = torch.empty(*rows, inter // K_CHUNK, dtype=torch.int32, device=device)
-    check_tensor("out", out, dtype=torch.float8_e4m3fn, shape=(*rows, inter), device=device, contiguous=True)
     check_tensor("out_sf", out_sf, dtype=torch.int32, shape=(*rows, inter // K_CHUNK), device=device, contiguous=True)
-    return out, out_sf
+    return ("swiglu_fp8", out, out_sf, out.view(torch.int32).view(n_rows, inter // 4),
+            out_sf.view(torch.uint8).view(n_rows, inter // 32))
 
 
 def _bf16_clamp(clamp: float | None) -> float:
@@ -1017,7 +1047,8 @@ def grouped_gemm_fp8_fp4_swiglu_contiguous(
     config: GemmConfig | None = None,
     *,
     counts: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    out_dtype: torch.dtype = torch.float8_e4m3fn,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """L1 of the FP8 x FP4 recipe with the fused epilogue (``megamoe.numerics`` steps 1-5), contiguous layout.
 
     Operands (either MMA mode), groups and config as ``grouped_gemm_fp8_fp4_contiguous``, with b/b_sf from
@@ -1025,7 +1056,9 @@ def grouped_gemm_fp8_fp4_swiglu_contiguous(
     (N = 2I, I % 128 == 0); ``row_weights`` float32 [M]: the routing weight of each row. Per row of a group:
     gate, up = bf16(acc), optional clamp (rounded to BF16), ``(silu(gate) * up) * w`` in FP32, quantized per 32
     columns to FP8 E4M3 with UE8M0 scales like ``layouts.quantize_fp8``. Returns ``(out float8_e4m3fn [M, I],
-    out_sf int32 [M, I/128])`` (the layout L2 consumes); rows of no group are not written."""
+    out_sf int32 [M, I/128])`` (the layout FP8-mode L2 consumes), or with ``out_dtype=torch.bfloat16``
+    ``(out bfloat16 [M, I], None)``: the same quantized values times their scales (exact), the BF16-mode L2
+    operand. Rows of no group are not written."""
     mma = _weights_mode(b)
     k = _check_tokens(a, a_sf, 2, mma)
     e, n = _check_weights(b, b_sf, k, a.device, mma)
@@ -1035,13 +1068,13 @@ def grouped_gemm_fp8_fp4_swiglu_contiguous(
         check_tensor("counts", counts, dtype=torch.int32, shape=(e,), device=a.device, contiguous=True)
     m = a.shape[0]
     check_tensor("row_weights", row_weights, dtype=torch.float32, shape=(m,), device=a.device, contiguous=True)
-    out, out_sf = _swiglu_outputs((m,), n // 2, out, out_sf, a.device)
+    epilogue, out, out_sf, out_k, out_sf_k = _swiglu_outputs((m,), n // 2, out, out_sf, out_dtype, a.device)
     clamp_value = _bf16_clamp(clamp)
     cfg = _resolve_config(config, m / max(e, 1), n, k, mma)
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
     max_tiles = (m // cfg.tile_tokens + e) * (n // cfg.tile_n)
     mode = "offsets" if counts is None else "offsets_counts"
-    _launch(cfg, mode, "swiglu_fp8", a, a_sf, b, b_sf, out.view(torch.int32), out_sf.view(torch.uint8), row_weights,
+    _launch(cfg, mode, epilogue, a, a_sf, b, b_sf, out_k, out_sf_k, row_weights,
             offsets, offsets if counts is None else counts, e, 0, clamp_value, max_tiles)
     return out, out_sf
 
@@ -1058,10 +1091,12 @@ def grouped_gemm_fp8_fp4_swiglu_masked(
     out_sf: torch.Tensor | None = None,
     config: GemmConfig | None = None,
     expected_m: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    out_dtype: torch.dtype = torch.float8_e4m3fn,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Masked-layout L1 with the fused SwiGLU epilogue: a ``[E, max_m, H]``, row_weights float32 ``[E, max_m]``,
-    returns ``(out float8_e4m3fn [E, max_m, I], out_sf int32 [E, max_m, I/128])``; rows >= masked_m[e] are not
-    written. See ``grouped_gemm_fp8_fp4_swiglu_contiguous`` for the computation."""
+    returns ``(out float8_e4m3fn [E, max_m, I], out_sf int32 [E, max_m, I/128])``, or with
+    ``out_dtype=torch.bfloat16`` ``(out bfloat16 [E, max_m, I], None)``; rows >= masked_m[e] are not written.
+    See ``grouped_gemm_fp8_fp4_swiglu_contiguous`` for the computation."""
     mma = _weights_mode(b)
     k = _check_tokens(a, a_sf, 3, mma)
     e, n = _check_weights(b, b_sf, k, a.device, mma)
@@ -1071,15 +1106,14 @@ def grouped_gemm_fp8_fp4_swiglu_masked(
     max_m = a.shape[1]
     check_tensor("masked_m", masked_m, dtype=torch.int32, shape=(e,), device=a.device, contiguous=True)
     check_tensor("row_weights", row_weights, dtype=torch.float32, shape=(e, max_m), device=a.device, contiguous=True)
-    out, out_sf = _swiglu_outputs((e, max_m), n // 2, out, out_sf, a.device)
+    epilogue, out, out_sf, out_k, out_sf_k = _swiglu_outputs((e, max_m), n // 2, out, out_sf, out_dtype, a.device)
     clamp_value = _bf16_clamp(clamp)
     cfg = _resolve_config(config, max_m if expected_m is None else expected_m, n, k, mma)
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
     max_tiles = e * math.ceil(max_m / cfg.tile_tokens) * (n // cfg.tile_n)
     rows = e * max_m
     _launch(
-        cfg, "masked", "swiglu_fp8", a.view(rows, k), _rows_view(a_sf, rows), b, b_sf,
-        out.view(torch.int32).view(rows, n // 8), out_sf.view(torch.uint8).view(rows, n // 64),
+        cfg, "masked", epilogue, a.view(rows, k), _rows_view(a_sf, rows), b, b_sf, out_k, out_sf_k,
         row_weights.view(rows), masked_m, masked_m, e, max_m, clamp_value, max_tiles,
     )
     return out, out_sf

@@ -1,16 +1,18 @@
-"""Mega MoE (staged, ``megamoe.mega``) on 1 and 2 GPUs against the FP32 reference and the legacy path.
+"""Mega MoE (staged, ``megamoe.mega``) on 1, 2 and 4 GPUs against the FP32 reference and the legacy path.
 
 A protocol bug hangs or traps (and so poisons) a CUDA context, so every test runs this file as a
-subprocess with a timeout (``python test_mega_gpu.py one|two|hang``) and shows its output on failure:
+subprocess with a timeout (``python test_mega_gpu.py one|two|four|hang``) and shows its output on failure:
 one progress line per rank and call, the contract errors, and any ``megamoe debug:`` diagnostic.
 
-* ``one`` / ``two``: one buffer (T_max = 32, H = I = 512, 8 experts per rank, top-4), every case
+* ``one`` / ``two`` / ``four``: one buffer (T_max = 32, H = I = 512, 8 experts per rank, top-4), every case
   three calls with fresh inputs (the first in debug mode: timeouts, device checks, poisoned rings
   and combine area), ``y`` poisoned with NaN before each call; outputs within the contract tolerances
-  of the FP32 reference, recv stats equal to the legacy low-latency path's. Cases: ragged routing with
+  of the FP32 reference and bit for bit equal to the legacy low-latency path with the same SM90
+  GEMMs, recv stats equal to the legacy path's. Cases: ragged routing with
   masked slots and uneven T, skewed routing (every token to the first k experts, all on rank 0), a
   rank with 0 tokens, 1 token per rank, T = T_max with a clamp; then a CUDA graph captured once and
-  replayed three times with new inputs copied in between.
+  replayed three times with new inputs copied in between. Four ranks: uneven tokens incl. a rank
+  with 0 and one with 1, skewed, full with a clamp, and the graph.
 * ``hang``: rank 1 never calls; rank 0's debug-mode call must trap with the diagnostic naming
   ``ready[src=1]`` (printf and the host-mapped record) instead of hanging.
 
@@ -49,8 +51,14 @@ CASES = {
         ("one_token_per_rank", dict(tokens=[1, 1])),
         ("full_clamped", dict(tokens=[T_MAX, T_MAX], clamp=0.75, masked=0.1)),
     ],
+    4: [
+        ("ragged_masked_uneven", dict(tokens=[13, 0, 32, 1], masked=0.25)),
+        ("skewed_to_rank0", dict(tokens=[24, 17, 3, 30], hot=K)),
+        ("full_clamped", dict(tokens=[T_MAX] * 4, clamp=0.75, masked=0.1)),
+    ],
 }
-GRAPH_TOKENS = {1: [9], 2: [9, 4]}
+GRAPH_TOKENS = {1: [9], 2: [9, 4], 4: [9, 4, 0, 17]}
+RANKS = {"one": 1, "two": 2, "four": 4}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -91,10 +99,11 @@ def _check(rank: int, what: str, y, ref, stats, want_stats, y_legacy=None) -> No
     assert not y.isnan().any(), f"{what}: NaN in y (a row was not written or read poisoned data)"
     if not torch.equal(stats, want_stats):
         raise AssertionError(f"{what}: recv stats {stats.tolist()}, want {want_stats.tolist()}")
-    # The legacy path with the same SM90 GEMMs rounds at the same points: report bitwise equality.
-    vs_legacy = "" if y_legacy is None else (
-        f", vs legacy (SM90 GEMMs): {'bitwise equal' if torch.equal(y, y_legacy) else 'differs'}, "
-        f"rel_fro={rel_fro_error(y, y_legacy):.2e}")
+    # The legacy path with the same SM90 GEMMs rounds at the same points, in the same order: bit for bit.
+    if y_legacy is not None and not torch.equal(y, y_legacy):
+        raise AssertionError(f"{what}: differs from the legacy path with the same SM90 GEMMs (rel_fro="
+                             f"{rel_fro_error(y, y_legacy):.2e}); the contract fixes every rounding point")
+    vs_legacy = "" if y_legacy is None else ", bitwise equal to legacy (SM90 GEMMs)"
     _say(rank, f"{what}: ok rel_fro={errs['rel_fro']:.2e} max_row_rel={errs['max_row_rel']:.2e}{vs_legacy}")
 
 
@@ -218,7 +227,7 @@ def _main(mode: str, *args: str) -> None:
     if mode == "hang":
         spawn(_hang, 2, args[0], use_cuda=True)
     else:
-        spawn(_suite, {"one": 1, "two": 2}[mode], {"one": 1, "two": 2}[mode], use_cuda=True)
+        spawn(_suite, RANKS[mode], RANKS[mode], use_cuda=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -261,6 +270,12 @@ def test_mega_one_gpu():
 def test_mega_two_gpus():
     _gpus(2)
     _run("two", timeout=180)
+
+
+@pytest.mark.gpu
+def test_mega_four_gpus():
+    _gpus(4)
+    _run("four", timeout=240)
 
 
 @pytest.mark.gpu
