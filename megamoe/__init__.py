@@ -1,11 +1,13 @@
 """megamoe: expert-parallel Mixture-of-Experts layers for multi-GPU inference.
 
 Public surface (see README.md): the SymmBuffer and its sizing helper, the Mega MoE path
-(``fp8_fp4_mega_moe``, staged for now), the legacy EP baseline, the FP32 reference of the numerics
+(``fp8_fp4_mega_moe``, staged for now), the legacy EP baseline, one-GPU decode (``moe_decode``,
+``MoEDecoder``), the FP32 reference of the numerics
 contract, the data layouts (``megamoe.layouts``) and the model layer (``megamoe.nn``).
 """
 
 from . import layouts, nn, numerics
+from .decode import MoEDecoder
 from .legacy import LegacyMoE
 from .mega import MegaMoE, debug_report, fp8_fp4_mega_moe, transform_weights_for_mega_moe
 from .reference import distributed_reference_moe, reference_moe
@@ -16,6 +18,8 @@ __version__ = "0.1.0"
 __all__ = [
     "LegacyMoE",
     "MegaMoE",
+    "MoEDecoder",
+    "moe_decode",
     "debug_report",
     "fp8_fp4_mega_moe",
     "transform_weights_for_mega_moe",
@@ -28,3 +32,12 @@ __all__ = [
     "reference_moe",
     "symm_buffer_layout",
 ]
+
+
+def __getattr__(name: str):
+    """``megamoe.moe_decode``: the warp-decode kernels' entry (imported on first use: it loads the DSL)."""
+    if name == "moe_decode":
+        from .kernels.warp_decode import moe_decode
+
+        return moe_decode
+    raise AttributeError(f"module 'megamoe' has no attribute {name!r}")

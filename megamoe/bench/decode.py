@@ -9,9 +9,10 @@ bytes the routing actually needs: every row (and its scales) of W1 and W2 of eac
 expert. The HBM ceiling is measured in the same run (``torch.sum`` over ``--hbm-gib`` GiB). Beside it,
 torch's grouped GEMMs (FP8 rowwise ``torch._scaled_grouped_mm``, else BF16 ``torch._grouped_mm``) on
 the same routed rows: L1 and L2 GEMMs only (routing permutation and SwiGLU excluded), each checked,
-and megamoe's grouped path for the whole layer on one GPU (``LegacyMoE`` low-latency mode with the
-SM90 FP8 x FP4 grouped GEMMs: FP8 token quantization, expert sort, L1 + SwiGLU-quant, L2, combine),
-checked against the FP32 reference of the FP8 contract; the two megamoe columns give the crossover.
+and megamoe's grouped path for the whole layer on one GPU (``MoEDecoder(..., path="grouped")``: FP8
+token quantization, then the staged Mega MoE on one rank with the SM90 grouped GEMMs), checked against
+the FP32 reference of the FP8 contract. The two megamoe columns give the crossover ``MoEDecoder``'s
+``auto`` path uses (``megamoe.decode.MEASURED_CROSSOVERS``), printed per expert set.
 Every time printed carries its run's correctness verdict.
 """
 
@@ -22,11 +23,10 @@ import statistics
 
 import torch
 
-from ..inputs import fill_buffer, random_fp4_weights, random_routing, random_tokens
-from ..legacy import LegacyMoE
+from ..decode import MoEDecoder
+from ..inputs import random_fp4_weights, random_routing, random_tokens
 from ..numerics import max_row_rel_error, moe_tolerances, rel_fro_error
 from ..reference import reference_decode, reference_moe
-from ..symm_buffer import get_symm_buffer_for_mega_moe
 from .common import environment_receipt, measure_hbm_read_bandwidth, time_graph
 
 SHAPES = {"flash": (4096, 2048, (32, 128)), "pro": (7168, 3072, (48, 192))}
@@ -106,27 +106,15 @@ def _check_decode(moe_decode, x, idx, wts, l1, l2, tokens: int) -> str:
     return "ok" if fro <= DECODE_TOL and row <= ROW_TOL else f"FAIL({fro:.1e}/{row:.1e})"
 
 
-class GroupedPath:
-    """megamoe's grouped path for one GPU: ``LegacyMoE`` (low latency, SM90 GEMMs) over a SymmBuffer."""
-
-    def __init__(self, l1, l2, tokens: int, topk: int):
-        experts, hidden, inter = l1[0].shape[0], 2 * l1[0].shape[2], l1[0].shape[1] // 2
-        self.moe = LegacyMoE(l1, l2, "low_latency", "sm90")
-        self.buf = get_symm_buffer_for_mega_moe(None, experts, tokens, topk, hidden, inter)
-        self.y = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=l1[0].device)
-        self.l1, self.l2 = l1, l2
-
-    def __call__(self, x, route) -> torch.Tensor:
-        fill_buffer(self.buf, x, *route)
-        return self.moe(self.y, self.buf, None, validate=False)
-
-    def check(self, x, route) -> str:
-        self.y.fill_(float("nan"))
-        y = self(x, route)
-        ref = reference_moe(self.buf.x[: x.shape[0]], self.buf.x_sf[: x.shape[0]], *route, self.l1, self.l2)
-        fro, row = rel_fro_error(y, ref), max_row_rel_error(y, ref)
-        tol = moe_tolerances(self.l2[0].shape[2] * 2)
-        return "ok" if fro <= tol["rel_fro"] and row <= tol["max_row_rel"] else f"FAIL({fro:.1e}/{row:.1e})"
+def _check_grouped(decoder: MoEDecoder, x, route) -> str:
+    """The grouped path (y poisoned first) against the FP32 reference on the FP8 tokens it quantized."""
+    y = torch.full_like(x, float("nan"))
+    decoder(x, *route, out=y, path="grouped")
+    t = x.shape[0]
+    ref = reference_moe(decoder.buf.x[:t], decoder.buf.x_sf[:t], *route, decoder.l1, decoder.l2)
+    fro, row = rel_fro_error(y, ref), max_row_rel_error(y, ref)
+    tol = moe_tolerances(decoder.l2[0].shape[2] * 2)
+    return "ok" if fro <= tol["rel_fro"] and row <= tol["max_row_rel"] else f"FAIL({fro:.1e}/{row:.1e})"
 
 
 def _time_cycling(fn, items: list, args) -> float:
@@ -183,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
                     baseline = TorchGroupedGemm(experts, hidden, inter, device, gen)
                 except (RuntimeError, torch.OutOfMemoryError) as exc:
                     print(f"torch baseline unavailable: {exc}")
+            decoder = MoEDecoder(l1, l2, args.topk, max(_ints(args.batches)))
+            warp_wins = []
             for tokens in _ints(args.batches):
                 x = random_tokens(tokens, hidden, cpu_gen).to(device)
                 routes = [random_routing(tokens, experts, args.topk, cpu_gen) for _ in range(args.routings)]
@@ -192,9 +182,12 @@ def main(argv: list[str] | None = None) -> None:
                 unique = statistics.mean(int(torch.unique(i[i >= 0]).numel()) for i, _ in routes)
                 nbytes = unique * expert_bytes(hidden, inter)
                 gbs = nbytes / (us * 1e-6) / 1e9
-                grouped = GroupedPath(l1, l2, tokens, args.topk)
-                grouped_cols = f"{_time_cycling(lambda r, x=x: grouped(x, r), routes, args):10.1f} {grouped.check(x, routes[0]):>7}"
-                del grouped
+                y = torch.empty_like(x)
+                grouped_verdict = _check_grouped(decoder, x, routes[0])
+                grouped_us = _time_cycling(lambda r, x=x, y=y: decoder(x, *r, out=y, path="grouped"), routes, args)
+                grouped_cols = f"{grouped_us:10.1f} {grouped_verdict:>7}"
+                if verdict == "ok" and grouped_verdict == "ok" and us < grouped_us:
+                    warp_wins.append(tokens)
                 torch_cols = f"{'-':>9} {'-':>11}"
                 if baseline is not None:
                     try:
@@ -205,7 +198,12 @@ def main(argv: list[str] | None = None) -> None:
                         torch_cols = f"{'n/a':>9} {str(exc).splitlines()[0][:40]}"
                 print(f"{shape:6} {experts:4d} {tokens:3d} {verdict:>7} {us:8.1f} {nbytes / 1e6:8.1f} {gbs:7.0f} "
                       f"{100 * gbs / hbm:5.1f}%  {grouped_cols}  {torch_cols}", flush=True)
-            l1 = l2 = baseline = None  # free this expert set before the next one is drawn
+            batches = _ints(args.batches)
+            crossover = next((b for b in batches if b not in warp_wins), None)
+            crossover = batches[-1] if crossover is None else max([b for b in batches if b < crossover], default=0)
+            print(f"crossover {shape} E={experts} k={args.topk}: warp decode faster (both checked ok) at batches "
+                  f"{warp_wins}; largest batch below the first grouped win: {crossover}", flush=True)
+            l1 = l2 = baseline = decoder = None  # free this expert set before the next one is drawn
             torch.cuda.empty_cache()
 
 

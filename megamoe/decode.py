@@ -1,0 +1,110 @@
+"""MoE layer on one GPU holding every expert, for decode: warp decode or the grouped path, by batch size.
+
+``MoEDecoder(l1, l2, num_topk, max_tokens)`` takes canonical FP4 weights of all E experts and runs
+``y = MoE(x)`` for ``x`` bfloat16 ``[T, H]`` by one of two paths:
+
+* ``"warp_decode"`` (``megamoe.moe_decode``, ``kernels.warp_decode``): output-centric kernels, BF16
+  activations, FP32 accumulation, one BF16 rounding of ``y``. Its cost grows with T * k (every
+  (token, slot) pair streams its expert's rows), so it wins at small batches.
+* ``"grouped"``: the staged Mega MoE on one rank (``megamoe.mega``: routing, contiguous expert groups,
+  SM90 grouped GEMMs with the SwiGLU-quant epilogue, combine), after quantizing ``x`` to FP8 (the
+  numerics contract of ``megamoe.numerics``). Its cost follows the distinct experts' weights.
+
+``path="auto"`` (default) picks warp decode for ``T <= crossover`` and the grouped path above it.
+The crossover is measured, not guessed: ``MEASURED_CROSSOVERS`` holds the largest batch at which warp
+decode was faster in ``python -m megamoe.bench decode`` (receipt in ``bench/results``); other shapes
+use the rule derived from those points (``default_crossover``). The two paths differ by the FP8
+contract's error (the grouped path quantizes activations), never more than ``moe_tolerances``.
+
+The decoder holds the weights in both layouts (canonical for warp decode, the SM90 kernel layout for
+the grouped path: twice the FP4 bytes) and a one-rank SymmBuffer of ``max_tokens`` rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import check_range, check_tensor, fail
+from .layouts.weights import check_fp4_expert_weights
+
+PATHS = ("auto", "warp_decode", "grouped")
+MEASURED_CROSSOVERS: dict[tuple[int, int, int, int], int] = {}
+"""(hidden, intermediate, experts, top-k) -> the largest batch where warp decode beat the grouped path
+(H200, see the module docstring)."""
+GROUPED_MULTIPLE = 512
+"""H and I must be multiples of this for the grouped path (the SM90 grouped GEMM's K granularity)."""
+
+
+def default_crossover(hidden: int, inter: int, experts: int, topk: int) -> int:
+    """Largest batch for which ``path="auto"`` uses warp decode: the measured point for a measured shape,
+    else the one of the nearest measured expert count per top-k slot (``experts / topk``), else 0."""
+    key = (hidden, inter, experts, topk)
+    if key in MEASURED_CROSSOVERS:
+        return MEASURED_CROSSOVERS[key]
+    if not MEASURED_CROSSOVERS:
+        return 0
+    ratio = experts / topk
+    nearest = min(MEASURED_CROSSOVERS, key=lambda k: abs(k[2] / k[3] - ratio))
+    return MEASURED_CROSSOVERS[nearest]
+
+
+class MoEDecoder:
+    """One GPU's MoE layer for decode (module docstring).
+
+    ``l1 = (uint8 [E, 2I, H/2], int32 [E, 2I, H/128])`` rows [gate; up], ``l2 = (uint8 [E, H, I/2], int32
+    [E, H, I/128])`` (canonical FP4 + packed UE8M0, as ``layouts.quantize_fp4`` makes them); ``num_topk``:
+    k of the calls' ``topk_idx``; ``max_tokens``: largest T of a call; ``crossover``: override the
+    measured one (``default_crossover``). The grouped path needs H and I multiples of 512; without it
+    ``auto`` always takes warp decode.
+    """
+
+    def __init__(self, l1: tuple, l2: tuple, num_topk: int, max_tokens: int, crossover: int | None = None):
+        from .mega import MegaMoE
+        from .symm_buffer import get_symm_buffer_for_mega_moe
+
+        check_tensor("l1[0]", l1[0], dtype=torch.uint8, ndim=3)
+        hidden, inter = 2 * l1[0].shape[2], l1[0].shape[1] // 2
+        experts = check_fp4_expert_weights(l1, l2, hidden, inter)
+        check_range("num_topk", num_topk, 1, experts)
+        check_range("max_tokens", max_tokens, 1, 1 << 20)
+        self.l1, self.l2 = l1, l2
+        self.hidden, self.num_topk, self.max_tokens = hidden, num_topk, max_tokens
+        self.grouped = hidden % GROUPED_MULTIPLE == 0 and inter % GROUPED_MULTIPLE == 0
+        if crossover is None:
+            crossover = default_crossover(hidden, inter, experts, num_topk) if self.grouped else max_tokens
+        check_range("crossover", crossover, 0, 1 << 20)
+        self.crossover = crossover
+        self.mega = self.buf = None
+        if self.grouped:
+            self.mega = MegaMoE(l1, l2)
+            self.buf = get_symm_buffer_for_mega_moe(None, experts, max_tokens, num_topk, hidden, inter,
+                                                    device=l1[0].device)
+
+    def path_for(self, tokens: int) -> str:
+        """The path ``auto`` takes for a batch of ``tokens``."""
+        return "warp_decode" if tokens <= self.crossover or not self.grouped else "grouped"
+
+    def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 activation_clamp: float | None = None, out: torch.Tensor | None = None,
+                 path: str = "auto") -> torch.Tensor:
+        """``y [T, H]`` bfloat16 for ``x`` bfloat16 ``[T, H]``, ``topk_idx`` int64 ``[T, k]`` (-1: unused
+        slot), ``topk_weights`` float32 ``[T, k]``; ``out``: optional destination. CUDA-graph capturable
+        once each path used has run outside capture."""
+        from .inputs import fill_buffer
+        from .kernels.warp_decode import moe_decode
+
+        if path not in PATHS:
+            fail("path", f"must be one of {PATHS}, got {path!r}")
+        check_tensor("x", x, dtype=torch.bfloat16, shape=(None, self.hidden))
+        check_tensor("topk_idx", topk_idx, dtype=torch.int64, shape=(x.shape[0], self.num_topk))
+        tokens = x.shape[0]
+        chosen = self.path_for(tokens) if path == "auto" else path
+        if chosen == "warp_decode":
+            return moe_decode(x, topk_idx, topk_weights, self.l1, self.l2, activation_clamp, out)
+        if not self.grouped:
+            fail("path", f"'grouped' needs hidden and intermediate multiples of {GROUPED_MULTIPLE}")
+        if tokens > self.max_tokens:
+            fail("x", f"has {tokens} tokens; this decoder was built for max_tokens = {self.max_tokens}")
+        fill_buffer(self.buf, x, topk_idx, topk_weights)
+        y = out if out is not None else torch.empty(tokens, self.hidden, dtype=torch.bfloat16, device=x.device)
+        return self.mega(y, self.buf, activation_clamp=activation_clamp)
