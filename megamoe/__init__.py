@@ -9,7 +9,7 @@ contract, the data layouts (``megamoe.layouts``) and the model layer (``megamoe.
 from . import layouts, nn, numerics
 from .decode import MoEDecoder
 from .legacy import LegacyMoE
-from .mega import MegaMoE, debug_report, fp8_fp4_mega_moe, transform_weights_for_mega_moe
+from .mega import MegaMoE, bf16_mega_moe, debug_report, fp8_fp4_mega_moe, transform_weights_for_mega_moe
 from .reference import distributed_reference_moe, reference_moe
 from .symm_buffer import SymmBuffer, get_symm_buffer_for_mega_moe, symm_buffer_layout
 
@@ -20,6 +20,7 @@ __all__ = [
     "MegaMoE",
     "MoEDecoder",
     "moe_decode",
+    "bf16_mega_moe",
     "debug_report",
     "fp8_fp4_mega_moe",
     "transform_weights_for_mega_moe",

@@ -28,9 +28,16 @@ from .checks import check_range, check_tensor, fail
 from .layouts.weights import check_fp4_expert_weights
 
 PATHS = ("auto", "warp_decode", "grouped")
-MEASURED_CROSSOVERS: dict[tuple[int, int, int, int], int] = {}
-"""(hidden, intermediate, experts, top-k) -> the largest batch where warp decode beat the grouped path
-(H200, see the module docstring)."""
+MEASURED_CROSSOVERS: dict[tuple[int, int, int, int], int] = {
+    (4096, 2048, 32, 6): 2,
+    (4096, 2048, 128, 6): 2,
+    (7168, 3072, 48, 6): 1,
+    (7168, 3072, 192, 6): 1,
+}
+"""(hidden, intermediate, experts, top-k) -> the largest batch where warp decode beat the grouped path:
+H200, 2026-11-29, ``bench/results/2026-11-29_decode_crossover_h200.txt`` (flash 32 experts: 56.9 vs
+92.3 us at T=1, 113.8 vs 118.3 at 2, 197.9 vs 146.7 at 4; pro 48: 141.6 vs 146.3 at 1, 261.8 vs 205.0
+at 2)."""
 GROUPED_MULTIPLE = 512
 """H and I must be multiples of this for the grouped path (the SM90 grouped GEMM's K granularity)."""
 

@@ -1,5 +1,8 @@
 """Mega MoE, staged: NVLink dispatch, SM90 grouped GEMMs, NVLink combine; no host sync, CUDA-graph capturable.
 
+``bf16_mega_moe`` (BF16 tokens and weights) runs the same dispatch and combine kernels around torch's
+BF16 grouped GEMMs; the rest of this docstring describes ``fp8_fp4_mega_moe``.
+
 ``fp8_fp4_mega_moe(y, l1, l2, sym_buffer, ...)`` computes the numerics contract of ``megamoe.numerics``
 (FP8 x FP4 recipe) for the ``T = y.shape[0]`` tokens the caller copied into the buffer's ``x``, ``x_sf``,
 ``topk_idx`` and ``topk_weights`` views; ``l1``/``l2`` come from ``transform_weights_for_mega_moe``. It is
@@ -113,24 +116,20 @@ def debug_timeout_ns() -> int:
     return int(seconds * 1e9)
 
 
-def check_mega_call(y, l1, l2, sym_buffer, stats, recipe, activation, activation_clamp, fast_math) -> int:
-    """Validate a call's arguments on the host (no device work, no sync); returns T."""
+def check_mega_call(y, sym_buffer, stats, activation, activation_clamp, fast_math, mma_type: str) -> int:
+    """Validate a call's common arguments on the host (no device work, no sync); returns T."""
     if not isinstance(sym_buffer, SymmBuffer):
         raise TypeError(f"megamoe: `sym_buffer` must be a SymmBuffer, got {type(sym_buffer).__name__}")
     lay = sym_buffer.layout
-    if lay.mma_type != "fp8xfp4":
-        fail("sym_buffer", f"must be allocated with mma_type='fp8xfp4' for fp8_fp4_mega_moe, got {lay.mma_type!r}")
-    if tuple(recipe) != RECIPE:
-        fail("recipe", f"must be {RECIPE} (per-token, per-row, per-32 UE8M0 scales), got {tuple(recipe)}")
+    if lay.mma_type != mma_type:
+        entry = "fp8_fp4_mega_moe" if mma_type == "fp8xfp4" else "bf16_mega_moe"
+        fail("sym_buffer", f"must be allocated with mma_type={mma_type!r} for {entry}, got {lay.mma_type!r}")
     if activation != "swiglu":
         fail("activation", f"must be 'swiglu', got {activation!r}")
     check_activation_clamp(activation_clamp)
     if not isinstance(fast_math, bool):
         raise TypeError(f"megamoe: `fast_math` must be a bool, got {type(fast_math).__name__}")
     r, e_l, k, t_max = lay.num_ranks, lay.num_local_experts, lay.num_topk, lay.num_max_tokens_per_rank
-    h, i = lay.hidden, lay.intermediate_hidden
-    check_multiple("sym_buffer hidden", h, K_MULTIPLE, "the SM90 grouped GEMM's K granularity")
-    check_multiple("sym_buffer intermediate_hidden", i, K_MULTIPLE, "the SM90 grouped GEMM's K granularity")
     worst = r * t_max * min(k, e_l)
     if lay.num_ring_tokens < worst:
         fail("sym_buffer", f"ring (num_ring_tokens = {lay.num_ring_tokens} rows of l1_acts / l2_acts) must hold "
@@ -140,20 +139,30 @@ def check_mega_call(y, l1, l2, sym_buffer, stats, recipe, activation, activation
 
     if e_l > MAX_LOCAL_EXPERTS:
         fail("sym_buffer", f"has {e_l} local experts; the dispatch kernel holds at most {MAX_LOCAL_EXPERTS}")
-    dev = sym_buffer.device
     sym_buffer.check_call(y, stats)
     if y.numel() and y.data_ptr() % 16:
         fail("y", f"must start at a 16-byte aligned address (16-byte stores), got {y.data_ptr():#x}")
+    return y.shape[0]
+
+
+def check_fp4_operands(l1, l2, sym_buffer: SymmBuffer, recipe) -> None:
+    """``fp8_fp4_mega_moe``'s weights (``transform_weights_for_mega_moe``'s operands) and recipe."""
+    if tuple(recipe) != RECIPE:
+        fail("recipe", f"must be {RECIPE} (per-token, per-row, per-32 UE8M0 scales), got {tuple(recipe)}")
+    lay = sym_buffer.layout
+    e_l, h, i = lay.num_local_experts, lay.hidden, lay.intermediate_hidden
+    check_multiple("sym_buffer hidden", h, K_MULTIPLE, "the SM90 grouped GEMM's K granularity")
+    check_multiple("sym_buffer intermediate_hidden", i, K_MULTIPLE, "the SM90 grouped GEMM's K granularity")
     for name, pair, n, kk in (("l1", l1, 2 * i, h), ("l2", l2, h, i)):
         if not (isinstance(pair, tuple) and len(pair) == 2):
             fail(name, "must be the (weights, scales) tuple of transform_weights_for_mega_moe")
         if isinstance(pair[0], torch.Tensor) and pair[0].dtype == torch.uint8:
             fail(f"{name}[0]", "is uint8 (canonical FP4 weights?): pass the kernel operands of "
                  "transform_weights_for_mega_moe(l1, l2), int32 [E/R, N, K/128, 16]")
-        check_tensor(f"{name}[0]", pair[0], dtype=torch.int32, shape=(e_l, n, kk // 128, 16), device=dev,
+        check_tensor(f"{name}[0]", pair[0], dtype=torch.int32, shape=(e_l, n, kk // 128, 16),
+                     device=sym_buffer.device, contiguous=True)
+        check_tensor(f"{name}[1]", pair[1], dtype=torch.int32, shape=(e_l, n, kk // 128), device=sym_buffer.device,
                      contiguous=True)
-        check_tensor(f"{name}[1]", pair[1], dtype=torch.int32, shape=(e_l, n, kk // 128), device=dev, contiguous=True)
-    return y.shape[0]
 
 
 @dataclass
@@ -172,7 +181,7 @@ def _state(buf: SymmBuffer) -> _State:
     st = _STATES.get(buf)
     if st is None:
         if torch.cuda.is_current_stream_capturing():
-            fail("sym_buffer", "was never used by fp8_fp4_mega_moe outside CUDA-graph capture: make one call "
+            fail("sym_buffer", "was never used by the Mega MoE path outside CUDA-graph capture: make one call "
                  "before capturing (it compiles the kernels and stores the peer addresses)")
         from .kernels.ep_comm import RECORD_WORDS
 
@@ -205,6 +214,25 @@ def debug_report(sym_buffer: SymmBuffer) -> str | None:
     return "\n".join(lines) if lines else None
 
 
+def _staged(y, sym_buffer: SymmBuffer, stats, debug: bool, expert_compute) -> torch.Tensor:
+    """Dispatch, ``expert_compute(num_tokens, debug) -> rows bf16 [ring, H]`` (L1 and L2 on the rings),
+    combine; then, in debug mode, poison the buffer."""
+    from .kernels import ep_comm, runtime
+
+    runtime.require_sm90(y, "y")
+    buf, lay = sym_buffer, sym_buffer.layout
+    st = _state(buf)
+    cfg = ep_comm.EpCommConfig(lay, debug, stats is not None)
+    base, record, num_tokens = buf.buffer.data_ptr(), st.record.data_ptr(), y.shape[0]
+    timeout = debug_timeout_ns() if debug else 0
+    ep_comm.dispatch(cfg, buf.rank, num_tokens, base, st.peers, stats, record, timeout, st.num_ctas)
+    rows = expert_compute(num_tokens, debug)
+    ep_comm.combine(cfg, buf.rank, num_tokens, base, st.peers, rows, y, record, timeout, st.num_ctas)
+    if debug:
+        poison_buffer(buf)
+    return y
+
+
 def fp8_fp4_mega_moe(
     y: torch.Tensor,
     l1: tuple,
@@ -228,51 +256,86 @@ def fp8_fp4_mega_moe(
     ``debug``: module docstring (None: ``MEGAMOE_DEBUG``). Collective, asynchronous, CUDA-graph capturable
     once a first call has been made outside capture. Returns ``y``.
     """
-    from .kernels import ep_comm, runtime
     from .kernels import sm90_grouped_gemm as sm90
 
     debug = debug_enabled(debug)
     stats = cumulative_local_expert_recv_stats
-    num_tokens = check_mega_call(y, l1, l2, sym_buffer, stats, recipe, activation, activation_clamp, fast_math)
-    runtime.require_sm90(y, "y")
+    check_mega_call(y, sym_buffer, stats, activation, activation_clamp, fast_math, "fp8xfp4")
+    check_fp4_operands(l1, l2, sym_buffer, recipe)
     buf, lay = sym_buffer, sym_buffer.layout
-    st = _state(buf)
-    cfg = ep_comm.EpCommConfig(lay, debug, stats is not None)
-    base = buf.buffer.data_ptr()
-    record = st.record.data_ptr()
-    timeout = debug_timeout_ns() if debug else 0
 
-    # GEMM tiles from the rows an expert gets when every rank routes T tokens uniformly (the ring's size
-    # would overstate them: it bounds the worst case).
-    rows_per_expert = lay.num_ranks * num_tokens * lay.num_topk / lay.num_experts
-    cfg1 = sm90.select_config(rows_per_expert, 2 * lay.intermediate_hidden, lay.hidden)
-    cfg2 = sm90.select_config(rows_per_expert, lay.hidden, lay.intermediate_hidden)
-    ep_comm.dispatch(cfg, buf.rank, num_tokens, base, st.peers, stats, record, timeout, st.num_ctas)
-    sm90.grouped_gemm_fp8_fp4_swiglu_contiguous(
-        buf.l1_acts, None, *l1, buf.expert_offsets, buf.l1_topk_weights, clamp=activation_clamp, out=buf.l2_acts,
-        config=cfg1, out_dtype=torch.bfloat16,
-    )
-    rows = torch.empty(lay.num_ring_tokens, lay.hidden, dtype=torch.bfloat16, device=buf.device)
-    if debug:
-        rows.fill_(float("nan"))
-    sm90.grouped_gemm_fp8_fp4_contiguous(buf.l2_acts, None, *l2, buf.expert_offsets, out=rows, config=cfg2)
-    ep_comm.combine(cfg, buf.rank, num_tokens, base, st.peers, rows, y, record, timeout, st.num_ctas)
-    if debug:
-        poison_buffer(buf)
-    return y
+    def expert_compute(num_tokens: int, debug: bool) -> torch.Tensor:
+        # GEMM tiles from the rows an expert gets when every rank routes T tokens uniformly (the ring's
+        # size would overstate them: it bounds the worst case).
+        rows_per_expert = lay.num_ranks * num_tokens * lay.num_topk / lay.num_experts
+        cfg1 = sm90.select_config(rows_per_expert, 2 * lay.intermediate_hidden, lay.hidden)
+        cfg2 = sm90.select_config(rows_per_expert, lay.hidden, lay.intermediate_hidden)
+        sm90.grouped_gemm_fp8_fp4_swiglu_contiguous(
+            buf.l1_acts, None, *l1, buf.expert_offsets, buf.l1_topk_weights, clamp=activation_clamp,
+            out=buf.l2_acts, config=cfg1, out_dtype=torch.bfloat16,
+        )
+        rows = torch.empty(lay.num_ring_tokens, lay.hidden, dtype=torch.bfloat16, device=buf.device)
+        if debug:
+            rows.fill_(float("nan"))
+        return sm90.grouped_gemm_fp8_fp4_contiguous(buf.l2_acts, None, *l2, buf.expert_offsets, out=rows, config=cfg2)
+
+    return _staged(y, buf, stats, debug, expert_compute)
+
+
+def bf16_mega_moe(
+    y: torch.Tensor,
+    l1: torch.Tensor,
+    l2: torch.Tensor,
+    sym_buffer: SymmBuffer,
+    cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+    activation: str = "swiglu",
+    activation_clamp: float | None = None,
+    fast_math: bool = True,
+    debug: bool | None = None,
+) -> torch.Tensor:
+    """The BF16 recipe of ``fp8_fp4_mega_moe`` (same protocol, caller duties and arguments, no recipe).
+
+    ``l1`` bfloat16 ``[E/R, 2I, H]`` (rows [gate; up]), ``l2`` bfloat16 ``[E/R, H, I]``: this rank's
+    experts, canonical; ``sym_buffer`` with ``mma_type="bf16"`` (BF16 tokens in ``x``). The dispatch
+    and combine kernels are the FP8 path's (rows copied as BF16); the GEMMs are ``torch._grouped_mm``
+    over the ring with the device-side expert offsets (megamoe has no BF16-weight SM90 kernel yet) and
+    the SwiGLU step is ``numerics.l1_epilogue`` over the ring: its cost follows the buffer's ring size,
+    not the call's tokens.
+    """
+    from .numerics import l1_epilogue
+
+    debug = debug_enabled(debug)
+    stats = cumulative_local_expert_recv_stats
+    check_mega_call(y, sym_buffer, stats, activation, activation_clamp, fast_math, "bf16")
+    lay, dev = sym_buffer.layout, sym_buffer.device
+    e_l, h, i = lay.num_local_experts, lay.hidden, lay.intermediate_hidden
+    check_tensor("l1", l1, dtype=torch.bfloat16, shape=(e_l, 2 * i, h), device=dev, contiguous=True)
+    check_tensor("l2", l2, dtype=torch.bfloat16, shape=(e_l, h, i), device=dev, contiguous=True)
+    buf = sym_buffer
+
+    def expert_compute(num_tokens: int, debug: bool) -> torch.Tensor:
+        ends = buf.expert_offsets[1:]  # rows past the last end are never read
+        h1 = torch._grouped_mm(buf.l1_acts, l1.transpose(1, 2), offs=ends)
+        a = l1_epilogue(h1, buf.l1_topk_weights, activation_clamp, fp8=False)[0]
+        return torch._grouped_mm(a, l2.transpose(1, 2), offs=ends)
+
+    return _staged(y, buf, stats, debug, expert_compute)
 
 
 class MegaMoE:
-    """``fp8_fp4_mega_moe`` with this rank's experts transformed once: a drop-in beside ``LegacyMoE``.
+    """The Mega MoE path with this rank's experts prepared once: a drop-in beside ``LegacyMoE``.
 
-    ``l1``, ``l2``: canonical FP4 tuples (as ``LegacyMoE`` takes them). Call as
+    ``l1``, ``l2``: canonical FP4 tuples (``fp8_fp4_mega_moe``, transformed here) or BF16 tensors
+    (``bf16_mega_moe``), as ``LegacyMoE`` takes them. Call as
     ``moe(y, sym_buffer, cumulative_local_expert_recv_stats, activation_clamp=None, debug=None)``.
     """
 
-    def __init__(self, l1: tuple, l2: tuple):
-        self.l1, self.l2 = transform_weights_for_mega_moe(l1, l2)
+    def __init__(self, l1, l2):
+        self.fp8 = isinstance(l1, tuple)
+        self.l1, self.l2 = transform_weights_for_mega_moe(l1, l2) if self.fp8 else (l1, l2)
 
     def __call__(self, y: torch.Tensor, sym_buffer: SymmBuffer, cumulative_local_expert_recv_stats=None,
                  activation_clamp: float | None = None, debug: bool | None = None) -> torch.Tensor:
-        return fp8_fp4_mega_moe(y, self.l1, self.l2, sym_buffer, cumulative_local_expert_recv_stats,
-                                activation_clamp=activation_clamp, debug=debug)
+        run = fp8_fp4_mega_moe if self.fp8 else bf16_mega_moe
+        return run(y, self.l1, self.l2, sym_buffer, cumulative_local_expert_recv_stats,
+                   activation_clamp=activation_clamp, debug=debug)

@@ -12,13 +12,14 @@ import torch
 from megamoe import get_symm_buffer_for_mega_moe, symm_buffer_layout
 from megamoe.inputs import random_fp4_weights
 from megamoe.kernels import ep_comm
-from megamoe.mega import debug_enabled, debug_timeout_ns, fp8_fp4_mega_moe, transform_weights_for_mega_moe
+from megamoe.mega import bf16_mega_moe, debug_enabled, debug_timeout_ns, fp8_fp4_mega_moe, transform_weights_for_mega_moe
 
 LAYOUTS = {
     "r2_small": symm_buffer_layout(2, 16, 8, 4, 512, 512),
     "r1": symm_buffer_layout(1, 8, 33, 3, 512, 1024),
     "r8_flash_like": symm_buffer_layout(8, 256, 64, 6, 4096, 2048),
     "r4_wide_hidden": symm_buffer_layout(4, 64, 16, 8, 7168, 512),
+    "r2_bf16": symm_buffer_layout(2, 16, 8, 4, 384, 256, mma_type="bf16"),
 }
 
 
@@ -134,3 +135,18 @@ def test_buffer_recipe_and_shapes(cpu_call):
     narrow = get_symm_buffer_for_mega_moe(None, E, T_MAX, K, 256, I, device="cpu")
     with pytest.raises(ValueError, match="hidden"):
         _call(cpu_call, sym_buffer=narrow, y=torch.empty(5, 256, dtype=torch.bfloat16))
+
+
+def test_bf16_call_validation(cpu_call):
+    buf = get_symm_buffer_for_mega_moe(None, E, T_MAX, K, 384, 256, mma_type="bf16", device="cpu")
+    l1 = torch.randn(E, 512, 384).bfloat16()
+    l2 = torch.randn(E, 384, 256).bfloat16()
+    y = torch.empty(5, 384, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="`y` must be a CUDA tensor"):
+        bf16_mega_moe(y, l1, l2, buf)  # valid up to the device check
+    with pytest.raises(ValueError, match=r"`l1` must have shape \[8, 512, 384\]"):
+        bf16_mega_moe(y, l1[:, :256], l2, buf)
+    with pytest.raises(ValueError, match="`l2` must have dtype bfloat16"):
+        bf16_mega_moe(y, l1, l2.float(), buf)
+    with pytest.raises(ValueError, match="mma_type='bf16' for bf16_mega_moe, got 'fp8xfp4'"):
+        bf16_mega_moe(cpu_call["y"], l1, l2, cpu_call["sym_buffer"])

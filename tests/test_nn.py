@@ -236,17 +236,18 @@ def test_hf_model_swap(hf, model_type, mma_type):
 # ---------------------------------------------------------------------------------------------
 # EPMoE against the contract's reference
 
-def _layer(mma_type="fp8xfp4", mode="normal", shared=0, max_tokens=32, experts=8, topk=3, device="cpu", seed=0):
+def _layer(mma_type="fp8xfp4", mode="normal", shared=0, max_tokens=32, experts=8, topk=3, device="cpu", seed=0,
+           impl="legacy", hidden=HIDDEN, inter=MOE_INTERMEDIATE):
     """An EPMoE with random weights; returns (layer, w1, w2, shared weights or None)."""
     g = torch.Generator().manual_seed(seed)
-    w1 = torch.randn(experts, 2 * MOE_INTERMEDIATE, HIDDEN, generator=g) * HIDDEN**-0.5
-    w2 = torch.randn(experts, HIDDEN, MOE_INTERMEDIATE, generator=g) * MOE_INTERMEDIATE**-0.5
-    layer = EPMoE(experts, topk, HIDDEN, MOE_INTERMEDIATE, max_tokens, mma_type=mma_type, mode=mode,
+    w1 = torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, generator=g) * inter**-0.5
+    layer = EPMoE(experts, topk, hidden, inter, max_tokens, mma_type=mma_type, impl=impl, mode=mode,
                   shared_intermediate=shared, device=device)
     layer.load_experts(w1, w2)
     sw = None
     if shared:
-        sw = [torch.randn(s, generator=g) * s[1] ** -0.5 for s in ((shared, HIDDEN), (shared, HIDDEN), (HIDDEN, shared))]
+        sw = [torch.randn(s, generator=g) * s[1] ** -0.5 for s in ((shared, hidden), (shared, hidden), (hidden, shared))]
         layer.shared.load(*sw)
     return layer, w1, w2, sw
 
@@ -284,8 +285,12 @@ def test_epmoe_zero_tokens():
 
 
 def test_validation_errors():
-    with pytest.raises(ValueError, match="`impl` must be one of \\('legacy',\\) \\(the fused Mega MoE kernel is not available yet\\)"):
-        EPMoE(8, 2, HIDDEN, 128, 16, impl="fused")
+    with pytest.raises(ValueError, match="`impl` must be one of \\('legacy', 'fused'\\), got 'mega'"):
+        EPMoE(8, 2, HIDDEN, 128, 16, impl="mega")
+    with pytest.raises(ValueError, match="`hidden` must be a multiple of 512 \\(impl='fused'"):
+        EPMoE(8, 2, HIDDEN, 512, 16, impl="fused")
+    with pytest.raises(ValueError, match="`mode` must be one of \\('staged',\\) for impl 'fused'"):
+        EPMoE(8, 2, 512, 512, 16, impl="fused", mode="normal")
     with pytest.raises(ValueError, match="`mode` must be one of \\('normal', 'low_latency'\\) for impl 'legacy'"):
         EPMoE(8, 2, HIDDEN, 128, 16, mode="fast")
     with pytest.raises(ValueError, match="`hidden` must be a multiple of 128"):
@@ -421,6 +426,36 @@ def test_cuda_graph_low_latency_gpu():
         out = layer(x, idx, w)
     for _ in range(2):
         x.copy_(random_tokens(20, HIDDEN, g))
+        new_idx, new_w = random_routing(20, 8, 3, g, masked_ratio=0.2)
+        idx.copy_(new_idx)
+        w.copy_(new_w)
+        graph.replay()
+        with torch.no_grad():
+            assert torch.equal(out, layer(x, idx, w))
+
+
+@pytest.mark.gpu
+def test_fused_impl_gpu():
+    """impl="fused" (the staged Mega MoE) on one GPU: the contract's reference plus the shared expert,
+    then a CUDA graph of the layer replaying new inputs exactly like eager calls."""
+    hidden = inter = 512
+    layer, w1, w2, sw = _layer(impl="fused", mode=None, shared=128, device="cuda", hidden=hidden, inter=inter)
+    assert layer.cuda_graph_capturable
+    l1, l2 = quantize_fp4(w1.cuda()), quantize_fp4(w2.cuda())
+    g = torch.Generator().manual_seed(11)
+    for t in (29, 1):
+        x = random_tokens(t, hidden, g).cuda()
+        idx, w = (v.cuda() for v in random_routing(t, 8, 3, g, masked_ratio=0.2))
+        with torch.no_grad():
+            y = layer(x, idx, w)
+        routed = reference_moe(*quantize_fp8(x), idx, w, l1, l2)
+        check_moe_output(y, (routed.float() + layer.shared(x).float()).bfloat16(), inter, f"fused T={t}")
+    x, idx, w = random_tokens(20, hidden, g).cuda(), *(v.cuda() for v in random_routing(20, 8, 3, g))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        out = layer(x, idx, w)
+    for _ in range(2):
+        x.copy_(random_tokens(20, hidden, g))
         new_idx, new_w = random_routing(20, 8, 3, g, masked_ratio=0.2)
         idx.copy_(new_idx)
         w.copy_(new_w)

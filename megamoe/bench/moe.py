@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0) and h % 512 == 0 and i % 512 == 0:
         gemms.append("sm90")
     paths = {f"legacy {mode}, {gemm} GEMM": LegacyMoE(l1, l2, mode, gemm) for gemm in gemms for mode in LegacyMoE.MODES}
-    if "sm90" in gemms:
-        paths["fused (staged)"] = MegaMoE(l1, l2)
+    if "sm90" in gemms or (not fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)):
+        paths["fused (staged)"] = MegaMoE(l1, l2)  # FP8 x FP4: SM90 GEMMs; BF16: torch grouped GEMMs
     bf16_bytes_per_expert = 3 * h * i * 2
     fp4_bytes_per_expert = 3 * h * i // 2 + 3 * h * i // 32
     dispatch_row_bytes = k * 12 + (h + h // 32 if fp8 else 2 * h)

@@ -20,8 +20,9 @@ dispatch:
      (row, 2 KiB chunk of FP8) reads the chunk and its 64 packed UE8M0 scales from the source rank
      (16-byte loads, ``VECS_PER_LANE`` in flight per lane; half the lanes load one scale word each,
      shuffled to the lanes that need it) and stores it dequantized, exactly, as BF16 into
-     ``l1_acts[r]`` (the BF16-mode GEMM operand); chunk 0's lane 0 also copies the routing weight
-     into ``l1_topk_weights[r]`` and the code into ``ring_source[r]``.
+     ``l1_acts[r]`` (the BF16-mode GEMM operand); BF16 buffers (``mma_type="bf16"``) copy 2 KiB of
+     BF16 per unit instead. Chunk 0's lane 0 also copies the routing weight into
+     ``l1_topk_weights[r]`` and the code into ``ring_source[r]``.
 
 combine (after the L1 / L2 grouped GEMMs wrote the BF16 rows ``o [ring, H]``):
   1. push: one warp per (ring row, 2 KiB chunk) stores ``o[r]`` to its source rank's
@@ -302,6 +303,7 @@ class _EpKernel:
         self.pool_cap = lay.num_ranks * lay.num_max_tokens_per_rank  # rows per expert in ``pool``
         self.codes = self.pool_cap * lay.num_topk  # source codes lie in [0, codes)
         self.signals = cfg.offset("signals")
+        self.fp8 = lay.mma_type == "fp8xfp4"  # tokens FP8 + packed UE8M0 scales, else BF16
 
     @cute.jit
     def fail(self, site: cutlass.Constexpr, rank: Int32, record: Int64, index: Int32, expected: Int32, seen: Int32):
@@ -475,8 +477,8 @@ class Dispatch(_EpKernel):
                         stat = stats + Int64(e) * 4
                         _st_u32(stat, _ld_u32(stat) + _ld_u32(base + (counts + Int64(e) * 4)))
 
-        # 4. Pull every row of the ring from its source rank, dequantized to BF16.
-        units = self.units(hidden // VEC)
+        # 4. Pull every row of the ring from its source rank: FP8 rows dequantized to BF16, BF16 rows copied.
+        units = self.units(hidden // VEC if self.fp8 else hidden * 2 // VEC)
         gw = cta * WARPS + tid // WARP
         for u in cutlass.range(gw, total * units, num_ctas * WARPS):
             row = u // units
@@ -487,8 +489,12 @@ class Dispatch(_EpKernel):
             src, q = self.decode(code)
             t = q // k
             peer = _ld_u64(peers + Int64(src) * 8)
-            self.pull_unit(peer + (cfg.offset("x") + Int64(t) * hidden), peer + (cfg.offset("x_sf") + Int64(t) * (hidden // 32)),
-                           base + (cfg.offset("l1_acts") + Int64(row) * (hidden * 2)), unit, lane)
+            dst = base + (cfg.offset("l1_acts") + Int64(row) * (hidden * 2))
+            if cutlass.const_expr(self.fp8):
+                self.pull_unit(peer + (cfg.offset("x") + Int64(t) * hidden),
+                               peer + (cfg.offset("x_sf") + Int64(t) * (hidden // 32)), dst, unit, lane)
+            else:
+                self.copy_unit(peer + (cfg.offset("x") + Int64(t) * (hidden * 2)), dst, hidden * 2 // VEC, unit, lane)
             if (unit == 0) & (lane == 0):
                 weight = _ld_u32(peer + (cfg.offset("topk_weights") + Int64(q) * 4))
                 _st_u32(base + (cfg.offset("l1_topk_weights") + Int64(row) * 4), weight)

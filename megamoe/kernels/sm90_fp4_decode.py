@@ -112,15 +112,18 @@ def to_sm90_bf16_weight_layout(b: torch.Tensor) -> torch.Tensor:
     check_tensor("b", b, dtype=torch.uint8, ndim=3)
     e, n, half_k = b.shape
     check_multiple("b.shape[2] * 2 (K)", 2 * half_k, K_CHUNK, "the kernel layout works in 128-wide K chunks")
-    codes = _bf16_word_view(unpack_fp4_codes(b).to(torch.int64))  # [..., q, w, kk', h, i]
     j = torch.arange(4, device=b.device).view(2, 2, 1)  # register j = 2 kk' + h
     i = torch.arange(2, device=b.device).view(1, 1, 2)
     mag_bit = torch.tensor(BF16_MAG_BIT, device=b.device)[j] + 16 * i
     sign_bit = torch.tensor(BF16_SIGN_BIT, device=b.device)[j] + 16 * i
-    bits = ((codes & 7) << mag_bit) | ((codes >> 3) << sign_bit)
-    words = bits.flatten(-3).sum(-1)  # disjoint bit fields: the sum is their OR
-    words = torch.where(words >= 2**31, words - 2**32, words)  # uint32 -> the same bits as int32
-    return words.to(torch.int32).reshape(e, n, half_k // CHUNK_BYTES, BF16_WORDS).contiguous()
+    out = torch.empty(e, n, half_k // CHUNK_BYTES, BF16_WORDS, dtype=torch.int32, device=b.device)
+    for x in range(e):  # one expert at a time: the int64 temporaries are 16x the expert's bytes
+        codes = _bf16_word_view(unpack_fp4_codes(b[x : x + 1]).to(torch.int64))  # [..., q, w, kk', h, i]
+        bits = ((codes & 7) << mag_bit) | ((codes >> 3) << sign_bit)
+        words = bits.flatten(-3).sum(-1)  # disjoint bit fields: the sum is their OR
+        words = torch.where(words >= 2**31, words - 2**32, words)  # uint32 -> the same bits as int32
+        out[x] = words.to(torch.int32).reshape(n, half_k // CHUNK_BYTES, BF16_WORDS)
+    return out
 
 
 def from_sm90_bf16_weight_layout(bk: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,9 @@ Implementations (``impl``, ``mode``), chosen explicitly, never substituted:
 
 * ``"legacy"``: ``megamoe.LegacyMoE``; ``mode="normal"`` (one host sync, exact sizes) or
   ``"low_latency"`` (no host sync, CUDA-graph capturable).
+* ``"fused"``: ``megamoe.MegaMoE`` (``mode="staged"``: NVLink dispatch and combine kernels around the
+  grouped GEMMs; no host sync, CUDA-graph capturable after one eager call); Hopper GPUs; the FP8 x FP4
+  recipe needs H and I multiples of 512.
 
 The routed part runs as the custom op ``torch.ops.megamoe.ep_moe`` (with a fake impl), so
 ``torch.compile`` traces a layer without graph breaks. Construction and every call are collective
@@ -30,17 +33,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..checks import check_tensor, fail
+from ..checks import check_multiple, check_tensor, fail
 from ..dist import rank_and_size
 from ..inputs import fill_buffer
 from ..layouts import quantize_fp4
 from ..legacy import LegacyMoE
+from ..mega import K_MULTIPLE, MegaMoE
 from ..numerics import check_activation_clamp
 from ..symm_buffer import SymmBuffer
 from .checkpoint import Checkpoint, expert_range, read_expert_weights, read_mlp_weights
 
-IMPLS = {"legacy": LegacyMoE.MODES}
-"""Implementation -> its modes."""
+IMPLS = {"legacy": LegacyMoE.MODES, "fused": ("staged",)}
+"""Implementation -> its modes (the first is the default)."""
 
 _LAYERS: weakref.WeakValueDictionary[int, EPMoE] = weakref.WeakValueDictionary()
 _IDS = itertools.count()
@@ -113,7 +117,7 @@ class EPMoE(nn.Module):
         *,
         mma_type: str = "fp8xfp4",
         impl: str = "legacy",
-        mode: str = "normal",
+        mode: str | None = None,
         shared_intermediate: int = 0,
         activation_clamp: float | None = None,
         device: torch.device | str | None = None,
@@ -121,9 +125,13 @@ class EPMoE(nn.Module):
     ):
         super().__init__()
         if impl not in IMPLS:
-            fail("impl", f"must be one of {tuple(IMPLS)} (the fused Mega MoE kernel is not available yet), got {impl!r}")
+            fail("impl", f"must be one of {tuple(IMPLS)}, got {impl!r}")
+        mode = IMPLS[impl][0] if mode is None else mode
         if mode not in IMPLS[impl]:
             fail("mode", f"must be one of {IMPLS[impl]} for impl {impl!r}, got {mode!r}")
+        if impl == "fused" and mma_type == "fp8xfp4":
+            check_multiple("hidden", hidden, K_MULTIPLE, "impl='fused': the SM90 grouped GEMM's K granularity")
+            check_multiple("intermediate", intermediate, K_MULTIPLE, "impl='fused': the SM90 grouped GEMM's K granularity")
         check_activation_clamp(activation_clamp)
         rank, num_ranks = rank_and_size(group)
         self.local_experts = expert_range(num_experts, rank, num_ranks)
@@ -148,8 +156,9 @@ class EPMoE(nn.Module):
 
     @property
     def cuda_graph_capturable(self) -> bool:
-        """Whether a call can be captured in a CUDA graph (legacy low-latency mode)."""
-        return (self.impl, self.mode) == ("legacy", "low_latency")
+        """Whether a call can be captured in a CUDA graph (legacy low-latency mode, or fused after one
+        eager call)."""
+        return self.impl == "fused" or (self.impl, self.mode) == ("legacy", "low_latency")
 
     @torch.no_grad()
     def load_experts(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
@@ -163,7 +172,7 @@ class EPMoE(nn.Module):
             self.w1, self.w2 = quantize_fp4(w1, "w1"), quantize_fp4(w2, "w2")
         else:
             self.w1, self.w2 = w1.to(torch.bfloat16), w2.to(torch.bfloat16)
-        self._impl = LegacyMoE(self.w1, self.w2, self.mode)
+        self._impl = MegaMoE(self.w1, self.w2) if self.impl == "fused" else LegacyMoE(self.w1, self.w2, self.mode)
 
     @classmethod
     def from_checkpoint(
@@ -229,6 +238,8 @@ class EPMoE(nn.Module):
         fill_buffer(self.buffer, x if self.mma_type == "fp8xfp4" else x.to(torch.bfloat16),
                     topk_idx.to(torch.int64), topk_weights.to(torch.float32))
         y = torch.empty(t, self.hidden, dtype=torch.bfloat16, device=self.device)
+        if self.impl == "fused":
+            return self._impl(y, self.buffer, None, activation_clamp=self.activation_clamp)
         return self._impl(y, self.buffer, None, self.activation_clamp, validate=not capturing)
 
     def destroy(self) -> None:
