@@ -410,47 +410,10 @@ def test_hf_block_swap_gpu(tmp_path, model_type, mma_type):
         check_swapped_block(config, model, ckpt, model_type, HF_MODELS[model_type][1][-1], x, mma_type, mode, "cuda")
 
 
-@pytest.mark.gpu
-def test_cuda_graph_low_latency_gpu():
-    """A low-latency layer captured in a CUDA graph replays new inputs like eager calls."""
-    layer, *_ = _layer(mode="low_latency", shared=128, device="cuda")
-    g = torch.Generator().manual_seed(10)
-    x, idx, w = random_tokens(20, HIDDEN, g).cuda(), *(t.cuda() for t in random_routing(20, 8, 3, g))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.no_grad():
-        layer(x, idx, w)  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
-        out = layer(x, idx, w)
-    for _ in range(2):
-        x.copy_(random_tokens(20, HIDDEN, g))
-        new_idx, new_w = random_routing(20, 8, 3, g, masked_ratio=0.2)
-        idx.copy_(new_idx)
-        w.copy_(new_w)
-        graph.replay()
-        with torch.no_grad():
-            assert torch.equal(out, layer(x, idx, w))
-
-
-@pytest.mark.gpu
-def test_fused_impl_gpu():
-    """impl="fused" (the staged Mega MoE) on one GPU: the contract's reference plus the shared expert,
-    then a CUDA graph of the layer replaying new inputs exactly like eager calls."""
-    hidden = inter = 512
-    layer, w1, w2, sw = _layer(impl="fused", mode=None, shared=128, device="cuda", hidden=hidden, inter=inter)
-    assert layer.cuda_graph_capturable
-    l1, l2 = quantize_fp4(w1.cuda()), quantize_fp4(w2.cuda())
-    g = torch.Generator().manual_seed(11)
-    for t in (29, 1):
-        x = random_tokens(t, hidden, g).cuda()
-        idx, w = (v.cuda() for v in random_routing(t, 8, 3, g, masked_ratio=0.2))
-        with torch.no_grad():
-            y = layer(x, idx, w)
-        routed = reference_moe(*quantize_fp8(x), idx, w, l1, l2)
-        check_moe_output(y, (routed.float() + layer.shared(x).float()).bfloat16(), inter, f"fused T={t}")
-    x, idx, w = random_tokens(20, hidden, g).cuda(), *(v.cuda() for v in random_routing(20, 8, 3, g))
+def _check_graph_replays_like_eager(layer: EPMoE, hidden: int, g: torch.Generator) -> None:
+    """Capture one call of ``layer`` (which has run eagerly) in a CUDA graph, then replay it twice with new
+    tokens and routing copied into its inputs: each replay must equal an eager call bit for bit."""
+    x, idx, w = random_tokens(20, hidden, g).cuda(), *(t.cuda() for t in random_routing(20, 8, 3, g))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), torch.no_grad():
         out = layer(x, idx, w)
@@ -462,3 +425,36 @@ def test_fused_impl_gpu():
         graph.replay()
         with torch.no_grad():
             assert torch.equal(out, layer(x, idx, w))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_low_latency_gpu():
+    """A low-latency layer captured in a CUDA graph replays new inputs like eager calls."""
+    layer, *_ = _layer(mode="low_latency", shared=128, device="cuda")
+    g = torch.Generator().manual_seed(10)
+    x, idx, w = random_tokens(20, HIDDEN, g).cuda(), *(t.cuda() for t in random_routing(20, 8, 3, g))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        layer(x, idx, w)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    _check_graph_replays_like_eager(layer, HIDDEN, g)
+
+
+@pytest.mark.gpu
+def test_fused_impl_gpu():
+    """impl="fused" (the staged Mega MoE) on one GPU: the contract's reference plus the shared expert,
+    then a CUDA graph of the layer replaying new inputs exactly like eager calls."""
+    hidden = inter = 512
+    layer, w1, w2, _ = _layer(impl="fused", mode=None, shared=128, device="cuda", hidden=hidden, inter=inter)
+    assert layer.cuda_graph_capturable
+    l1, l2 = quantize_fp4(w1.cuda()), quantize_fp4(w2.cuda())
+    g = torch.Generator().manual_seed(11)
+    for t in (29, 1):
+        x = random_tokens(t, hidden, g).cuda()
+        idx, w = (v.cuda() for v in random_routing(t, 8, 3, g, masked_ratio=0.2))
+        with torch.no_grad():
+            y = layer(x, idx, w)
+        routed = reference_moe(*quantize_fp8(x), idx, w, l1, l2)
+        check_moe_output(y, (routed.float() + layer.shared(x).float()).bfloat16(), inter, f"fused T={t}")
+    _check_graph_replays_like_eager(layer, hidden, g)

@@ -351,9 +351,9 @@ class _EpKernel:
                 self.fail(site, rank, record, row, Int32(self.codes), code)
 
     @cute.jit
-    def copy_unit(self, src: Int64, dst: Int64, num_vecs: cutlass.Constexpr, unit: Int32, lane: Int32):
-        """A warp copies vectors ``[unit * 32 * VECS_PER_LANE, +32 * VECS_PER_LANE) ∩ [0, num_vecs)``
-        of a row: all loads first, then the stores."""
+    def load_unit(self, src: Int64, num_vecs: cutlass.Constexpr, unit: Int32, lane: Int32):
+        """This lane's 16-byte vectors ``v = unit * 32 * VECS_PER_LANE + i * 32 + lane`` of a row at ``src``
+        (``i < VECS_PER_LANE``; none past ``num_vecs``): (their words, their in-row flags)."""
         words = []
         on = []
         for i in cutlass.range_constexpr(VECS_PER_LANE):
@@ -361,6 +361,13 @@ class _EpKernel:
             ok = Int32(cutlass.select_(v < num_vecs, Int32(1), Int32(0)))
             on.append(ok)
             words.append(_ld_v4(src + Int64(v) * VEC, ok))
+        return words, on
+
+    @cute.jit
+    def copy_unit(self, src: Int64, dst: Int64, num_vecs: cutlass.Constexpr, unit: Int32, lane: Int32):
+        """A warp copies vectors ``[unit * 32 * VECS_PER_LANE, +32 * VECS_PER_LANE) ∩ [0, num_vecs)``
+        of a row: all loads first, then the stores."""
+        words, on = self.load_unit(src, num_vecs, unit, lane)
         for i in cutlass.range_constexpr(VECS_PER_LANE):
             v = unit * (WARP * VECS_PER_LANE) + i * WARP + lane
             _st_v4(dst + Int64(v) * VEC, words[i], on[i])
@@ -376,13 +383,7 @@ class _EpKernel:
         wi = unit * words_per_unit + lane
         sf_word = _ld_u32_if(sf_src + Int64(wi) * 4,
                              Int32(cutlass.select_((lane < words_per_unit) & (wi < self.hidden // 128), Int32(1), Int32(0))))
-        words = []
-        on = []
-        for i in cutlass.range_constexpr(VECS_PER_LANE):
-            v = unit * (WARP * VECS_PER_LANE) + i * WARP + lane
-            ok = Int32(cutlass.select_(v < num_vecs, Int32(1), Int32(0)))
-            on.append(ok)
-            words.append(_ld_v4(x_src + Int64(v) * VEC, ok))
+        words, on = self.load_unit(x_src, num_vecs, unit, lane)
         shift = ((lane // 2) % 4) * 8  # byte of vector v = unit * 128 + i * 32 + lane in its scale word
         for i in cutlass.range_constexpr(VECS_PER_LANE):
             v = unit * (WARP * VECS_PER_LANE) + i * WARP + lane

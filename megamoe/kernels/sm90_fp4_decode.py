@@ -172,21 +172,20 @@ def _device_helpers():
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T, dsl_user_op
 
+    def pure_asm(num_results: int, args: list, text: str, constraints: str, loc, ip) -> tuple:
+        """One side-effect-free inline-PTX block with ``num_results`` 32-bit results, as ``Int32``s."""
+        ret = T.i32() if num_results == 1 else llvm.StructType.get_literal([T.i32()] * num_results)
+        res = llvm.inline_asm(ret, args, text, constraints, has_side_effects=False, is_align_stack=False,
+                              asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+        if num_results == 1:
+            return (Int32(res),)
+        return tuple(Int32(llvm.extractvalue(T.i32(), res, [j], loc=loc, ip=ip)) for j in range(num_results))
+
     @dsl_user_op
     def prmt(lo, hi, selector, *, loc=None, ip=None) -> Int32:
         """``prmt.b32``: byte i of the result is byte ``selector.nibble[i]`` of ``{hi:lo}`` (pure op)."""
-        res = llvm.inline_asm(
-            T.i32(),
-            [Int32(v).ir_value(loc=loc, ip=ip) for v in (lo, hi, selector)],
-            "prmt.b32 $0, $1, $2, $3;",
-            "=r,r,r,r",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-            loc=loc,
-            ip=ip,
-        )
-        return Int32(res)
+        args = [Int32(v).ir_value(loc=loc, ip=ip) for v in (lo, hi, selector)]
+        return pure_asm(1, args, "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", loc, ip)[0]
 
     @dsl_user_op
     def bits_to_f32(bits, *, loc=None, ip=None) -> Float32:
@@ -201,29 +200,25 @@ def _device_helpers():
     @dsl_user_op
     def f32x4_to_e4m3x4(v0, v1, v2, v3, *, loc=None, ip=None) -> Int32:
         """Four float32 -> four E4M3 bytes (v0 in the low byte), round to nearest even, saturating."""
-        res = llvm.inline_asm(
-            T.i32(),
+        return pure_asm(
+            1,
             [Float32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1, v2, v3)],
             "{.reg .b16 lo, hi;\n"
             "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
             "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
             "mov.b32 $0, {lo, hi};}",
             "=r,f,f,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-            loc=loc,
-            ip=ip,
-        )
-        return Int32(res)
+            loc,
+            ip,
+        )[0]
 
     @dsl_user_op
     def e4m3x4_to_bf16x4(word, scale, *, loc=None, ip=None):
         """Four E4M3 bytes (byte 0 first) times a float32 power-of-two ``scale`` -> two bf16x2 words (elements
         0-1, 2-3; low half first). Exact: an E4M3 value times 2**s is a BF16 value for every UE8M0 scale
         s whose products stay at or above 2**-133 (BF16's smallest subnormal)."""
-        res = llvm.inline_asm(
-            llvm.StructType.get_literal([T.i32()] * 2),
+        return pure_asm(
+            2,
             [Int32(word).ir_value(loc=loc, ip=ip), Float32(scale).ir_value(loc=loc, ip=ip)],
             "{.reg .b16 l, h, a0, a1, b0, b1;\n"
             ".reg .b32 a, b;\n"
@@ -244,13 +239,9 @@ def _device_helpers():
             "cvt.rn.bf16x2.f32 $0, f1, f0;\n"
             "cvt.rn.bf16x2.f32 $1, f3, f2;}",
             "=r,=r,r,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-            loc=loc,
-            ip=ip,
+            loc,
+            ip,
         )
-        return tuple(Int32(llvm.extractvalue(T.i32(), res, [j], loc=loc, ip=ip)) for j in range(2))
 
     @cutlass.cute.jit
     def ue8m0_code_to_f32(code: Int32) -> Float32:
@@ -276,8 +267,8 @@ def _device_helpers():
     def decode_e2m1x8_bf16(x, multiplier, *, loc=None, ip=None):
         """One BF16-mode word (8 E2M1 elements) and its bf16x2 multiplier ``2**(126 + s - P)`` (both halves)
         -> the four bf16x2 fragment registers j = 0..3 (``BF16_MAG_BIT`` / ``BF16_SIGN_BIT``)."""
-        res = llvm.inline_asm(
-            llvm.StructType.get_literal([T.i32()] * 4),
+        return pure_asm(
+            4,
             [Int32(v).ir_value(loc=loc, ip=ip) for v in (x, multiplier)],
             "{.reg .b32 t0, t1, t2, t3, s2, s3;\n"
             "and.b32 t0, $4, 0x81C081C0;\n"
@@ -298,13 +289,9 @@ def _device_helpers():
             "xor.b32 $2, t2, s2;\n"
             "xor.b32 $3, t3, s3;}",
             "=r,=r,=r,=r,r,r",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-            loc=loc,
-            ip=ip,
+            loc,
+            ip,
         )
-        return tuple(Int32(llvm.extractvalue(T.i32(), res, [j], loc=loc, ip=ip)) for j in range(4))
 
     @cutlass.cute.jit
     def ue8m0_to_bf16x2_multiplier(word: Int32, byte: cutlass.Constexpr[int]) -> Int32:
