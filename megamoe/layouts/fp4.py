@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_multiple, check_tensor, fail
-from .ue8m0 import BLOCK_K, PACKED_BLOCK_K, apply_block_scales, exponent_to_code, pack_ue8m0, scale_exponent
+from ..checks import check_tensor, fail
+from .ue8m0 import PACKED_BLOCK_K, apply_block_scales, scaled_blocks
 
 FP4_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -56,13 +56,8 @@ def unpack_fp4_codes(packed: torch.Tensor) -> torch.Tensor:
 
 def quantize_fp4(w: torch.Tensor, name: str = "w") -> tuple[torch.Tensor, torch.Tensor]:
     """``w [..., K]`` (K % 128 == 0) -> (packed uint8 ``[..., K // 2]``, packed int32 scales ``[..., K // 128]``)."""
-    check_tensor(name, w, dtype=(torch.float32, torch.bfloat16, torch.float16))
-    k = w.shape[-1]
-    check_multiple(f"{name}.shape[-1]", k, PACKED_BLOCK_K, "four 32-element scale blocks per packed int32")
-    blocks = w.float().reshape(*w.shape[:-1], k // BLOCK_K, BLOCK_K)
-    e = scale_exponent(blocks.abs().amax(dim=-1), FP4_MAX)
-    codes = encode_e2m1(torch.ldexp(blocks, -e.unsqueeze(-1))).reshape(w.shape)
-    return pack_fp4_codes(codes), pack_ue8m0(exponent_to_code(e))
+    blocks, sf = scaled_blocks(w, name, FP4_MAX)
+    return pack_fp4_codes(encode_e2m1(blocks).reshape(w.shape)), sf
 
 
 def dequantize_fp4(packed: torch.Tensor, sf: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

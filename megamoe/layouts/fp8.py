@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_multiple, check_tensor
-from .ue8m0 import BLOCK_K, PACKED_BLOCK_K, apply_block_scales, exponent_to_code, pack_ue8m0, scale_exponent
+from ..checks import check_tensor
+from .ue8m0 import PACKED_BLOCK_K, apply_block_scales, scaled_blocks
 
 FP8_MAX = 448.0
 """Largest finite float8_e4m3fn magnitude."""
@@ -19,13 +19,8 @@ FP8_MAX = 448.0
 
 def quantize_fp8(x: torch.Tensor, name: str = "x") -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., K]`` (any float dtype, K % 128 == 0) -> (float8_e4m3fn ``[..., K]``, packed int32 ``[..., K//128]``)."""
-    check_tensor(name, x, dtype=(torch.float32, torch.bfloat16, torch.float16))
-    k = x.shape[-1]
-    check_multiple(f"{name}.shape[-1]", k, PACKED_BLOCK_K, "four 32-element scale blocks per packed int32")
-    blocks = x.float().reshape(*x.shape[:-1], k // BLOCK_K, BLOCK_K)
-    e = scale_exponent(blocks.abs().amax(dim=-1), FP8_MAX)
-    q = torch.ldexp(blocks, -e.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(x.shape)
-    return q, pack_ue8m0(exponent_to_code(e))
+    blocks, sf = scaled_blocks(x, name, FP8_MAX)
+    return blocks.to(torch.float8_e4m3fn).reshape(x.shape), sf
 
 
 def dequantize_fp8(q: torch.Tensor, sf: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from ..checks import check_tensor, fail
+from ..checks import check_multiple, check_tensor, fail
 
 BLOCK_K = 32
 """Elements of K that share one scale."""
@@ -38,6 +38,18 @@ def scale_exponent(amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
     e = q - int(fq) + (m > float(fm)).to(q.dtype)
     e = torch.where(amax > 0, e, torch.full_like(e, MIN_EXPONENT))
     return e.clamp(min=MIN_EXPONENT).to(torch.int32)
+
+
+def scaled_blocks(x: torch.Tensor, name: str, fmt_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantization front end shared by FP8 and FP4: validate ``x [..., K]`` (float, K % 128 == 0)
+    and return ``(x / 2**e`` as float32 ``[..., K/32, 32]``, the packed UE8M0 scales int32 ``[..., K/128])``
+    with ``e = scale_exponent(block amax, fmt_max)`` per 32-element block (the division is exact)."""
+    check_tensor(name, x, dtype=(torch.float32, torch.bfloat16, torch.float16))
+    k = x.shape[-1]
+    check_multiple(f"{name}.shape[-1]", k, PACKED_BLOCK_K, "four 32-element scale blocks per packed int32")
+    blocks = x.float().reshape(*x.shape[:-1], k // BLOCK_K, BLOCK_K)
+    e = scale_exponent(blocks.abs().amax(dim=-1), fmt_max)
+    return torch.ldexp(blocks, -e.unsqueeze(-1)), pack_ue8m0(exponent_to_code(e))
 
 
 def exponent_to_code(e: torch.Tensor) -> torch.Tensor:
