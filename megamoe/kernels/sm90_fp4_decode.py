@@ -157,7 +157,7 @@ def check_bf16_scale_range(b: torch.Tensor, b_sf: torch.Tensor) -> None:
             at = bad.nonzero()[0].tolist()
             fail("b_sf", f"has UE8M0 codes {name} the exact range of the BF16 decode: codes must be {what}; "
                  f"first offending [expert, row, 32-block] = {at} (code {int(codes[tuple(at)])}); "
-                 "use mma='fp8' for such weights")
+                 "use mma='fp8' for such weights (the Mega MoE path and MoEDecoder take BF16-mode weights only)")
 
 
 # ----------------------------------------------------------------------------------------------------

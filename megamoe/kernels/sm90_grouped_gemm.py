@@ -892,6 +892,27 @@ def _rows_view(a_sf: torch.Tensor | None, rows: int) -> torch.Tensor | None:
     return None if a_sf is None else a_sf.view(rows, a_sf.shape[-1])
 
 
+def _check_operands(a, a_sf, b, b_sf, groups, counts=None, *, masked: bool,
+                    swiglu: bool) -> tuple[str, int, int, int]:
+    """What the four entries share: tokens and weights of one MMA mode, the group tensors (``offsets`` [E+1]
+    and optional ``counts`` [E], or ``masked_m`` [E] with one token slab per expert), and for SwiGLU an N
+    of whole 128-column output blocks. Returns ``(mma, K, E, N)``."""
+    mma = _weights_mode(b)
+    k = _check_tokens(a, a_sf, 3 if masked else 2, mma)
+    e, n = _check_weights(b, b_sf, k, a.device, mma)
+    if swiglu:
+        check_multiple("b.shape[1] (2I)", n, 2 * K_CHUNK, "I must be a multiple of 128 for packed output scales")
+    if masked:
+        if a.shape[0] != e:
+            fail("a", f"must have one slab per expert: shape[0] = {e} (b.shape[0]), got {a.shape[0]}")
+        check_tensor("masked_m", groups, dtype=torch.int32, shape=(e,), device=a.device, contiguous=True)
+    else:
+        check_tensor("offsets", groups, dtype=torch.int32, shape=(e + 1,), device=a.device, contiguous=True)
+        if counts is not None:
+            check_tensor("counts", counts, dtype=torch.int32, shape=(e,), device=a.device, contiguous=True)
+    return mma, k, e, n
+
+
 def _launch(config, group_mode, epilogue, a2, a_sf2, b, b_sf, out2, out_sf2, row_weights, group_a, group_b,
             num_groups, max_m, clamp, max_tiles):
     if max_tiles <= 0 or a2.shape[0] == 0:
@@ -931,12 +952,7 @@ def grouped_gemm_fp8_fp4_contiguous(
     neither read as data for the output nor written. Group bounds are read on the device (no sync; CUDA-graph
     capturable) and clamped to ``[0, M)``. Needs K % 512 == 0, N % 64 == 0. Returns ``out`` (``bf16 [M, N]``,
     allocated uninitialised when None)."""
-    mma = _weights_mode(b)
-    k = _check_tokens(a, a_sf, 2, mma)
-    e, n = _check_weights(b, b_sf, k, a.device, mma)
-    check_tensor("offsets", offsets, dtype=torch.int32, shape=(e + 1,), device=a.device, contiguous=True)
-    if counts is not None:
-        check_tensor("counts", counts, dtype=torch.int32, shape=(e,), device=a.device, contiguous=True)
+    mma, k, e, n = _check_operands(a, a_sf, b, b_sf, offsets, counts, masked=False, swiglu=False)
     m = a.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
@@ -966,13 +982,8 @@ def grouped_gemm_fp8_fp4_masked(
     as the weights' mode requires), weights and config as in the contiguous entry,
     masked_m ``int32 [E]`` (read on the device, clamped to [0, max_m]); rows ``>= masked_m[e]`` are never
     written. ``expected_m`` (rows per expert) steers the config heuristic (default max_m)."""
-    mma = _weights_mode(b)
-    k = _check_tokens(a, a_sf, 3, mma)
-    e, n = _check_weights(b, b_sf, k, a.device, mma)
-    if a.shape[0] != e:
-        fail("a", f"must have one slab per expert: shape[0] = {e} (b.shape[0]), got {a.shape[0]}")
+    mma, k, e, n = _check_operands(a, a_sf, b, b_sf, masked_m, masked=True, swiglu=False)
     max_m = a.shape[1]
-    check_tensor("masked_m", masked_m, dtype=torch.int32, shape=(e,), device=a.device, contiguous=True)
     if out is None:
         out = torch.empty(e, max_m, n, dtype=torch.bfloat16, device=a.device)
     check_tensor("out", out, dtype=torch.bfloat16, shape=(e, max_m, n), device=a.device, contiguous=True)
@@ -1059,13 +1070,7 @@ def grouped_gemm_fp8_fp4_swiglu_contiguous(
     out_sf int32 [M, I/128])`` (the layout FP8-mode L2 consumes), or with ``out_dtype=torch.bfloat16``
     ``(out bfloat16 [M, I], None)``: the same quantized values times their scales (exact), the BF16-mode L2
     operand. Rows of no group are not written."""
-    mma = _weights_mode(b)
-    k = _check_tokens(a, a_sf, 2, mma)
-    e, n = _check_weights(b, b_sf, k, a.device, mma)
-    check_multiple("b.shape[1] (2I)", n, 2 * K_CHUNK, "I must be a multiple of 128 for packed output scales")
-    check_tensor("offsets", offsets, dtype=torch.int32, shape=(e + 1,), device=a.device, contiguous=True)
-    if counts is not None:
-        check_tensor("counts", counts, dtype=torch.int32, shape=(e,), device=a.device, contiguous=True)
+    mma, k, e, n = _check_operands(a, a_sf, b, b_sf, offsets, counts, masked=False, swiglu=True)
     m = a.shape[0]
     check_tensor("row_weights", row_weights, dtype=torch.float32, shape=(m,), device=a.device, contiguous=True)
     epilogue, out, out_sf, out_k, out_sf_k = _swiglu_outputs((m,), n // 2, out, out_sf, out_dtype, a.device)
@@ -1097,14 +1102,8 @@ def grouped_gemm_fp8_fp4_swiglu_masked(
     returns ``(out float8_e4m3fn [E, max_m, I], out_sf int32 [E, max_m, I/128])``, or with
     ``out_dtype=torch.bfloat16`` ``(out bfloat16 [E, max_m, I], None)``; rows >= masked_m[e] are not written.
     See ``grouped_gemm_fp8_fp4_swiglu_contiguous`` for the computation."""
-    mma = _weights_mode(b)
-    k = _check_tokens(a, a_sf, 3, mma)
-    e, n = _check_weights(b, b_sf, k, a.device, mma)
-    check_multiple("b.shape[1] (2I)", n, 2 * K_CHUNK, "I must be a multiple of 128 for packed output scales")
-    if a.shape[0] != e:
-        fail("a", f"must have one slab per expert: shape[0] = {e} (b.shape[0]), got {a.shape[0]}")
+    mma, k, e, n = _check_operands(a, a_sf, b, b_sf, masked_m, masked=True, swiglu=True)
     max_m = a.shape[1]
-    check_tensor("masked_m", masked_m, dtype=torch.int32, shape=(e,), device=a.device, contiguous=True)
     check_tensor("row_weights", row_weights, dtype=torch.float32, shape=(e, max_m), device=a.device, contiguous=True)
     epilogue, out, out_sf, out_k, out_sf_k = _swiglu_outputs((e, max_m), n // 2, out, out_sf, out_dtype, a.device)
     clamp_value = _bf16_clamp(clamp)
