@@ -29,15 +29,15 @@ from .layouts.weights import check_fp4_expert_weights
 
 PATHS = ("auto", "warp_decode", "grouped")
 MEASURED_CROSSOVERS: dict[tuple[int, int, int, int], int] = {
-    (4096, 2048, 32, 6): 2,
-    (4096, 2048, 128, 6): 2,
-    (7168, 3072, 48, 6): 1,
-    (7168, 3072, 192, 6): 1,
+    (4096, 2048, 32, 6): 4,
+    (4096, 2048, 128, 6): 8,
+    (7168, 3072, 48, 6): 2,
+    (7168, 3072, 192, 6): 4,
 }
 """(hidden, intermediate, experts, top-k) -> the largest batch where warp decode beat the grouped path:
-H200, 2026-11-29, ``bench/results/2026-11-29_decode_crossover_h200.txt`` (flash 32 experts: 56.9 vs
-92.3 us at T=1, 113.8 vs 118.3 at 2, 197.9 vs 146.7 at 4; pro 48: 141.6 vs 146.3 at 1, 261.8 vs 205.0
-at 2)."""
+H200, 2026-11-29, ``bench/results/2026-11-29_decode_interleaved_h200.txt`` (flash 32 experts: 40.9 vs
+92.4 us at T=1, 125.6 vs 146.8 at 4, 232.5 vs 186.6 at 8; flash 128: 237.5 vs 257.9 at 8, 456.3 vs 382.3
+at 16; pro 48: 167.1 vs 203.6 at 2, 304.9 vs 304.6 at 4; pro 192: 305.2 vs 352.1 at 4, 600.8 vs 571.4 at 8)."""
 GROUPED_MULTIPLE = 512
 """H and I must be multiples of this for the grouped path (the SM90 grouped GEMM's K granularity)."""
 

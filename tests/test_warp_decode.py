@@ -55,10 +55,43 @@ def test_kernels_compile_for_sm90(fmt, has_clamp):
 
     if not torch.cuda.is_available():
         assert runtime.compile_only_arch() == "sm_90a"
-    gate_up, down = compile_kernels(4096, 2048, fmt, has_clamp)
+    gate_up, down = compile_kernels(4096, 2048, fmt, has_clamp, topk=6)
     assert gate_up is not None and down is not None
-    # a shape whose rows end in a partial round of vectors (predicated lanes)
-    assert all(compile_kernels(1152, 640, fmt, has_clamp))
+    # a shape whose rows end in a partial round of vectors (predicated lanes), one slot, and a top-k
+    # deeper than the down kernel's load pipeline
+    assert all(compile_kernels(1152, 640, fmt, has_clamp, topk=1))
+    assert all(compile_kernels(1152, 640, fmt, has_clamp, topk=9, down_rows=4))
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+@pytest.mark.parametrize("k", [640, 1152, 4096])
+@pytest.mark.parametrize("per_chunk", [4, 8])
+def test_interleaved_layout_is_a_coalesced_permutation(fmt, k, per_chunk):
+    from megamoe.kernels.warp_decode import _FMT, WARP
+
+    f = _FMT[fmt]
+    i = torch.arange(k)
+    pos = f.interleaved_offset(i, per_chunk)
+    assert pos.unique().numel() == k and int(pos.max()) < f.interleaved_row(k)
+    # chunk q of lane l's vector v = 32 r + l keeps its elements in order and contiguous, and the
+    # lanes' chunks of one (round, q) are consecutive, lane order: one 512-byte warp load
+    v, e = i // f.elems_per_vec, i % f.elems_per_vec
+    assert torch.equal(pos % per_chunk, e % per_chunk)
+    key = (v // WARP) * f.elems_per_vec + e // per_chunk
+    lane_zero = {}
+    for kk, lane, p in zip(key.tolist(), (v % WARP).tolist(), (pos // per_chunk).tolist()):
+        assert lane_zero.setdefault(kk, p - lane) == p - lane
+
+
+def test_interleave_tokens_gathers_every_element():
+    from megamoe.kernels.warp_decode import _FMT, interleave_tokens
+
+    gen = torch.Generator().manual_seed(3)
+    for fmt, hidden in (("fp4", 1152), ("fp8", 4096)):
+        x = torch.randn(3, hidden, generator=gen).to(torch.bfloat16)
+        xi = interleave_tokens(x, fmt)
+        assert xi.shape == (3, _FMT[fmt].interleaved_row(hidden))
+        assert torch.equal(xi[:, _FMT[fmt].interleaved_offset(torch.arange(hidden), 8)], x)
 
 
 def _valid_cpu_inputs(fmt="fp4"):

@@ -61,6 +61,13 @@ def environment_receipt(device: torch.device, num_ranks: int) -> dict:
     return rec
 
 
+def fp4_expert_bytes(hidden: int, inter: int) -> int:
+    """HBM bytes of one expert's FP4 weights with their UE8M0 scales: W1 ``[2I, H]`` and W2 ``[H, I]``,
+    half a byte per weight plus one scale byte per 32 weights."""
+    weights = 3 * hidden * inter
+    return weights // 2 + weights // 32
+
+
 def measure_hbm_read_bandwidth(device: torch.device, gib: float = 4.0, repeats: int = 10) -> float:
     """Read bandwidth in GB/s: median time of ``torch.sum`` over ``gib`` GiB (0 on CPU)."""
     if device.type != "cuda":

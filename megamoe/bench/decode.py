@@ -27,7 +27,7 @@ from ..decode import MoEDecoder
 from ..inputs import random_fp4_weights, random_routing, random_tokens
 from ..numerics import max_row_rel_error, moe_tolerances, rel_fro_error
 from ..reference import reference_decode, reference_moe
-from .common import environment_receipt, measure_hbm_read_bandwidth, time_graph
+from .common import environment_receipt, fp4_expert_bytes, measure_hbm_read_bandwidth, time_graph
 
 SHAPES = {"flash": (4096, 2048, (32, 128)), "pro": (7168, 3072, (48, 192))}
 DECODE_TOL = 2.0**-8  # BF16 rounding of y; FP32 accumulation (see tests/test_warp_decode.py)
@@ -37,11 +37,6 @@ TORCH_TOL = 2.0**-4  # FP8 rowwise activations in the torch baseline: a few 2**-
 
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
-
-
-def expert_bytes(hidden: int, inter: int) -> int:
-    """HBM bytes of one expert's FP4 weights and packed scales (W1 and W2)."""
-    return 2 * (2 * inter * hidden // 2 + 2 * inter * hidden // 32)
 
 
 class TorchGroupedGemm:
@@ -180,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
                 verdict = _check_decode(moe_decode, x, *routes[0], l1, l2, min(tokens, args.check_tokens))
                 us = _time_cycling(lambda r, x=x, l1=l1, l2=l2: moe_decode(x, *r, l1, l2), routes, args)
                 unique = statistics.mean(int(torch.unique(i[i >= 0]).numel()) for i, _ in routes)
-                nbytes = unique * expert_bytes(hidden, inter)
+                nbytes = unique * fp4_expert_bytes(hidden, inter)
                 gbs = nbytes / (us * 1e-6) / 1e9
                 y = torch.empty_like(x)
                 grouped_verdict = _check_grouped(decoder, x, routes[0])

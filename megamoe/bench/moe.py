@@ -30,7 +30,7 @@ from ..mega import MegaMoE
 from ..numerics import max_row_rel_error, moe_tolerances, rel_fro_error
 from ..reference import distributed_reference_moe
 from ..symm_buffer import RING_ALIGNMENT, get_symm_buffer_for_mega_moe
-from .common import environment_receipt, measure_hbm_read_bandwidth, progress, time_events, time_graph
+from .common import environment_receipt, fp4_expert_bytes, measure_hbm_read_bandwidth, progress, time_events, time_graph
 
 PRESETS = {
     "tiny": dict(experts=16, topk=4, hidden=256, intermediate=128),
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if "sm90" in gemms or (not fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)):
         paths["fused (staged)"] = MegaMoE(l1, l2)  # FP8 x FP4: SM90 GEMMs; BF16: torch grouped GEMMs
     bf16_bytes_per_expert = 3 * h * i * 2
-    fp4_bytes_per_expert = 3 * h * i // 2 + 3 * h * i // 32
+    fp4_bytes_per_expert = fp4_expert_bytes(h, i)
     dispatch_row_bytes = k * 12 + (h + h // 32 if fp8 else 2 * h)
     clock = "CUDA events" if device.type == "cuda" else "CPU wall clock"
 

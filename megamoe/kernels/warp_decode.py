@@ -5,23 +5,31 @@ per-expert buffers, no shared memory, no cross-warp synchronization; 8 independe
 Every warp streams whole weight rows with 16-byte loads per lane (consecutive lanes read consecutive
 16 bytes, so a warp reads 512 contiguous bytes per load); the per-lane loop over a row is fully
 unrolled and its weight loads are issued before the arithmetic (ptxas keeps about two rounds of
-vectors per row in flight per lane at 40-110 registers, no spills). Weight rows bypass L1
+vectors per row in flight per lane, no spills). Weight rows bypass L1
 (``L1::no_allocate``, with a 256-byte L2 prefetch hint) so that the activations, which many warps
 read, stay in L1.
 
+Activations are read from a lane-interleaved copy (``_Format.interleaved_offset``): the 16-byte chunk q
+of lane l's vector of round r sits at ``(r * chunks + q) * 32 + l``, so each activation load of a warp
+is 512 contiguous bytes. In the natural layout every lane reads its own 64- or 128-byte span, and each
+warp-wide load touches 16-32 cache lines: the L1 wavefronts of those loads, not HBM, bounded the
+down kernel (ncu, H200: L1 80-86% busy, DRAM 16%).
+
 * ``gate_up``: a warp owns one intermediate neuron ``i`` of one (token t, slot j) pair. It reads
   ``e = topk_idx[t, j]`` (ids outside ``[0, E)``, including -1, are masked: ``a = 0``), streams rows
-  ``i`` (gate) and ``I + i`` (up) of ``W1[e]`` and ``x[t]`` (BF16, never quantized), decodes the
-  weights to FP32 on the fly, accumulates both dot products in FP32, reduces across the warp with
-  shuffles, applies the optional clamp and ``silu(gate) * up`` and writes ``a[t, j, i]`` (FP32).
+  ``i`` (gate) and ``I + i`` (up) of ``W1[e]`` and ``x[t]`` (BF16, never quantized; interleaved by
+  one gather, ``interleave_tokens``), decodes the weights to FP32 on the fly, accumulates both dot
+  products in FP32, reduces across the warp with shuffles, applies the optional clamp and
+  ``silu(gate) * up`` and writes ``a[t, j, i]`` (FP32, interleaved position).
   Warps are numbered pair-fastest, so the warps that read the same neuron of one expert for
   different tokens run together (their repeated rows hit L1/L2, not HBM).
 * ``down``: a warp owns ``DOWN_ROWS_PER_WARP`` consecutive outputs ``y[t, h:h+R]``: it loops over the
-  token's k slots, streams rows ``h:h+R`` of ``W2[e]`` and ``a[t, j, :]`` (FP32, shared by the R
-  rows), accumulates ``w_tj * dot`` in FP32 and writes ``y[t, h]`` as BF16 once. At entry lane s
-  starts a bulk L2 prefetch of slot s's R rows (contiguous), so all k slots stream from HBM at once;
-  the slot loop is branch-free (a masked slot loads no weights and adds 0) and unrolled by two. R > 1 divides the FP32 activation traffic per weight byte by R (at R = 1 it is 8 bytes of
-  ``a`` per byte of FP4 weights, more than L1 can serve at HBM speed).
+  token's k slots (top-k is compiled in), streams rows ``h:h+R`` of ``W2[e]`` and ``a[t, j, :]``
+  (FP32, shared by the R rows), accumulates ``w_tj * dot`` in FP32 and writes ``y[t, h]`` as BF16
+  once. The slot loop is unrolled and software-pipelined: the weight loads of the next slots (as
+  many as ``DOWN_LOAD_REGS`` registers hold) are in flight while one slot computes; when the pipeline
+  is shorter than k, lane s first starts a bulk L2 prefetch of slot s's R rows. Masked slots load no
+  weights and add 0 (branch-free).
 
 Numerics (BF16-activation decode path, not the FP8 contract of ``megamoe.numerics``): with ``W1``,
 ``W2`` dequantized exactly, ``g, u = x . W1[e]^T`` in FP32; ``g = min(g, c)``, ``u = clamp(u, -c, c)``
@@ -55,6 +63,11 @@ WARPS_PER_CTA = 8
 """Warps per CTA of both kernels (256 threads); every warp works alone."""
 DOWN_ROWS_PER_WARP = 2
 """Output elements y[t, h:h+R] per down warp; they share each lane's FP32 activation loads."""
+DOWN_LOAD_REGS = 64
+"""Registers per lane the down kernel spends on weight words in flight (sets its slot pipeline depth)."""
+DOWN_MIN_CTAS_PER_SM = 2
+"""Launch bound of the down kernel: 2 CTAs of 8 warps per SM, up to 128 registers per lane (no spills with
+its slot pipeline; H200 sweep 2026-11-29: 2-8% faster than 3 CTAs with 32-64 load registers or no bound)."""
 VEC_BYTES = 16
 """Bytes of weights each lane loads per vector (one ``ld.global.v4``)."""
 WARP = 32
@@ -248,6 +261,19 @@ class _Format:
             out += _fp4x8(w) if self.name == "fp4" else _fp8x4(w)
         return out
 
+    def interleaved_row(self, k: int) -> int:
+        """Elements per row of the lane-interleaved activation layout (whole rounds of 32 vectors)."""
+        return -(-self.vectors(k) // WARP) * WARP * self.elems_per_vec
+
+    def interleaved_offset(self, i, per_chunk: int):
+        """Position of element ``i`` of a row in the lane-interleaved layout with 16-byte chunks of
+        ``per_chunk`` elements: chunk ``q`` of vector ``v = 32 r + l`` (the lane-l vector of round r)
+        starts at ``((r * chunks + q) * 32 + l) * per_chunk``, so the 32 lanes' loads of one chunk read
+        512 contiguous bytes (4 L1 wavefronts; 32 in the natural layout). Python or DSL integers."""
+        v, e = i // self.elems_per_vec, i % self.elems_per_vec
+        chunks = self.elems_per_vec // per_chunk
+        return (((v >> 5) * chunks + e // per_chunk) * WARP + (v & (WARP - 1))) * per_chunk + e % per_chunk
+
     def scale(self, sf_row: Int64, vec: Int32) -> Float32:
         """Scale of the block holding vector ``vec`` of a row (FP4: one block per vector; FP8: half)."""
         block = vec if self.name == "fp4" else vec >> 1
@@ -276,7 +302,8 @@ class _GateUp:
     def __call__(self, x: cute.Pointer, idx: cute.Pointer, w: cute.Pointer, sf: cute.Pointer, a: cute.Pointer,
                  tokens: Int32, topk: Int32, experts: Int32, clamp: Float32, stream):
         idx_t = cute.make_tensor(idx, cute.make_layout((tokens, topk), stride=(topk, 1)))
-        a_t = cute.make_tensor(a, cute.make_layout((tokens, topk, self.inter), stride=(topk * self.inter, self.inter, 1)))
+        row = self.fmt.interleaved_row(self.inter)
+        a_t = cute.make_tensor(a, cute.make_layout((tokens, topk, row), stride=(topk * row, row, 1)))
         grid = (tokens * topk * self.inter + WARPS_PER_CTA - 1) // WARPS_PER_CTA
         self.kernel(x, idx_t, w, sf, a_t, experts, clamp).launch(
             grid=[grid, 1, 1], block=[WARPS_PER_CTA * WARP, 1, 1], stream=stream)
@@ -303,7 +330,7 @@ class _GateUp:
                 gate_row = Int64(e) * (2 * inter) + neuron
                 rows = (w.toint() + gate_row * fmt.row_bytes(hidden),
                         sf.toint() + gate_row * (hidden // PACKED_BLOCK_K * 4))
-                x_row = x.toint() + Int64(t) * (hidden * 2)
+                x_row = x.toint() + Int64(t) * (fmt.interleaved_row(hidden) * 2)
                 acc = cute.make_rmem_tensor((2,), Float32)
                 acc.fill(0.0)
                 self.full_rounds(acc, lane, rows, x_row)
@@ -317,7 +344,7 @@ class _GateUp:
                     up = cutlass.max(cutlass.min(up, clamp), -clamp)
                 out = gate / (Float32(1.0) + cute.math.exp(-gate, fastmath=True)) * up
             if lane == 0:
-                a[t, j, neuron] = out
+                a[t, j, fmt.interleaved_offset(neuron, 4)] = out
 
     def load(self, rows, vec) -> tuple:
         """Vector ``vec`` of the gate row and of the up row (``inter`` rows further)."""
@@ -335,7 +362,7 @@ class _GateUp:
         fmt = self.fmt
         xs = []
         for q in range(fmt.elems_per_vec // 8):
-            for word in _ld_words(x_row + Int64(vec) * (fmt.elems_per_vec * 2) + q * 16):
+            for word in _ld_words(x_row + Int64(fmt.interleaved_offset(vec * fmt.elems_per_vec + q * 8, 8)) * 2):
                 xs += _bf16x2(word)
         sf_up = rows[1] + self.inter * (self.hidden // PACKED_BLOCK_K * 4)
         for r, (row_words, sf_row) in enumerate(zip(words, (rows[1], sf_up))):
@@ -347,31 +374,36 @@ class _GateUp:
 
 
 class _Down:
-    """``y[t, h] = bf16(sum_j w_tj * a[t, j] . W2[e_j][h])``; one warp per (t, R rows), rows fastest."""
+    """``y[t, h] = bf16(sum_j w_tj * a[t, j] . W2[e_j][h])``; one warp per (t, R rows), rows fastest.
 
-    def __init__(self, hidden: int, inter: int, fmt: str, rows: int):
-        self.hidden, self.inter, self.fmt, self.rows = hidden, inter, _FMT[fmt], rows
+    The slot loop is unrolled over the compile-time top-k and software-pipelined: the weight loads of
+    the next ``depth`` slots are in flight while a slot computes (``depth`` from a register budget of
+    ``DOWN_LOAD_REGS`` per lane), so a warp keeps several KiB of weight rows in flight instead of one
+    slot's."""
+
+    def __init__(self, hidden: int, inter: int, fmt: str, rows: int, topk: int):
+        self.hidden, self.inter, self.fmt, self.rows, self.topk = hidden, inter, _FMT[fmt], rows, topk
+        rounds = -(-self.fmt.vectors(inter) // WARP)
+        self.depth = max(1, min(topk, DOWN_LOAD_REGS // (4 * rounds * rows)))
 
     @cute.jit
     def __call__(self, a: cute.Pointer, idx: cute.Pointer, wts: cute.Pointer, w: cute.Pointer, sf: cute.Pointer,
-                 y: cute.Pointer, tokens: Int32, topk: Int32, experts: Int32, stream):
-        idx_t = cute.make_tensor(idx, cute.make_layout((tokens, topk), stride=(topk, 1)))
-        wts_t = cute.make_tensor(wts, cute.make_layout((tokens, topk), stride=(topk, 1)))
+                 y: cute.Pointer, tokens: Int32, experts: Int32, stream):
+        idx_t = cute.make_tensor(idx, cute.make_layout((tokens, self.topk), stride=(self.topk, 1)))
+        wts_t = cute.make_tensor(wts, cute.make_layout((tokens, self.topk), stride=(self.topk, 1)))
         y_t = cute.make_tensor(y, cute.make_layout((tokens, self.hidden), stride=(self.hidden, 1)))
         grid = (tokens * (self.hidden // self.rows) + WARPS_PER_CTA - 1) // WARPS_PER_CTA
         self.kernel(a, idx_t, wts_t, w, sf, y_t, experts).launch(
-            grid=[grid, 1, 1], block=[WARPS_PER_CTA * WARP, 1, 1], stream=stream)
+            grid=[grid, 1, 1], block=[WARPS_PER_CTA * WARP, 1, 1], stream=stream, smem=0,
+            min_blocks_per_mp=DOWN_MIN_CTAS_PER_SM)
 
     @cute.kernel
     def kernel(self, a: cute.Pointer, idx: cute.Tensor, wts: cute.Tensor, w: cute.Pointer, sf: cute.Pointer,
                y: cute.Tensor, experts: Int32):
-        fmt, hidden, inter, rows = self.fmt, self.hidden, self.inter, self.rows
-        vecs = fmt.vectors(inter)
-        full = vecs // WARP
+        fmt, hidden, inter, rows, topk = self.fmt, self.hidden, self.inter, self.rows, self.topk
         row_blocks = hidden // rows
         tidx = cute.arch.thread_idx()[0]
         lane = tidx % WARP
-        topk = idx.shape[1]
         g = cute.arch.block_idx()[0] * WARPS_PER_CTA + tidx // WARP
         t = g // row_blocks
         h0 = (g - t * row_blocks) * rows
@@ -379,63 +411,70 @@ class _Down:
             acc = cute.make_rmem_tensor((rows,), Float32)
             acc.fill(0.0)
             dot = cute.make_rmem_tensor((rows,), Float32)
-            # Lane s starts pulling slot s's R rows (contiguous) and their scales into L2, so every
-            # slot's rows stream from HBM at once while the slot loop below works through them.
-            for s in cutlass.range(lane, topk, WARP):
-                e = idx[t, s]
-                if (e >= 0) & (e < experts):
-                    first = Int64(e) * hidden + h0
-                    _prefetch_l2(w.toint() + first * fmt.row_bytes(inter), rows * fmt.row_bytes(inter))
-                    sf_bytes = inter // PACKED_BLOCK_K * 4
-                    if cutlass.const_expr(sf_bytes % 16 == 0):  # scale rows 16-byte aligned (I % 512 == 0)
-                        _prefetch_l2(sf.toint() + first * sf_bytes, rows * sf_bytes)
-            # Branch-free slots (masked ones load no weights and add 0), unrolled by two so that
-            # the next slot's weight loads are in flight while this one computes.
-            for j in cutlass.range(topk, unroll=2):
-                e = idx[t, j]
-                valid = (e >= 0) & (e < experts)
-                on = Int32(cutlass.select_(valid, Int32(1), Int32(0)))
-                first = Int64(cutlass.select_(valid, e, Int64(0))) * hidden + h0
-                bases = (w.toint() + first * fmt.row_bytes(inter),
-                         sf.toint() + first * (inter // PACKED_BLOCK_K * 4), on)
-                a_row = a.toint() + (Int64(t) * topk + j) * (inter * 4)
+            slots = [self.slot(idx, wts, w, sf, t, j, h0, experts) for j in range(topk)]
+            if cutlass.const_expr(self.depth < topk):
+                # Lane s starts pulling slot s's R rows (contiguous) and their scales into L2, so the
+                # slots beyond the load pipeline stream from HBM from the start too.
+                for s in cutlass.range(lane, topk, WARP):
+                    e = idx[t, s]
+                    if (e >= 0) & (e < experts):
+                        first = Int64(e) * hidden + h0
+                        _prefetch_l2(w.toint() + first * fmt.row_bytes(inter), rows * fmt.row_bytes(inter))
+            loaded = [self.load_slot(slots[j], lane) for j in range(self.depth)]
+            for j in cutlass.range_constexpr(topk):
+                if cutlass.const_expr(j + self.depth < topk):
+                    loaded.append(self.load_slot(slots[j + self.depth], lane))
+                a_row = a.toint() + (Int64(t) * topk + j) * (fmt.interleaved_row(inter) * 4)
                 dot.fill(0.0)
-                self.full_rounds(dot, lane, bases, a_row)
-                if cutlass.const_expr(vecs % WARP != 0):  # noqa: SIM102 (compile-time test, then the lane's)
-                    if lane + full * WARP < vecs:
-                        self.accumulate(dot, lane + full * WARP, self.load(bases, lane + full * WARP), bases, a_row)
-                weight = Float32(cutlass.select_(valid, wts[t, j] * fmt.decode_bias, Float32(0.0)))
+                for r, (v, words) in enumerate(loaded[j]):
+                    if cutlass.const_expr(r * WARP + WARP <= fmt.vectors(inter)):
+                        self.accumulate(dot, v, words, slots[j], a_row)
+                    elif v < fmt.vectors(inter):  # last partial round: only lanes inside the row
+                        self.accumulate(dot, v, words, slots[j], a_row)
                 for r in cutlass.range_constexpr(rows):
-                    acc[r] = _fma(weight, dot[r], acc[r])
+                    acc[r] = _fma(slots[j][3], dot[r], acc[r])
             for r in cutlass.range_constexpr(rows):
                 total = _warp_sum(acc[r])
                 if lane == r:
                     y[t, h0 + r] = total.to(cutlass.BFloat16)
 
-    def load(self, bases, vec) -> list:
-        """Vector ``vec`` of each of the warp's R rows (zeros for a masked slot)."""
-        row_bytes = self.fmt.row_bytes(self.inter)
-        return [_ld_weights_if(bases[0] + r * row_bytes + Int64(vec) * VEC_BYTES, bases[2]) for r in range(self.rows)]
+    def slot(self, idx, wts, w, sf, t, j, h0, experts) -> tuple:
+        """(weight row base, scale row base, 1 if the slot is valid else 0, routing weight times the decode
+        bias or 0) of slot ``j``; a masked slot points at expert 0 and loads nothing."""
+        e = idx[t, j]
+        valid = (e >= 0) & (e < experts)
+        first = Int64(cutlass.select_(valid, e, Int64(0))) * self.hidden + h0
+        return (w.toint() + first * self.fmt.row_bytes(self.inter),
+                sf.toint() + first * (self.inter // PACKED_BLOCK_K * 4),
+                Int32(cutlass.select_(valid, Int32(1), Int32(0))),
+                Float32(cutlass.select_(valid, wts[t, j] * self.fmt.decode_bias, Float32(0.0))))
 
-    def full_rounds(self, dot, lane, bases, a_row):
-        vecs = [lane + r * WARP for r in range(self.fmt.vectors(self.inter) // WARP)]
-        loaded = [self.load(bases, v) for v in vecs]
-        for v, words in zip(vecs, loaded):
-            self.accumulate(dot, v, words, bases, a_row)
+    def load_slot(self, slot, lane) -> list:
+        """The lane's weight vectors of the R rows of one slot: [(vector, [words of each row])]."""
+        vecs = self.fmt.vectors(self.inter)
+        out = []
+        for r in range(-(-vecs // WARP)):
+            vec = lane + r * WARP
+            on = slot[2]
+            if r * WARP + WARP > vecs:  # last partial round: lanes past the row load nothing
+                on = on & Int32(cutlass.select_(vec < vecs, Int32(1), Int32(0)))
+            out.append((vec, [_ld_weights_if(slot[0] + i * self.fmt.row_bytes(self.inter) + Int64(vec) * VEC_BYTES, on)
+                              for i in range(self.rows)]))
+        return out
 
-    def accumulate(self, dot, vec, words, bases, a_row):
-        """``dot[r] += scale_r * (w_r . a)`` over vector ``vec`` of the R rows."""
+    def accumulate(self, dot, vec, words, slot, a_row):
+        """``dot[r] += scale_r * (w_r . a)`` over vector ``vec`` of the R rows (zero words add 0)."""
         fmt = self.fmt
         av = []
-        for q in range(fmt.elems_per_vec // 4):
-            av += _ld_floats(a_row + Int64(vec) * (fmt.elems_per_vec * 4) + q * 16)
+        for q in range(fmt.elems_per_vec // 4):  # lane-interleaved rows: each chunk load is warp-coalesced
+            av += _ld_floats(a_row + Int64(fmt.interleaved_offset(vec * fmt.elems_per_vec + q * 4, 4)) * 4)
         sf_row_bytes = self.inter // PACKED_BLOCK_K * 4
         for r, row_words in enumerate(words):
             vals = fmt.values(row_words)
             part = Float32(0.0)
             for n in range(fmt.elems_per_vec):
                 part = _fma(vals[n], av[n], part)
-            dot[r] = _fma(part, fmt.scale(bases[1] + r * sf_row_bytes, vec), dot[r])
+            dot[r] = _fma(part, fmt.scale(slot[1] + r * sf_row_bytes, vec), dot[r])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -450,9 +489,11 @@ def _ptr(dtype, address: int = 0):
     return make_ptr(dtype, address, AddressSpace.gmem, assumed_align=16)
 
 
-def compile_kernels(hidden: int, inter: int, weight_format: str, has_clamp: bool, down_rows: int = DOWN_ROWS_PER_WARP):
+def compile_kernels(hidden: int, inter: int, weight_format: str, has_clamp: bool, topk: int,
+                    down_rows: int = DOWN_ROWS_PER_WARP):
     """The compiled (gate_up, down) pair for one static configuration (cached; works without a GPU
-    under ``CUTE_DSL_ARCH=sm_90a``). Token count, top-k and expert count stay runtime values."""
+    under ``CUTE_DSL_ARCH=sm_90a``). Token and expert counts stay runtime values; top-k is compiled into
+    the down kernel (its slot loop is unrolled)."""
     from cutlass.cute.runtime import make_fake_stream
 
     if weight_format not in FORMATS:
@@ -462,7 +503,7 @@ def compile_kernels(hidden: int, inter: int, weight_format: str, has_clamp: bool
     check_multiple("hidden", hidden, down_rows, "down rows per warp")
 
     u8, i32, f32 = cutlass.Uint8, cutlass.Int32, cutlass.Float32
-    sizes = (Int32(1), Int32(1), Int32(1))  # tokens, top-k, experts: runtime values
+    sizes = (Int32(1), Int32(1), Int32(1))  # tokens, top-k, experts: runtime values of gate_up
 
     def build_gate_up():
         return cute.compile(
@@ -472,13 +513,28 @@ def compile_kernels(hidden: int, inter: int, weight_format: str, has_clamp: bool
 
     def build_down():
         return cute.compile(
-            _Down(hidden, inter, weight_format, down_rows), _ptr(f32), _ptr(cutlass.Int64), _ptr(f32), _ptr(u8),
-            _ptr(i32), _ptr(cutlass.BFloat16), *sizes, make_fake_stream(),
+            _Down(hidden, inter, weight_format, down_rows, topk), _ptr(f32), _ptr(cutlass.Int64), _ptr(f32), _ptr(u8),
+            _ptr(i32), _ptr(cutlass.BFloat16), Int32(1), Int32(1), make_fake_stream(),
         )
 
     gate_up = runtime.compiled(("warp_decode.gate_up", hidden, inter, weight_format, has_clamp), build_gate_up)
-    down = runtime.compiled(("warp_decode.down", hidden, inter, weight_format, down_rows), build_down)
+    down = runtime.compiled(("warp_decode.down", hidden, inter, weight_format, down_rows, topk), build_down)
     return gate_up, down
+
+
+_GATHER: dict = {}
+
+
+def interleave_tokens(x: torch.Tensor, weight_format: str) -> torch.Tensor:
+    """``x`` bfloat16 ``[T, H]`` -> ``[T, Hp]`` in the lane-interleaved layout ``gate_up`` reads (8-element
+    chunks; ``Hp`` pads the last round of vectors, padding never read): one gather kernel."""
+    fmt, hidden = _FMT[weight_format], x.shape[1]
+    key = (hidden, weight_format, x.device)
+    if key not in _GATHER:
+        source = torch.zeros(fmt.interleaved_row(hidden), dtype=torch.int64)
+        source[fmt.interleaved_offset(torch.arange(hidden), 8)] = torch.arange(hidden)
+        _GATHER[key] = source.to(x.device)
+    return x.index_select(1, _GATHER[key])
 
 
 def _weight_format(w: object, name: str) -> str:
@@ -557,17 +613,18 @@ def moe_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp=None, out=Non
     if down_rows not in (1, 2, 4, 8):
         fail("down_rows", f"must be 1, 2, 4 or 8, got {down_rows}")
     runtime.require_sm90(x, "x")
-    gate_up, down = compile_kernels(hidden, inter, fmt, activation_clamp is not None, down_rows)
     tokens, topk = topk_idx.shape
-    a = torch.empty(tokens, topk, inter, dtype=torch.float32, device=x.device)
+    gate_up, down = compile_kernels(hidden, inter, fmt, activation_clamp is not None, topk, down_rows)
+    a = torch.empty(tokens, topk, _FMT[fmt].interleaved_row(inter), dtype=torch.float32, device=x.device)
     y = out if out is not None else torch.empty(tokens, hidden, dtype=torch.bfloat16, device=x.device)
     experts = l1[0].shape[0]
     stream = runtime.current_stream()
     clamp = 0.0 if activation_clamp is None else float(activation_clamp)
     u8, i32, f32 = cutlass.Uint8, cutlass.Int32, cutlass.Float32
     idx, a_ptr = _ptr(cutlass.Int64, topk_idx.data_ptr()), _ptr(f32, a.data_ptr())
-    gate_up(_ptr(cutlass.BFloat16, x.data_ptr()), idx, _ptr(u8, l1[0].data_ptr()), _ptr(i32, l1[1].data_ptr()), a_ptr,
+    xi = interleave_tokens(x, fmt)
+    gate_up(_ptr(cutlass.BFloat16, xi.data_ptr()), idx, _ptr(u8, l1[0].data_ptr()), _ptr(i32, l1[1].data_ptr()), a_ptr,
             tokens, topk, experts, clamp, stream)
     down(a_ptr, idx, _ptr(f32, topk_weights.data_ptr()), _ptr(u8, l2[0].data_ptr()), _ptr(i32, l2[1].data_ptr()),
-         _ptr(cutlass.BFloat16, y.data_ptr()), tokens, topk, experts, stream)
+         _ptr(cutlass.BFloat16, y.data_ptr()), tokens, experts, stream)
     return y
