@@ -16,8 +16,10 @@ decode was faster in ``python -m megamoe.bench decode`` (receipt in ``bench/resu
 use the rule derived from those points (``default_crossover``). The two paths differ by the FP8
 contract's error (the grouped path quantizes activations), never more than ``moe_tolerances``.
 
-The decoder holds the weights in both layouts (canonical for warp decode, the SM90 kernel layout for
-the grouped path: twice the FP4 bytes) and a one-rank SymmBuffer of ``max_tokens`` rows.
+The decoder holds the weights in two layouts: canonical (warp decode) and the Mega MoE layout of the
+grouped path (twice the FP4 bytes), plus a one-rank SymmBuffer of ``max_tokens`` rows. Warp decode
+runs its gate_up on tensor cores over the Mega MoE L1 for ``T >= MMA_GATE_UP_MIN_TOKENS`` (SIMT over
+the canonical L1 below: fewer, longer warps lose at T = 1).
 """
 
 from __future__ import annotations
@@ -35,9 +37,15 @@ MEASURED_CROSSOVERS: dict[tuple[int, int, int, int], int] = {
     (7168, 3072, 192, 6): 4,
 }
 """(hidden, intermediate, experts, top-k) -> the largest batch where warp decode beat the grouped path:
-H200, 2026-11-29, ``bench/results/2026-11-29_decode_interleaved_h200.txt`` (flash 32 experts: 40.9 vs
-92.4 us at T=1, 125.6 vs 146.8 at 4, 232.5 vs 186.6 at 8; flash 128: 237.5 vs 257.9 at 8, 456.3 vs 382.3
-at 16; pro 48: 167.1 vs 203.6 at 2, 304.9 vs 304.6 at 4; pro 192: 305.2 vs 352.1 at 4, 600.8 vs 571.4 at 8)."""
+H200, 2026-11-29, ``bench/results/2026-11-29_decode_mma_h200.txt`` (warp decode as the decoder runs it vs
+grouped, us: flash 32 experts 41.8/42.1 vs 92.1 at T=1, 112.8 vs 146.9 at 4, 205.1 vs 185.6 at 8; flash 128:
+213.2 vs 255.7 at 8, 401.0 vs 378.4 at 16; pro 48: 167.4 vs 205.6 at 2, 301.4 vs 298.3 at 4; pro 192: 311.9
+vs 348.6 at 4, 574.4 vs 559.3 at 8)."""
+MMA_GATE_UP_MIN_TOKENS = 4
+"""Smallest batch for which warp decode runs gate_up on tensor cores (over the grouped path's Mega MoE
+L1), else SIMT over canonical L1. ``bench/results/2026-11-29_decode_mma_h200.txt`` (whole layer, us, SIMT /
+tensor cores): pro 93.2 / 101.8 at T=1, 167.4 / 197.6 at 2, 305.3 / 301.4 at 4, 580.2 / 503.2 at 8; flash
+42.1 / 41.8, 69.5 / 62.4, 125.6 / 112.8, 232.2 / 205.1 (top-6, 32 and 48 experts)."""
 GROUPED_MULTIPLE = 512
 """H and I must be multiples of this for the grouped path (the SM90 grouped GEMM's K granularity)."""
 
@@ -107,7 +115,8 @@ class MoEDecoder:
         tokens = x.shape[0]
         chosen = self.path_for(tokens) if path == "auto" else path
         if chosen == "warp_decode":
-            return moe_decode(x, topk_idx, topk_weights, self.l1, self.l2, activation_clamp, out)
+            l1 = self.mega.l1 if self.grouped and tokens >= MMA_GATE_UP_MIN_TOKENS else self.l1
+            return moe_decode(x, topk_idx, topk_weights, l1, self.l2, activation_clamp, out)
         if not self.grouped:
             fail("path", f"'grouped' needs hidden and intermediate multiples of {GROUPED_MULTIPLE}")
         if tokens > self.max_tokens:

@@ -69,19 +69,20 @@ def test_no_grouped_path_for_unaligned_shapes():
 # ---------------------------------------------------------------------------------------------- GPU
 
 
-def _check(dec, x, idx, wts, path, clamp=None) -> str:
+def _check(dec, l1, x, idx, wts, path, clamp=None) -> str:
+    """``dec``'s output for ``path`` against the reference on the canonical weights ``l1``, ``dec.l2``."""
     out = torch.full_like(x, float("nan"))
     y = dec(x, idx, wts, activation_clamp=clamp, out=out, path=path)
     torch.cuda.synchronize()
     assert y is out and not torch.isnan(y).any(), f"{path}: output not fully written"
     taken = dec.path_for(x.shape[0]) if path == "auto" else path
     if taken == "warp_decode":
-        ref = reference_decode(x, idx, wts, dec.l1, dec.l2, clamp)
+        ref = reference_decode(x, idx, wts, l1, dec.l2, clamp)
         fro, row = rel_fro_error(y, ref), max_row_rel_error(y, ref)
         assert fro <= BF16_TOL and row <= ROW_TOL, f"{path} -> warp decode: rel_fro={fro:.2e} row={row:.2e}"
     else:
         t = x.shape[0]
-        ref = reference_moe(dec.buf.x[:t], dec.buf.x_sf[:t], idx, wts, dec.l1, dec.l2, clamp)
+        ref = reference_moe(dec.buf.x[:t], dec.buf.x_sf[:t], idx, wts, l1, dec.l2, clamp)
         tol = moe_tolerances(dec.l2[0].shape[2] * 2)
         fro, row = rel_fro_error(y, ref), max_row_rel_error(y, ref)
         assert fro <= tol["rel_fro"] and row <= tol["max_row_rel"], f"{path} -> grouped: rel_fro={fro:.2e} row={row:.2e}"
@@ -98,8 +99,8 @@ def test_both_paths_and_auto_on_gpu():
         x = random_tokens(tokens, hidden, gen).cuda()
         idx, wts = (t.cuda() for t in random_routing(tokens, experts, k, gen, masked_ratio=masked))
         for path in ("warp_decode", "grouped"):
-            _check(dec, x, idx, wts, path, clamp)
-        assert _check(dec, x, idx, wts, "auto", clamp) == ("warp_decode" if tokens <= 3 else "grouped")
+            _check(dec, l1, x, idx, wts, path, clamp)
+        assert _check(dec, l1, x, idx, wts, "auto", clamp) == ("warp_decode" if tokens <= 3 else "grouped")
 
 
 @pytest.mark.gpu

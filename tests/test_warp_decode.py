@@ -57,6 +57,9 @@ def test_kernels_compile_for_sm90(fmt, has_clamp):
         assert runtime.compile_only_arch() == "sm_90a"
     gate_up, down = compile_kernels(4096, 2048, fmt, has_clamp, topk=6)
     assert gate_up is not None and down is not None
+    if fmt == "fp4":  # the tensor-core gate_up on the Mega MoE L1 layout
+        assert all(compile_kernels(4096, 2048, fmt, has_clamp, topk=6, l1_layout="mega"))
+        assert all(compile_kernels(1152, 640, fmt, has_clamp, topk=1, l1_layout="mega"))
     # a shape whose rows end in a partial round of vectors (predicated lanes), one slot, and a top-k
     # deeper than the down kernel's load pipeline
     assert all(compile_kernels(1152, 640, fmt, has_clamp, topk=1))
@@ -134,6 +137,9 @@ def _bad_cases():
         "clamp": (_with(a, activation_clamp=-1.0), "`activation_clamp` must be positive and finite"),
         "out dtype": (_with(a, out=torch.empty(3, 256)), "`out` must have dtype bfloat16"),
         "cpu tensors": (a, "`x` must be a CUDA tensor"),
+        "mega l1 shape": (_with(a, l1=(torch.ones(4, 256, 2, 8, dtype=torch.int32), s1)), "`l1[0]` must have shape"),
+        "mega l1 with fp8 l2": (_with(a, l1=(torch.ones(4, 256, 2, 16, dtype=torch.int32), s1),
+                                      l2=(w2.view(torch.float8_e4m3fn), s2)), "`l2[0]` must be FP4"),
     }
 
 
@@ -151,6 +157,8 @@ def test_fp8_inputs_pass_shape_checks():
 
     assert check_decode_inputs(**_valid_cpu_inputs("fp8")) == ("fp8", 256, 128)
     assert check_decode_inputs(**_valid_cpu_inputs("fp4")) == ("fp4", 256, 128)
+    mega = _with(_valid_cpu_inputs("fp4"), l1=(torch.ones(4, 256, 2, 16, dtype=torch.int32), _valid_cpu_inputs()["l1"][1]))
+    assert check_decode_inputs(**mega) == ("fp4", 256, 128)
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -166,7 +174,8 @@ CASES = {
 }
 
 
-def _run_case(name, seed=0):
+def _run_case(name, seed=0, l1_layout="canonical"):
+    from megamoe.kernels.sm90_grouped_gemm import prepare_fp4_weights_l1
     from megamoe.kernels.warp_decode import moe_decode
 
     tokens, hidden, inter, experts, topk, fmt, clamp, masked, hot = CASES[name]
@@ -175,16 +184,20 @@ def _run_case(name, seed=0):
         idx[2] = -1  # a token with every slot masked
         idx[5, 0] = experts + 3  # an id outside [0, E) counts as masked
     out = torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
-    y = moe_decode(x, idx, wts, l1, l2, activation_clamp=clamp, out=out)
+    l1_kernel = prepare_fp4_weights_l1(*l1, mma="bf16") if l1_layout == "mega" else l1
+    y = moe_decode(x, idx, wts, l1_kernel, l2, activation_clamp=clamp, out=out)
     torch.cuda.synchronize()
     ref = reference_decode(x, idx, wts, l1, l2, clamp)
     return y, ref, (x, idx, wts, l1, l2, clamp)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_matches_fp32_reference(name):
-    y, ref, (_, idx, *_rest) = _run_case(name)
+@pytest.mark.parametrize("name,l1_layout", [(n, "canonical") for n in sorted(CASES)]
+                         + [(n, "mega") for n in sorted(CASES) if CASES[n][5] == "fp4"])
+def test_matches_fp32_reference(name, l1_layout):
+    """Both gate_up kernels: SIMT on canonical L1, tensor cores on the Mega MoE layout (same tolerance:
+    exact weight products, FP32 sums, one BF16 rounding of y)."""
+    y, ref, (_, idx, *_rest) = _run_case(name, l1_layout=l1_layout)
     assert y.dtype == torch.bfloat16 and not torch.isnan(y).any(), "output not fully written"
     errs = rel_fro_error(y, ref), max_row_rel_error(y, ref)
     assert errs[0] <= BF16_TOL and errs[1] <= ROW_TOL, f"{name}: rel_fro={errs[0]:.3e} max_row_rel={errs[1]:.3e}"

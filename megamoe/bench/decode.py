@@ -2,9 +2,12 @@
 
 For every shape (flash: hidden 4096, intermediate 2048, 32 and 128 experts; pro: 7168, 3072, 48 and
 192 experts), top-k and batch it builds random FP4 weights (random codes, scales around 2**-6) and
-``--routings`` random routings, checks ``moe_decode`` against a float64 reference on the first tokens
-of one routing, then times it in a CUDA graph that cycles through the routings (so consecutive calls
-read different experts and the timing is not an L2-resident replay). Bandwidth counts the weight
+``--routings`` random routings, checks ``moe_decode`` (output poisoned first) against a float64
+reference on the first tokens of one routing, then times it in a CUDA graph that cycles through the
+routings (so consecutive calls read different experts and the timing is not an L2-resident replay).
+Warp decode runs twice, both checked: ``simt us`` with gate_up on the SIMT pipes over canonical L1,
+``mma us`` with gate_up on tensor cores over the Mega MoE L1 (shapes with the grouped path); GB/s,
+%HBM and the crossover use the one ``MoEDecoder`` runs at that batch (``MMA_GATE_UP_MIN_TOKENS``). Bandwidth counts the weight
 bytes the routing actually needs: every row (and its scales) of W1 and W2 of each distinct routed
 expert. The HBM ceiling is measured in the same run (``torch.sum`` over ``--hbm-gib`` GiB). Beside it,
 torch's grouped GEMMs (FP8 rowwise ``torch._scaled_grouped_mm``, else BF16 ``torch._grouped_mm``) on
@@ -23,7 +26,7 @@ import statistics
 
 import torch
 
-from ..decode import MoEDecoder
+from ..decode import MMA_GATE_UP_MIN_TOKENS, MoEDecoder
 from ..inputs import random_fp4_weights, random_routing, random_tokens
 from ..numerics import max_row_rel_error, moe_tolerances, rel_fro_error
 from ..reference import reference_decode, reference_moe
@@ -94,19 +97,21 @@ class TorchGroupedGemm:
         return "ok" if max(errs) <= TORCH_TOL else f"FAIL({max(errs):.1e})"
 
 
-def _check_decode(moe_decode, x, idx, wts, l1, l2, tokens: int) -> str:
-    y = moe_decode(x, idx, wts, l1, l2)
+def _check_decode(run, x, idx, wts, l1, l2, tokens: int) -> str:
+    """``run(x, idx, wts, out)`` (out NaN-poisoned first) against the float64 reference on canonical l1, l2."""
+    y = torch.full_like(x, float("nan"))
+    run(x, idx, wts, y)
     ref = reference_decode(x[:tokens], idx[:tokens], wts[:tokens], l1, l2)
     fro, row = rel_fro_error(y[:tokens], ref), max_row_rel_error(y[:tokens], ref)
     return "ok" if fro <= DECODE_TOL and row <= ROW_TOL else f"FAIL({fro:.1e}/{row:.1e})"
 
 
-def _check_grouped(decoder: MoEDecoder, x, route) -> str:
+def _check_grouped(decoder: MoEDecoder, x, route, l1, l2) -> str:
     """The grouped path (y poisoned first) against the FP32 reference on the FP8 tokens it quantized."""
     y = torch.full_like(x, float("nan"))
     decoder(x, *route, out=y, path="grouped")
     t = x.shape[0]
-    ref = reference_moe(decoder.buf.x[:t], decoder.buf.x_sf[:t], *route, decoder.l1, decoder.l2)
+    ref = reference_moe(decoder.buf.x[:t], decoder.buf.x_sf[:t], *route, l1, l2)
     fro, row = rel_fro_error(y, ref), max_row_rel_error(y, ref)
     tol = moe_tolerances(decoder.l2[0].shape[2] * 2)
     return "ok" if fro <= tol["rel_fro"] and row <= tol["max_row_rel"] else f"FAIL({fro:.1e}/{row:.1e})"
@@ -144,14 +149,14 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda")
     rows_kw = {} if args.down_rows is None else {"down_rows": args.down_rows}
 
-    def moe_decode(*a):
-        return warp_decode.moe_decode(*a, **rows_kw)
+    def moe_decode(x, idx, wts, l1, l2, out=None):
+        return warp_decode.moe_decode(x, idx, wts, l1, l2, out=out, **rows_kw)
 
     print(environment_receipt(device, 1))
     hbm = measure_hbm_read_bandwidth(device, args.hbm_gib)
     print(f"measured HBM read bandwidth: {hbm:.0f} GB/s (torch.sum over {args.hbm_gib} GiB)")
-    header = (f"{'shape':6} {'E':>4} {'T':>3} {'check':>7} {'us':>8} {'MB read':>8} {'GB/s':>7} {'%HBM':>6}"
-              f"  {'grouped us':>10} {'check':>7}  {'torch us':>9} {'torch check':>11}")
+    header = (f"{'shape':6} {'E':>4} {'T':>3} {'simt us':>8} {'check':>7} {'mma us':>8} {'check':>7} {'MB read':>8} "
+              f"{'GB/s':>7} {'%HBM':>6}  {'grouped us':>10} {'check':>7}  {'torch us':>9} {'torch check':>11}")
     print(header)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     cpu_gen = torch.Generator().manual_seed(args.seed)
@@ -172,13 +177,24 @@ def main(argv: list[str] | None = None) -> None:
                 x = random_tokens(tokens, hidden, cpu_gen).to(device)
                 routes = [random_routing(tokens, experts, args.topk, cpu_gen) for _ in range(args.routings)]
                 routes = [(i.to(device), w.to(device)) for i, w in routes]
-                verdict = _check_decode(moe_decode, x, *routes[0], l1, l2, min(tokens, args.check_tokens))
-                us = _time_cycling(lambda r, x=x, l1=l1, l2=l2: moe_decode(x, *r, l1, l2), routes, args)
+                checked = min(tokens, args.check_tokens)
+                runs = {"simt": l1}  # gate_up on SIMT pipes over canonical L1; on tensor cores over the Mega MoE L1
+                if decoder.grouped:
+                    runs["mma"] = decoder.mega.l1
+                timed = {}
+                for name, w1 in runs.items():
+                    fn = lambda r, x=x, y=None, w1=w1: moe_decode(x, *r, w1, l2, out=y)  # noqa: E731
+                    check = _check_decode(lambda x, i, w, y, fn=fn: fn((i, w), x, y), x, *routes[0], l1, l2, checked)
+                    timed[name] = (_time_cycling(fn, routes, args), check)
+                chosen = "mma" if decoder.grouped and tokens >= MMA_GATE_UP_MIN_TOKENS else "simt"
+                us, verdict = timed[chosen]
+                simt_cols = f"{timed['simt'][0]:8.1f} {timed['simt'][1]:>7}"
+                mma_cols = f"{timed['mma'][0]:8.1f} {timed['mma'][1]:>7}" if "mma" in timed else f"{'-':>8} {'-':>7}"
                 unique = statistics.mean(int(torch.unique(i[i >= 0]).numel()) for i, _ in routes)
                 nbytes = unique * fp4_expert_bytes(hidden, inter)
                 gbs = nbytes / (us * 1e-6) / 1e9
                 y = torch.empty_like(x)
-                grouped_verdict = _check_grouped(decoder, x, routes[0])
+                grouped_verdict = _check_grouped(decoder, x, routes[0], l1, l2)
                 grouped_us = _time_cycling(lambda r, x=x, y=y: decoder(x, *r, out=y, path="grouped"), routes, args)
                 grouped_cols = f"{grouped_us:10.1f} {grouped_verdict:>7}"
                 if verdict == "ok" and grouped_verdict == "ok" and us < grouped_us:
@@ -191,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
                         torch_cols = f"{_time_cycling(baseline, prepared, args):9.1f} {torch_verdict:>11}"
                     except (RuntimeError, TypeError, ValueError) as exc:  # torch builds without these kernels
                         torch_cols = f"{'n/a':>9} {str(exc).splitlines()[0][:40]}"
-                print(f"{shape:6} {experts:4d} {tokens:3d} {verdict:>7} {us:8.1f} {nbytes / 1e6:8.1f} {gbs:7.0f} "
+                print(f"{shape:6} {experts:4d} {tokens:3d} {simt_cols} {mma_cols} {nbytes / 1e6:8.1f} {gbs:7.0f} "
                       f"{100 * gbs / hbm:5.1f}%  {grouped_cols}  {torch_cols}", flush=True)
             batches = _ints(args.batches)
             crossover = next((b for b in batches if b not in warp_wins), None)

@@ -1,6 +1,6 @@
 """Warp-decode MoE for small batches on one GPU holding every expert's weights (sm_90a, CuTe DSL).
 
-The two kernels are organized around outputs instead of experts: no token permutation, no
+The kernels are organized around outputs instead of experts: no token permutation, no
 per-expert buffers, no shared memory, no cross-warp synchronization; 8 independent warps per CTA.
 Every warp streams whole weight rows with 16-byte loads per lane (consecutive lanes read consecutive
 16 bytes, so a warp reads 512 contiguous bytes per load); the per-lane loop over a row is fully
@@ -20,7 +20,9 @@ down kernel (ncu, H200: L1 80-86% busy, DRAM 16%).
   ``i`` (gate) and ``I + i`` (up) of ``W1[e]`` and ``x[t]`` (BF16, never quantized; interleaved by
   one gather, ``interleave_tokens``), decodes the weights to FP32 on the fly, accumulates both dot
   products in FP32, reduces across the warp with shuffles, applies the optional clamp and
-  ``silu(gate) * up`` and writes ``a[t, j, i]`` (FP32, interleaved position).
+  ``silu(gate) * up`` and writes ``a[t, j, i]`` (FP32, interleaved position). ``_GateUpMMA`` is the
+  same step on tensor cores for FP4 L1 in the Mega MoE layout: a warp owns 8 neurons (16 rows, one
+  ``mma.m16n8k16`` M side), exact BF16 weight decode, FP32 tensor-core sums.
   Warps are numbered pair-fastest, so the warps that read the same neuron of one expert for
   different tokens run together (their repeated rows hit L1/L2, not HBM).
 * ``down``: a warp owns ``DOWN_ROWS_PER_WARP`` consecutive outputs ``y[t, h:h+R]``: it loops over the
@@ -58,6 +60,7 @@ from ..checks import check_multiple, check_tensor, fail
 from ..layouts import PACKED_BLOCK_K
 from ..numerics import check_activation_clamp
 from . import runtime
+from .sm90_fp4_decode import BF16_ACC_SHIFT, BF16_WORDS
 
 WARPS_PER_CTA = 8
 """Warps per CTA of both kernels (256 threads); every warp works alone."""
@@ -74,6 +77,14 @@ WARP = 32
 FP4_DECODE_BIAS = 2.0**6
 """The FP4 decode yields E2M1 values times 2**-6 (see ``_fp4x8``)."""
 FORMATS = ("fp4", "fp8")
+MMA_K_CHUNK = 128
+"""K elements per chunk of the Mega MoE weight layout that ``_GateUpMMA`` reads."""
+L1_LAYOUTS = ("canonical", "mega")
+GATE_UP_MMA_DEPTH = 4
+"""K chunks of weights (10 registers each) ``_GateUpMMA`` keeps in flight per lane (H200 sweep 2026-11-29:
+depth 3-4 with 3 CTAs per SM fastest; depth 6 spills or drops to 2 CTAs per SM)."""
+GATE_UP_MMA_MIN_CTAS_PER_SM = 3
+"""Launch bound of ``_GateUpMMA``: 3 CTAs of 8 warps per SM (80 registers, no spills at depth 4)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -130,6 +141,17 @@ def _ld_words(addr: Int64, *, loc=None, ip=None) -> list:
         "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", loc, ip,
     )
     return [Int32(v) for v in vals]
+
+
+def _ld_words_x4(addr: Int64) -> list:
+    """64 contiguous bytes of an activation row (kept in L1) as 16 words."""
+    return [word for i in range(4) for word in _ld_words(addr + i * 16)]
+
+
+def _fp4_helpers():
+    from .sm90_fp4_decode import device_helpers
+
+    return device_helpers()
 
 
 @dsl_user_op
@@ -240,6 +262,26 @@ def _warp_sum(v: Float32) -> Float32:
     return v
 
 
+@cute.jit
+def _swiglu(gate: Float32, up: Float32, clamp: Float32, has_clamp: cutlass.Constexpr[bool]) -> Float32:
+    """``silu(min(gate, c)) * clamp(up, -c, c)`` (no clamp when ``has_clamp`` is False), FP32."""
+    if cutlass.const_expr(has_clamp):
+        gate = cutlass.min(gate, clamp)
+        up = cutlass.max(cutlass.min(up, clamp), -clamp)
+    return gate / (Float32(1.0) + cute.math.exp(-gate, fastmath=True)) * up
+
+
+@dsl_user_op
+def _mma_bf16(acc: list, a: list, b: list, *, loc=None, ip=None) -> list:
+    """``mma.sync.m16n8k16`` BF16 x BF16 + FP32: ``acc`` 4 floats, ``a`` 4 and ``b`` 2 bf16x2 words
+    (the PTX fragment order)."""
+    args = [Float32(v).ir_value(loc=loc, ip=ip) for v in acc] + [Int32(v).ir_value(loc=loc, ip=ip) for v in a + b]
+    text = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$8, $9, $10, $11}, "
+            "{$12, $13}, {$4, $5, $6, $7};")
+    vals = _asm([T.f32()] * 4, args, text, "=f,=f,=f,=f,f,f,f,f,r,r,r,r,r,r", loc, ip)
+    return [Float32(v) for v in vals]
+
+
 @dataclass(frozen=True)
 class _Format:
     """How one weight format maps onto a lane's 16-byte vector of a row of K elements."""
@@ -337,12 +379,8 @@ class _GateUp:
                 if cutlass.const_expr(vecs % WARP != 0):  # noqa: SIM102 (compile-time test, then the lane's)
                     if lane + full * WARP < vecs:
                         self.accumulate(acc, lane + full * WARP, self.load(rows, lane + full * WARP), rows, x_row)
-                gate = _warp_sum(acc[0]) * fmt.decode_bias
-                up = _warp_sum(acc[1]) * fmt.decode_bias
-                if cutlass.const_expr(self.has_clamp):
-                    gate = cutlass.min(gate, clamp)
-                    up = cutlass.max(cutlass.min(up, clamp), -clamp)
-                out = gate / (Float32(1.0) + cute.math.exp(-gate, fastmath=True)) * up
+                out = _swiglu(_warp_sum(acc[0]) * fmt.decode_bias, _warp_sum(acc[1]) * fmt.decode_bias,
+                              clamp, self.has_clamp)
             if lane == 0:
                 a[t, j, fmt.interleaved_offset(neuron, 4)] = out
 
@@ -371,6 +409,95 @@ class _GateUp:
             for n in range(fmt.elems_per_vec):
                 part = _fma(vals[n], xs[n], part)
             acc[r] = _fma(part, fmt.scale(sf_row, vec), acc[r])
+
+
+class _GateUpMMA:
+    """``gate_up`` on tensor cores, for FP4 L1 weights in the Mega MoE layout (``transform_weights_for_mega_moe``:
+    rows interleaved gate/up in runs of 8, BF16-mode SM90 layout ``int32 [E, 2I, H/128, 16]``).
+
+    A warp owns 8 neurons ``i0..i0+7`` of one (token, slot) pair: the 16 consecutive kernel-layout rows
+    ``2*i0 .. 2*i0+15`` (gate rows of the 8 neurons, then their up rows) are the M = 16 rows of
+    ``mma.m16n8k16``; the token's activations are column 0 of the N = 8 side (the other columns carry
+    the same values and are ignored). Lane ``(g, q) = (lane / 4, lane % 4)`` loads, per 128-wide K chunk,
+    its 16-byte segment q of rows g and g + 8 and decodes them (``decode_e2m1x8_bf16``: E2M1 x UE8M0
+    scale -> BF16, exact, times ``2**-BF16_ACC_SHIFT``) straight into the A fragment; it reads the
+    activations of its K positions from the MMA-ordered copy of ``x`` (``interleave_tokens(x, "mma")``).
+    Products are exact, sums FP32 (tensor-core accumulation). Lanes with q = 0 end with the gate and up
+    sums of neuron ``i0 + g`` and write ``a``. The weight loads of the next ``GATE_UP_MMA_DEPTH`` chunks are
+    in flight while one chunk computes. Versus ``_GateUp``, the FMAs and the FP32 widening of the
+    weights leave the SIMT pipes (about 2.4 instead of 4 instructions per weight), but a warp streams 16
+    rows instead of 2, so there are 8x fewer, longer warps. Whole layer, H200, top-6 (2026-11-29): flash
+    1-14% faster than with ``_GateUp`` at every T; pro 4-18% slower at T <= 2, within 2% at T = 4, 1-16%
+    faster at T >= 8 (``megamoe.decode.MMA_GATE_UP_MIN_TOKENS`` picks between them)."""
+
+    def __init__(self, hidden: int, inter: int, down_fmt: str, has_clamp: bool):
+        self.hidden, self.inter, self.down_fmt, self.has_clamp = hidden, inter, _FMT[down_fmt], has_clamp
+        self.chunks = hidden // MMA_K_CHUNK
+
+    @cute.jit
+    def __call__(self, x: cute.Pointer, idx: cute.Pointer, w: cute.Pointer, sf: cute.Pointer, a: cute.Pointer,
+                 tokens: Int32, topk: Int32, experts: Int32, clamp: Float32, stream):
+        idx_t = cute.make_tensor(idx, cute.make_layout((tokens, topk), stride=(topk, 1)))
+        row = self.down_fmt.interleaved_row(self.inter)
+        a_t = cute.make_tensor(a, cute.make_layout((tokens, topk, row), stride=(topk * row, row, 1)))
+        grid = (tokens * topk * (self.inter // 8) + WARPS_PER_CTA - 1) // WARPS_PER_CTA
+        self.kernel(x, idx_t, w, sf, a_t, experts, clamp).launch(
+            grid=[grid, 1, 1], block=[WARPS_PER_CTA * WARP, 1, 1], stream=stream, smem=0,
+            min_blocks_per_mp=GATE_UP_MMA_MIN_CTAS_PER_SM)
+
+    @cute.kernel
+    def kernel(self, x: cute.Pointer, idx: cute.Tensor, w: cute.Pointer, sf: cute.Pointer, a: cute.Tensor,
+               experts: Int32, clamp: Float32):
+        hidden, inter, chunks = self.hidden, self.inter, self.chunks
+        tidx = cute.arch.thread_idx()[0]
+        lane = tidx % WARP
+        gl, q = lane // 4, lane % 4
+        topk = idx.shape[1]
+        pairs = idx.shape[0] * topk
+        warp = cute.arch.block_idx()[0] * WARPS_PER_CTA + tidx // WARP
+        block = warp // pairs
+        pair = warp - block * pairs
+        if block < inter // 8:
+            t = pair // topk
+            j = pair - t * topk
+            e = idx[t, j]
+            out = Float32(0.0)
+            if (e >= 0) & (e < experts):
+                gate_row = Int64(e) * (2 * inter) + block * 16 + gl
+                rows = (w.toint() + gate_row * (hidden // 2) + q * 16, sf.toint() + gate_row * (chunks * 4))
+                x_lane = x.toint() + Int64(t) * (hidden * 2) + q * 64
+                acc = [Float32(0.0)] * 8  # two accumulators (kk = 0, 1): shorter MMA dependency chains
+                loaded = [self.load(rows, c) for c in range(min(GATE_UP_MMA_DEPTH, chunks))]
+                for c in cutlass.range_constexpr(chunks):
+                    if cutlass.const_expr(c + GATE_UP_MMA_DEPTH < chunks):
+                        loaded.append(self.load(rows, c + GATE_UP_MMA_DEPTH))
+                    acc = self.chunk(acc, loaded[c], _ld_words_x4(x_lane + c * (MMA_K_CHUNK * 2)))
+                gate = (acc[0] + acc[4]) * Float32(2.0**BF16_ACC_SHIFT)
+                up = (acc[2] + acc[6]) * Float32(2.0**BF16_ACC_SHIFT)
+                out = _swiglu(gate, up, clamp, self.has_clamp)
+            if q == 0:
+                a[t, j, self.down_fmt.interleaved_offset(block * 8 + gl, 4)] = out
+
+    def load(self, rows, c: int) -> tuple:
+        """Chunk ``c``: the lane's 4 words of its gate row and of its up row (8 rows further), and both
+        rows' packed scale words."""
+        up = 8 * (self.hidden // 2)
+        wa = rows[0] + c * (MMA_K_CHUNK // 2)
+        return _ld_weights(wa), _ld_weights(wa + up), _ld_word(rows[1] + c * 4), _ld_word(rows[1] + 8 * self.chunks * 4 + c * 4)
+
+    def chunk(self, acc: list, loaded: tuple, xs: list) -> list:
+        """Accumulate one 128-wide K chunk: 4 words x 2 K blocks of 16 = 8 MMAs."""
+        h = _fp4_helpers()
+        gate_words, up_words, gate_sf, up_sf = loaded
+        for wd in range(4):  # word wd = 32-wide scale block wd of the chunk
+            g = h.decode_e2m1x8_bf16(gate_words[wd], h.ue8m0_to_bf16x2_multiplier(gate_sf, wd))
+            u = h.decode_e2m1x8_bf16(up_words[wd], h.ue8m0_to_bf16x2_multiplier(up_sf, wd))
+            for kk in range(2):
+                part = acc[4 * kk: 4 * kk + 4]
+                part = _mma_bf16(part, [g[2 * kk], u[2 * kk], g[2 * kk + 1], u[2 * kk + 1]],
+                                 [xs[4 * wd + 2 * kk], xs[4 * wd + 2 * kk + 1]])
+                acc = acc[: 4 * kk] + part + acc[4 * kk + 4:]
+        return acc
 
 
 class _Down:
@@ -490,10 +617,11 @@ def _ptr(dtype, address: int = 0):
 
 
 def compile_kernels(hidden: int, inter: int, weight_format: str, has_clamp: bool, topk: int,
-                    down_rows: int = DOWN_ROWS_PER_WARP):
+                    down_rows: int = DOWN_ROWS_PER_WARP, l1_layout: str = "canonical"):
     """The compiled (gate_up, down) pair for one static configuration (cached; works without a GPU
     under ``CUTE_DSL_ARCH=sm_90a``). Token and expert counts stay runtime values; top-k is compiled into
-    the down kernel (its slot loop is unrolled)."""
+    the down kernel (its slot loop is unrolled). ``l1_layout``: ``"canonical"`` (``_GateUp``) or ``"mega"``
+    (FP4 L1 in the Mega MoE layout, ``_GateUpMMA``)."""
     from cutlass.cute.runtime import make_fake_stream
 
     if weight_format not in FORMATS:
@@ -501,13 +629,17 @@ def compile_kernels(hidden: int, inter: int, weight_format: str, has_clamp: bool
     for name, k in (("hidden", hidden), ("inter", inter)):
         check_multiple(name, k, PACKED_BLOCK_K, "whole 16-byte vectors and packed UE8M0 scale words")
     check_multiple("hidden", hidden, down_rows, "down rows per warp")
+    if l1_layout not in L1_LAYOUTS or (l1_layout == "mega" and weight_format != "fp4"):
+        fail("l1_layout", f"must be one of {L1_LAYOUTS} ('mega' with FP4 weights), got {l1_layout!r} with {weight_format}")
 
     u8, i32, f32 = cutlass.Uint8, cutlass.Int32, cutlass.Float32
     sizes = (Int32(1), Int32(1), Int32(1))  # tokens, top-k, experts: runtime values of gate_up
 
     def build_gate_up():
+        kernel = (_GateUpMMA(hidden, inter, weight_format, has_clamp) if l1_layout == "mega"
+                  else _GateUp(hidden, inter, weight_format, has_clamp))
         return cute.compile(
-            _GateUp(hidden, inter, weight_format, has_clamp), _ptr(cutlass.BFloat16), _ptr(cutlass.Int64), _ptr(u8),
+            kernel, _ptr(cutlass.BFloat16), _ptr(cutlass.Int64), _ptr(u8),
             _ptr(i32), _ptr(f32), *sizes, Float32(0.0), make_fake_stream(),
         )
 
@@ -517,7 +649,8 @@ def compile_kernels(hidden: int, inter: int, weight_format: str, has_clamp: bool
             _ptr(i32), _ptr(cutlass.BFloat16), Int32(1), Int32(1), make_fake_stream(),
         )
 
-    gate_up = runtime.compiled(("warp_decode.gate_up", hidden, inter, weight_format, has_clamp), build_gate_up)
+    gate_up = runtime.compiled(("warp_decode.gate_up", hidden, inter, weight_format, has_clamp, l1_layout),
+                               build_gate_up)
     down = runtime.compiled(("warp_decode.down", hidden, inter, weight_format, down_rows, topk), build_down)
     return gate_up, down
 
@@ -525,21 +658,36 @@ def compile_kernels(hidden: int, inter: int, weight_format: str, has_clamp: bool
 _GATHER: dict = {}
 
 
-def interleave_tokens(x: torch.Tensor, weight_format: str) -> torch.Tensor:
-    """``x`` bfloat16 ``[T, H]`` -> ``[T, Hp]`` in the lane-interleaved layout ``gate_up`` reads (8-element
-    chunks; ``Hp`` pads the last round of vectors, padding never read): one gather kernel."""
-    fmt, hidden = _FMT[weight_format], x.shape[1]
-    key = (hidden, weight_format, x.device)
+def _token_source(hidden: int, layout: str) -> torch.Tensor:
+    """For each position of an interleaved token row, the element of ``x`` it holds (int64 [Hp])."""
+    if layout == "mma":  # position 128c + 32q + 2m + i <- element 128c + 32w + 16kk + 8h + 2q + i, m = 4w + 2kk + h
+        c, q, w, kk, h, i = torch.meshgrid(*(torch.arange(n) for n in (hidden // MMA_K_CHUNK, 4, 4, 2, 2, 2)),
+                                           indexing="ij")
+        return (MMA_K_CHUNK * c + 32 * w + 16 * kk + 8 * h + 2 * q + i).flatten()
+    fmt = _FMT[layout]
+    source = torch.zeros(fmt.interleaved_row(hidden), dtype=torch.int64)
+    source[fmt.interleaved_offset(torch.arange(hidden), 8)] = torch.arange(hidden)
+    return source
+
+
+def interleave_tokens(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """``x`` bfloat16 ``[T, H]`` -> ``[T, Hp]`` in the order a gate_up kernel reads: ``"fp4"``/``"fp8"`` the
+    lane-interleaved layout of ``_GateUp`` (8-element chunks; ``Hp`` pads the last round of vectors, padding
+    never read), ``"mma"`` the fragment order of ``_GateUpMMA`` (``Hp = H``). One gather kernel."""
+    key = (x.shape[1], layout, x.device)
     if key not in _GATHER:
-        source = torch.zeros(fmt.interleaved_row(hidden), dtype=torch.int64)
-        source[fmt.interleaved_offset(torch.arange(hidden), 8)] = torch.arange(hidden)
-        _GATHER[key] = source.to(x.device)
+        _GATHER[key] = _token_source(x.shape[1], layout).to(x.device)
     return x.index_select(1, _GATHER[key])
 
 
 def _weight_format(w: object, name: str) -> str:
     check_tensor(name, w, dtype=(torch.uint8, torch.float8_e4m3fn))
     return "fp4" if w.dtype == torch.uint8 else "fp8"
+
+
+def l1_layout_of(w1: object) -> str:
+    """``"mega"`` for int32 L1 weights (the Mega MoE layout), else ``"canonical"``."""
+    return "mega" if isinstance(w1, torch.Tensor) and w1.dtype == torch.int32 else "canonical"
 
 
 def _check_pair(name: str, pair: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -564,9 +712,12 @@ def check_decode_inputs(x, topk_idx, topk_weights, l1, l2, activation_clamp=None
 
     w1, s1 = _check_pair("l1", l1)
     w2, s2 = _check_pair("l2", l2)
-    fmt = _weight_format(w1, "l1[0]")
+    mega = l1_layout_of(w1) == "mega"
+    fmt = _weight_format(w2, "l2[0]") if mega else _weight_format(w1, "l1[0]")
+    if mega and fmt != "fp4":
+        fail("l2[0]", "must be FP4 (uint8) when l1 is in the Mega MoE layout (int32)")
     per_byte = 2 if fmt == "fp4" else 1
-    check_tensor("l1[0]", w1, ndim=3, contiguous=True)
+    check_tensor("l1[0]", w1, ndim=4 if mega else 3, contiguous=True)
     experts, two_inter = w1.shape[:2]
     if experts < 1:
         fail("l1[0]", f"must hold at least one expert, got shape {list(w1.shape)}")
@@ -575,9 +726,14 @@ def check_decode_inputs(x, topk_idx, topk_weights, l1, l2, activation_clamp=None
     inter = two_inter // 2
     check_multiple("l1[0].shape[1] // 2 (intermediate)", inter, PACKED_BLOCK_K,
                    "16-byte weight vectors and packed UE8M0 scale words")
-    check_tensor("l1[0]", w1, shape=(experts, two_inter, hidden // per_byte))
+    if mega:
+        check_multiple("x.shape[1] (hidden)", hidden, MMA_K_CHUNK, "the Mega MoE layout's 128-wide K chunks")
+        check_tensor("l1[0]", w1, shape=(experts, two_inter, hidden // MMA_K_CHUNK, BF16_WORDS))
+    else:
+        check_tensor("l1[0]", w1, shape=(experts, two_inter, hidden // per_byte))
     check_tensor("l1[1]", s1, dtype=torch.int32, shape=(experts, two_inter, hidden // PACKED_BLOCK_K), contiguous=True)
-    check_tensor("l2[0]", w2, dtype=w1.dtype, shape=(experts, hidden, inter // per_byte), contiguous=True)
+    check_tensor("l2[0]", w2, dtype=w2.dtype if mega else w1.dtype, shape=(experts, hidden, inter // per_byte),
+                 contiguous=True)
     check_tensor("l2[1]", s2, dtype=torch.int32, shape=(experts, hidden, inter // PACKED_BLOCK_K), contiguous=True)
     if tokens * topk * inter >= 2**31:
         fail("topk_idx", f"T * k * intermediate = {tokens * topk * inter} must stay below 2**31 (32-bit warp ids)")
@@ -605,7 +761,9 @@ def moe_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp=None, out=Non
     unused slots); ``topk_weights`` float32 ``[T, k]``; ``l1 = (w1, w1_sf)``, ``l2 = (w2, w2_sf)``:
     FP4 (uint8 ``[E, 2I, H/2]`` and ``[E, H, I/2]``) or FP8 (float8_e4m3fn ``[E, 2I, H]`` and
     ``[E, H, I]``) with packed UE8M0 scales int32 ``[E, 2I, H/128]`` and ``[E, H, I/128]``; H and I
-    multiples of 128. ``activation_clamp`` c: ``gate <= c``, ``|up| <= c``. ``out``: optional
+    multiples of 128. ``l1`` may instead be FP4 L1 in the Mega MoE layout (``transform_weights_for_mega_moe``'s
+    first result: int32 ``[E, 2I, H/128, 16]``, scales in the BF16 decode's exact range), with ``l2`` canonical
+    FP4: gate_up then runs on tensor cores (``_GateUpMMA``). ``activation_clamp`` c: ``gate <= c``, ``|up| <= c``. ``out``: optional
     bfloat16 ``[T, H]`` destination. ``down_rows``: outputs per down warp (tuning; divides H).
     Numerics: see the module docstring (FP32 throughout, one BF16 rounding of ``y``).
     """
@@ -614,7 +772,8 @@ def moe_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp=None, out=Non
         fail("down_rows", f"must be 1, 2, 4 or 8, got {down_rows}")
     runtime.require_sm90(x, "x")
     tokens, topk = topk_idx.shape
-    gate_up, down = compile_kernels(hidden, inter, fmt, activation_clamp is not None, topk, down_rows)
+    layout = l1_layout_of(l1[0])
+    gate_up, down = compile_kernels(hidden, inter, fmt, activation_clamp is not None, topk, down_rows, layout)
     a = torch.empty(tokens, topk, _FMT[fmt].interleaved_row(inter), dtype=torch.float32, device=x.device)
     y = out if out is not None else torch.empty(tokens, hidden, dtype=torch.bfloat16, device=x.device)
     experts = l1[0].shape[0]
@@ -622,7 +781,7 @@ def moe_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp=None, out=Non
     clamp = 0.0 if activation_clamp is None else float(activation_clamp)
     u8, i32, f32 = cutlass.Uint8, cutlass.Int32, cutlass.Float32
     idx, a_ptr = _ptr(cutlass.Int64, topk_idx.data_ptr()), _ptr(f32, a.data_ptr())
-    xi = interleave_tokens(x, fmt)
+    xi = interleave_tokens(x, "mma" if layout == "mega" else fmt)
     gate_up(_ptr(cutlass.BFloat16, xi.data_ptr()), idx, _ptr(u8, l1[0].data_ptr()), _ptr(i32, l1[1].data_ptr()), a_ptr,
             tokens, topk, experts, clamp, stream)
     down(a_ptr, idx, _ptr(f32, topk_weights.data_ptr()), _ptr(u8, l2[0].data_ptr()), _ptr(i32, l2[1].data_ptr()),
