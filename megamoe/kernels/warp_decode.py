@@ -334,21 +334,32 @@ _FMT = {"fp4": _Format("fp4", 32, 2.0**6), "fp8": _Format("fp8", 16, 1.0)}
 # slice in flight; a last partial round (K / elements-per-vector not a multiple of 32) is predicated.
 
 
-class _GateUp:
-    """``a[t, j, i] = silu(g) * u`` for every (t, j, i); one warp per (i, pair), pairs fastest."""
+class _GateUpLaunch:
+    """The launch both gate_up kernels share: ``warps_per_pair`` warps per (token, slot) pair, ``a``
+    written in the down kernel's interleaved layout ``a_fmt``, ``min_ctas`` CTAs per SM (0: no bound)."""
 
-    def __init__(self, hidden: int, inter: int, fmt: str, has_clamp: bool):
-        self.hidden, self.inter, self.fmt, self.has_clamp = hidden, inter, _FMT[fmt], has_clamp
+    warps_per_pair: int
+    a_fmt: _Format
+    min_ctas: int
 
     @cute.jit
     def __call__(self, x: cute.Pointer, idx: cute.Pointer, w: cute.Pointer, sf: cute.Pointer, a: cute.Pointer,
                  tokens: Int32, topk: Int32, experts: Int32, clamp: Float32, stream):
         idx_t = cute.make_tensor(idx, cute.make_layout((tokens, topk), stride=(topk, 1)))
-        row = self.fmt.interleaved_row(self.inter)
+        row = self.a_fmt.interleaved_row(self.inter)
         a_t = cute.make_tensor(a, cute.make_layout((tokens, topk, row), stride=(topk * row, row, 1)))
-        grid = (tokens * topk * self.inter + WARPS_PER_CTA - 1) // WARPS_PER_CTA
+        grid = (tokens * topk * self.warps_per_pair + WARPS_PER_CTA - 1) // WARPS_PER_CTA
         self.kernel(x, idx_t, w, sf, a_t, experts, clamp).launch(
-            grid=[grid, 1, 1], block=[WARPS_PER_CTA * WARP, 1, 1], stream=stream)
+            grid=[grid, 1, 1], block=[WARPS_PER_CTA * WARP, 1, 1], stream=stream, smem=0,
+            min_blocks_per_mp=self.min_ctas)
+
+
+class _GateUp(_GateUpLaunch):
+    """``a[t, j, i] = silu(g) * u`` for every (t, j, i); one warp per (i, pair), pairs fastest."""
+
+    def __init__(self, hidden: int, inter: int, fmt: str, has_clamp: bool):
+        self.hidden, self.inter, self.fmt, self.has_clamp = hidden, inter, _FMT[fmt], has_clamp
+        self.warps_per_pair, self.a_fmt, self.min_ctas = inter, self.fmt, 0
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, idx: cute.Tensor, w: cute.Pointer, sf: cute.Pointer, a: cute.Tensor,
@@ -411,7 +422,7 @@ class _GateUp:
             acc[r] = _fma(part, fmt.scale(sf_row, vec), acc[r])
 
 
-class _GateUpMMA:
+class _GateUpMMA(_GateUpLaunch):
     """``gate_up`` on tensor cores, for FP4 L1 weights in the Mega MoE layout (``transform_weights_for_mega_moe``:
     rows interleaved gate/up in runs of 8, BF16-mode SM90 layout ``int32 [E, 2I, H/128, 16]``).
 
@@ -431,19 +442,9 @@ class _GateUpMMA:
     faster at T >= 8 (``megamoe.decode.MMA_GATE_UP_MIN_TOKENS`` picks between them)."""
 
     def __init__(self, hidden: int, inter: int, down_fmt: str, has_clamp: bool):
-        self.hidden, self.inter, self.down_fmt, self.has_clamp = hidden, inter, _FMT[down_fmt], has_clamp
+        self.hidden, self.inter, self.has_clamp = hidden, inter, has_clamp
         self.chunks = hidden // MMA_K_CHUNK
-
-    @cute.jit
-    def __call__(self, x: cute.Pointer, idx: cute.Pointer, w: cute.Pointer, sf: cute.Pointer, a: cute.Pointer,
-                 tokens: Int32, topk: Int32, experts: Int32, clamp: Float32, stream):
-        idx_t = cute.make_tensor(idx, cute.make_layout((tokens, topk), stride=(topk, 1)))
-        row = self.down_fmt.interleaved_row(self.inter)
-        a_t = cute.make_tensor(a, cute.make_layout((tokens, topk, row), stride=(topk * row, row, 1)))
-        grid = (tokens * topk * (self.inter // 8) + WARPS_PER_CTA - 1) // WARPS_PER_CTA
-        self.kernel(x, idx_t, w, sf, a_t, experts, clamp).launch(
-            grid=[grid, 1, 1], block=[WARPS_PER_CTA * WARP, 1, 1], stream=stream, smem=0,
-            min_blocks_per_mp=GATE_UP_MMA_MIN_CTAS_PER_SM)
+        self.warps_per_pair, self.a_fmt, self.min_ctas = inter // 8, _FMT[down_fmt], GATE_UP_MMA_MIN_CTAS_PER_SM
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, idx: cute.Tensor, w: cute.Pointer, sf: cute.Pointer, a: cute.Tensor,
@@ -476,7 +477,7 @@ class _GateUpMMA:
                 up = (acc[2] + acc[6]) * Float32(2.0**BF16_ACC_SHIFT)
                 out = _swiglu(gate, up, clamp, self.has_clamp)
             if q == 0:
-                a[t, j, self.down_fmt.interleaved_offset(block * 8 + gl, 4)] = out
+                a[t, j, self.a_fmt.interleaved_offset(block * 8 + gl, 4)] = out
 
     def load(self, rows, c: int) -> tuple:
         """Chunk ``c``: the lane's 4 words of its gate row and of its up row (8 rows further), and both
