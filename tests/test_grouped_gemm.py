@@ -435,7 +435,6 @@ def _check_rows(out: torch.Tensor, a, a_sf, b, b_sf, row_expert: torch.Tensor, w
     None: BF16 tokens (BF16 mode)."""
     a64 = _tokens64(a, a_sf)
     w64 = dequantize_fp4(b, b_sf).double()
-    k = a.shape[1]
     valid = (row_expert >= 0).nonzero().flatten()
     untouched = (row_expert < 0).nonzero().flatten()
     problems = []

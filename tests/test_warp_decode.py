@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megamoe.inputs import random_fp4_weights, random_routing, random_tokens
-from megamoe.layouts import dequantize_fp4, dequantize_fp8, quantize_fp8
+from megamoe.layouts import quantize_fp8
 from megamoe.numerics import max_row_rel_error, rel_fro_error
 from megamoe.reference import reference_decode
 

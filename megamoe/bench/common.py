@@ -74,7 +74,7 @@ def measure_hbm_read_bandwidth(device: torch.device, gib: float = 4.0, repeats: 
         return 0.0
     n = int(gib * 2**30) // 4
     big = torch.rand(n, device=device)
-    times = time_events(lambda: big.sum(), warmup=3, iters=repeats)
+    times = time_events(big.sum, warmup=3, iters=repeats)
     del big
     return n * 4 / (statistics.median(times) * 1e-6) / 1e9
 

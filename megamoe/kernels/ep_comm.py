@@ -60,12 +60,11 @@ from types import SimpleNamespace
 import cutlass
 import torch
 from cutlass import Float32, Int32, Int64, cute, utils
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..scheduler.schedule import expert_of_block
 from ..symm_buffer import SymmBufferLayout
-from . import runtime
+from . import ptx, runtime
 from .sm90_fp4_decode import device_helpers
 
 THREADS = 512
@@ -111,17 +110,7 @@ def format_record(row: list[int]) -> str:
 
 def _asm(results: list, args: list, text: str, constraints: str, loc=None, ip=None) -> list:
     """One volatile inline-PTX block; returns its results as ``ir.Value``s."""
-    if not results:
-        ret = None
-    else:
-        ret = results[0] if len(results) == 1 else llvm.StructType.get_literal(results)
-    out = llvm.inline_asm(
-        ret, args, text, constraints, has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
-    )
-    if len(results) <= 1:
-        return [out] if results else []
-    return [llvm.extractvalue(r, out, [i], loc=loc, ip=ip) for i, r in enumerate(results)]
+    return ptx.inline_asm(results, args, text, constraints, loc, ip, side_effects=True)
 
 
 def _v(x, cls, loc, ip):

@@ -172,14 +172,12 @@ def _device_helpers():
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T, dsl_user_op
 
+    from .ptx import inline_asm
+
     def pure_asm(num_results: int, args: list, text: str, constraints: str, loc, ip) -> tuple:
         """One side-effect-free inline-PTX block with ``num_results`` 32-bit results, as ``Int32``s."""
-        ret = T.i32() if num_results == 1 else llvm.StructType.get_literal([T.i32()] * num_results)
-        res = llvm.inline_asm(ret, args, text, constraints, has_side_effects=False, is_align_stack=False,
-                              asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-        if num_results == 1:
-            return (Int32(res),)
-        return tuple(Int32(llvm.extractvalue(T.i32(), res, [j], loc=loc, ip=ip)) for j in range(num_results))
+        res = inline_asm([T.i32()] * num_results, args, text, constraints, loc, ip, side_effects=False)
+        return tuple(Int32(r) for r in res)
 
     @dsl_user_op
     def prmt(lo, hi, selector, *, loc=None, ip=None) -> Int32:

@@ -52,14 +52,13 @@ from dataclasses import dataclass
 import cutlass
 import torch
 from cutlass import Float32, Int32, Int64, cute
-from cutlass._mlir.dialects import llvm
 from cutlass._mlir.dialects import math as mlir_math
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..checks import check_multiple, check_tensor, fail
 from ..layouts import PACKED_BLOCK_K
 from ..numerics import check_activation_clamp
-from . import runtime
+from . import ptx, runtime
 from .sm90_fp4_decode import BF16_ACC_SHIFT, BF16_WORDS
 
 WARPS_PER_CTA = 8
@@ -93,14 +92,7 @@ GATE_UP_MMA_MIN_CTAS_PER_SM = 3
 
 def _asm(results: list, args: list, text: str, constraints: str, loc=None, ip=None) -> list:
     """One pure inline-PTX block; returns its result values (i32 or f32 ``ir.Value``s)."""
-    ret = results[0] if len(results) == 1 else llvm.StructType.get_literal(results)
-    out = llvm.inline_asm(
-        ret, args, text, constraints, has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
-    )
-    if len(results) == 1:
-        return [out]
-    return [llvm.extractvalue(r, out, [i], loc=loc, ip=ip) for i, r in enumerate(results)]
+    return ptx.inline_asm(results, args, text, constraints, loc, ip, side_effects=False)
 
 
 @dsl_user_op
@@ -127,10 +119,8 @@ def _ld_weights_if(addr: Int64, on: Int32, *, loc=None, ip=None) -> list:
 @dsl_user_op
 def _prefetch_l2(addr: Int64, nbytes: int, *, loc=None, ip=None) -> None:
     """Start fetching ``nbytes`` (a multiple of 16, 16-byte aligned) at ``addr`` into L2; no registers, no wait."""
-    llvm.inline_asm(
-        None, [Int64(addr).ir_value(loc=loc, ip=ip)], f"cp.async.bulk.prefetch.L2.global [$0], {nbytes};", "l",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
-    )
+    ptx.inline_asm([], [Int64(addr).ir_value(loc=loc, ip=ip)], f"cp.async.bulk.prefetch.L2.global [$0], {nbytes};", "l",
+                   loc, ip, side_effects=True)
 
 
 @dsl_user_op

@@ -31,7 +31,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from .schedule import EMPTY, L1, L2, PULL, Schedule, block_prefix, block_rows, expert_of_block
+from .schedule import EMPTY, L1, PULL, Schedule, block_prefix, block_rows, expert_of_block
 
 SCAN_CHUNK = 4  # tokens per scan work item
 
@@ -121,7 +121,7 @@ class Simulator:
         yield Wait("barrier", f"grid barrier {q} count >= {target}", lambda: rk.barrier >= target, lambda: rk.barrier)
 
     def _cta(self, rk: Rank, cta: int, call: int) -> Iterator:
-        s, k, agent = self.s, self.k, (rk.index, cta)
+        s, agent = self.s, (rk.index, cta)
         me, e_l = rk.index, s.num_local_experts
         t_me = len(rk.inputs)
         if cta == 0:  # 1. announce
