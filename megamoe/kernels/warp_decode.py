@@ -48,6 +48,7 @@ scale once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import torch
@@ -59,7 +60,7 @@ from ..checks import check_multiple, check_tensor, fail
 from ..layouts import PACKED_BLOCK_K
 from ..numerics import check_activation_clamp
 from . import ptx, runtime
-from .sm90_fp4_decode import BF16_ACC_SHIFT, BF16_WORDS
+from .sm90_fp4_decode import BF16_ACC_SHIFT, BF16_WORDS, K_CHUNK, device_helpers
 
 WARPS_PER_CTA = 8
 """Warps per CTA of both kernels (256 threads); every warp works alone."""
@@ -76,8 +77,6 @@ WARP = 32
 FP4_DECODE_BIAS = 2.0**6
 """The FP4 decode yields E2M1 values times 2**-6 (see ``_fp4x8``)."""
 FORMATS = ("fp4", "fp8")
-MMA_K_CHUNK = 128
-"""K elements per chunk of the Mega MoE weight layout that ``_GateUpMMA`` reads."""
 L1_LAYOUTS = ("canonical", "mega")
 GATE_UP_MMA_DEPTH = 4
 """K chunks of weights (10 registers each) ``_GateUpMMA`` keeps in flight per lane (H200 sweep 2026-11-29:
@@ -95,19 +94,25 @@ def _asm(results: list, args: list, text: str, constraints: str, loc=None, ip=No
     return ptx.inline_asm(results, args, text, constraints, loc, ip, side_effects=False)
 
 
+WEIGHT_LOAD = ".nc.L1::no_allocate.L2::256B"
+"""Weight rows: read-only path, not kept in L1 (the activations, read by many warps, stay there), 256-byte
+L2 prefetch."""
+ACT_LOAD = ".nc"
+"""Activations: read-only path, kept in L1 (other warps read them too)."""
+
+
 @dsl_user_op
-def _ld_weights(addr: Int64, *, loc=None, ip=None) -> list:
-    """16 bytes of a weight row as 4 words; read-only path, not kept in L1, 256-byte L2 prefetch."""
-    vals = _asm(
-        [T.i32()] * 4, [Int64(addr).ir_value(loc=loc, ip=ip)],
-        "ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", loc, ip,
-    )
-    return [Int32(v) for v in vals]
+def _ld16(addr: Int64, cache: str, floats: bool = False, *, loc=None, ip=None) -> list:
+    """16 bytes at ``addr`` (``ld.global{cache}.v4``) as 4 words, or 4 floats when ``floats``."""
+    ty, reg, kind, cls = (T.f32(), "f", "f32", Float32) if floats else (T.i32(), "r", "b32", Int32)
+    vals = _asm([ty] * 4, [Int64(addr).ir_value(loc=loc, ip=ip)],
+                f"ld.global{cache}.v4.{kind} {{$0, $1, $2, $3}}, [$4];", ",".join([f"={reg}"] * 4 + ["l"]), loc, ip)
+    return [cls(v) for v in vals]
 
 
 @dsl_user_op
 def _ld_weights_if(addr: Int64, on: Int32, *, loc=None, ip=None) -> list:
-    """``_ld_weights`` when ``on`` is nonzero, else four zero words (no memory access, no branch)."""
+    """A ``WEIGHT_LOAD`` of 16 bytes when ``on`` is nonzero, else four zero words (no memory access, no branch)."""
     text = (
         "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n"
         "@p ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4];\n}"
@@ -123,35 +128,9 @@ def _prefetch_l2(addr: Int64, nbytes: int, *, loc=None, ip=None) -> None:
                    loc, ip, side_effects=True)
 
 
-@dsl_user_op
-def _ld_words(addr: Int64, *, loc=None, ip=None) -> list:
-    """16 bytes of an activation row (kept in L1: other warps read it too) as 4 words."""
-    vals = _asm(
-        [T.i32()] * 4, [Int64(addr).ir_value(loc=loc, ip=ip)],
-        "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", loc, ip,
-    )
-    return [Int32(v) for v in vals]
-
-
 def _ld_words_x4(addr: Int64) -> list:
     """64 contiguous bytes of an activation row (kept in L1) as 16 words."""
-    return [word for i in range(4) for word in _ld_words(addr + i * 16)]
-
-
-def _fp4_helpers():
-    from .sm90_fp4_decode import device_helpers
-
-    return device_helpers()
-
-
-@dsl_user_op
-def _ld_floats(addr: Int64, *, loc=None, ip=None) -> list:
-    """16 bytes of an FP32 activation row as 4 floats (kept in L1)."""
-    vals = _asm(
-        [T.f32()] * 4, [Int64(addr).ir_value(loc=loc, ip=ip)],
-        "ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l", loc, ip,
-    )
-    return [Float32(v) for v in vals]
+    return [word for i in range(4) for word in _ld16(addr + i * 16, ACT_LOAD)]
 
 
 @dsl_user_op
@@ -388,7 +367,7 @@ class _GateUp(_GateUpLaunch):
     def load(self, rows, vec) -> tuple:
         """Vector ``vec`` of the gate row and of the up row (``inter`` rows further)."""
         w_gate = rows[0] + Int64(vec) * VEC_BYTES
-        return _ld_weights(w_gate), _ld_weights(w_gate + self.inter * self.fmt.row_bytes(self.hidden))
+        return _ld16(w_gate, WEIGHT_LOAD), _ld16(w_gate + self.inter * self.fmt.row_bytes(self.hidden), WEIGHT_LOAD)
 
     def full_rounds(self, acc, lane, rows, x_row):
         vecs = [lane + r * WARP for r in range(self.fmt.vectors(self.hidden) // WARP)]
@@ -401,7 +380,7 @@ class _GateUp(_GateUpLaunch):
         fmt = self.fmt
         xs = []
         for q in range(fmt.elems_per_vec // 8):
-            for word in _ld_words(x_row + Int64(fmt.interleaved_offset(vec * fmt.elems_per_vec + q * 8, 8)) * 2):
+            for word in _ld16(x_row + Int64(fmt.interleaved_offset(vec * fmt.elems_per_vec + q * 8, 8)) * 2, ACT_LOAD):
                 xs += _bf16x2(word)
         sf_up = rows[1] + self.inter * (self.hidden // PACKED_BLOCK_K * 4)
         for r, (row_words, sf_row) in enumerate(zip(words, (rows[1], sf_up))):
@@ -433,7 +412,7 @@ class _GateUpMMA(_GateUpLaunch):
 
     def __init__(self, hidden: int, inter: int, down_fmt: str, has_clamp: bool):
         self.hidden, self.inter, self.has_clamp = hidden, inter, has_clamp
-        self.chunks = hidden // MMA_K_CHUNK
+        self.chunks = hidden // K_CHUNK
         self.warps_per_pair, self.a_fmt, self.min_ctas = inter // 8, _FMT[down_fmt], GATE_UP_MMA_MIN_CTAS_PER_SM
 
     @cute.kernel
@@ -462,7 +441,7 @@ class _GateUpMMA(_GateUpLaunch):
                 for c in cutlass.range_constexpr(chunks):
                     if cutlass.const_expr(c + GATE_UP_MMA_DEPTH < chunks):
                         loaded.append(self.load(rows, c + GATE_UP_MMA_DEPTH))
-                    acc = self.chunk(acc, loaded[c], _ld_words_x4(x_lane + c * (MMA_K_CHUNK * 2)))
+                    acc = self.chunk(acc, loaded[c], _ld_words_x4(x_lane + c * (K_CHUNK * 2)))
                 gate = (acc[0] + acc[4]) * Float32(2.0**BF16_ACC_SHIFT)
                 up = (acc[2] + acc[6]) * Float32(2.0**BF16_ACC_SHIFT)
                 out = _swiglu(gate, up, clamp, self.has_clamp)
@@ -473,12 +452,13 @@ class _GateUpMMA(_GateUpLaunch):
         """Chunk ``c``: the lane's 4 words of its gate row and of its up row (8 rows further), and both
         rows' packed scale words."""
         up = 8 * (self.hidden // 2)
-        wa = rows[0] + c * (MMA_K_CHUNK // 2)
-        return _ld_weights(wa), _ld_weights(wa + up), _ld_word(rows[1] + c * 4), _ld_word(rows[1] + 8 * self.chunks * 4 + c * 4)
+        wa = rows[0] + c * (K_CHUNK // 2)
+        return (_ld16(wa, WEIGHT_LOAD), _ld16(wa + up, WEIGHT_LOAD), _ld_word(rows[1] + c * 4),
+                _ld_word(rows[1] + 8 * self.chunks * 4 + c * 4))
 
     def chunk(self, acc: list, loaded: tuple, xs: list) -> list:
         """Accumulate one 128-wide K chunk: 4 words x 2 K blocks of 16 = 8 MMAs."""
-        h = _fp4_helpers()
+        h = device_helpers()
         gate_words, up_words, gate_sf, up_sf = loaded
         for wd in range(4):  # word wd = 32-wide scale block wd of the chunk
             g = h.decode_e2m1x8_bf16(gate_words[wd], h.ue8m0_to_bf16x2_multiplier(gate_sf, wd))
@@ -489,6 +469,16 @@ class _GateUpMMA(_GateUpLaunch):
                                  [xs[4 * wd + 2 * kk], xs[4 * wd + 2 * kk + 1]])
                 acc = acc[: 4 * kk] + part + acc[4 * kk + 4:]
         return acc
+
+
+class _Slot(NamedTuple):
+    """One (token, slot) of the down kernel: its R weight rows' and scale rows' addresses, 1 if the slot
+    is valid else 0, and its routing weight times the decode bias (0 when masked)."""
+
+    w_row: Int64
+    sf_row: Int64
+    on: Int32
+    weight: Float32
 
 
 class _Down:
@@ -550,22 +540,21 @@ class _Down:
                     elif v < fmt.vectors(inter):  # last partial round: only lanes inside the row
                         self.accumulate(dot, v, words, slots[j], a_row)
                 for r in cutlass.range_constexpr(rows):
-                    acc[r] = _fma(slots[j][3], dot[r], acc[r])
+                    acc[r] = _fma(slots[j].weight, dot[r], acc[r])
             for r in cutlass.range_constexpr(rows):
                 total = _warp_sum(acc[r])
                 if lane == r:
                     y[t, h0 + r] = total.to(cutlass.BFloat16)
 
-    def slot(self, idx, wts, w, sf, t, j, h0, experts) -> tuple:
-        """(weight row base, scale row base, 1 if the slot is valid else 0, routing weight times the decode
-        bias or 0) of slot ``j``; a masked slot points at expert 0 and loads nothing."""
+    def slot(self, idx, wts, w, sf, t, j, h0, experts) -> _Slot:
+        """Slot ``j`` of token ``t``; a masked slot points at expert 0 and loads nothing."""
         e = idx[t, j]
         valid = (e >= 0) & (e < experts)
         first = Int64(cutlass.select_(valid, e, Int64(0))) * self.hidden + h0
-        return (w.toint() + first * self.fmt.row_bytes(self.inter),
-                sf.toint() + first * (self.inter // PACKED_BLOCK_K * 4),
-                Int32(cutlass.select_(valid, Int32(1), Int32(0))),
-                Float32(cutlass.select_(valid, wts[t, j] * self.fmt.decode_bias, Float32(0.0))))
+        return _Slot(w.toint() + first * self.fmt.row_bytes(self.inter),
+                     sf.toint() + first * (self.inter // PACKED_BLOCK_K * 4),
+                     Int32(cutlass.select_(valid, Int32(1), Int32(0))),
+                     Float32(cutlass.select_(valid, wts[t, j] * self.fmt.decode_bias, Float32(0.0))))
 
     def load_slot(self, slot, lane) -> list:
         """The lane's weight vectors of the R rows of one slot: [(vector, [words of each row])]."""
@@ -573,10 +562,10 @@ class _Down:
         out = []
         for r in range(-(-vecs // WARP)):
             vec = lane + r * WARP
-            on = slot[2]
+            on = slot.on
             if r * WARP + WARP > vecs:  # last partial round: lanes past the row load nothing
                 on = on & Int32(cutlass.select_(vec < vecs, Int32(1), Int32(0)))
-            out.append((vec, [_ld_weights_if(slot[0] + i * self.fmt.row_bytes(self.inter) + Int64(vec) * VEC_BYTES, on)
+            out.append((vec, [_ld_weights_if(slot.w_row + i * self.fmt.row_bytes(self.inter) + Int64(vec) * VEC_BYTES, on)
                               for i in range(self.rows)]))
         return out
 
@@ -585,14 +574,14 @@ class _Down:
         fmt = self.fmt
         av = []
         for q in range(fmt.elems_per_vec // 4):  # lane-interleaved rows: each chunk load is warp-coalesced
-            av += _ld_floats(a_row + Int64(fmt.interleaved_offset(vec * fmt.elems_per_vec + q * 4, 4)) * 4)
+            av += _ld16(a_row + Int64(fmt.interleaved_offset(vec * fmt.elems_per_vec + q * 4, 4)) * 4, ACT_LOAD, True)
         sf_row_bytes = self.inter // PACKED_BLOCK_K * 4
         for r, row_words in enumerate(words):
             vals = fmt.values(row_words)
             part = Float32(0.0)
             for n in range(fmt.elems_per_vec):
                 part = _fma(vals[n], av[n], part)
-            dot[r] = _fma(part, fmt.scale(slot[1] + r * sf_row_bytes, vec), dot[r])
+            dot[r] = _fma(part, fmt.scale(slot.sf_row + r * sf_row_bytes, vec), dot[r])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -652,9 +641,9 @@ _GATHER: dict = {}
 def _token_source(hidden: int, layout: str) -> torch.Tensor:
     """For each position of an interleaved token row, the element of ``x`` it holds (int64 [Hp])."""
     if layout == "mma":  # position 128c + 32q + 2m + i <- element 128c + 32w + 16kk + 8h + 2q + i, m = 4w + 2kk + h
-        c, q, w, kk, h, i = torch.meshgrid(*(torch.arange(n) for n in (hidden // MMA_K_CHUNK, 4, 4, 2, 2, 2)),
+        c, q, w, kk, h, i = torch.meshgrid(*(torch.arange(n) for n in (hidden // K_CHUNK, 4, 4, 2, 2, 2)),
                                            indexing="ij")
-        return (MMA_K_CHUNK * c + 32 * w + 16 * kk + 8 * h + 2 * q + i).flatten()
+        return (K_CHUNK * c + 32 * w + 16 * kk + 8 * h + 2 * q + i).flatten()
     fmt = _FMT[layout]
     source = torch.zeros(fmt.interleaved_row(hidden), dtype=torch.int64)
     source[fmt.interleaved_offset(torch.arange(hidden), 8)] = torch.arange(hidden)
@@ -671,8 +660,11 @@ def interleave_tokens(x: torch.Tensor, layout: str) -> torch.Tensor:
     return x.index_select(1, _GATHER[key])
 
 
+_WEIGHT_DTYPES = {"fp4": torch.uint8, "fp8": torch.float8_e4m3fn}
+
+
 def _weight_format(w: object, name: str) -> str:
-    check_tensor(name, w, dtype=(torch.uint8, torch.float8_e4m3fn))
+    check_tensor(name, w, dtype=tuple(_WEIGHT_DTYPES.values()))
     return "fp4" if w.dtype == torch.uint8 else "fp8"
 
 
@@ -718,13 +710,12 @@ def check_decode_inputs(x, topk_idx, topk_weights, l1, l2, activation_clamp=None
     check_multiple("l1[0].shape[1] // 2 (intermediate)", inter, PACKED_BLOCK_K,
                    "16-byte weight vectors and packed UE8M0 scale words")
     if mega:
-        check_multiple("x.shape[1] (hidden)", hidden, MMA_K_CHUNK, "the Mega MoE layout's 128-wide K chunks")
-        check_tensor("l1[0]", w1, shape=(experts, two_inter, hidden // MMA_K_CHUNK, BF16_WORDS))
+        check_multiple("x.shape[1] (hidden)", hidden, K_CHUNK, "the Mega MoE layout's 128-wide K chunks")
+        check_tensor("l1[0]", w1, shape=(experts, two_inter, hidden // K_CHUNK, BF16_WORDS))
     else:
         check_tensor("l1[0]", w1, shape=(experts, two_inter, hidden // per_byte))
     check_tensor("l1[1]", s1, dtype=torch.int32, shape=(experts, two_inter, hidden // PACKED_BLOCK_K), contiguous=True)
-    check_tensor("l2[0]", w2, dtype=w2.dtype if mega else w1.dtype, shape=(experts, hidden, inter // per_byte),
-                 contiguous=True)
+    check_tensor("l2[0]", w2, dtype=_WEIGHT_DTYPES[fmt], shape=(experts, hidden, inter // per_byte), contiguous=True)
     check_tensor("l2[1]", s2, dtype=torch.int32, shape=(experts, hidden, inter // PACKED_BLOCK_K), contiguous=True)
     if tokens * topk * inter >= 2**31:
         fail("topk_idx", f"T * k * intermediate = {tokens * topk * inter} must stay below 2**31 (32-bit warp ids)")
