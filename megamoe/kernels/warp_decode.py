@@ -151,6 +151,11 @@ def _ue8m0_scale(packed: Int32, shift: Int32, *, loc=None, ip=None) -> Float32:
     return Float32(_asm([T.f32()], args, text, "=f,r,r", loc, ip)[0])
 
 
+def _e4m3x2_to_f32(src: str, lo: int, hi: int) -> str:
+    """PTX: the two E4M3 bytes of the b16 register ``src`` -> FP32 outputs ``$lo``, ``$hi`` (exact, via f16x2)."""
+    return f"cvt.rn.f16x2.e4m3x2 p, {src};\nmov.b32 {{l, h}}, p;\ncvt.f32.f16 ${lo}, l;\ncvt.f32.f16 ${hi}, h;\n"
+
+
 _FP4_DECODE = """{
 .reg .b32 a, b, t, p;
 .reg .b16 a0, a1, b0, b1, l, h;
@@ -165,23 +170,7 @@ and.b32 t, $8, 0x80808080;
 or.b32 b, b, t;
 mov.b32 {a0, a1}, a;
 mov.b32 {b0, b1}, b;
-cvt.rn.f16x2.e4m3x2 p, a0;
-mov.b32 {l, h}, p;
-cvt.f32.f16 $0, l;
-cvt.f32.f16 $2, h;
-cvt.rn.f16x2.e4m3x2 p, a1;
-mov.b32 {l, h}, p;
-cvt.f32.f16 $4, l;
-cvt.f32.f16 $6, h;
-cvt.rn.f16x2.e4m3x2 p, b0;
-mov.b32 {l, h}, p;
-cvt.f32.f16 $1, l;
-cvt.f32.f16 $3, h;
-cvt.rn.f16x2.e4m3x2 p, b1;
-mov.b32 {l, h}, p;
-cvt.f32.f16 $5, l;
-cvt.f32.f16 $7, h;
-}"""
+""" + "".join(_e4m3x2_to_f32(*r) for r in (("a0", 0, 2), ("a1", 4, 6), ("b0", 1, 3), ("b1", 5, 7))) + "}"
 
 
 @dsl_user_op
@@ -200,8 +189,7 @@ def _fp8x4(word: Int32, *, loc=None, ip=None) -> list:
     """4 E4M3 bytes (little-endian) -> 4 FP32 values (exact), in order."""
     text = (
         "{\n.reg .b16 b0, b1, l, h;\n.reg .b32 p;\nmov.b32 {b0, b1}, $4;\n"
-        "cvt.rn.f16x2.e4m3x2 p, b0;\nmov.b32 {l, h}, p;\ncvt.f32.f16 $0, l;\ncvt.f32.f16 $1, h;\n"
-        "cvt.rn.f16x2.e4m3x2 p, b1;\nmov.b32 {l, h}, p;\ncvt.f32.f16 $2, l;\ncvt.f32.f16 $3, h;\n}"
+        + _e4m3x2_to_f32("b0", 0, 1) + _e4m3x2_to_f32("b1", 2, 3) + "}"
     )
     vals = _asm([T.f32()] * 4, [Int32(word).ir_value(loc=loc, ip=ip)], text, "=f,=f,=f,=f,r", loc, ip)
     return [Float32(v) for v in vals]
