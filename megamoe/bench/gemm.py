@@ -189,6 +189,26 @@ def _baseline_offsets(p: Point) -> tuple[torch.Tensor, int]:
     return torch.arange(1, p.experts + 1, dtype=torch.int32, device="cuda") * rows, rows
 
 
+def _run_baseline(name: str, p: Point, rows: int, bytes_per_weight: float, call, reference) -> Result:
+    """One torch grouped-GEMM baseline: run ``call()`` (groups of ``rows`` padded rows), check the real rows of
+    a few experts against ``reference(e, rows slice)`` (FP64), then time it. A baseline that cannot run is
+    reported as skipped, not fatal."""
+    try:
+        out = call()
+        torch.cuda.synchronize()
+    except Exception as ex:  # noqa: BLE001
+        return Result(name, f"skipped: {type(ex).__name__}: {str(ex)[:120]}")
+    worst, nan = 0.0, False
+    for e in _check_experts(p):
+        r = slice(e * rows, e * rows + min(p.rows_per_expert, CHECK_ROWS))
+        nan |= bool(torch.isnan(out[r].float()).any())
+        worst = max(worst, rel_fro_error(out[r], reference(e, r).to(torch.bfloat16)))
+    us = _time_us(call)
+    flops = 2.0 * p.experts * p.rows_per_expert * p.n * p.k
+    return Result(name, _verdict(worst, 1e-2, nan), us, flops / us / 1e6,
+                  _weight_bytes(p, bytes_per_weight) / us / 1e3, f"groups padded to {rows} rows")
+
+
 def run_scaled_grouped_mm(p: Point) -> Result:
     fn = getattr(torch, "_scaled_grouped_mm", None)
     if fn is None:
@@ -201,22 +221,11 @@ def run_scaled_grouped_mm(p: Point) -> Result:
     w = _fill_rows(w, lambda r: fp8(r, p.n, p.k))
     sa = torch.rand(m, device="cuda") + 0.5
     sw = torch.rand(p.experts, p.n, device="cuda") + 0.5
-    call = lambda: fn(a, w.transpose(-2, -1), sa, sw, offs=offs, out_dtype=torch.bfloat16)  # noqa: E731
-    try:
-        out = call()
-        torch.cuda.synchronize()
-    except Exception as ex:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
-        return Result("torch._scaled_grouped_mm fp8", f"skipped: {type(ex).__name__}: {str(ex)[:120]}")
-    worst, nan = 0.0, False
-    for e in _check_experts(p):
-        r = slice(e * rows, e * rows + min(p.rows_per_expert, CHECK_ROWS))
-        ref = (a[r].double() * sa[r, None].double()) @ (w[e].double() * sw[e, :, None].double()).T
-        nan |= bool(torch.isnan(out[r].float()).any())
-        worst = max(worst, rel_fro_error(out[r], ref.to(torch.bfloat16)))
-    us = _time_us(call)
-    flops = 2.0 * p.experts * p.rows_per_expert * p.n * p.k
-    return Result("torch._scaled_grouped_mm fp8", _verdict(worst, 1e-2, nan), us, flops / us / 1e6,
-                  _weight_bytes(p, 1 + 4 / p.k) / us / 1e3, f"groups padded to {rows} rows")
+    return _run_baseline(
+        "torch._scaled_grouped_mm fp8", p, rows, 1 + 4 / p.k,
+        lambda: fn(a, w.transpose(-2, -1), sa, sw, offs=offs, out_dtype=torch.bfloat16),
+        lambda e, r: (a[r].double() * sa[r, None].double()) @ (w[e].double() * sw[e, :, None].double()).T,
+    )
 
 
 def run_grouped_mm_bf16(p: Point) -> Result:
@@ -229,22 +238,11 @@ def run_grouped_mm_bf16(p: Point) -> Result:
     a = _fill_rows(torch.empty(m, p.k, dtype=torch.bfloat16, device="cuda"), lambda r: bf16(r, p.k))
     w = _fill_rows(torch.empty(p.experts, p.n, p.k, dtype=torch.bfloat16, device="cuda"),
                    lambda r: bf16(r, p.n, p.k))
-    call = lambda: fn(a, w.transpose(-2, -1), offs=offs, out_dtype=torch.bfloat16)  # noqa: E731
-    try:
-        out = call()
-        torch.cuda.synchronize()
-    except Exception as ex:  # noqa: BLE001
-        return Result("torch._grouped_mm bf16", f"skipped: {type(ex).__name__}: {str(ex)[:120]}")
-    worst, nan = 0.0, False
-    for e in _check_experts(p):
-        r = slice(e * rows, e * rows + min(p.rows_per_expert, CHECK_ROWS))
-        ref = a[r].double() @ w[e].double().T
-        nan |= bool(torch.isnan(out[r].float()).any())
-        worst = max(worst, rel_fro_error(out[r], ref.to(torch.bfloat16)))
-    us = _time_us(call)
-    flops = 2.0 * p.experts * p.rows_per_expert * p.n * p.k
-    return Result("torch._grouped_mm bf16", _verdict(worst, 1e-2, nan), us, flops / us / 1e6,
-                  _weight_bytes(p, 2) / us / 1e3, f"groups padded to {rows} rows")
+    return _run_baseline(
+        "torch._grouped_mm bf16", p, rows, 2,
+        lambda: fn(a, w.transpose(-2, -1), offs=offs, out_dtype=torch.bfloat16),
+        lambda e, r: a[r].double() @ w[e].double().T,
+    )
 
 
 def _gb_needed(p: Point, baselines: bool) -> float:
