@@ -4,8 +4,10 @@
 ``y = MoE(x)`` for ``x`` bfloat16 ``[T, H]`` by one of two paths:
 
 * ``"warp_decode"`` (``megamoe.moe_decode``, ``kernels.warp_decode``): output-centric kernels, BF16
-  activations, FP32 accumulation, one BF16 rounding of ``y``. Its cost grows with T * k (every
-  (token, slot) pair streams its expert's rows), so it wins at small batches.
+  activations, FP32 accumulation, one BF16 rounding of ``y``. Below ``EXPERT_MAJOR_MIN_TOKENS`` every
+  (token, slot) pair streams its expert's rows on its own (SIMT kernels over the canonical weights); from
+  there on the expert-major tensor-core kernels (``kernels.expert_major_decode``, both weights in the Mega
+  MoE layout) read each routed expert once per batch.
 * ``"grouped"``: the staged Mega MoE on one rank (``megamoe.mega``: routing, contiguous expert groups,
   SM90 grouped GEMMs with the SwiGLU-quant epilogue, combine), after quantizing ``x`` to FP8 (the
   numerics contract of ``megamoe.numerics``). Its cost follows the distinct experts' weights.
@@ -16,10 +18,9 @@ decode was faster in ``python -m megamoe.bench decode`` (receipt in ``bench/resu
 use the rule derived from those points (``default_crossover``). The two paths differ by the FP8
 contract's error (the grouped path quantizes activations), never more than ``moe_tolerances``.
 
-The decoder holds the weights in two layouts: canonical (warp decode) and the Mega MoE layout of the
-grouped path (twice the FP4 bytes), plus a one-rank SymmBuffer of ``max_tokens`` rows. Warp decode
-runs its gate_up on tensor cores over the Mega MoE L1 for ``T >= MMA_GATE_UP_MIN_TOKENS`` (SIMT over
-the canonical L1 below: fewer, longer warps lose at T = 1).
+The decoder holds the weights in two layouts: canonical (SIMT warp decode) and the Mega MoE layout of
+the grouped path and the expert-major kernels (twice the FP4 bytes), plus a one-rank SymmBuffer of
+``max_tokens`` rows.
 """
 
 from __future__ import annotations
@@ -31,21 +32,22 @@ from .layouts.weights import check_fp4_expert_weights
 
 PATHS = ("auto", "warp_decode", "grouped")
 MEASURED_CROSSOVERS: dict[tuple[int, int, int, int], int] = {
-    (4096, 2048, 32, 6): 4,
-    (4096, 2048, 128, 6): 8,
-    (7168, 3072, 48, 6): 2,
+    (4096, 2048, 32, 6): 32,
+    (4096, 2048, 128, 6): 32,
+    (7168, 3072, 48, 6): 4,
     (7168, 3072, 192, 6): 4,
 }
 """(hidden, intermediate, experts, top-k) -> the largest batch where warp decode beat the grouped path:
-H200, 2026-11-29, ``bench/results/2026-11-29_decode_mma_h200.txt`` (warp decode as the decoder runs it vs
-grouped, us: flash 32 experts 41.8/42.1 vs 92.1 at T=1, 112.8 vs 146.9 at 4, 205.1 vs 185.6 at 8; flash 128:
-213.2 vs 255.7 at 8, 401.0 vs 378.4 at 16; pro 48: 167.4 vs 205.6 at 2, 301.4 vs 298.3 at 4; pro 192: 311.9
-vs 348.6 at 4, 574.4 vs 559.3 at 8)."""
-MMA_GATE_UP_MIN_TOKENS = 4
-"""Smallest batch for which warp decode runs gate_up on tensor cores (over the grouped path's Mega MoE
-L1), else SIMT over canonical L1. ``bench/results/2026-11-29_decode_mma_h200.txt`` (whole layer, us, SIMT /
-tensor cores): pro 93.2 / 101.8 at T=1, 167.4 / 197.6 at 2, 305.3 / 301.4 at 4, 580.2 / 503.2 at 8; flash
-42.1 / 41.8, 69.5 / 62.4, 125.6 / 112.8, 232.2 / 205.1 (top-6, 32 and 48 experts)."""
+H200, 2026-11-29, ``bench/results/2026-11-29_decode_expert_major_h200.txt`` (warp decode as the decoder runs
+it vs grouped, us: flash 32 experts 40.7 vs 91.5 at T=1, 131.7 vs 185.3 at 8, 202.0 vs 234.8 at 32, 367.2 vs
+236.2 at 64; flash 128: 509.7 vs 514.7 at 32, 699.7 vs 601.4 at 64; pro 48: 282.5 vs 301.9 at 4, 427.2 vs
+422.8 at 8; pro 192: 317.7 vs 352.8 at 4, 568.3 vs 565.9 at 8)."""
+EXPERT_MAJOR_MIN_TOKENS = 4
+"""Smallest batch for which warp decode runs the expert-major kernels (else the per-pair SIMT kernels).
+``bench/results/2026-11-29_decode_expert_major_h200.txt`` (us, SIMT / expert-major): flash 32 experts 40.7 /
+40.4 at T=1, 69.6 / 64.6 at 2, 125.3 / 92.7 at 4; pro 48: 93.6 / 111.2, 165.9 / 176.5, 304.2 / 282.5; pro 192:
+95.9 / 112.7, 166.7 / 188.4, 304.9 / 317.7 (T = 1, 2, 4; at T = 4 SIMT wins pro 192 by 4% and loses the
+other three by 7-35%)."""
 GROUPED_MULTIPLE = 512
 """H and I must be multiples of this for the grouped path (the SM90 grouped GEMM's K granularity)."""
 
@@ -115,8 +117,9 @@ class MoEDecoder:
         tokens = x.shape[0]
         chosen = self.path_for(tokens) if path == "auto" else path
         if chosen == "warp_decode":
-            l1 = self.mega.l1 if self.grouped and tokens >= MMA_GATE_UP_MIN_TOKENS else self.l1
-            return moe_decode(x, topk_idx, topk_weights, l1, self.l2, activation_clamp, out)
+            expert_major = self.grouped and tokens >= EXPERT_MAJOR_MIN_TOKENS
+            l1, l2 = (self.mega.l1, self.mega.l2) if expert_major else (self.l1, self.l2)
+            return moe_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp, out)
         if not self.grouped:
             fail("path", f"'grouped' needs hidden and intermediate multiples of {GROUPED_MULTIPLE}")
         if tokens > self.max_tokens:

@@ -56,23 +56,25 @@ def test_path_choice_and_validation():
         MoEDecoder(l1, l2, num_topk=9, max_tokens=16)
 
 
-def test_warp_path_picks_the_gate_up_kernel_by_batch(monkeypatch):
-    """Warp decode gets the Mega MoE L1 (tensor-core gate_up) from MMA_GATE_UP_MIN_TOKENS tokens on, the
-    canonical L1 (SIMT gate_up) below, and always the canonical L1 without the grouped path."""
+def test_warp_path_picks_its_kernels_by_batch(monkeypatch):
+    """Warp decode gets both weights in the Mega MoE layout (expert-major kernels) from EXPERT_MAJOR_MIN_TOKENS
+    tokens on, the canonical weights (per-pair SIMT kernels) below, and always the canonical ones without the
+    grouped path."""
     from megamoe.kernels import warp_decode
 
     seen = []
-    monkeypatch.setattr(warp_decode, "moe_decode", lambda x, idx, wts, l1, l2, *a: seen.append(l1[0].dtype))
+    monkeypatch.setattr(warp_decode, "moe_decode",
+                        lambda x, idx, wts, l1, l2, *a: seen.append((l1[0].dtype, l2[0].dtype)))
     gen = torch.Generator().manual_seed(4)
     for hidden, inter, grouped in ((512, 512, True), (384, 256, False)):
         l1, l2 = _weights(8, hidden, inter, 0)
         dec = MoEDecoder(l1, l2, num_topk=2, max_tokens=16, crossover=16)
         assert dec.grouped == grouped
-        for tokens in (1, decode.MMA_GATE_UP_MIN_TOKENS - 1, decode.MMA_GATE_UP_MIN_TOKENS, 16):
+        for tokens in (1, decode.EXPERT_MAJOR_MIN_TOKENS - 1, decode.EXPERT_MAJOR_MIN_TOKENS, 16):
             seen.clear()
             dec(random_tokens(tokens, hidden, gen), *random_routing(tokens, 8, 2, gen))
-            mma = grouped and tokens >= decode.MMA_GATE_UP_MIN_TOKENS
-            assert seen == [torch.int32 if mma else torch.uint8], (hidden, tokens, seen)
+            mega = grouped and tokens >= decode.EXPERT_MAJOR_MIN_TOKENS
+            assert seen == [(torch.int32, torch.int32) if mega else (torch.uint8, torch.uint8)], (hidden, tokens, seen)
 
 
 def test_no_grouped_path_for_unaligned_shapes():

@@ -66,6 +66,32 @@ def test_kernels_compile_for_sm90(fmt, has_clamp):
     assert all(compile_kernels(1152, 640, fmt, has_clamp, topk=9, down_rows=4))
 
 
+@pytest.mark.parametrize("has_clamp", [False, True])
+def test_expert_major_kernels_compile_for_sm90(has_clamp):
+    from megamoe.kernels import expert_major_decode as em
+
+    for hidden, inter, topk in ((4096, 2048, 6), (7168, 3072, 8), (1152, 640, 1)):
+        assert all(em.compile_kernels(hidden, inter, has_clamp, topk))
+    assert all(em.compile_kernels(1152, 640, has_clamp, 2, tuning=(2, 3)))
+
+
+def test_mma_order_is_the_inverse_of_the_gather():
+    """The expert-major gate_up stores a[n] at ``mma_position(n)``; the down kernel reads it back as the
+    gathered x rows: both orders must agree, and each of a lane's 16-byte loads must be one column's 64
+    contiguous bytes across the 4 lanes q."""
+    from megamoe.kernels.expert_major_decode import mma_position
+    from megamoe.kernels.warp_decode import _token_source
+
+    for hidden in (128, 640, 4096):
+        pos = torch.tensor([mma_position(n) for n in range(hidden)])
+        assert torch.equal(_token_source(hidden, "mma")[pos], torch.arange(hidden))
+    # element k = 16kk + 8h + 2q + i of K block 32w: lane q's load w holds bytes [64w + 16q, 64w + 16q + 16)
+    for w in range(4):
+        for q in range(4):
+            elems = [32 * w + 16 * kk + 8 * h + 2 * q + i for kk in range(2) for h in range(2) for i in range(2)]
+            assert sorted(2 * mma_position(n) for n in elems) == list(range(64 * w + 16 * q, 64 * w + 16 * q + 16, 2))
+
+
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 @pytest.mark.parametrize("k", [640, 1152, 4096])
 @pytest.mark.parametrize("per_chunk", [4, 8])
@@ -140,6 +166,14 @@ def _bad_cases():
         "mega l1 shape": (_with(a, l1=(torch.ones(4, 256, 2, 8, dtype=torch.int32), s1)), "`l1[0]` must have shape"),
         "mega l1 with fp8 l2": (_with(a, l1=(torch.ones(4, 256, 2, 16, dtype=torch.int32), s1),
                                       l2=(w2.view(torch.float8_e4m3fn), s2)), "`l2[0]` must be FP4"),
+        "mega l2 alone": (_with(a, l2=(torch.ones(4, 256, 1, 16, dtype=torch.int32), s2)),
+                          "`l2[0]` may be in the Mega MoE layout (int32) only when l1 is too"),
+        "mega l2 shape": (_with(a, l1=(torch.ones(4, 256, 2, 16, dtype=torch.int32), s1),
+                                l2=(torch.ones(4, 256, 2, 16, dtype=torch.int32), s2)), "`l2[0]` must have shape"),
+        "too many experts": (_with(a, l1=(torch.ones(1025, 256, 2, 16, dtype=torch.int32),
+                                          torch.ones(1025, 256, 2, dtype=torch.int32)),
+                                   l2=(torch.ones(1025, 256, 1, 16, dtype=torch.int32),
+                                       torch.ones(1025, 256, 1, dtype=torch.int32))), "experts"),
     }
 
 
@@ -159,6 +193,8 @@ def test_fp8_inputs_pass_shape_checks():
     assert check_decode_inputs(**_valid_cpu_inputs("fp4")) == ("fp4", 256, 128)
     mega = _with(_valid_cpu_inputs("fp4"), l1=(torch.ones(4, 256, 2, 16, dtype=torch.int32), _valid_cpu_inputs()["l1"][1]))
     assert check_decode_inputs(**mega) == ("fp4", 256, 128)
+    both = _with(mega, l2=(torch.ones(4, 256, 1, 16, dtype=torch.int32), _valid_cpu_inputs()["l2"][1]))
+    assert check_decode_inputs(**both) == ("fp4", 256, 128)
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -171,11 +207,12 @@ CASES = {
     "masked-clamp": (9, 1152, 384, 8, 3, "fp4", 0.5, 0.3, None),
     "fp8-clamp": (5, 1152, 640, 6, 2, "fp8", 0.25, 0.2, None),
     "flash-shape": (4, 4096, 2048, 32, 6, "fp4", None, 0.0, None),
+    "many-experts": (11, 1024, 512, 200, 8, "fp4", None, 0.1, None),  # experts spread over 7 bitmap words
 }
 
 
 def _run_case(name, seed=0, l1_layout="canonical"):
-    from megamoe.kernels.sm90_grouped_gemm import prepare_fp4_weights_l1
+    from megamoe.kernels.sm90_grouped_gemm import prepare_fp4_weights, prepare_fp4_weights_l1
     from megamoe.kernels.warp_decode import moe_decode
 
     tokens, hidden, inter, experts, topk, fmt, clamp, masked, hot = CASES[name]
@@ -183,9 +220,11 @@ def _run_case(name, seed=0, l1_layout="canonical"):
     if name == "masked-clamp":
         idx[2] = -1  # a token with every slot masked
         idx[5, 0] = experts + 3  # an id outside [0, E) counts as masked
+        idx[3, 1] = idx[3, 0] = 1  # the same expert twice in one token
     out = torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
-    l1_kernel = prepare_fp4_weights_l1(*l1, mma="bf16") if l1_layout == "mega" else l1
-    y = moe_decode(x, idx, wts, l1_kernel, l2, activation_clamp=clamp, out=out)
+    l1_kernel = prepare_fp4_weights_l1(*l1, mma="bf16") if l1_layout != "canonical" else l1
+    l2_kernel = prepare_fp4_weights(*l2, mma="bf16") if l1_layout == "expert" else l2
+    y = moe_decode(x, idx, wts, l1_kernel, l2_kernel, activation_clamp=clamp, out=out)
     torch.cuda.synchronize()
     ref = reference_decode(x, idx, wts, l1, l2, clamp)
     return y, ref, (x, idx, wts, l1, l2, clamp)
@@ -193,10 +232,12 @@ def _run_case(name, seed=0, l1_layout="canonical"):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,l1_layout", [(n, "canonical") for n in sorted(CASES)]
-                         + [(n, "mega") for n in sorted(CASES) if CASES[n][5] == "fp4"])
+                         + [(n, lay) for n in sorted(CASES) if CASES[n][5] == "fp4" for lay in ("mega", "expert")])
 def test_matches_fp32_reference(name, l1_layout):
-    """Both gate_up kernels: SIMT on canonical L1, tensor cores on the Mega MoE layout (same tolerance:
-    exact weight products, FP32 sums, one BF16 rounding of y)."""
+    """Every path: SIMT gate_up on canonical L1, tensor-core gate_up on the Mega MoE L1, and the expert-major
+    kernels on both weights in the Mega MoE layout ("expert"). Same tolerance: exact weight products, FP32
+    sums, one BF16 rounding of y (the expert-major down reads a as hi + lo BF16, within 2**-17 of it: far
+    below that rounding)."""
     y, ref, (_, idx, *_rest) = _run_case(name, l1_layout=l1_layout)
     assert y.dtype == torch.bfloat16 and not torch.isnan(y).any(), "output not fully written"
     errs = rel_fro_error(y, ref), max_row_rel_error(y, ref)

@@ -56,7 +56,7 @@ from cutlass import Float32, Int32, Int64, cute
 from cutlass._mlir.dialects import math as mlir_math
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from ..checks import check_multiple, check_tensor, fail
+from ..checks import check_multiple, check_range, check_tensor, fail
 from ..layouts import PACKED_BLOCK_K
 from ..numerics import check_activation_clamp
 from . import ptx, runtime
@@ -128,9 +128,11 @@ def _prefetch_l2(addr: Int64, nbytes: int, *, loc=None, ip=None) -> None:
                    loc, ip, side_effects=True)
 
 
-def _ld_words_x4(addr: Int64) -> list:
-    """64 contiguous bytes of an activation row (kept in L1) as 16 words."""
-    return [word for i in range(4) for word in _ld16(addr + i * 16, ACT_LOAD)]
+def _ld_mma_chunk(addr: Int64) -> list:
+    """The lane's 16 words of one 128-wide chunk of an MMA-ordered bf16 row (kept in L1): 16 bytes at each of
+    ``addr + 64 j``, j = 0..3 (``addr`` = chunk start + 16 q), so the 4 lanes of a column read 64 contiguous
+    bytes per load."""
+    return [word for j in range(4) for word in _ld16(addr + j * 64, ACT_LOAD)]
 
 
 @dsl_user_op
@@ -396,17 +398,17 @@ class _GateUpMMA(_GateUpLaunch):
     weights leave the SIMT pipes (about 2.4 instead of 4 instructions per weight), but a warp streams 16
     rows instead of 2, so there are 8x fewer, longer warps. Whole layer, H200, top-6 (2026-11-29): flash
     1-14% faster than with ``_GateUp`` at every T; pro 4-18% slower at T <= 2, within 2% at T = 4, 1-16%
-    faster at T >= 8 (``megamoe.decode.MMA_GATE_UP_MIN_TOKENS`` picks between them)."""
+    faster at T >= 8. ``MoEDecoder`` now takes the expert-major kernels (``expert_major_decode``) from T = 4 on;
+    this kernel stays the gate_up of ``moe_decode`` with Mega MoE L1 and canonical L2."""
 
     def __init__(self, hidden: int, inter: int, down_fmt: str, has_clamp: bool):
         self.hidden, self.inter, self.has_clamp = hidden, inter, has_clamp
-        self.chunks = hidden // K_CHUNK
         self.warps_per_pair, self.a_fmt, self.min_ctas = inter // 8, _FMT[down_fmt], GATE_UP_MMA_MIN_CTAS_PER_SM
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, idx: cute.Tensor, w: cute.Pointer, sf: cute.Pointer, a: cute.Tensor,
                experts: Int32, clamp: Float32):
-        hidden, inter, chunks = self.hidden, self.inter, self.chunks
+        hidden, inter = self.hidden, self.inter
         tidx = cute.arch.thread_idx()[0]
         lane = tidx % WARP
         gl, q = lane // 4, lane % 4
@@ -421,42 +423,65 @@ class _GateUpMMA(_GateUpLaunch):
             e = idx[t, j]
             out = Float32(0.0)
             if (e >= 0) & (e < experts):
-                gate_row = Int64(e) * (2 * inter) + block * 16 + gl
-                rows = (w.toint() + gate_row * (hidden // 2) + q * 16, sf.toint() + gate_row * (chunks * 4))
-                x_lane = x.toint() + Int64(t) * (hidden * 2) + q * 64
-                acc = [Float32(0.0)] * 8  # two accumulators (kk = 0, 1): shorter MMA dependency chains
-                loaded = [self.load(rows, c) for c in range(min(GATE_UP_MMA_DEPTH, chunks))]
-                for c in cutlass.range_constexpr(chunks):
-                    if cutlass.const_expr(c + GATE_UP_MMA_DEPTH < chunks):
-                        loaded.append(self.load(rows, c + GATE_UP_MMA_DEPTH))
-                    acc = self.chunk(acc, loaded[c], _ld_words_x4(x_lane + c * (K_CHUNK * 2)))
+                rows = mma_rows(w, sf, Int64(e) * (2 * inter) + block * 16, hidden, lane)
+                acc = mma_stream(rows, hidden, [x.toint() + Int64(t) * (hidden * 2) + q * 16])
                 gate = (acc[0] + acc[4]) * Float32(2.0**BF16_ACC_SHIFT)
                 up = (acc[2] + acc[6]) * Float32(2.0**BF16_ACC_SHIFT)
                 out = _swiglu(gate, up, clamp, self.has_clamp)
             if q == 0:
                 a[t, j, self.a_fmt.interleaved_offset(block * 8 + gl, 4)] = out
 
-    def load(self, rows, c: int) -> tuple:
-        """Chunk ``c``: the lane's 4 words of its gate row and of its up row (8 rows further), and both
-        rows' packed scale words."""
-        up = 8 * (self.hidden // 2)
-        wa = rows[0] + c * (K_CHUNK // 2)
-        return (_ld16(wa, WEIGHT_LOAD), _ld16(wa + up, WEIGHT_LOAD), _ld_word(rows[1] + c * 4),
-                _ld_word(rows[1] + 8 * self.chunks * 4 + c * 4))
 
-    def chunk(self, acc: list, loaded: tuple, xs: list) -> list:
-        """Accumulate one 128-wide K chunk: 4 words x 2 K blocks of 16 = 8 MMAs."""
-        h = device_helpers()
-        gate_words, up_words, gate_sf, up_sf = loaded
-        for wd in range(4):  # word wd = 32-wide scale block wd of the chunk
-            g = h.decode_e2m1x8_bf16(gate_words[wd], h.ue8m0_to_bf16x2_multiplier(gate_sf, wd))
-            u = h.decode_e2m1x8_bf16(up_words[wd], h.ue8m0_to_bf16x2_multiplier(up_sf, wd))
-            for kk in range(2):
-                part = acc[4 * kk: 4 * kk + 4]
-                part = _mma_bf16(part, [g[2 * kk], u[2 * kk], g[2 * kk + 1], u[2 * kk + 1]],
-                                 [xs[4 * wd + 2 * kk], xs[4 * wd + 2 * kk + 1]])
-                acc = acc[: 4 * kk] + part + acc[4 * kk + 4:]
-        return acc
+def mma_rows(w: cute.Pointer, sf: cute.Pointer, first_row: Int64, k: int, lane) -> tuple:
+    """Lane addresses for the 16 kernel-layout rows ``first_row .. first_row + 15`` of a BF16-mode SM90 weight
+    tensor with K = ``k`` (``int32 [.., N, K/128, 16]`` + scales ``int32 [.., N, K/128]``): lane ``(g, q) =
+    (lane / 4, lane % 4)`` reads 16-byte segment q of row ``first_row + g`` (and of the row 8 further) and
+    that row's scale words."""
+    row = first_row + lane // 4
+    return w.toint() + row * (k // 2) + (lane % 4) * 16, sf.toint() + row * (k // K_CHUNK * 4)
+
+
+def mma_load(rows: tuple, k: int, c: int) -> tuple:
+    """K chunk ``c`` of ``mma_rows``: the lane's 4 words of row g and of row g + 8, and both rows' packed
+    scale words."""
+    wa = rows[0] + c * (K_CHUNK // 2)
+    sf_far = rows[1] + 8 * (k // K_CHUNK) * 4
+    return (_ld16(wa, WEIGHT_LOAD), _ld16(wa + 8 * (k // 2), WEIGHT_LOAD), _ld_word(rows[1] + c * 4),
+            _ld_word(sf_far + c * 4))
+
+
+def mma_chunk(acc: list, loaded: tuple, bs: list) -> list:
+    """Accumulate one 128-wide K chunk of the 16 rows into ``acc``: 4 words x 2 K blocks of 16 = 8
+    ``mma.m16n8k16`` per B operand. ``bs``: for each B operand, the lane's 16 bf16x2 words of the chunk in
+    fragment order (``interleave_tokens(.., "mma")``); ``acc``: 8 floats per B operand, two chains (K block
+    parity) of the C fragment each (shorter MMA dependency chains)."""
+    h = device_helpers()
+    lo_words, hi_words, lo_sf, hi_sf = loaded
+    for wd in range(4):  # word wd = 32-wide scale block wd of the chunk
+        g = h.decode_e2m1x8_bf16(lo_words[wd], h.ue8m0_to_bf16x2_multiplier(lo_sf, wd))
+        u = h.decode_e2m1x8_bf16(hi_words[wd], h.ue8m0_to_bf16x2_multiplier(hi_sf, wd))
+        for kk in range(2):
+            frag = [g[2 * kk], u[2 * kk], g[2 * kk + 1], u[2 * kk + 1]]
+            for b, xs in enumerate(bs):
+                base = 8 * b + 4 * kk
+                part = _mma_bf16(acc[base: base + 4], frag, [xs[4 * wd + 2 * kk], xs[4 * wd + 2 * kk + 1]])
+                acc = acc[:base] + part + acc[base + 4:]
+    return acc
+
+
+def mma_stream(rows: tuple, k: int, b_lanes: list, depth: int = GATE_UP_MMA_DEPTH) -> list:
+    """The 16 rows of ``mma_rows`` times B operands over the whole K: ``b_lanes`` holds, per operand, the lane's
+    address in an MMA-ordered bf16 row (``interleave_tokens(.., "mma")``; chunk start + 16 q, ``_ld_mma_chunk``). The
+    weight loads of the next ``depth`` chunks are in flight while one chunk computes. Returns the
+    C fragments, 8 floats per operand (``mma_chunk``), times ``2**-BF16_ACC_SHIFT``."""
+    chunks = k // K_CHUNK
+    acc = [Float32(0.0)] * (8 * len(b_lanes))
+    loaded = [mma_load(rows, k, c) for c in range(min(depth, chunks))]
+    for c in range(chunks):  # unrolled at trace time
+        if c + depth < chunks:
+            loaded.append(mma_load(rows, k, c + depth))
+        acc = mma_chunk(acc, loaded[c], [_ld_mma_chunk(b + c * (K_CHUNK * 2)) for b in b_lanes])
+    return acc
 
 
 class _Slot(NamedTuple):
@@ -628,8 +653,8 @@ _GATHER: dict = {}
 
 def _token_source(hidden: int, layout: str) -> torch.Tensor:
     """For each position of an interleaved token row, the element of ``x`` it holds (int64 [Hp])."""
-    if layout == "mma":  # position 128c + 32q + 2m + i <- element 128c + 32w + 16kk + 8h + 2q + i, m = 4w + 2kk + h
-        c, q, w, kk, h, i = torch.meshgrid(*(torch.arange(n) for n in (hidden // K_CHUNK, 4, 4, 2, 2, 2)),
+    if layout == "mma":  # position 128c + 32w + 8q + 4kk + 2h + i <- element 128c + 32w + 16kk + 8h + 2q + i
+        c, w, q, kk, h, i = torch.meshgrid(*(torch.arange(n) for n in (hidden // K_CHUNK, 4, 4, 2, 2, 2)),
                                            indexing="ij")
         return (K_CHUNK * c + 32 * w + 16 * kk + 8 * h + 2 * q + i).flatten()
     fmt = _FMT[layout]
@@ -656,9 +681,9 @@ def _weight_format(w: object, name: str) -> str:
     return "fp4" if w.dtype == torch.uint8 else "fp8"
 
 
-def l1_layout_of(w1: object) -> str:
-    """``"mega"`` for int32 L1 weights (the Mega MoE layout), else ``"canonical"``."""
-    return "mega" if isinstance(w1, torch.Tensor) and w1.dtype == torch.int32 else "canonical"
+def weight_layout_of(w: object) -> str:
+    """``"mega"`` for int32 L1 or L2 weights (the Mega MoE layout), else ``"canonical"``."""
+    return "mega" if isinstance(w, torch.Tensor) and w.dtype == torch.int32 else "canonical"
 
 
 def _check_pair(name: str, pair: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -683,10 +708,13 @@ def check_decode_inputs(x, topk_idx, topk_weights, l1, l2, activation_clamp=None
 
     w1, s1 = _check_pair("l1", l1)
     w2, s2 = _check_pair("l2", l2)
-    mega = l1_layout_of(w1) == "mega"
-    fmt = _weight_format(w2, "l2[0]") if mega else _weight_format(w1, "l1[0]")
+    mega = weight_layout_of(w1) == "mega"
+    mega2 = weight_layout_of(w2) == "mega"
+    if mega2 and not mega:
+        fail("l2[0]", "may be in the Mega MoE layout (int32) only when l1 is too")
+    fmt = "fp4" if mega2 else _weight_format(w2, "l2[0]") if mega else _weight_format(w1, "l1[0]")
     if mega and fmt != "fp4":
-        fail("l2[0]", "must be FP4 (uint8) when l1 is in the Mega MoE layout (int32)")
+        fail("l2[0]", "must be FP4 (uint8 or the int32 Mega MoE layout) when l1 is in the Mega MoE layout (int32)")
     per_byte = 2 if fmt == "fp4" else 1
     check_tensor("l1[0]", w1, ndim=4 if mega else 3, contiguous=True)
     experts, two_inter = w1.shape[:2]
@@ -703,7 +731,15 @@ def check_decode_inputs(x, topk_idx, topk_weights, l1, l2, activation_clamp=None
     else:
         check_tensor("l1[0]", w1, shape=(experts, two_inter, hidden // per_byte))
     check_tensor("l1[1]", s1, dtype=torch.int32, shape=(experts, two_inter, hidden // PACKED_BLOCK_K), contiguous=True)
-    check_tensor("l2[0]", w2, dtype=_WEIGHT_DTYPES[fmt], shape=(experts, hidden, inter // per_byte), contiguous=True)
+    if mega2:
+        from .expert_major_decode import MAX_EXPERTS
+
+        check_range("l1[0].shape[0] (experts)", experts, 1, MAX_EXPERTS)
+        check_multiple("l1[0].shape[1] // 2 (intermediate)", inter, K_CHUNK, "the Mega MoE layout's 128-wide K chunks")
+        check_tensor("l2[0]", w2, shape=(experts, hidden, inter // K_CHUNK, BF16_WORDS), contiguous=True)
+        check_multiple("x.shape[1] (hidden)", hidden, 16, "16 output rows per expert-major down warp")
+    else:
+        check_tensor("l2[0]", w2, dtype=_WEIGHT_DTYPES[fmt], shape=(experts, hidden, inter // per_byte), contiguous=True)
     check_tensor("l2[1]", s2, dtype=torch.int32, shape=(experts, hidden, inter // PACKED_BLOCK_K), contiguous=True)
     if tokens * topk * inter >= 2**31:
         fail("topk_idx", f"T * k * intermediate = {tokens * topk * inter} must stay below 2**31 (32-bit warp ids)")
@@ -742,7 +778,12 @@ def moe_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp=None, out=Non
         fail("down_rows", f"must be 1, 2, 4 or 8, got {down_rows}")
     runtime.require_sm90(x, "x")
     tokens, topk = topk_idx.shape
-    layout = l1_layout_of(l1[0])
+    layout = weight_layout_of(l1[0])
+    if weight_layout_of(l2[0]) == "mega":
+        from .expert_major_decode import moe_decode_by_expert
+
+        y = out if out is not None else torch.empty(tokens, hidden, dtype=torch.bfloat16, device=x.device)
+        return moe_decode_by_expert(x, topk_idx, topk_weights, l1, l2, activation_clamp, y)
     gate_up, down = compile_kernels(hidden, inter, fmt, activation_clamp is not None, topk, down_rows, layout)
     a = torch.empty(tokens, topk, _FMT[fmt].interleaved_row(inter), dtype=torch.float32, device=x.device)
     y = out if out is not None else torch.empty(tokens, hidden, dtype=torch.bfloat16, device=x.device)

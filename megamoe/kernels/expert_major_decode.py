@@ -1,0 +1,357 @@
+"""Expert-major warp decode on tensor cores: each expert's weight rows are read once per batch (sm_90a, CuTe DSL).
+
+``kernels.warp_decode`` gives every (token t, slot j) pair its own warps, so an expert routed by n pairs
+has its rows streamed n times: at T = 8, top-6 over 32 experts, 48 pair-reads of ~26 distinct experts.
+Here a warp owns 16 weight rows of one expert and multiplies them with the activations of every pair
+routed to that expert, 8 pairs at a time as the N = 8 columns of ``mma.m16n8k16`` (weights the M side,
+decoded from the Mega MoE layout exactly as ``_GateUpMMA`` does). Bytes read follow the distinct experts
+of the batch, like the grouped path, while keeping warp decode's structure (no token permutation, no
+shared memory, no cross-warp synchronization).
+
+A warp finds its pairs itself: lanes compare 32 routing ids at a time with its expert (``vote.ballot``),
+``popc`` counts them and ``fns`` gives each of lanes 0..7 the pair of one column; a warp whose expert has
+no pair returns at once. Warps are numbered row-block fastest within an expert, so a CTA (8 warps) is
+all idle or all busy. Ids outside ``[0, E)`` (-1: masked) match no expert.
+
+Three kernels (plus the gather of ``x`` into MMA order):
+
+* ``gate_up`` over L1 in the Mega MoE layout (``int32 [E, 2I, H/128, 16]``, gate/up rows interleaved by
+  8): warp = (expert, 8 neurons); lane ``(g, q)`` ends with the gate and up sums of neuron ``8b + g`` for
+  columns ``2q, 2q + 1``, applies the optional clamp and ``silu(gate) * up`` in FP32 and stores ``a`` for
+  each real pair as two BF16 planes ``hi = bf16(a)``, ``lo = bf16(a - hi)`` (``a_planes`` ``[2, T*k, I]``,
+  MMA order), so that ``hi + lo`` carries ``a`` to 2**-17 relative.
+* ``down`` over L2 in the same layout (``int32 [E, H, I/128, 16]``): warp = (expert, 16 outputs); B
+  operands ``hi`` and ``lo`` (two MMAs per weight fragment, exact products, FP32 sums); stores
+  ``o [T*k, H]`` FP32 for each real pair (the routing weight is not applied yet).
+* ``combine``: ``y[t, h] = bf16(sum_j w_tj * o[t*k + j, h])`` in FP32 over the valid slots in slot order
+  (masked slots are skipped, whatever ``o`` holds for them).
+
+Numerics: those of ``warp_decode`` (exact weights, BF16 ``x``, FP32 sums, one BF16 rounding of ``y``),
+except that the down projection reads ``a`` as ``hi + lo`` (relative error <= 2**-17 per element, far
+below the final BF16 rounding) and FP32 summation order is the tensor cores'.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.utils as utils
+import torch
+from cutlass import Float32, Int32, Int64, cute
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from . import ptx, runtime
+from .sm90_fp4_decode import BF16_ACC_SHIFT, K_CHUNK
+from .warp_decode import (
+    ACT_LOAD,
+    WARP,
+    WARPS_PER_CTA,
+    _fma,
+    _ld16,
+    _ptr,
+    _swiglu,
+    mma_rows,
+    mma_stream,
+)
+
+COLUMNS = 8
+"""Pairs per pass of a warp over its rows (the N side of ``mma.m16n8k16``); an expert routed by more pairs
+streams its rows again (from L2) for each further 8."""
+MIN_CTAS_PER_SM = 2
+"""Launch bound of both expert-major kernels: 2 CTAs of 8 warps per SM, up to 128 registers (at 80, ptxas
+spills ~1 KB per lane in the pass loop of gate_up; at 128 it needs ~121 and spills nothing)."""
+DEPTH = 4
+"""K chunks of weight loads in flight per lane (``mma_stream``)."""
+MAX_EXPERTS = 1024
+"""Most experts the expert-major kernels serve (their routed-expert bitmap: 32 words of shared memory)."""
+BITMAP_WORDS = MAX_EXPERTS // 32
+COMBINE_VEC = 4
+"""Outputs per thread of the combine kernel (one 16-byte FP32 load per slot)."""
+
+
+def mma_position(n):
+    """Position of element ``n`` of a row in MMA order (``warp_decode.interleave_tokens(.., "mma")``): element
+    ``128c + 32w + 16kk + 8h + 2q + i`` sits at ``128c + 32w + 8q + 4kk + 2h + i``. Python or DSL integers."""
+    r = n & 127
+    return (n - r) + (r & 96) + (((r >> 1) & 3) << 3) + (((r >> 4) & 1) << 2) + (((r >> 3) & 1) << 1) + (r & 1)
+
+
+@dsl_user_op
+def _ballot(pred: Int32, *, loc=None, ip=None) -> Int32:
+    """Bit l set where lane l's ``pred`` is nonzero (whole warp)."""
+    text = "{\n.reg .pred p;\nsetp.ne.b32 p, $1, 0;\nvote.sync.ballot.b32 $0, p, 0xffffffff;\n}"
+    return Int32(ptx.inline_asm([T.i32()], [Int32(pred).ir_value(loc=loc, ip=ip)], text, "=r,r", loc, ip,
+                                side_effects=True)[0])
+
+
+@dsl_user_op
+def _popc(mask: Int32, *, loc=None, ip=None) -> Int32:
+    return Int32(ptx.inline_asm([T.i32()], [Int32(mask).ir_value(loc=loc, ip=ip)], "popc.b32 $0, $1;", "=r,r", loc, ip,
+                                side_effects=False)[0])
+
+
+@dsl_user_op
+def _nth_set_bit(mask: Int32, n: Int32, *, loc=None, ip=None) -> Int32:
+    """Position of the set bit of rank ``n`` (0-based, lowest first) of ``mask``; -1 if there is none."""
+    args = [Int32(mask).ir_value(loc=loc, ip=ip), Int32(n + 1).ir_value(loc=loc, ip=ip)]
+    return Int32(ptx.inline_asm([T.i32()], args, "fns.b32 $0, $1, 0, $2;", "=r,r,r", loc, ip, side_effects=False)[0])
+
+
+@dsl_user_op
+def _opaque(v: Int64, *, loc=None, ip=None) -> Int64:
+    """``v``, through an inline-PTX move the compiler may not hoist or fold."""
+    return Int64(ptx.inline_asm([T.i64()], [Int64(v).ir_value(loc=loc, ip=ip)], "mov.b64 $0, $1;", "=l,l", loc, ip,
+                                side_effects=True)[0])
+
+
+@cute.jit
+def _count_routed(idx: cute.Tensor, e: Int32, lane: Int32) -> Int32:
+    """Pairs (entries of the flat routing ``idx``) equal to expert ``e``; the same value in every lane."""
+    count = Int32(0)
+    for base in cutlass.range(0, idx.shape[0], WARP, unroll=1):
+        p = base + lane
+        hit = Int32(0)
+        if p < idx.shape[0]:
+            hit = Int32(cutlass.select_(idx[p] == Int64(e), Int32(1), Int32(0)))
+        count = count + _popc(_ballot(hit))
+    return count
+
+
+@cute.jit
+def _find_routed(idx: cute.Tensor, e: Int32, lane: Int32, want: Int32) -> Int32:
+    """The pair (flat index into ``idx``) of rank ``want`` among those routed to expert ``e`` (lowest pair
+    first), per lane; -1 when there are fewer."""
+    count = Int32(0)
+    found = Int32(-1)
+    for base in cutlass.range(0, idx.shape[0], WARP, unroll=1):
+        p = base + lane
+        hit = Int32(0)
+        if p < idx.shape[0]:
+            hit = Int32(cutlass.select_(idx[p] == Int64(e), Int32(1), Int32(0)))
+        mask = _ballot(hit)
+        c = _popc(mask)
+        inside = (want >= count) & (want < count + c)
+        found = cutlass.select_(inside, base + _nth_set_bit(mask, want - count), found)
+        count = count + c
+    return found
+
+
+@cute.jit
+def _mark_routed_experts(idx: cute.Tensor, experts: Int32, bitmap: cute.Tensor, tidx: Int32):
+    """Whole CTA: ``bitmap`` (32 words in shared memory) gets bit ``e`` set for every expert ``e`` in ``[0, E)``
+    that some pair routes to."""
+    if tidx < BITMAP_WORDS:
+        bitmap[tidx] = Int32(0)
+    cute.arch.sync_threads()
+    for p in cutlass.range(tidx, idx.shape[0], WARPS_PER_CTA * WARP, unroll=1):
+        e = idx[p]
+        if (e >= 0) & (e < experts):
+            word = Int32(e) >> 5
+            cute.arch.atomic_or(bitmap.iterator + word, Int32(1) << (Int32(e) & 31))
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def _nth_routed_expert(bitmap: cute.Tensor, lane: Int32, n: Int32) -> Int32:
+    """The routed expert of rank ``n`` (0-based, lowest id first) in ``bitmap``, in every lane; -1 if fewer."""
+    word = bitmap[lane]
+    count = _popc(word)
+    inclusive = count
+    for offset in (1, 2, 4, 8, 16):
+        below = cute.arch.shuffle_sync_up(inclusive, offset, mask_and_clamp=0)  # clamp 0: shfl.up's own-lane bound
+        inclusive = inclusive + cutlass.select_(lane >= offset, below, Int32(0))
+    exclusive = inclusive - count
+    owner = _ballot(Int32(cutlass.select_((n >= exclusive) & (n < inclusive), Int32(1), Int32(0))))
+    candidate = lane * 32 + _nth_set_bit(word, n - exclusive)
+    e = cute.arch.shuffle_sync(candidate, _nth_set_bit(owner, Int32(0)) & 31)
+    return cutlass.select_(owner != 0, e, Int32(-1))
+
+
+class _ByExpert:
+    """The launch and pass loop both expert-major kernels share. Warp ``w`` of the grid serves the routed
+    expert of rank ``w / blocks`` (rows ``16 * (w % blocks) ..`` of it, ``blocks = rows_per_expert / 16``, a
+    multiple of 8: a CTA serves one expert); the grid covers ``min(E, T * k)`` experts, the most a batch can
+    route to, and warps beyond the distinct routed experts return at once. For each pass of up to ``COLUMNS``
+    routed pairs a warp streams its rows (``mma_stream``, K = ``k``) against ``self.b_lanes(..)`` and hands
+    the C fragments to ``self.epilogue(..)``."""
+
+    k: int
+    rows_per_expert: int
+    tuning: tuple  # (chunks in flight, CTAs per SM)
+
+    @cute.jit
+    def __call__(self, b: cute.Pointer, idx: cute.Pointer, w: cute.Pointer, sf: cute.Pointer, out: cute.Pointer,
+                 tokens: Int32, topk: Int32, experts: Int32, clamp: Float32, stream):
+        idx_t = cute.make_tensor(idx, cute.make_layout((tokens * topk,)))
+        ctas = cutlass.min(experts, tokens * topk) * (self.rows_per_expert // 16 // WARPS_PER_CTA)
+        self.kernel(b, idx_t, w, sf, out, topk, experts, clamp).launch(
+            grid=[ctas, 1, 1], block=[WARPS_PER_CTA * WARP, 1, 1], stream=stream,
+            min_blocks_per_mp=self.tuning[1])
+
+    @cute.kernel
+    def kernel(self, b: cute.Pointer, idx: cute.Tensor, w: cute.Pointer, sf: cute.Pointer, out: cute.Pointer,
+               topk: Int32, experts: Int32, clamp: Float32):
+        tidx = cute.arch.thread_idx()[0]
+        lane = tidx % WARP
+        q = lane % 4
+        blocks = self.rows_per_expert // 16
+        warp = cute.arch.block_idx()[0] * WARPS_PER_CTA + tidx // WARP
+        rank = warp // blocks
+        block = warp - rank * blocks
+        bitmap = utils.SmemAllocator().allocate_tensor(Int32, cute.make_layout(BITMAP_WORDS), byte_alignment=16)
+        _mark_routed_experts(idx, experts, bitmap, tidx)
+        e = _nth_routed_expert(bitmap, lane, rank)
+        if e >= 0:
+            first_row = Int64(e) * self.rows_per_expert + block * 16
+            count = _count_routed(idx, e, lane)
+            for start in cutlass.range(0, count, COLUMNS, unroll=1):
+                # Addressed through an opaque copy made in the loop: otherwise the weight loads, invariant
+                # across passes, are hoisted out of it all at once (hundreds of registers, spills).
+                rows = mma_rows(w, sf, _opaque(first_row), self.k, lane)
+                found = _find_routed(idx, e, lane, start + lane % COLUMNS)  # lane c < 8: column c's pair
+                b_pair = cute.arch.shuffle_sync(found, lane // 4)
+                b_lanes = self.b_lanes(b, cutlass.max(b_pair, Int32(0)), topk, idx.shape[0], q)
+                acc = mma_stream(rows, self.k, b_lanes, self.tuning[0])
+                pairs = (cute.arch.shuffle_sync(found, 2 * q), cute.arch.shuffle_sync(found, 2 * q + 1))
+                self.epilogue(acc, pairs, out, idx.shape[0], block, lane, clamp)
+
+
+class _GateUpByExpert(_ByExpert):
+    """``a_planes`` for every routed pair from L1 in the Mega MoE layout (module docstring)."""
+
+    def __init__(self, hidden: int, inter: int, has_clamp: bool, tuning: tuple):
+        self.hidden, self.inter, self.has_clamp = hidden, inter, has_clamp
+        self.k, self.rows_per_expert, self.tuning = hidden, 2 * inter, tuning
+
+    def b_lanes(self, x: cute.Pointer, pair: Int32, topk: Int32, pairs: Int32, q: Int32) -> list:
+        """The lane's address in its column's token row of the MMA-ordered ``x``."""
+        return [x.toint() + Int64(pair // topk) * (self.hidden * 2) + q * 16]
+
+    @cute.jit
+    def epilogue(self, acc: list, pairs: tuple, a: cute.Pointer, total_pairs: Int32, block: Int32, lane: Int32,
+                 clamp: Float32):
+        """SwiGLU of neuron ``8 * block + lane / 4`` for the lane's two columns (C fragment: gate in values
+        0, 1, up in 2, 3 of each chain); hi/lo planes of the real pairs."""
+        planes = cute.make_tensor(a, cute.make_layout((2 * total_pairs * self.inter,)))
+        pos = mma_position(block * 8 + lane // 4)
+        for c in cutlass.range_constexpr(2):
+            gate = (acc[c] + acc[4 + c]) * Float32(2.0**BF16_ACC_SHIFT)
+            up = (acc[2 + c] + acc[6 + c]) * Float32(2.0**BF16_ACC_SHIFT)
+            val = _swiglu(gate, up, clamp, self.has_clamp)
+            if pairs[c] >= 0:
+                hi = val.to(cutlass.BFloat16)
+                at = Int64(pairs[c]) * self.inter + pos
+                planes[at] = hi
+                planes[at + Int64(total_pairs) * self.inter] = (val - hi.to(Float32)).to(cutlass.BFloat16)
+
+
+class _DownByExpert(_ByExpert):
+    """``o [T*k, H]`` (FP32, routing weight not applied) for every routed pair from L2 in the Mega MoE layout."""
+
+    def __init__(self, hidden: int, inter: int, tuning: tuple):
+        self.hidden, self.inter = hidden, inter
+        self.k, self.rows_per_expert, self.tuning = inter, hidden, tuning
+
+    def b_lanes(self, a: cute.Pointer, pair: Int32, topk: Int32, pairs: Int32, q: Int32) -> list:
+        """The lane's addresses in its column's ``hi`` and ``lo`` rows."""
+        hi = a.toint() + Int64(pair) * (self.inter * 2) + q * 16
+        return [hi, hi + Int64(pairs) * (self.inter * 2)]
+
+    @cute.jit
+    def epilogue(self, acc: list, pairs: tuple, o: cute.Pointer, total_pairs: Int32, block: Int32, lane: Int32,
+                 clamp: Float32):
+        """Rows ``16 * block + lane / 4`` (values 0, 1 of each chain) and 8 further (values 2, 3), summed over
+        the four chains (hi/lo x K-block parity), for the lane's two columns."""
+        out = cute.make_tensor(o, cute.make_layout((total_pairs * self.hidden,)))
+        row = block * 16 + lane // 4
+        for c in cutlass.range_constexpr(2):
+            if pairs[c] >= 0:
+                for r in cutlass.range_constexpr(2):
+                    v = (acc[2 * r + c] + acc[4 + 2 * r + c]) + (acc[8 + 2 * r + c] + acc[12 + 2 * r + c])
+                    out[Int64(pairs[c]) * self.hidden + row + 8 * r] = v * Float32(2.0**BF16_ACC_SHIFT)
+
+
+class _Combine:
+    """``y[t, h] = bf16(sum_j w_tj * o[t*k + j, h])`` over valid slots in slot order; ``COMBINE_VEC`` outputs
+    per thread, top-k compiled in."""
+
+    def __init__(self, hidden: int, topk: int):
+        self.hidden, self.topk = hidden, topk
+
+    @cute.jit
+    def __call__(self, o: cute.Pointer, idx: cute.Pointer, wts: cute.Pointer, y: cute.Pointer, tokens: Int32,
+                 experts: Int32, stream):
+        idx_t = cute.make_tensor(idx, cute.make_layout((tokens, self.topk), stride=(self.topk, 1)))
+        wts_t = cute.make_tensor(wts, cute.make_layout((tokens, self.topk), stride=(self.topk, 1)))
+        y_t = cute.make_tensor(y, cute.make_layout((tokens, self.hidden), stride=(self.hidden, 1)))
+        threads = tokens * (self.hidden // COMBINE_VEC)
+        self.kernel(o, idx_t, wts_t, y_t, experts).launch(
+            grid=[(threads + 255) // 256, 1, 1], block=[256, 1, 1], stream=stream, smem=0)
+
+    @cute.kernel
+    def kernel(self, o: cute.Pointer, idx: cute.Tensor, wts: cute.Tensor, y: cute.Tensor, experts: Int32):
+        hidden, topk = self.hidden, self.topk
+        i = cute.arch.block_idx()[0] * 256 + cute.arch.thread_idx()[0]
+        t = i // (hidden // COMBINE_VEC)
+        h = (i - t * (hidden // COMBINE_VEC)) * COMBINE_VEC
+        if t < idx.shape[0]:
+            acc = [Float32(0.0)] * COMBINE_VEC
+            for j in cutlass.range_constexpr(topk):
+                e = idx[t, j]
+                valid = (e >= 0) & (e < experts)
+                vals = _ld16(o.toint() + ((Int64(t) * topk + j) * hidden + h) * 4, ACT_LOAD, True)
+                for v in cutlass.range_constexpr(COMBINE_VEC):
+                    acc[v] = Float32(cutlass.select_(valid, _fma(wts[t, j], vals[v], acc[v]), acc[v]))
+            for v in cutlass.range_constexpr(COMBINE_VEC):
+                y[t, h + v] = acc[v].to(cutlass.BFloat16)
+
+
+def compile_kernels(hidden: int, inter: int, has_clamp: bool, topk: int, tuning: tuple = (DEPTH, MIN_CTAS_PER_SM)):
+    """The compiled (gate_up, down, combine) triple for one static configuration (cached; works without a
+    GPU under ``CUTE_DSL_ARCH=sm_90a``); token and expert counts stay runtime values. ``tuning``: (chunks in
+    flight, CTAs per SM) of gate_up and down."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    i32, bf16, f32 = cutlass.Int32, cutlass.BFloat16, cutlass.Float32
+    sizes = (Int32(1), Int32(1), Int32(1))  # tokens, top-k, experts
+
+    def build(kernel, b_dtype, out_dtype):
+        return lambda: cute.compile(kernel, _ptr(b_dtype), _ptr(cutlass.Int64), _ptr(i32), _ptr(i32), _ptr(out_dtype),
+                                    *sizes, Float32(0.0), make_fake_stream())
+
+    gate_up = runtime.compiled(("expert_major.gate_up", hidden, inter, has_clamp, tuning),
+                               build(_GateUpByExpert(hidden, inter, has_clamp, tuning), bf16, bf16))
+    down = runtime.compiled(("expert_major.down", hidden, inter, tuning),
+                            build(_DownByExpert(hidden, inter, tuning), bf16, f32))
+    combine = runtime.compiled(("expert_major.combine", hidden, topk), lambda: cute.compile(
+        _Combine(hidden, topk), _ptr(f32), _ptr(cutlass.Int64), _ptr(f32), _ptr(bf16), Int32(1), Int32(1),
+        make_fake_stream()))
+    return gate_up, down, combine
+
+
+def moe_decode_by_expert(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: tuple, l2: tuple,
+                         activation_clamp: float | None, y: torch.Tensor,
+                         tuning: tuple = (DEPTH, MIN_CTAS_PER_SM)) -> torch.Tensor:
+    """The expert-major path of ``warp_decode.moe_decode`` (inputs already validated there: ``l1``, ``l2`` in
+    the Mega MoE layout, ``y`` bfloat16 ``[T, H]``). Allocates ``a_planes`` ``[2, T*k, I]`` BF16 and
+    ``o [T*k, H]`` FP32 (caching allocator, no sync)."""
+    from .warp_decode import interleave_tokens
+
+    tokens, topk = topk_idx.shape
+    hidden, inter = x.shape[1], l1[0].shape[1] // 2
+    experts = l1[0].shape[0]
+    gate_up, down, combine = compile_kernels(hidden, inter, activation_clamp is not None, topk, tuning)
+    planes = torch.empty(2, tokens * topk, inter, dtype=torch.bfloat16, device=x.device)
+    o = torch.empty(tokens * topk, hidden, dtype=torch.float32, device=x.device)
+    stream = runtime.current_stream()
+    clamp = 0.0 if activation_clamp is None else float(activation_clamp)
+    i32, bf16, f32 = cutlass.Int32, cutlass.BFloat16, cutlass.Float32
+    idx = _ptr(cutlass.Int64, topk_idx.data_ptr())
+    xi = interleave_tokens(x, "mma")
+    planes_ptr = _ptr(bf16, planes.data_ptr())
+    gate_up(_ptr(bf16, xi.data_ptr()), idx, _ptr(i32, l1[0].data_ptr()), _ptr(i32, l1[1].data_ptr()), planes_ptr,
+            tokens, topk, experts, clamp, stream)
+    down(planes_ptr, idx, _ptr(i32, l2[0].data_ptr()), _ptr(i32, l2[1].data_ptr()), _ptr(f32, o.data_ptr()),
+         tokens, topk, experts, clamp, stream)
+    combine(_ptr(f32, o.data_ptr()), idx, _ptr(f32, topk_weights.data_ptr()), _ptr(bf16, y.data_ptr()), tokens,
+            experts, stream)
+    return y
