@@ -258,14 +258,16 @@ def test_repeat_calls_are_deterministic_and_fill_out():
 
 
 @pytest.mark.gpu
-def test_closer_to_unquantized_reference_than_fp8_contract():
-    """BF16 activations (this path) vs the FP8-activation contract (R1..R4 roundings): against the
-    exact-weight float64 reference with unquantized activations, this path must be the closer one."""
+@pytest.mark.parametrize("layout", ["canonical", "expert"])
+def test_closer_to_unquantized_reference_than_fp8_contract(layout):
+    """BF16 activations (this path: per-pair SIMT kernels, or the expert-major ones) vs the FP8-activation
+    contract (R1..R4 roundings): against the exact-weight float64 reference with unquantized activations,
+    this path must be the closer one."""
     from megamoe.reference import reference_moe
 
-    y, ref, (x, idx, wts, l1, l2, clamp) = _run_case("flash-shape")
+    y, ref, (x, idx, wts, l1, l2, clamp) = _run_case("flash-shape", l1_layout=layout)
     x_fp8, x_sf = quantize_fp8(x)
     contract = reference_moe(x_fp8, x_sf, idx, wts, l1, l2, clamp)
     ours, theirs = rel_fro_error(y, ref), rel_fro_error(contract, ref)
-    print(f"\nrel_fro vs unquantized FP32 reference: warp decode {ours:.3e}, FP8 contract path {theirs:.3e}")
+    print(f"\nrel_fro vs unquantized FP32 reference: warp decode ({layout}) {ours:.3e}, FP8 contract path {theirs:.3e}")
     assert ours < theirs
