@@ -769,9 +769,12 @@ def moe_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp=None, out=Non
     ``[E, H, I]``) with packed UE8M0 scales int32 ``[E, 2I, H/128]`` and ``[E, H, I/128]``; H and I
     multiples of 128. ``l1`` may instead be FP4 L1 in the Mega MoE layout (``transform_weights_for_mega_moe``'s
     first result: int32 ``[E, 2I, H/128, 16]``, scales in the BF16 decode's exact range), with ``l2`` canonical
-    FP4: gate_up then runs on tensor cores (``_GateUpMMA``). ``activation_clamp`` c: ``gate <= c``, ``|up| <= c``. ``out``: optional
-    bfloat16 ``[T, H]`` destination. ``down_rows``: outputs per down warp (tuning; divides H).
-    Numerics: see the module docstring (FP32 throughout, one BF16 rounding of ``y``).
+    FP4: gate_up then runs on tensor cores (``_GateUpMMA``); with ``l2`` in that layout too (the second result,
+    int32 ``[E, H, I/128, 16]``; E <= 1024) the expert-major kernels run instead (``expert_major_decode``: each
+    routed expert's rows read once per batch). ``activation_clamp`` c: ``gate <= c``, ``|up| <= c``. ``out``:
+    optional bfloat16 ``[T, H]`` destination. ``down_rows``: outputs per down warp of the per-pair down kernel
+    (tuning; divides H). Numerics: see the module docstring (FP32 throughout, one BF16 rounding of ``y``; the
+    expert-major down reads the activations as two BF16 terms, within 2**-17 of them).
     """
     fmt, hidden, inter = check_decode_inputs(x, topk_idx, topk_weights, l1, l2, activation_clamp, out)
     if down_rows not in (1, 2, 4, 8):
