@@ -178,7 +178,7 @@ def _nth_routed_expert(bitmap: cute.Tensor, lane: Int32, n: Int32) -> Int32:
 class _ByExpert:
     """The launch and pass loop both expert-major kernels share. Warp ``w`` of the grid serves the routed
     expert of rank ``w / blocks`` (rows ``16 * (w % blocks) ..`` of it, ``blocks = rows_per_expert / 16``, a
-    multiple of 8: a CTA serves one expert); the grid covers ``min(E, T * k)`` experts, the most a batch can
+    multiple of 8 since H and I are multiples of 128: a CTA serves one expert); the grid covers ``min(E, T * k)`` experts, the most a batch can
     route to, and warps beyond the distinct routed experts return at once. For each pass of up to ``COLUMNS``
     routed pairs a warp streams its rows (``mma_stream``, K = ``k``) against ``self.b_lanes(..)`` and hands
     the C fragments to ``self.epilogue(..)``."""
