@@ -85,20 +85,6 @@ def mma_position(n):
 
 
 @dsl_user_op
-def _ballot(pred: Int32, *, loc=None, ip=None) -> Int32:
-    """Bit l set where lane l's ``pred`` is nonzero (whole warp)."""
-    text = "{\n.reg .pred p;\nsetp.ne.b32 p, $1, 0;\nvote.sync.ballot.b32 $0, p, 0xffffffff;\n}"
-    return Int32(ptx.inline_asm([T.i32()], [Int32(pred).ir_value(loc=loc, ip=ip)], text, "=r,r", loc, ip,
-                                side_effects=True)[0])
-
-
-@dsl_user_op
-def _popc(mask: Int32, *, loc=None, ip=None) -> Int32:
-    return Int32(ptx.inline_asm([T.i32()], [Int32(mask).ir_value(loc=loc, ip=ip)], "popc.b32 $0, $1;", "=r,r", loc, ip,
-                                side_effects=False)[0])
-
-
-@dsl_user_op
 def _nth_set_bit(mask: Int32, n: Int32, *, loc=None, ip=None) -> Int32:
     """Position of the set bit of rank ``n`` (0-based, lowest first) of ``mask``; -1 if there is none."""
     args = [Int32(mask).ir_value(loc=loc, ip=ip), Int32(n + 1).ir_value(loc=loc, ip=ip)]
@@ -113,35 +99,23 @@ def _opaque(v: Int64, *, loc=None, ip=None) -> Int64:
 
 
 @cute.jit
-def _count_routed(idx: cute.Tensor, e: Int32, lane: Int32) -> Int32:
-    """Pairs (entries of the flat routing ``idx``) equal to expert ``e``; the same value in every lane."""
-    count = Int32(0)
-    for base in cutlass.range(0, idx.shape[0], WARP, unroll=1):
-        p = base + lane
-        hit = Int32(0)
-        if p < idx.shape[0]:
-            hit = Int32(cutlass.select_(idx[p] == Int64(e), Int32(1), Int32(0)))
-        count = count + _popc(_ballot(hit))
-    return count
-
-
-@cute.jit
-def _find_routed(idx: cute.Tensor, e: Int32, lane: Int32, want: Int32) -> Int32:
-    """The pair (flat index into ``idx``) of rank ``want`` among those routed to expert ``e`` (lowest pair
-    first), per lane; -1 when there are fewer."""
+def _find_routed(idx: cute.Tensor, e: Int32, lane: Int32, want: Int32) -> tuple:
+    """Scan of the flat routing ``idx`` for expert ``e``: (the pair, a flat index into ``idx``, of rank ``want``
+    among those routed to ``e``, lowest pair first, per lane, -1 when there are fewer; the number of pairs routed
+    to ``e``, the same in every lane)."""
     count = Int32(0)
     found = Int32(-1)
     for base in cutlass.range(0, idx.shape[0], WARP, unroll=1):
         p = base + lane
-        hit = Int32(0)
+        hit = False
         if p < idx.shape[0]:
-            hit = Int32(cutlass.select_(idx[p] == Int64(e), Int32(1), Int32(0)))
-        mask = _ballot(hit)
-        c = _popc(mask)
+            hit = idx[p] == Int64(e)
+        mask = cute.arch.vote_ballot_sync(hit)
+        c = cute.arch.popc(mask)
         inside = (want >= count) & (want < count + c)
         found = cutlass.select_(inside, base + _nth_set_bit(mask, want - count), found)
         count = count + c
-    return found
+    return found, count
 
 
 @cute.jit
@@ -163,13 +137,13 @@ def _mark_routed_experts(idx: cute.Tensor, experts: Int32, bitmap: cute.Tensor, 
 def _nth_routed_expert(bitmap: cute.Tensor, lane: Int32, n: Int32) -> Int32:
     """The routed expert of rank ``n`` (0-based, lowest id first) in ``bitmap``, in every lane; -1 if fewer."""
     word = bitmap[lane]
-    count = _popc(word)
+    count = cute.arch.popc(word)
     inclusive = count
     for offset in (1, 2, 4, 8, 16):
         below = cute.arch.shuffle_sync_up(inclusive, offset, mask_and_clamp=0)  # clamp 0: shfl.up's own-lane bound
         inclusive = inclusive + cutlass.select_(lane >= offset, below, Int32(0))
     exclusive = inclusive - count
-    owner = _ballot(Int32(cutlass.select_((n >= exclusive) & (n < inclusive), Int32(1), Int32(0))))
+    owner = cute.arch.vote_ballot_sync((n >= exclusive) & (n < inclusive))
     candidate = lane * 32 + _nth_set_bit(word, n - exclusive)
     e = cute.arch.shuffle_sync(candidate, _nth_set_bit(owner, Int32(0)) & 31)
     return cutlass.select_(owner != 0, e, Int32(-1))
@@ -211,12 +185,12 @@ class _ByExpert:
         e = _nth_routed_expert(bitmap, lane, rank)
         if e >= 0:
             first_row = Int64(e) * self.rows_per_expert + block * 16
-            count = _count_routed(idx, e, lane)
+            _, count = _find_routed(idx, e, lane, Int32(-1))
             for start in cutlass.range(0, count, COLUMNS, unroll=1):
                 # Addressed through an opaque copy made in the loop: otherwise the weight loads, invariant
                 # across passes, are hoisted out of it all at once (hundreds of registers, spills).
                 rows = mma_rows(w, sf, _opaque(first_row), self.k, lane)
-                found = _find_routed(idx, e, lane, start + lane % COLUMNS)  # lane c < 8: column c's pair
+                found, _ = _find_routed(idx, e, lane, start + lane % COLUMNS)  # lane c < 8: column c's pair
                 b_pair = cute.arch.shuffle_sync(found, lane // 4)
                 b_lanes = self.b_lanes(b, cutlass.max(b_pair, Int32(0)), topk, idx.shape[0], q)
                 acc = mma_stream(rows, self.k, b_lanes, self.tuning[0])
