@@ -66,6 +66,7 @@ from ..scheduler.schedule import expert_of_block
 from ..symm_buffer import SymmBufferLayout
 from . import ptx, runtime
 from .sm90_fp4_decode import device_helpers
+from .warp_ops import warp_inclusive_sum
 
 THREADS = 512
 """Threads per CTA of both kernels (16 warps)."""
@@ -500,11 +501,7 @@ class Dispatch(_EpKernel):
         own = Int32(0)
         for e in cutlass.range(lo, hi):
             own = own + offs[e]
-        incl = own
-        for d in cutlass.range_constexpr(5):
-            up = cute.arch.shuffle_sync_up(incl, 1 << d, mask_and_clamp=0)
-            if lane >= (1 << d):
-                incl = incl + up
+        incl = warp_inclusive_sum(own, lane)
         run = incl - own
         for e in cutlass.range(lo, hi):
             c = offs[e]

@@ -61,6 +61,7 @@ from .warp_decode import (
     mma_rows,
     mma_stream,
 )
+from .warp_ops import nth_set_bit, warp_inclusive_sum
 
 COLUMNS = 8
 """Pairs per pass of a warp over its rows (the N side of ``mma.m16n8k16``); an expert routed by more pairs
@@ -85,13 +86,6 @@ def mma_position(n):
 
 
 @dsl_user_op
-def _nth_set_bit(mask: Int32, n: Int32, *, loc=None, ip=None) -> Int32:
-    """Position of the set bit of rank ``n`` (0-based, lowest first) of ``mask``; -1 if there is none."""
-    args = [Int32(mask).ir_value(loc=loc, ip=ip), Int32(n + 1).ir_value(loc=loc, ip=ip)]
-    return Int32(ptx.inline_asm([T.i32()], args, "fns.b32 $0, $1, 0, $2;", "=r,r,r", loc, ip, side_effects=False)[0])
-
-
-@dsl_user_op
 def _opaque(v: Int64, *, loc=None, ip=None) -> Int64:
     """``v``, through an inline-PTX move the compiler may not hoist or fold."""
     return Int64(ptx.inline_asm([T.i64()], [Int64(v).ir_value(loc=loc, ip=ip)], "mov.b64 $0, $1;", "=l,l", loc, ip,
@@ -113,7 +107,7 @@ def _find_routed(idx: cute.Tensor, e: Int32, lane: Int32, want: Int32) -> tuple:
         mask = cute.arch.vote_ballot_sync(hit)
         c = cute.arch.popc(mask)
         inside = (want >= count) & (want < count + c)
-        found = cutlass.select_(inside, base + _nth_set_bit(mask, want - count), found)
+        found = cutlass.select_(inside, base + nth_set_bit(mask, want - count), found)
         count = count + c
     return found, count
 
@@ -138,14 +132,11 @@ def _nth_routed_expert(bitmap: cute.Tensor, lane: Int32, n: Int32) -> Int32:
     """The routed expert of rank ``n`` (0-based, lowest id first) in ``bitmap``, in every lane; -1 if fewer."""
     word = bitmap[lane]
     count = cute.arch.popc(word)
-    inclusive = count
-    for offset in (1, 2, 4, 8, 16):
-        below = cute.arch.shuffle_sync_up(inclusive, offset, mask_and_clamp=0)  # clamp 0: shfl.up's own-lane bound
-        inclusive = inclusive + cutlass.select_(lane >= offset, below, Int32(0))
+    inclusive = warp_inclusive_sum(count, lane)
     exclusive = inclusive - count
     owner = cute.arch.vote_ballot_sync((n >= exclusive) & (n < inclusive))
-    candidate = lane * 32 + _nth_set_bit(word, n - exclusive)
-    e = cute.arch.shuffle_sync(candidate, _nth_set_bit(owner, Int32(0)) & 31)
+    candidate = lane * 32 + nth_set_bit(word, n - exclusive)
+    e = cute.arch.shuffle_sync(candidate, nth_set_bit(owner, Int32(0)) & 31)
     return cutlass.select_(owner != 0, e, Int32(-1))
 
 

@@ -220,6 +220,7 @@ def _build_kernel_class():
     from cutlass.cute.nvgpu import cpasync, warpgroup
 
     from .sm90_fp4_decode import device_helpers
+    from .warp_ops import nth_set_bit, warp_inclusive_sum
 
     dev = device_helpers()
 
@@ -344,16 +345,30 @@ def _build_kernel_class():
             """Advance the (group e, first tile id ``base`` of e) cursor to linear tile ``t``.
 
             Returns (e, base, valid, row0, row_end, n_tile): token rows [row0, min(row0+tile_tokens, row_end))
-            against weight rows [n_tile*tile_n, +tile_n) of expert e. ``t`` must not decrease between calls."""
+            against weight rows [n_tile*tile_n, +tile_n) of expert e. ``t`` must not decrease between calls.
+            Warp-cooperative (every lane, the same ``t``): lane l sizes group e + l, a prefix sum over the lanes
+            finds the group holding ``t`` -- 32 groups per round of loads, not one (a call that skips many
+            empty or small groups, as few-token decode makes them, costs a few rounds instead of a chain of
+            dependent loads per group)."""
+            lane = cute.arch.lane_idx()
             searching = e < num_groups
             while searching:
-                start, end = self.group_bounds(e, mGroupA, mGroupB, max_m, total_rows)
-                tiles_e = (end - start + self.tile_tokens - 1) // self.tile_tokens * n_tiles
-                if t < base + tiles_e:
+                g = e + lane
+                tiles_g = Int32(0)
+                if g < num_groups:
+                    start, end = self.group_bounds(g, mGroupA, mGroupB, max_m, total_rows)
+                    tiles_g = (end - start + self.tile_tokens - 1) // self.tile_tokens * n_tiles
+                incl = warp_inclusive_sum(tiles_g, lane)
+                # Lanes past the last group add no tiles, so the lowest hit is always a real group.
+                hit = cute.arch.vote_ballot_sync(t < base + incl)
+                if hit != 0:
+                    first = nth_set_bit(hit, Int32(0))
+                    e = e + first
+                    base = base + cute.arch.shuffle_sync(incl - tiles_g, first)
                     searching = False
                 else:
-                    base = base + tiles_e
-                    e = e + 1
+                    base = base + cute.arch.shuffle_sync(incl, 31)
+                    e = e + 32
                     searching = e < num_groups
             valid = e < num_groups
             row0 = Int32(0)
