@@ -106,11 +106,9 @@ def time_events(fn: Callable[[], object], warmup: int, iters: int, before: Calla
     return times
 
 
-def time_graph(
-    fn: Callable[[], object], warmup: int, iters: int, calls_per_graph: int = 10, before: Callable[[], None] | None = None
-) -> list[float]:
-    """Per-call times in us from replays of a CUDA graph holding ``calls_per_graph`` calls of ``fn``
-    (``before`` runs untimed before each replay, e.g. a cross-rank barrier)."""
+def capture_graph(fn: Callable[[], object], warmup: int, calls_per_graph: int = 10) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of ``calls_per_graph`` calls of ``fn`` (after ``warmup`` eager calls on a side stream),
+    replayed once."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -122,6 +120,15 @@ def time_graph(
         for _ in range(calls_per_graph):
             fn()
     graph.replay()
+    return graph
+
+
+def time_graph(
+    fn: Callable[[], object], warmup: int, iters: int, calls_per_graph: int = 10, before: Callable[[], None] | None = None
+) -> list[float]:
+    """Per-call times in us from replays of a CUDA graph holding ``calls_per_graph`` calls of ``fn``
+    (``before`` runs untimed before each replay, e.g. a cross-rank barrier)."""
+    graph = capture_graph(fn, warmup, calls_per_graph)
     return [t / calls_per_graph for t in time_events(graph.replay, warmup=1, iters=iters, before=before)]
 
 

@@ -30,7 +30,15 @@ from ..mega import MegaMoE
 from ..numerics import max_row_rel_error, moe_tolerances, rel_fro_error
 from ..reference import distributed_reference_moe
 from ..symm_buffer import RING_ALIGNMENT, get_symm_buffer_for_mega_moe
-from .common import environment_receipt, fp4_expert_bytes, measure_hbm_read_bandwidth, progress, time_events, time_graph
+from .common import (
+    capture_graph,
+    environment_receipt,
+    fp4_expert_bytes,
+    measure_hbm_read_bandwidth,
+    progress,
+    time_events,
+    time_graph,
+)
 
 PRESETS = {
     "tiny": dict(experts=16, topk=4, hidden=256, intermediate=128),
@@ -166,7 +174,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 times = time_events(call, args.warmup, args.iters, before=barrier)
             us = _max_over_ranks(statistics.median(times), group, device)
             if args.profile:
-                _profile(call, barrier, lead, f"{t} tokens/rank, {name}")
+                graphed = (fused or path.mode == "low_latency") and device.type == "cuda"
+                replay = capture_graph(call, 1).replay if graphed else call
+                what = "one replay of a CUDA graph of 10 calls" if graphed else "one call"
+                _profile(replay, barrier, lead, f"{t} tokens/rank, {name}, {what}")
             routed = _sum_over_ranks(float(stats.sum()), group, device) / num_ranks
             touched = _sum_over_ranks(float((stats > 0).sum()), group, device) / num_ranks
             if fused:  # one pulled row (token, scales, weight) and one combine row per remote slot
@@ -220,7 +231,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 def _profile(fn, barrier, lead: bool, label: str) -> None:
-    """Run ``fn`` under torch.profiler on every rank (it is collective); rank 0 prints the top ops."""
+    """Run ``fn`` under torch.profiler on every rank (it is collective); rank 0 prints the top ops. Profile a
+    graph replay where the path allows it: an eager call's communication kernels also time the peers'
+    launch skew."""
     from torch.profiler import ProfilerActivity, profile
 
     barrier()
@@ -228,7 +241,7 @@ def _profile(fn, barrier, lead: bool, label: str) -> None:
         fn()
         barrier()
     if lead:
-        print(f"profile of one call at {label}:")
+        print(f"profile at {label}:")
         print(prof.key_averages().table(sort_by="self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total", row_limit=18, max_name_column_width=60))
 
 
