@@ -33,15 +33,15 @@ from .layouts.weights import check_fp4_expert_weights
 PATHS = ("auto", "warp_decode", "grouped")
 MEASURED_CROSSOVERS: dict[tuple[int, int, int, int], int] = {
     (4096, 2048, 32, 6): 32,
-    (4096, 2048, 128, 6): 32,
+    (4096, 2048, 128, 6): 16,
     (7168, 3072, 48, 6): 4,
     (7168, 3072, 192, 6): 4,
 }
 """(hidden, intermediate, experts, top-k) -> the largest batch where warp decode beat the grouped path:
-H200, 2026-11-29, ``bench/results/2026-11-29_decode_expert_major_h200.txt`` (warp decode as the decoder runs
-it vs grouped, us: flash 32 experts 40.7 vs 91.5 at T=1, 131.7 vs 185.3 at 8, 202.0 vs 234.8 at 32, 367.2 vs
-236.2 at 64; flash 128: 509.7 vs 514.7 at 32, 699.7 vs 601.4 at 64; pro 48: 282.5 vs 301.9 at 4, 427.2 vs
-422.8 at 8; pro 192: 317.7 vs 352.8 at 4, 568.3 vs 565.9 at 8)."""
+H200, 2026-11-29, ``bench/results/2026-11-29_decode_session5_h200.txt`` (warp decode as the decoder runs
+it vs grouped, us: flash 32 experts 41.1 vs 90.0 at T=1, 131.9 vs 186.5 at 8, 202.7 vs 235.8 at 32, 365.4 vs
+233.1 at 64; flash 128: 335.1 vs 365.1 at 16, 514.0 vs 503.6 at 32; pro 48: 284.6 vs 298.8 at 4, 428.9 vs
+422.9 at 8; pro 192: 318.9 vs 324.5 at 4, 567.1 vs 539.9 at 8)."""
 EXPERT_MAJOR_MIN_TOKENS = 4
 """Smallest batch for which warp decode runs the expert-major kernels (else the per-pair SIMT kernels).
 ``bench/results/2026-11-29_decode_expert_major_h200.txt`` (us, SIMT / expert-major): flash 32 experts 40.7 /
