@@ -11,13 +11,16 @@ launches on the caller's stream, nothing else (no host sync, no host zeroing):
 
 1. dispatch (``kernels.ep_comm``): announce ``ready``, scan every rank's routing over NVLink, count and
    pool the rows of local experts, prefix offsets, pull FP8 token rows + scales + routing weights into
-   the L1 ring (``l1_acts`` as exact BF16, ``l1_topk_weights``, ``ring_source``), contiguous per expert
-   with ragged groups (``expert_offsets``);
+   the L1 ring (``l1_acts`` as exact BF16, ``l1_topk_weights``, ``ring_source``, and ``ring_dest``: where
+   each row's result goes), contiguous per expert with ragged groups (``expert_offsets``);
 2. L1: ``grouped_gemm_fp8_fp4_swiglu_contiguous`` (BF16-operand mode) -> ``l2_acts``: the FP8-quantized
    SwiGLU outputs as their exact BF16 values (steps 1-5);
-3. L2: ``grouped_gemm_fp8_fp4_contiguous`` (BF16-operand mode) -> a BF16 ``[ring, H]`` scratch (step 6);
-4. combine (``kernels.ep_comm``): push each row to its source rank's ``combine[slot, token]``, publish
-   ``done``, wait for every rank's ``done``, sum each token's valid slots in slot order (step 7).
+3. L2: ``grouped_gemm_fp8_fp4_contiguous`` (BF16-operand mode, ``out_row_ptrs=ring_dest``) stores each
+   BF16 row (step 6) straight into its source rank's ``combine[slot, token]`` over NVLink (whole
+   128-byte lines), so the transfer overlaps the GEMM's other tiles; each storing thread ends with
+   ``fence.acq_rel.sys``;
+4. combine (``kernels.ep_comm``): publish ``done``, wait for every rank's ``done``, sum each token's valid
+   slots in slot order (step 7).
 
 Why no rank overwrites what a peer still reads (all flags only grow, comparisons are wrap-safe):
 
@@ -37,8 +40,9 @@ Why no rank overwrites what a peer still reads (all flags only grow, comparisons
 * The ring holds every row a rank can receive: ``num_ring_tokens >= R * T_max * min(k, E/R)``, checked
   on the host (experts of one token are distinct, as any top-k router makes them).
 
-Memory ordering: rows stored to a peer, then ``fence.acq_rel.sys``, a grid barrier, and the ``done``
-flag stored with ``st.release.sys``; flags are read with ``ld.acquire.sys`` by one thread followed by a
+Memory ordering: rows stored to a peer, then ``fence.acq_rel.sys`` (by the storing thread, in the L2
+GEMM), the end of that kernel (stream order), a grid barrier, and the ``done`` flag stored with
+``st.release.sys``; flags are read with ``ld.acquire.sys`` by one thread followed by a
 CTA barrier before anyone reads the data (see ``kernels.ep_comm``).
 
 Debug mode (``debug=True`` or ``MEGAMOE_DEBUG=1``): every spin-wait times out after
@@ -58,6 +62,7 @@ protocol state or duplicate experts in a token's top-k.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from dataclasses import dataclass
@@ -215,8 +220,9 @@ def debug_report(sym_buffer: SymmBuffer) -> str | None:
 
 
 def _staged(y, sym_buffer: SymmBuffer, stats, debug: bool, expert_compute) -> torch.Tensor:
-    """Dispatch, ``expert_compute(num_tokens, debug) -> rows bf16 [ring, H]`` (L1 and L2 on the rings),
-    combine; then, in debug mode, poison the buffer."""
+    """Dispatch, ``expert_compute(num_tokens, debug)`` (L1 and L2 on the rings: returns the rows bf16
+    ``[ring, H]`` for combine to push, or None when L2 stored them at ``ring_dest``), combine; then, in
+    debug mode, poison the buffer."""
     from .kernels import ep_comm, runtime
 
     runtime.require_sm90(y, "y")
@@ -227,6 +233,7 @@ def _staged(y, sym_buffer: SymmBuffer, stats, debug: bool, expert_compute) -> to
     timeout = debug_timeout_ns() if debug else 0
     ep_comm.dispatch(cfg, buf.rank, num_tokens, base, st.peers, stats, record, timeout, st.num_ctas)
     rows = expert_compute(num_tokens, debug)
+    cfg = dataclasses.replace(cfg, rows_stored=rows is None)
     ep_comm.combine(cfg, buf.rank, num_tokens, base, st.peers, rows, y, record, timeout, st.num_ctas)
     if debug:
         poison_buffer(buf)
@@ -264,7 +271,7 @@ def fp8_fp4_mega_moe(
     check_fp4_operands(l1, l2, sym_buffer, recipe)
     buf, lay = sym_buffer, sym_buffer.layout
 
-    def expert_compute(num_tokens: int, debug: bool) -> torch.Tensor:
+    def expert_compute(num_tokens: int, debug: bool) -> None:
         # GEMM tiles from the rows an expert gets when every rank routes T tokens uniformly (the ring's
         # size would overstate them: it bounds the worst case).
         rows_per_expert = lay.num_ranks * num_tokens * lay.num_topk / lay.num_experts
@@ -274,10 +281,8 @@ def fp8_fp4_mega_moe(
             buf.l1_acts, None, *l1, buf.expert_offsets, buf.l1_topk_weights, clamp=activation_clamp,
             out=buf.l2_acts, config=cfg1, out_dtype=torch.bfloat16,
         )
-        rows = torch.empty(lay.num_ring_tokens, lay.hidden, dtype=torch.bfloat16, device=buf.device)
-        if debug:
-            rows.fill_(float("nan"))
-        return sm90.grouped_gemm_fp8_fp4_contiguous(buf.l2_acts, None, *l2, buf.expert_offsets, out=rows, config=cfg2)
+        return sm90.grouped_gemm_fp8_fp4_contiguous(buf.l2_acts, None, *l2, buf.expert_offsets, config=cfg2,
+                                                    out_row_ptrs=buf.ring_dest)
 
     return _staged(y, buf, stats, debug, expert_compute)
 

@@ -60,7 +60,7 @@ needs_sm90 = pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 (Hopper) CU
 # ----------------------------------------------------------------------------------------------------
 
 # Every code path of both MMA modes: each token tile (tile_tokens=8 has its own accumulator shape), one and
-# two consumer warpgroups, one and two CTAs per SM, the three group modes, the three epilogues.
+# two consumer warpgroups, one and two CTAs per SM, the three group modes, the four epilogues.
 FP8 = {"mma": "fp8"}
 COMPILE_CASES = [
     (GemmConfig(tile_tokens=8, tile_n=128, **FP8), "offsets", "bf16"),
@@ -87,6 +87,9 @@ COMPILE_CASES = [
     (GemmConfig(tile_tokens=128, tile_n=128), "offsets", "swiglu_fp8_bf16"),
     (GemmConfig(tile_tokens=8, tile_n=64), "offsets_counts", "swiglu_fp8_bf16"),
     (GemmConfig(tile_tokens=16, tile_n=128, ctas_per_sm=2), "masked", "swiglu_fp8_bf16"),
+    (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "bf16_scatter"),
+    (GemmConfig(tile_tokens=128, tile_n=128), "offsets", "bf16_scatter"),
+    (GemmConfig(tile_tokens=32, tile_n=64), "offsets_counts", "bf16_scatter"),
 ]
 
 
@@ -155,7 +158,14 @@ def _cpu_inputs(m=40, n=128, k=512, e=3):
         ("out", lambda d: d.update(out=torch.empty(40, 128, dtype=torch.float32)), "`out` must have dtype bfloat16"),
         ("out", lambda d: d.update(out=torch.empty(41, 128, dtype=torch.bfloat16)), "`out` must have shape"),
         ("counts", lambda d: d.update(counts=torch.zeros(2, dtype=torch.int32)), "`counts` must have shape"),
+        ("out_row_ptrs", lambda d: d.update(out_row_ptrs=torch.zeros(40, dtype=torch.int32)),
+         "`out_row_ptrs` must have dtype int64"),
+        ("out_row_ptrs", lambda d: d.update(out_row_ptrs=torch.zeros(39, dtype=torch.int64)),
+         "`out_row_ptrs` must have shape"),
+        ("out", lambda d: d.update(out=torch.empty(40, 128, dtype=torch.bfloat16),
+                                   out_row_ptrs=torch.zeros(40, dtype=torch.int64)), "`out` must be None"),
         ("a", lambda d: None, "`a` must be a CUDA tensor"),  # all shapes right: the device check fires last
+        ("a", lambda d: d.update(out_row_ptrs=torch.zeros(40, dtype=torch.int64)), "`a` must be a CUDA tensor"),
     ],
 )
 def test_contiguous_validation(name, change, pattern):
@@ -783,6 +793,33 @@ def test_bf16_contiguous_ragged(tile_tokens, tile_n, ctas):
     grouped_gemm_fp8_fp4_contiguous(a, None, bk, bk_sf, offsets, out=out, config=cfg)
     torch.cuda.synchronize()
     _check_rows(out, a, None, b, b_sf, row_expert, f"contiguous {cfg.describe()}")
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("tile_tokens,tile_n,ctas", [(8, 128, 2), (32, 64, 1), (128, 128, 1)])
+def test_bf16_scatter_rows_to_addresses(tile_tokens, tile_n, ctas):
+    """out_row_ptrs: every row of a group lands at its own address (a random permutation of the rows of a
+    NaN-poisoned buffer), bit-equal to the same kernel's plain BF16 output; rows of no group are not written."""
+    gen = torch.Generator().manual_seed(3000 + tile_tokens + tile_n)
+    counts, n, k = [0, 1, 37, 5, 0, 130, 9], 256, 1024
+    a, offsets, _, row_expert, b, b_sf = _bf16_case(counts, n, k, gen)
+    bk, bk_sf = prepare_fp4_weights(b, b_sf, mma="bf16")
+    m = a.shape[0]
+    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas)
+    plain = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    grouped_gemm_fp8_fp4_contiguous(a, None, bk, bk_sf, offsets, out=plain, config=cfg)
+    dest = torch.full((m + 3, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    perm = torch.randperm(m + 3, generator=gen)[:m].to("cuda")
+    ptrs = dest.data_ptr() + perm.to(torch.int64) * (n * 2)
+    assert grouped_gemm_fp8_fp4_contiguous(a, None, bk, bk_sf, offsets, config=cfg, out_row_ptrs=ptrs) is None
+    torch.cuda.synchronize()
+    routed = row_expert >= 0
+    _check_rows(plain, a, None, b, b_sf, row_expert, f"plain {cfg.describe()}")
+    assert torch.equal(dest[perm[routed]].view(torch.int16), plain[routed].view(torch.int16))
+    written = torch.zeros(m + 3, dtype=torch.bool, device="cuda")
+    written[perm[routed]] = True
+    assert bool(dest[~written].isnan().all()), "a row outside every group (or no row) was written"
 
 
 @gpu

@@ -22,11 +22,13 @@ dispatch:
      shuffled to the lanes that need it) and stores it dequantized, exactly, as BF16 into
      ``l1_acts[r]`` (the BF16-mode GEMM operand); BF16 buffers (``mma_type="bf16"``) copy 2 KiB of
      BF16 per unit instead. Chunk 0's lane 0 also copies the routing weight into
-     ``l1_topk_weights[r]`` and the code into ``ring_source[r]``.
+     ``l1_topk_weights[r]``, the code into ``ring_source[r]`` and the address of the row's combine slot on
+     its source rank (``peers[src] + combine[j, t]``) into ``ring_dest[r]``.
 
-combine (after the L1 / L2 grouped GEMMs wrote the BF16 rows ``o [ring, H]``):
-  1. push: one warp per (ring row, 2 KiB chunk) stores ``o[r]`` to its source rank's
-     ``combine[j, t]`` (16-byte stores over NVLink); every thread then ``fence.acq_rel.sys``.
+combine (after the L1 / L2 grouped GEMMs):
+  1. push, unless the L2 GEMM already stored every row at ``ring_dest`` and fenced (``rows_stored``, the
+     FP8 x FP4 path): one warp per (ring row, 2 KiB chunk) stores ``o[r]`` (BF16 rows ``[ring, H]``) to its
+     source rank's ``combine[j, t]`` (16-byte stores over NVLink); every thread then ``fence.acq_rel.sys``.
   2. grid barrier 1; CTA 0 publishes ``done[me] = call + 1`` into every rank (``st.release.sys``);
      every CTA waits ``done[d] >= call + 1`` for all d (``ld.acquire.sys``).
   3. sum: one warp per (token, 256 columns): for each valid slot (``0 <= topk_idx < E``) in slot
@@ -130,14 +132,6 @@ def _ld_v4(addr: Int64, on, *, loc=None, ip=None) -> list:
 
 
 @dsl_user_op
-def _st_v4(addr: Int64, words: list, on, *, loc=None, ip=None) -> None:
-    """Store 4 words (16 bytes) at ``addr`` when ``on``."""
-    text = "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n@p st.global.v4.b32 [$0], {$1, $2, $3, $4};\n}"
-    args = [_v(addr, Int64, loc, ip)] + [_v(w, Int32, loc, ip) for w in words] + [_v(on, Int32, loc, ip)]
-    _asm([], args, text, "l,r,r,r,r,r,~{memory}", loc, ip)
-
-
-@dsl_user_op
 def _ld_u32_if(addr: Int64, on, *, loc=None, ip=None) -> Int32:
     """The word at ``addr`` (L2, ``.cg``) when ``on``, else 0 (no access)."""
     text = "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\nmov.b32 $0, 0;\n@p ld.global.cg.b32 $0, [$1];\n}"
@@ -158,6 +152,11 @@ def _ld_u64(addr: Int64, *, loc=None, ip=None) -> Int64:
 @dsl_user_op
 def _st_u32(addr: Int64, value, *, loc=None, ip=None) -> None:
     _asm([], [_v(addr, Int64, loc, ip), _v(value, Int32, loc, ip)], "st.global.b32 [$0], $1;", "l,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def _st_u64(addr: Int64, value, *, loc=None, ip=None) -> None:
+    _asm([], [_v(addr, Int64, loc, ip), _v(value, Int64, loc, ip)], "st.global.b64 [$0], $1;", "l,l,~{memory}", loc, ip)
 
 
 @dsl_user_op
@@ -206,11 +205,6 @@ def _st_release_sys(addr: Int64, value, wide: bool, *, loc=None, ip=None) -> Non
     else:
         _asm([], [_v(addr, Int64, loc, ip), _v(value, Int32, loc, ip)], "st.release.sys.global.b32 [$0], $1;",
              "l,r,~{memory}", loc, ip)
-
-
-@dsl_user_op
-def _fence_sys(*, loc=None, ip=None) -> None:
-    _asm([], [], "fence.acq_rel.sys;", "~{memory}", loc, ip)
 
 
 @dsl_user_op
@@ -271,6 +265,9 @@ class EpCommConfig:
     layout: SymmBufferLayout
     debug: bool
     has_stats: bool = False
+    rows_stored: bool = False
+    """Combine only: the L2 GEMM already stored every ring row at ``ring_dest`` (its source rank's combine
+    slot) and fenced, so combine skips its push (step 1)."""
 
     def offset(self, name: str) -> int:
         return self.layout.section(name).offset
@@ -360,7 +357,7 @@ class _EpKernel:
         words, on = self.load_unit(src, num_vecs, unit, lane)
         for i in cutlass.range_constexpr(VECS_PER_LANE):
             v = unit * (WARP * VECS_PER_LANE) + i * WARP + lane
-            _st_v4(dst + Int64(v) * VEC, words[i], on[i])
+            ptx.st_global_v4(dst + Int64(v) * VEC, words[i], on[i])
 
     @cute.jit
     def pull_unit(self, x_src: Int64, sf_src: Int64, dst: Int64, unit: Int32, lane: Int32):
@@ -383,8 +380,8 @@ class _EpKernel:
             for w in cutlass.range_constexpr(4):
                 lo, hi = dev.e4m3x4_to_bf16x4(words[i][w], scale)
                 out += [lo, hi]
-            _st_v4(dst + Int64(v) * (2 * VEC), out[:4], on[i])
-            _st_v4(dst + Int64(v) * (2 * VEC) + VEC, out[4:], on[i])
+            ptx.st_global_v4(dst + Int64(v) * (2 * VEC), out[:4], on[i])
+            ptx.st_global_v4(dst + Int64(v) * (2 * VEC) + VEC, out[4:], on[i])
 
     def units(self, num_vecs: int) -> int:
         """Copy units (one warp each) per row of ``num_vecs`` vectors."""
@@ -422,7 +419,7 @@ class Dispatch(_EpKernel):
 
         # 1. Announce this call's tokens to every rank.
         if cta == 0:
-            _fence_sys()
+            ptx.fence_acq_rel_sys()
             for r in cutlass.range(tid, num_ranks, THREADS):
                 flag = (Int64(call + 1) << 32) | Int64(num_tokens)
                 _st_release_sys(_ld_u64(peers + Int64(r) * 8) + (ready + Int64(me) * 8), flag, True)
@@ -490,6 +487,9 @@ class Dispatch(_EpKernel):
                 weight = _ld_u32(peer + (cfg.offset("topk_weights") + Int64(q) * 4))
                 _st_u32(base + (cfg.offset("l1_topk_weights") + Int64(row) * 4), weight)
                 _st_u32(base + (cfg.offset("ring_source") + Int64(row) * 4), code)
+                j = q - t * k
+                slot = peer + (cfg.offset("combine") + (Int64(j) * self.t_max + Int64(t)) * (hidden * 2))
+                _st_u64(base + (cfg.offset("ring_dest") + Int64(row) * 8), slot)
 
     @cute.jit
     def warp_exclusive_scan(self, offs: cute.Tensor, lane: Int32):
@@ -534,19 +534,20 @@ class Combine(_EpKernel):
         call = _ld_u32(base + self.signals)
         total = _ld_u32(base + (cfg.offset("expert_offsets") + self.num_local * 4))
 
-        # 1. Push every ring row to its source rank's combine area.
-        row_vecs = hidden * 2 // VEC
-        units = self.units(row_vecs)
-        for u in cutlass.range(gw, total * units, num_ctas * WARPS):
-            row = u // units
-            code = _ld_u32(base + (cfg.offset("ring_source") + Int64(row) * 4))
-            self.check_code(code, row, SITE_SOURCE, me, record)
-            src, q = self.decode(code)
-            t = q // k
-            j = q - t * k
-            dst = _ld_u64(peers + Int64(src) * 8) + (combine + (Int64(j) * t_max + Int64(t)) * (hidden * 2))
-            self.copy_unit(rows + Int64(row) * (hidden * 2), dst, row_vecs, u - row * units, lane)
-        _fence_sys()
+        # 1. Push every ring row to its source rank's combine area (unless the L2 GEMM stored them).
+        if cutlass.const_expr(not cfg.rows_stored):
+            row_vecs = hidden * 2 // VEC
+            units = self.units(row_vecs)
+            for u in cutlass.range(gw, total * units, num_ctas * WARPS):
+                row = u // units
+                code = _ld_u32(base + (cfg.offset("ring_source") + Int64(row) * 4))
+                self.check_code(code, row, SITE_SOURCE, me, record)
+                src, q = self.decode(code)
+                t = q // k
+                j = q - t * k
+                dst = _ld_u64(peers + Int64(src) * 8) + (combine + (Int64(j) * t_max + Int64(t)) * (hidden * 2))
+                self.copy_unit(rows + Int64(row) * (hidden * 2), dst, row_vecs, u - row * units, lane)
+            ptx.fence_acq_rel_sys()
 
         # 2. Rows are out: tell every rank, then wait until every rank's rows are in.
         self.grid_barrier(base, call, 1, SITE_C_BARRIER, me, record, timeout_ns)
@@ -579,7 +580,7 @@ class Combine(_EpKernel):
                         acc[2 * w] = acc[2 * w] + lo
                         acc[2 * w + 1] = acc[2 * w + 1] + hi
                 out = [_f32x2_bf16x2(acc[2 * w], acc[2 * w + 1]) for w in range(4)]
-                _st_v4(y + (Int64(t) * hidden + Int64(v) * 8) * 2, out, 1)
+                ptx.st_global_v4(y + (Int64(t) * hidden + Int64(v) * 8) * 2, out, 1)
 
         # 4. Ready for the next call.
         if cta == 0:
@@ -608,7 +609,7 @@ def compile_combine(cfg: EpCommConfig):
     """The compiled combine kernel for ``cfg`` (``has_stats`` plays no part)."""
     from cutlass.cute.runtime import make_fake_stream
 
-    cfg = EpCommConfig(cfg.layout, cfg.debug)
+    cfg = EpCommConfig(cfg.layout, cfg.debug, rows_stored=cfg.rows_stored)
 
     def build():
         z32, z64 = Int32(0), Int64(0)
@@ -625,9 +626,12 @@ def dispatch(cfg: EpCommConfig, me: int, num_tokens: int, base: int, peers: torc
            num_ctas, runtime.current_stream())
 
 
-def combine(cfg: EpCommConfig, me: int, num_tokens: int, base: int, peers: torch.Tensor, rows: torch.Tensor,
-            y: torch.Tensor, record: int, timeout_ns: int, num_ctas: int) -> None:
-    """Launch combine on the current stream: ``rows`` BF16 [ring, H] (L2 outputs), ``y`` BF16 [T, H]."""
+def combine(cfg: EpCommConfig, me: int, num_tokens: int, base: int, peers: torch.Tensor,
+            rows: torch.Tensor | None, y: torch.Tensor, record: int, timeout_ns: int, num_ctas: int) -> None:
+    """Launch combine on the current stream: ``rows`` BF16 [ring, H] (L2 outputs; None with
+    ``cfg.rows_stored``), ``y`` BF16 [T, H]."""
+    if (rows is None) != cfg.rows_stored:
+        raise ValueError("combine: pass rows exactly when the L2 GEMM did not store them (cfg.rows_stored)")
     kernel = compile_combine(cfg)
-    kernel(me, num_tokens, base, peers.data_ptr(), rows.data_ptr(), y.data_ptr(), record, timeout_ns, num_ctas,
-           runtime.current_stream())
+    kernel(me, num_tokens, base, peers.data_ptr(), 0 if rows is None else rows.data_ptr(), y.data_ptr(), record,
+           timeout_ns, num_ctas, runtime.current_stream())

@@ -1,9 +1,12 @@
 """SM90 (Hopper) grouped GEMM: FP4 E2M1 expert weights with exact UE8M0 block scales, two MMA modes.
 
 ``acc[m, n] = sum_k dequant(a)[m, k] * dequant(b[e])[n, k]`` for every row m of expert e's group in FP32
-(``megamoe.numerics`` steps 1 / 6), then one of three epilogues:
+(``megamoe.numerics`` steps 1 / 6), then one of four epilogues:
 
 * ``bf16``: ``out[m, n] = bf16(acc)`` (R1 / R3) -- ``grouped_gemm_fp8_fp4_{contiguous,masked}``;
+* ``bf16_scatter``: the same values, row m stored at the address ``out_row_ptrs[m]`` (e.g. a peer rank's
+  combine slot), staged per tile in shared memory so each row leaves as whole 128-byte lines -- the
+  contiguous entry with ``out_row_ptrs``;
 * ``swiglu_fp8``: L1 steps 2-5 on interleaved gate/up rows (``prepare_fp4_weights_l1``): FP8 ``[M, I]`` +
   packed UE8M0 ``[M, I/128]``, the layout FP8-mode L2 consumes -- ``grouped_gemm_fp8_fp4_swiglu_{contiguous,masked}``;
 * ``swiglu_fp8_bf16``: the same FP8-quantized values stored dequantized (exactly) as BF16 ``[M, I]``, the
@@ -99,7 +102,9 @@ MMA_MODES = ("bf16", "fp8")
 TILE_TOKENS_CHOICES = {"bf16": (8, 16, 32, 64, 128), "fp8": (8, 16, 32, 64)}
 TILE_N_CHOICES = (64, 128)
 GROUP_MODES = ("offsets", "offsets_counts", "masked")
-EPILOGUES = ("bf16", "swiglu_fp8", "swiglu_fp8_bf16")
+EPILOGUES = ("bf16", "swiglu_fp8", "swiglu_fp8_bf16", "bf16_scatter")
+SCATTER_PAD = 8
+"""BF16 elements of padding per staged row of the scatter epilogue (rows stay 16-byte aligned)."""
 SWIGLU_GRANULARITY = 8
 """``interleave_gate_up`` granularity of L1 weights for the SwiGLU epilogue: the rows a thread holds in the
 wgmma accumulator, g and g + 8 of each 16-row group, are then gate and up of the same intermediate column."""
@@ -149,8 +154,11 @@ class GemmConfig:
         return self.tile_tokens * K_CHUNK + self.tile_n * CHUNK_BYTES + 16 * (self.tile_n + self.tile_tokens)
 
     def epilogue_bytes(self, epilogue: str = "bf16") -> int:
-        """Shared memory the epilogue needs besides the pipeline (SwiGLU: FP32 activations of one tile)."""
-        return self.tile_tokens * (self.tile_n // 2 + 4) * 4 if epilogue.startswith("swiglu") else 0
+        """Shared memory the epilogue needs besides the pipeline (SwiGLU: FP32 activations of one tile;
+        scatter: the BF16 tile, rows padded by 16 bytes)."""
+        if epilogue.startswith("swiglu"):
+            return self.tile_tokens * (self.tile_n // 2 + 4) * 4
+        return self.tile_tokens * (self.tile_n + SCATTER_PAD) * 2 if epilogue == "bf16_scatter" else 0
 
     def max_stages(self, epilogue: str = "bf16") -> int:
         budget = SMEM_CAPACITY // self.ctas_per_sm - 1024 - 4096 - self.epilogue_bytes(epilogue)
@@ -216,9 +224,10 @@ def _build_kernel_class():
     import cutlass.pipeline as pipeline
     import cutlass.utils as utils
     import cutlass.utils.hopper_helpers as sm90_utils
-    from cutlass import Float32, Int32
+    from cutlass import Float32, Int32, Int64
     from cutlass.cute.nvgpu import cpasync, warpgroup
 
+    from . import ptx
     from .sm90_fp4_decode import device_helpers
     from .warp_ops import nth_set_bit, warp_inclusive_sum
 
@@ -236,6 +245,8 @@ def _build_kernel_class():
             self.epilogue = epilogue
             self.swiglu = epilogue.startswith("swiglu")
             self.swiglu_bf16 = epilogue == "swiglu_fp8_bf16"
+            self.scatter = epilogue == "bf16_scatter"
+            self.out_stride = config.tile_n + SCATTER_PAD  # BF16 elements per staged row (scatter)
             self.tile_tokens = config.tile_tokens
             self.tile_n = config.tile_n
             self.num_consumer_wg = config.consumer_warpgroups
@@ -258,7 +269,7 @@ def _build_kernel_class():
             mSFW: cute.Tensor,  # (N, K/128, E) int32
             mD: cute.Tensor,  # (M, N) bf16; "swiglu_fp8": (M, N/8) int32 view of FP8 [M, N/2]; "swiglu_fp8_bf16": (M, N/4) of BF16
             mDSF: cute.Tensor,  # "swiglu_fp8": (M, N/64) uint8 view of the packed UE8M0 scales; else unused
-            mRowW: cute.Tensor,  # "swiglu_fp8": (M,) float32 routing weight per row; else unused
+            mRowW: cute.Tensor,  # swiglu: (M,) float32 routing weight; "bf16_scatter": (M,) int64 row address
             mGroupA: cute.Tensor,  # offsets [E+1] ("offsets*") or masked_m [E] ("masked")
             mGroupB: cute.Tensor,  # counts [E] ("offsets_counts"), else any int32 tensor (unused)
             num_groups: Int32,
@@ -307,6 +318,9 @@ def _build_kernel_class():
                 sSFW: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(sfw_layout)], 128]
                 sSFA: cute.struct.Align[cute.struct.MemRange[Int32, 1 if self.bf16 else cute.cosize(sfa_layout)], 128]
                 sAct: cute.struct.Align[cute.struct.MemRange[Float32, tt * self.act_stride if self.swiglu else 1], 16]
+                sOut: cute.struct.Align[
+                    cute.struct.MemRange[cutlass.BFloat16, tt * self.out_stride if self.scatter else 8], 16
+                ]
 
             self.shared_storage = SharedStorage
             self.tx_bytes = tt * K_CHUNK * a_dtype.width // 8 + tn * CHUNK_BYTES + 16 * tn + (0 if self.bf16 else 16 * tt)
@@ -440,6 +454,10 @@ def _build_kernel_class():
             if cutlass.const_expr(self.swiglu):
                 sAct = storage.sAct.get_tensor(
                     cute.make_layout((self.tile_tokens, self.act_stride), stride=(self.act_stride, 1))
+                )
+            if cutlass.const_expr(self.scatter):  # the staged tile, (token, column) BF16, passed as sAct
+                sAct = storage.sOut.get_tensor(
+                    cute.make_layout((self.tile_tokens, self.out_stride), stride=(self.out_stride, 1))
                 )
 
             total_rows = Int32(tA.shape[0])
@@ -617,6 +635,8 @@ def _build_kernel_class():
 
                 if cutlass.const_expr(self.swiglu):
                     self.epilogue_swiglu(acc, cC, ctidx, sAct, mD, mDSF, mRowW, clamp, row0, row_end, n_tile)
+                elif cutlass.const_expr(self.scatter):
+                    self.epilogue_scatter(acc, cC, ctidx, sAct, mRowW, row0, row_end, n_tile)
                 else:
                     # BF16, stored only for token rows inside the group.
                     n0 = n_tile * tn
@@ -632,6 +652,38 @@ def _build_kernel_class():
                 e, base, valid, row0, row_end, n_tile = self.find_tile(
                     t, e, base, n_tiles, num_groups, mGroupA, mGroupB, max_m, total_rows
                 )
+            if cutlass.const_expr(self.scatter):
+                ptx.fence_acq_rel_sys()  # rows stored to other GPUs precede any release after this kernel
+
+        @cute.jit
+        def epilogue_scatter(self, acc, cC, ctidx, sOut, mRowAddr, row0, row_end, n_tile):
+            """BF16 rows of one tile to per-row addresses: each consumer warpgroup stages its 64 columns x
+            tile_tokens rows in shared memory, then stores each row's 128 bytes with eight 16-byte stores
+            (lanes 8r..8r+7 of a warp: one row), so peer memory receives whole 128-byte lines."""
+            n_cols = self.tile_tokens // 8
+            wg = ctidx // 128
+            barrier = pipeline.NamedBarrier(barrier_id=1 + wg, num_threads=128)
+            for j in cutlass.range_constexpr(n_cols):
+                for c in cutlass.range_constexpr(2):
+                    for r in cutlass.range_constexpr(2):
+                        i = c + 2 * r + 4 * j
+                        sOut[cC[i][1], cC[i][0]] = acc[i].to(cutlass.BFloat16)
+            barrier.arrive_and_wait()
+            words = cute.make_tensor(
+                cute.recast_ptr(sOut.iterator, dtype=Int32),
+                cute.make_layout((self.tile_tokens, self.out_stride // 2), stride=(self.out_stride // 2, 1)),
+            )
+            t = ctidx % 128
+            col = 64 * wg + 8 * (t % 8)  # first of this lane's 8 columns in the tile
+            vals = cute.make_rmem_tensor((4,), Int32)
+            for pass_ in cutlass.range_constexpr((self.tile_tokens + 15) // 16):
+                tok = 16 * pass_ + t // 8
+                m = row0 + tok
+                if (tok < self.tile_tokens) & (m < row_end):
+                    cute.autovec_copy(cute.local_tile(words[tok, None], (4,), (col // 8,)), vals)
+                    addr = Int64(mRowAddr[m]) + Int64(n_tile * self.tile_n + col) * 2
+                    ptx.st_global_v4(addr, [vals[0], vals[1], vals[2], vals[3]], Int32(1))
+            barrier.arrive_and_wait()  # the staged tile is read before the next tile overwrites it
 
         @cute.jit
         def epilogue_swiglu(self, acc, cC, ctidx, sAct, mD, mDSF, mRowW, clamp, row0, row_end, n_tile):
@@ -767,7 +819,7 @@ def _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, group_a, group_b):
         runtime.to_cute(sfw, leading_dim=1),
         runtime.to_cute(out, leading_dim=1),
         runtime.to_cute(out_sf, leading_dim=1, align=4),
-        runtime.to_cute(row_weights, leading_dim=0, align=4),
+        runtime.to_cute(row_weights, leading_dim=0, align=row_weights.element_size()),
         runtime.to_cute(group_a, leading_dim=0, align=4),
         runtime.to_cute(group_b, leading_dim=0, align=4),
     )
@@ -800,7 +852,7 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
         else:
             out = torch.empty(m, n, dtype=torch.bfloat16)
         out_sf = torch.empty(m, n // 64, dtype=torch.uint8)
-        row_weights = torch.empty(m, dtype=torch.float32)
+        row_weights = torch.empty(m, dtype=torch.int64 if epilogue == "bf16_scatter" else torch.float32)
         groups = torch.zeros(e + 1, dtype=torch.int32)
         args = _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, groups, groups)
         kernel = _kernel_class()(config, group_mode, epilogue)
@@ -815,12 +867,13 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
 _DUMMIES: dict = {}
 
 
-def _dummies(device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Placeholder (out_sf, row_weights) operands for the BF16 epilogue, which never touches them."""
+def _dummies(device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Placeholder (out_sf, row_weights, out) operands for the epilogues that never touch them."""
     key = str(device)
     if key not in _DUMMIES:
         _DUMMIES[key] = (torch.zeros(1, 16, dtype=torch.uint8, device=device),
-                         torch.zeros(4, dtype=torch.float32, device=device))
+                         torch.zeros(4, dtype=torch.float32, device=device),
+                         torch.zeros(1, 64, dtype=torch.bfloat16, device=device))
     return _DUMMIES[key]
 
 
@@ -937,7 +990,9 @@ def _launch(config, group_mode, epilogue, a2, a_sf2, b, b_sf, out2, out_sf2, row
     kernel = compile_grouped_gemm(config, group_mode, epilogue)
     num_sms = torch.cuda.get_device_properties(a2.device).multi_processor_count
     if epilogue == "bf16":
-        out_sf2, row_weights = _dummies(a2.device)
+        out_sf2, row_weights, _ = _dummies(a2.device)
+    elif epilogue == "bf16_scatter":  # row_weights holds the row addresses
+        out_sf2, _, out2 = _dummies(a2.device)
     elif out_sf2 is None:  # "swiglu_fp8_bf16" writes no scales
         out_sf2 = _dummies(a2.device)[0]
     args = _cute_args(a2, a_sf2, b, b_sf, out2, out_sf2, row_weights, group_a, group_b)
@@ -955,7 +1010,8 @@ def grouped_gemm_fp8_fp4_contiguous(
     config: GemmConfig | None = None,
     *,
     counts: torch.Tensor | None = None,
-) -> torch.Tensor:
+    out_row_ptrs: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """Contiguous grouped GEMM ``out[rows of e] = a[rows of e] . b[e]^T`` (tokens x FP4 -> BF16, FP32 accumulate).
 
     The MMA mode follows the weights (``prepare_fp4_weights(..., mma=)``): BF16 mode, b ``int32 [E, N, K/128,
@@ -966,18 +1022,31 @@ def grouped_gemm_fp8_fp4_contiguous(
     ``counts`` (``int32 [E]``, e.g. ``ContiguousLayout.counts``) is given. Any alignment; rows of no group are
     neither read as data for the output nor written. Group bounds are read on the device (no sync; CUDA-graph
     capturable) and clamped to ``[0, M)``. Needs K % 512 == 0, N % 64 == 0. Returns ``out`` (``bf16 [M, N]``,
-    allocated uninitialised when None)."""
+    allocated uninitialised when None).
+
+    ``out_row_ptrs`` (``int64 [M]``, instead of ``out``; returns None): row m's N BF16 values are stored at
+    the device address ``out_row_ptrs[m]`` (16-byte aligned; any memory this GPU maps, e.g. a peer rank's
+    symmetric buffer), staged per tile so that each row leaves as whole 128-byte lines. Every storing
+    thread ends with ``fence.acq_rel.sys``, so a release that follows the kernel (stream order) publishes
+    the rows to other GPUs too."""
     mma, k, e, n = _check_operands(a, a_sf, b, b_sf, offsets, counts, masked=False, swiglu=False)
     m = a.shape[0]
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
-    check_tensor("out", out, dtype=torch.bfloat16, shape=(m, n), device=a.device, contiguous=True)
+    if out_row_ptrs is None:
+        if out is None:
+            out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+        check_tensor("out", out, dtype=torch.bfloat16, shape=(m, n), device=a.device, contiguous=True)
+        epilogue = "bf16"
+    else:
+        if out is not None:
+            fail("out", "must be None when out_row_ptrs gives the row addresses")
+        check_tensor("out_row_ptrs", out_row_ptrs, dtype=torch.int64, shape=(m,), device=a.device, contiguous=True)
+        epilogue = "bf16_scatter"
     cfg = _resolve_config(config, m / max(e, 1), n, k, mma)
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
     max_tiles = (m // cfg.tile_tokens + e) * (n // cfg.tile_n)
     mode = "offsets" if counts is None else "offsets_counts"
-    _launch(cfg, mode, "bf16", a, a_sf, b, b_sf, out, None, None, offsets, offsets if counts is None else counts,
-            e, 0, float("inf"), max_tiles)
+    _launch(cfg, mode, epilogue, a, a_sf, b, b_sf, out, None, out_row_ptrs, offsets,
+            offsets if counts is None else counts, e, 0, float("inf"), max_tiles)
     return out
 
 
