@@ -62,10 +62,9 @@ protocol state or duplicate experts in a token's top-k.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -198,11 +197,12 @@ def _state(buf: SymmBuffer) -> _State:
 
 
 def poison_buffer(buf: SymmBuffer) -> None:
-    """Debug: fill the rings, the pool and the combine area with NaN / -1 (stream-ordered)."""
+    """Debug: fill the rings, the pool, the row codes and destinations and the combine area with NaN / -1
+    (stream-ordered)."""
     for name in ("l1_acts", "l2_acts", "l1_topk_weights"):
         getattr(buf, name).fill_(float("nan"))
-    for name in ("pool", "ring_source"):
-        getattr(buf, name).fill_(-1)  # invalid source codes
+    for name in ("pool", "ring_source", "ring_dest"):
+        getattr(buf, name).fill_(-1)  # invalid source codes; an invalid address (a stale one would be used silently)
     buf.combine.fill_(float("nan"))
 
 
@@ -233,7 +233,7 @@ def _staged(y, sym_buffer: SymmBuffer, stats, debug: bool, expert_compute) -> to
     timeout = debug_timeout_ns() if debug else 0
     ep_comm.dispatch(cfg, buf.rank, num_tokens, base, st.peers, stats, record, timeout, st.num_ctas)
     rows = expert_compute(num_tokens, debug)
-    cfg = dataclasses.replace(cfg, rows_stored=rows is None)
+    cfg = replace(cfg, rows_stored=rows is None)
     ep_comm.combine(cfg, buf.rank, num_tokens, base, st.peers, rows, y, record, timeout, st.num_ctas)
     if debug:
         poison_buffer(buf)

@@ -8,8 +8,6 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from . import ptx
 
-WARP = 32
-
 
 @dsl_user_op
 def nth_set_bit(mask: Int32, n: Int32, *, loc=None, ip=None) -> Int32:
