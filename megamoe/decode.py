@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from .checks import check_range, check_tensor, fail
+from .kernels.sm90_grouped_gemm import K_MULTIPLE as GROUPED_MULTIPLE
 from .layouts.weights import check_fp4_expert_weights
 
 PATHS = ("auto", "warp_decode", "grouped")
@@ -48,8 +49,6 @@ EXPERT_MAJOR_MIN_TOKENS = 4
 40.4 at T=1, 69.6 / 64.6 at 2, 125.3 / 92.7 at 4; pro 48: 93.6 / 111.2, 165.9 / 176.5, 304.2 / 282.5; pro 192:
 95.9 / 112.7, 166.7 / 188.4, 304.9 / 317.7 (T = 1, 2, 4; at T = 4 SIMT wins pro 192 by 4% and loses the
 other three by 7-35%)."""
-GROUPED_MULTIPLE = 512
-"""H and I must be multiples of this for the grouped path (the SM90 grouped GEMM's K granularity)."""
 
 
 def default_crossover(hidden: int, inter: int, experts: int, topk: int) -> int:
@@ -101,6 +100,13 @@ class MoEDecoder:
         """The path ``auto`` takes for a batch of ``tokens``."""
         return "warp_decode" if tokens <= self.crossover or not self.grouped else "grouped"
 
+    def warp_weights(self, tokens: int) -> tuple[tuple, tuple]:
+        """The (l1, l2) warp decode runs on for a batch of ``tokens``: the Mega MoE layout (expert-major
+        kernels) from ``EXPERT_MAJOR_MIN_TOKENS`` on when the decoder holds it, else canonical (per-pair SIMT)."""
+        if self.grouped and tokens >= EXPERT_MAJOR_MIN_TOKENS:
+            return self.mega.l1, self.mega.l2
+        return self.l1, self.l2
+
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  activation_clamp: float | None = None, out: torch.Tensor | None = None,
                  path: str = "auto") -> torch.Tensor:
@@ -117,9 +123,7 @@ class MoEDecoder:
         tokens = x.shape[0]
         chosen = self.path_for(tokens) if path == "auto" else path
         if chosen == "warp_decode":
-            expert_major = self.grouped and tokens >= EXPERT_MAJOR_MIN_TOKENS
-            l1, l2 = (self.mega.l1, self.mega.l2) if expert_major else (self.l1, self.l2)
-            return moe_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp, out)
+            return moe_decode(x, topk_idx, topk_weights, *self.warp_weights(tokens), activation_clamp, out)
         if not self.grouped:
             fail("path", f"'grouped' needs hidden and intermediate multiples of {GROUPED_MULTIPLE}")
         if tokens > self.max_tokens:

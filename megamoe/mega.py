@@ -11,8 +11,8 @@ launches on the caller's stream, nothing else (no host sync, no host zeroing):
 
 1. dispatch (``kernels.ep_comm``): announce ``ready``, scan every rank's routing over NVLink, count and
    pool the rows of local experts, prefix offsets, pull FP8 token rows + scales + routing weights into
-   the L1 ring (``l1_acts`` as exact BF16, ``l1_topk_weights``, ``ring_source``, and ``ring_dest``: where
-   each row's result goes), contiguous per expert with ragged groups (``expert_offsets``);
+   the L1 ring (``l1_acts`` as exact BF16, ``l1_topk_weights``, and ``ring_dest``: where each row's
+   result goes), contiguous per expert with ragged groups (``expert_offsets``);
 2. L1: ``grouped_gemm_fp8_fp4_swiglu_contiguous`` (BF16-operand mode) -> ``l2_acts``: the FP8-quantized
    SwiGLU outputs as their exact BF16 values (steps 1-5);
 3. L2: ``grouped_gemm_fp8_fp4_contiguous`` (BF16-operand mode, ``out_row_ptrs=ring_dest``) stores each
@@ -56,7 +56,7 @@ Hang diagnosis: rerun with ``MEGAMOE_DEBUG=1``. ``waits ready[src=r] >= c + 1, s
 r has not started call c (a missing or extra call there, or r is stuck earlier: read r's lines);
 ``waits done[dst=r]``: rank r has not finished pushing its rows of call c (read r's lines);
 ``waits grid barrier``: CTAs of this rank's own kernel are missing (not all resident: another kernel
-holds SMs) or stopped earlier; a bad pool / ring_source code or an expert / ring overflow: corrupted
+holds SMs) or stopped earlier; a bad pool code or an expert / ring overflow: corrupted
 protocol state or duplicate experts in a token's top-k.
 """
 
@@ -71,6 +71,7 @@ import torch
 from .checks import check_multiple, check_tensor, fail
 from .layouts.weights import check_fp4_expert_weights
 from .numerics import check_activation_clamp
+from .kernels.sm90_grouped_gemm import K_MULTIPLE  # H and I must be multiples of it (the GEMM's K granularity)
 from .symm_buffer import SymmBuffer
 
 DEBUG_ENV = "MEGAMOE_DEBUG"
@@ -78,8 +79,6 @@ DEBUG_TIMEOUT_ENV = "MEGAMOE_DEBUG_TIMEOUT_S"
 DEFAULT_DEBUG_TIMEOUT_S = 10.0
 RECIPE = (1, 1, 32)
 """Scale granularity (token rows, weight rows, K elements): per-token, per-row, per-32 UE8M0 scales."""
-K_MULTIPLE = 512
-"""The SM90 grouped GEMM's K granularity (hidden for L1, intermediate for L2)."""
 
 
 def transform_weights_for_mega_moe(l1: tuple, l2: tuple) -> tuple[tuple, tuple]:
@@ -197,12 +196,12 @@ def _state(buf: SymmBuffer) -> _State:
 
 
 def poison_buffer(buf: SymmBuffer) -> None:
-    """Debug: fill the rings, the pool, the row codes and destinations and the combine area with NaN / -1
+    """Debug: fill the rings, the pool, the row destinations and the combine area with NaN / -1
     (stream-ordered)."""
     for name in ("l1_acts", "l2_acts", "l1_topk_weights"):
         getattr(buf, name).fill_(float("nan"))
-    for name in ("pool", "ring_source", "ring_dest"):
-        getattr(buf, name).fill_(-1)  # invalid source codes; an invalid address (a stale one would be used silently)
+    for name in ("pool", "ring_dest"):
+        getattr(buf, name).fill_(-1)  # invalid source codes / addresses (a stale address would be used silently)
     buf.combine.fill_(float("nan"))
 
 
@@ -220,7 +219,7 @@ def debug_report(sym_buffer: SymmBuffer) -> str | None:
 
 
 def _staged(y, sym_buffer: SymmBuffer, stats, debug: bool, expert_compute) -> torch.Tensor:
-    """Dispatch, ``expert_compute(num_tokens, debug)`` (L1 and L2 on the rings: returns the rows bf16
+    """Dispatch, ``expert_compute(num_tokens)`` (L1 and L2 on the rings: returns the rows bf16
     ``[ring, H]`` for combine to push, or None when L2 stored them at ``ring_dest``), combine; then, in
     debug mode, poison the buffer."""
     from .kernels import ep_comm, runtime
@@ -232,7 +231,7 @@ def _staged(y, sym_buffer: SymmBuffer, stats, debug: bool, expert_compute) -> to
     base, record, num_tokens = buf.buffer.data_ptr(), st.record.data_ptr(), y.shape[0]
     timeout = debug_timeout_ns() if debug else 0
     ep_comm.dispatch(cfg, buf.rank, num_tokens, base, st.peers, stats, record, timeout, st.num_ctas)
-    rows = expert_compute(num_tokens, debug)
+    rows = expert_compute(num_tokens)
     cfg = replace(cfg, rows_stored=rows is None)
     ep_comm.combine(cfg, buf.rank, num_tokens, base, st.peers, rows, y, record, timeout, st.num_ctas)
     if debug:
@@ -271,7 +270,7 @@ def fp8_fp4_mega_moe(
     check_fp4_operands(l1, l2, sym_buffer, recipe)
     buf, lay = sym_buffer, sym_buffer.layout
 
-    def expert_compute(num_tokens: int, debug: bool) -> None:
+    def expert_compute(num_tokens: int) -> None:
         # GEMM tiles from the rows an expert gets when every rank routes T tokens uniformly (the ring's
         # size would overstate them: it bounds the worst case).
         rows_per_expert = lay.num_ranks * num_tokens * lay.num_topk / lay.num_experts
@@ -318,7 +317,7 @@ def bf16_mega_moe(
     check_tensor("l2", l2, dtype=torch.bfloat16, shape=(e_l, h, i), device=dev, contiguous=True)
     buf = sym_buffer
 
-    def expert_compute(num_tokens: int, debug: bool) -> torch.Tensor:
+    def expert_compute(num_tokens: int) -> torch.Tensor:
         ends = buf.expert_offsets[1:]  # rows past the last end are never read
         h1 = torch._grouped_mm(buf.l1_acts, l1.transpose(1, 2), offs=ends)
         a = l1_epilogue(h1, buf.l1_topk_weights, activation_clamp, fp8=False)[0]

@@ -14,7 +14,6 @@ done               int32 [R]                         ``call + 1`` from expert ra
 expert_counts      int32 [E/R]                       rows received per local expert (this call)
 expert_offsets     int32 [E/R + 1]                   their starts in the L1 ring, then the total
 pool               int32 [E/R, R * T_max]            per local expert: source code of each row
-ring_source        int32 [ring]                      source code of each L1 ring row
 ring_dest          int64 [ring]                      address of each ring row's combine slot (source rank)
 x                  e4m3 / bf16 [T_max, H]            input tokens (FP8, or BF16 for mma "bf16")
 x_sf               int32 [T_max, H/128]              packed UE8M0 token scales (FP8 only)
@@ -154,7 +153,6 @@ def symm_buffer_layout(
         ("expert_counts", torch.int32, (num_local,)),
         ("expert_offsets", torch.int32, (num_local + 1,)),
         ("pool", torch.int32, (num_local, num_ranks * t)),
-        ("ring_source", torch.int32, (ring,)),
         ("ring_dest", torch.int64, (ring,)),
         ("x", act, (t, h)),
         ("x_sf", torch.int32, (t, h // PACKED_BLOCK_K) if fp8 else (t, 0)),

@@ -8,7 +8,7 @@ routings (so consecutive calls read different experts and the timing is not an L
 Warp decode runs three ways, each checked: ``simt us`` (per-pair SIMT kernels, canonical weights), ``mma
 us`` (gate_up on tensor cores over the Mega MoE L1, SIMT down) and ``expert us`` (the expert-major tensor-core
 kernels over both weights in the Mega MoE layout; the last two for shapes with the grouped path); GB/s,
-%HBM and the crossover use the one ``MoEDecoder`` runs at that batch (``EXPERT_MAJOR_MIN_TOKENS``). Bandwidth counts the weight
+%HBM and the crossover use the one ``MoEDecoder`` runs at that batch (``MoEDecoder.warp_weights``). Bandwidth counts the weight
 bytes the routing actually needs: every row (and its scales) of W1 and W2 of each distinct routed
 expert. The HBM ceiling is measured in the same run (``torch.sum`` over ``--hbm-gib`` GiB). Beside it,
 torch's grouped GEMMs (FP8 rowwise ``torch._scaled_grouped_mm``, else BF16 ``torch._grouped_mm``) on
@@ -27,7 +27,7 @@ import statistics
 
 import torch
 
-from ..decode import EXPERT_MAJOR_MIN_TOKENS, MoEDecoder
+from ..decode import MoEDecoder
 from ..inputs import random_fp4_weights, random_routing, random_tokens
 from ..numerics import max_row_rel_error, moe_tolerances, rel_fro_error
 from ..reference import reference_decode, reference_moe
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
                 routes = [(i.to(device), w.to(device)) for i, w in routes]
                 checked = min(tokens, args.check_tokens)
                 # gate_up on SIMT pipes over canonical L1; on tensor cores over the Mega MoE L1; expert-major
-                runs = {"simt": (l1, l2)}
+                runs = {"simt": (decoder.l1, decoder.l2)}
                 if decoder.grouped:
                     runs["mma"] = (decoder.mega.l1, l2)
                     runs["expert"] = (decoder.mega.l1, decoder.mega.l2)
@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
                     fn = lambda r, x=x, y=None, w1=w1, w2=w2: moe_decode(x, *r, w1, w2, out=y)  # noqa: E731
                     check = _check_decode(lambda x, i, w, y, fn=fn: fn((i, w), x, y), x, *routes[0], l1, l2, checked)
                     timed[name] = (_time_cycling(fn, routes, args), check)
-                chosen = "expert" if decoder.grouped and tokens >= EXPERT_MAJOR_MIN_TOKENS else "simt"
+                w1, w2 = decoder.warp_weights(tokens)
+                chosen = next(n for n, ws in runs.items() if ws[0] is w1 and ws[1] is w2)
                 us, verdict = timed[chosen]
                 simt_cols = f"{timed['simt'][0]:8.1f} {timed['simt'][1]:>7}"
                 mma_cols = " ".join(f"{timed[n][0]:8.1f} {timed[n][1]:>7}" if n in timed else f"{'-':>8} {'-':>7}"

@@ -22,13 +22,13 @@ dispatch:
      shuffled to the lanes that need it) and stores it dequantized, exactly, as BF16 into
      ``l1_acts[r]`` (the BF16-mode GEMM operand); BF16 buffers (``mma_type="bf16"``) copy 2 KiB of
      BF16 per unit instead. Chunk 0's lane 0 also copies the routing weight into
-     ``l1_topk_weights[r]``, the code into ``ring_source[r]`` and the address of the row's combine slot on
-     its source rank (``peers[src] + combine[j, t]``) into ``ring_dest[r]``.
+     ``l1_topk_weights[r]`` and the address of the row's combine slot on its source rank
+     (``peers[src] + combine[j, t]``) into ``ring_dest[r]``.
 
 combine (after the L1 / L2 grouped GEMMs):
   1. push, unless the L2 GEMM already stored every row at ``ring_dest`` and fenced (``rows_stored``, the
-     FP8 x FP4 path): one warp per (ring row, 2 KiB chunk) stores ``o[r]`` (BF16 rows ``[ring, H]``) to its
-     source rank's ``combine[j, t]`` (16-byte stores over NVLink); every thread then ``fence.acq_rel.sys``.
+     FP8 x FP4 path): one warp per (ring row, 2 KiB chunk) stores ``o[r]`` (BF16 rows ``[ring, H]``) at
+     ``ring_dest[r]`` (16-byte stores over NVLink); every thread then ``fence.acq_rel.sys``.
   2. grid barrier 1; CTA 0 publishes ``done[me] = call + 1`` into every rank (``st.release.sys``);
      every CTA waits ``done[d] >= call + 1`` for all d (``ld.acquire.sys``).
   3. sum: one warp per (token, 256 columns): for each valid slot (``0 <= topk_idx < E``) in slot
@@ -48,7 +48,7 @@ write is loaded with ``ld.global.cg`` (L2, never a stale L1 line). Every PTX blo
 those that touch memory clobber it, so the compiler keeps their program order.
 
 Debug mode (``debug=True``, a separate compile): every spin-wait times out after ``timeout_ns``
-(``%globaltimer``) and the kernel checks the codes it reads from ``pool`` / ``ring_source`` and the
+(``%globaltimer``) and the kernel checks the codes it reads from ``pool`` and the
 expert / ring capacities; on a failure it printf's ``megamoe debug: rank, CTA (SM), role, site,
 expected, seen``, writes the same record into host-mapped memory (``record``: int64 [num_ctas, 8],
 one row per CTA, see ``format_record``) and traps.
@@ -93,11 +93,10 @@ SITES = (
     ("dispatch", "ring holds %d rows, this call routes %d rows here (%d too many): duplicate experts in a token's top-k?"),
     ("combine", "timed out: waits grid barrier %d: arrivals >= %d, sees %d"),
     ("combine", "timed out: waits done[dst=%d] >= %d (call + 1), sees %d"),
-    ("combine", "ring_source code of ring row %d must be in [0, %d), got %d"),
 )
 """Debug diagnostics: (role, message with index, expected, seen), shared by the kernels' printf and
 ``format_record``."""
-SITE_READY, SITE_D_BARRIER, SITE_POOL, SITE_EXPERT, SITE_RING, SITE_C_BARRIER, SITE_DONE, SITE_SOURCE = range(len(SITES))
+SITE_READY, SITE_D_BARRIER, SITE_POOL, SITE_EXPERT, SITE_RING, SITE_C_BARRIER, SITE_DONE = range(len(SITES))
 
 
 def format_record(row: list[int]) -> str:
@@ -332,7 +331,7 @@ class _EpKernel:
 
     @cute.jit
     def check_code(self, code: Int32, row: Int32, site: cutlass.Constexpr, rank: Int32, record: Int64):
-        """Debug: a source code read from ``pool`` / ``ring_source`` must be in ``[0, codes)``."""
+        """Debug: a source code read from ``pool`` must be in ``[0, codes)``."""
         if cutlass.const_expr(self.debug):  # noqa: SIM102 (compile-time test, then the runtime one)
             if (code < 0) | (code >= self.codes):
                 self.fail(site, rank, record, row, Int32(self.codes), code)
@@ -486,7 +485,6 @@ class Dispatch(_EpKernel):
             if (unit == 0) & (lane == 0):
                 weight = _ld_u32(peer + (cfg.offset("topk_weights") + Int64(q) * 4))
                 _st_u32(base + (cfg.offset("l1_topk_weights") + Int64(row) * 4), weight)
-                _st_u32(base + (cfg.offset("ring_source") + Int64(row) * 4), code)
                 j = q - t * k
                 slot = peer + (cfg.offset("combine") + (Int64(j) * self.t_max + Int64(t)) * (hidden * 2))
                 _st_u64(base + (cfg.offset("ring_dest") + Int64(row) * 8), slot)
@@ -532,20 +530,15 @@ class Combine(_EpKernel):
         num_ctas = cute.arch.grid_dim()[0]
         gw = cta * WARPS + tid // WARP
         call = _ld_u32(base + self.signals)
-        total = _ld_u32(base + (cfg.offset("expert_offsets") + self.num_local * 4))
 
         # 1. Push every ring row to its source rank's combine area (unless the L2 GEMM stored them).
         if cutlass.const_expr(not cfg.rows_stored):
+            total = _ld_u32(base + (cfg.offset("expert_offsets") + self.num_local * 4))
             row_vecs = hidden * 2 // VEC
             units = self.units(row_vecs)
             for u in cutlass.range(gw, total * units, num_ctas * WARPS):
                 row = u // units
-                code = _ld_u32(base + (cfg.offset("ring_source") + Int64(row) * 4))
-                self.check_code(code, row, SITE_SOURCE, me, record)
-                src, q = self.decode(code)
-                t = q // k
-                j = q - t * k
-                dst = _ld_u64(peers + Int64(src) * 8) + (combine + (Int64(j) * t_max + Int64(t)) * (hidden * 2))
+                dst = _ld_u64(base + (cfg.offset("ring_dest") + Int64(row) * 8))
                 self.copy_unit(rows + Int64(row) * (hidden * 2), dst, row_vecs, u - row * units, lane)
             ptx.fence_acq_rel_sys()
 

@@ -115,7 +115,7 @@ def _ld_weights_if(addr: Int64, on: Int32, *, loc=None, ip=None) -> list:
     """A ``WEIGHT_LOAD`` of 16 bytes when ``on`` is nonzero, else four zero words (no memory access, no branch)."""
     text = (
         "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n"
-        "@p ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4];\n}"
+        f"@p ld.global{WEIGHT_LOAD}.v4.b32 {{$0, $1, $2, $3}}, [$4];\n}}"
     )
     args = [Int64(addr).ir_value(loc=loc, ip=ip), Int32(on).ir_value(loc=loc, ip=ip)]
     return [Int32(v) for v in _asm([T.i32()] * 4, args, text, "=r,=r,=r,=r,l,r", loc, ip)]
