@@ -11,11 +11,19 @@ time; ``weights GB/s`` bytes of the expert weights this path reads (BF16 with th
 experts that received rows; ``FP4 floor us`` the same experts' FP4 bytes over the HBM read bandwidth
 measured in this run (the floor a fused FP4 kernel could reach); ``a2a GB/s`` bytes this rank sends
 to other ranks (dispatch rows + combine rows) over time.
+
+``--routings N`` (default 1): N buffers per point, each with its own random tokens and routing (each
+checked); timed calls cycle through them, so consecutive calls touch different experts, as consecutive
+layers of a model read different weights. With one routing, every timed call reads the same experts'
+weights, and at a few tokens per rank those can stay partly in the GPU's L2 cache between calls (flash,
+1 token/rank: about 6 experts x 13 MB per rank against a 50-60 MB L2); the columns then give the means
+over the N routings.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -58,9 +66,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--routings", type=int, default=1, help="buffers with distinct random routings per point; "
+                   "timed calls cycle through them (see the module docstring)")
     p.add_argument("--json", default=None, help="write a JSON receipt here (rank 0)")
     p.add_argument("--profile", action="store_true", help="print rank 0's torch.profiler summary of one call per point")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.routings < 1:
+        p.error(f"--routings must be >= 1, got {args.routings}")
+    return args
 
 
 def _max_over_ranks(value: float, group, device) -> float:
@@ -141,26 +154,42 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     rows = []
     for t in progress(tokens, f"{preset}: tokens/rank", enabled=lead):
-        # One buffer per point, sized to it: the low-latency path moves num_max_tokens_per_rank rows.
+        # Buffers sized to the point: the low-latency path moves num_max_tokens_per_rank rows.
         ring = -(-num_ranks * max(t, 1) * min(k, num_local) // RING_ALIGNMENT) * RING_ALIGNMENT  # every row received
-        buf = get_symm_buffer_for_mega_moe(group, e, max(t, 1), k, h, i, mma_type=args.mma_type, num_ring_tokens=ring,
-                                           device=device)
-        cpu_gen = torch.Generator().manual_seed(args.seed * 7919 + t * 31 + rank)
-        x = random_tokens(t, h, cpu_gen, device)
-        idx, w = random_routing(t, e, k, cpu_gen, args.masked_ratio, device=device)
-        x_q, x_sf = fill_buffer(buf, x, idx, w)
-        ref = distributed_reference_moe(x_q, x_sf, idx, w, l1, l2, group, max(t, 1), args.clamp)
+        cases = []  # (buffer, top-k ids, reference output), one per routing
+        for r in range(args.routings):
+            buf = get_symm_buffer_for_mega_moe(group, e, max(t, 1), k, h, i, mma_type=args.mma_type,
+                                               num_ring_tokens=ring, device=device)
+            cpu_gen = torch.Generator().manual_seed(args.seed * 7919 + t * 31 + rank + 104729 * r)
+            x = random_tokens(t, h, cpu_gen, device)
+            idx, w = random_routing(t, e, k, cpu_gen, args.masked_ratio, device=device)
+            x_q, x_sf = fill_buffer(buf, x, idx, w)
+            cases.append((buf, idx, distributed_reference_moe(x_q, x_sf, idx, w, l1, l2, group, max(t, 1), args.clamp)))
         for name, path in paths.items():
-            y = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=device)
-            stats = torch.zeros(num_local, dtype=torch.int32, device=device)
-            path(y, buf, stats, activation_clamp=args.clamp)
-            fro = _max_over_ranks(rel_fro_error(y, ref) if t else 0.0, group, device)
-            row_rel = _max_over_ranks(max_row_rel_error(y, ref), group, device)
-            ok = fro <= tol["rel_fro"] and row_rel <= tol["max_row_rel"]
-
             fused = isinstance(path, MegaMoE)
+            y = torch.empty((t, h), dtype=torch.bfloat16, device=device)
+            fro = row_rel = routed = touched = sent = 0.0
+            for buf, idx, ref in cases:
+                y.fill_(float("nan"))
+                stats = torch.zeros(num_local, dtype=torch.int32, device=device)
+                path(y, buf, stats, activation_clamp=args.clamp)
+                fro = max(fro, _max_over_ranks(rel_fro_error(y, ref) if t else 0.0, group, device))
+                row_rel = max(row_rel, _max_over_ranks(max_row_rel_error(y, ref), group, device))
+                routed += _sum_over_ranks(float(stats.sum()), group, device) / num_ranks / len(cases)
+                touched += _sum_over_ranks(float((stats > 0).sum()), group, device) / num_ranks / len(cases)
+                if fused:  # one pulled row (token, scales, weight) and one combine row per remote slot
+                    remote = (idx >= 0) & (idx // num_local != rank)
+                    bytes_out = float(int(remote.sum()) * (h + h // 32 + 4 + 2 * h))
+                elif path.mode == "normal":
+                    bytes_out = float(_traffic_bytes(idx, rank, num_ranks, num_local, dispatch_row_bytes, h))
+                else:
+                    bytes_out = float((num_ranks - 1) * t * (dispatch_row_bytes + k * h * 2))
+                sent += _max_over_ranks(bytes_out, group, device) / len(cases)
+            ok = fro <= tol["rel_fro"] and row_rel <= tol["max_row_rel"]
+            turn = itertools.count()
 
             def call():
+                buf = cases[next(turn) % len(cases)][0]  # cycle through the routings
                 if fused:
                     path(y, buf, None, activation_clamp=args.clamp)
                 else:
@@ -178,18 +207,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 replay = capture_graph(call, 1).replay if graphed else call
                 what = "one replay of a CUDA graph of 10 calls" if graphed else "one call"
                 _profile(replay, barrier, lead, f"{t} tokens/rank, {name}, {what}")
-            routed = _sum_over_ranks(float(stats.sum()), group, device) / num_ranks
-            touched = _sum_over_ranks(float((stats > 0).sum()), group, device) / num_ranks
-            if fused:  # one pulled row (token, scales, weight) and one combine row per remote slot
-                remote = (idx >= 0) & (idx // num_local != rank)
-                sent = float(int(remote.sum()) * (h + h // 32 + 4 + 2 * h))
-            elif path.mode == "normal":
-                sent = float(_traffic_bytes(idx, rank, num_ranks, num_local, dispatch_row_bytes, h))
-            else:
-                sent = float((num_ranks - 1) * t * (dispatch_row_bytes + k * h * 2))
-            sent = _max_over_ranks(sent, group, device)
             rows.append({
                 "tokens_per_rank": t,
+                "routings": len(cases),
                 "path": name,
                 "method": method,
                 "us": us,
@@ -206,11 +226,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
             })
             if not ok:
                 say(f"INCORRECT: {name} at {t} tokens/rank: rel_fro={fro:.3e} max_row_rel={row_rel:.3e}")
-        del ref
-        buf.destroy()
+        for buf, _, _ in cases:
+            buf.destroy()
+        del cases
 
     method = (f"median of {args.iters} timings after {args.warmup} warm-up calls, each after a cross-rank "
-              "barrier; slowest rank; per-row method column")
+              f"barrier; slowest rank; per-row method column; {args.routings} routing(s) per point, the timed "
+              "calls cycling through them")
     if lead:
         _print_table(preset, shape, num_ranks, args.mma_type, hbm, rows, receipt, method)
         if args.json:
@@ -218,6 +240,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 json.dump({
                     "benchmark": "megamoe.bench moe", "preset": preset, "shape": shape,
                     "mma_type": args.mma_type, "masked_ratio": args.masked_ratio, "clamp": args.clamp,
+                    "routings": args.routings,
                     "hbm_read_gbps": hbm, "warmup": args.warmup, "iters": args.iters, "method": method,
                     "tolerance": tol,
                     "environment": receipt, "results": rows,
