@@ -52,10 +52,10 @@ What bounds small token tiles (H200, ncu, flash L1 EP8, 16 rows/expert, BF16 mod
 consumer warp spends ~200 SASS instructions per 128-K chunk, 136 of them decoding (15 per word of 8 weights
 plus 2 per scale multiplier; an exhaustive search over the bit placements of a word's nibbles, with
 shift/rotate, mask, multiply and sign-merge steps, finds none below 15); issue slots are 70% busy, DRAM
-58-60%. Tried on 2026-11-30 and kept out, each
-A/B-timed in one process with checked outputs: a one-warp producer with 3 CTAs per SM (24 consumer warps:
-L1 1 row/expert 92.5 -> 99.3 us); alternating accumulators for odd k16 blocks (1-3% slower, also with a
-lone tile per CTA); programmatic dependent launch of dispatch, GEMMs and combine (within the spread).
+58-60%. Tried on 2026-11-30 and kept out, each A/B-timed in one process with checked outputs: a one-warp
+producer with 3 CTAs per SM (24 consumer warps: L1 1 row/expert 92.5 -> 99.3 us); alternating accumulators
+for odd k16 blocks (1-3% slower, also with a lone tile per CTA); programmatic dependent launch of dispatch,
+GEMMs and combine (within the run-to-run spread).
 
 Constraints: K % 512 == 0 (packed scale rows must be 16-byte aligned for TMA), N % 64 == 0 (SwiGLU: N = 2I,
 I % 128 == 0). BF16 mode: weight scale codes within the decode's exact range (``sm90_fp4_decode``), checked
