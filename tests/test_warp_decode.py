@@ -77,14 +77,16 @@ def test_expert_major_kernels_compile_for_sm90(has_clamp):
 
 def test_mma_order_is_the_inverse_of_the_gather():
     """The expert-major gate_up stores a[n] at ``mma_position(n)``; the down kernel reads it back as the
-    gathered x rows: both orders must agree, and each of a lane's 16-byte loads must be one column's 64
-    contiguous bytes across the 4 lanes q."""
-    from megamoe.kernels.expert_major_decode import mma_position
-    from megamoe.kernels.warp_decode import _token_source
+    gathered x rows: the gather must put every element there (a permutation), and each of a lane's 16-byte
+    loads must be one column's 64 contiguous bytes across the 4 lanes q."""
+    from megamoe.kernels.warp_decode import interleave_tokens, mma_position
 
+    gen = torch.Generator().manual_seed(4)
     for hidden in (128, 640, 4096):
         pos = torch.tensor([mma_position(n) for n in range(hidden)])
-        assert torch.equal(_token_source(hidden, "mma")[pos], torch.arange(hidden))
+        assert torch.equal(pos.sort().values, torch.arange(hidden))
+        x = torch.randn(2, hidden, generator=gen).to(torch.bfloat16)
+        assert torch.equal(interleave_tokens(x, "mma")[:, pos], x)
     # element k = 16kk + 8h + 2q + i of K block 32w: lane q's load w holds bytes [64w + 16q, 64w + 16q + 16)
     for w in range(4):
         for q in range(4):

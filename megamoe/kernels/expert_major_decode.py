@@ -58,6 +58,7 @@ from .warp_decode import (
     _ld16,
     _ptr,
     _swiglu,
+    mma_position,
     mma_rows,
     mma_stream,
 )
@@ -76,13 +77,6 @@ MAX_EXPERTS = 1024
 BITMAP_WORDS = MAX_EXPERTS // 32
 COMBINE_VEC = 4
 """Outputs per thread of the combine kernel (one 16-byte FP32 load per slot)."""
-
-
-def mma_position(n):
-    """Position of element ``n`` of a row in MMA order (``warp_decode.interleave_tokens(.., "mma")``): element
-    ``128c + 32w + 16kk + 8h + 2q + i`` sits at ``128c + 32w + 8q + 4kk + 2h + i``. Python or DSL integers."""
-    r = n & 127
-    return (n - r) + (r & 96) + (((r >> 1) & 3) << 3) + (((r >> 4) & 1) << 2) + (((r >> 3) & 1) << 1) + (r & 1)
 
 
 @dsl_user_op

@@ -651,15 +651,23 @@ def compile_kernels(hidden: int, inter: int, weight_format: str, has_clamp: bool
 _GATHER: dict = {}
 
 
+def mma_position(n):
+    """Position of element ``n`` of a row in MMA order (``interleave_tokens(.., "mma")``, the order ``_GateUpMMA``
+    and the expert-major kernels read): element ``128c + 32w + 16kk + 8h + 2q + i`` sits at ``128c + 32w + 8q +
+    4kk + 2h + i``. Python, torch or DSL integers."""
+    r = n & 127
+    return (n - r) + (r & 96) + (((r >> 1) & 3) << 3) + (((r >> 4) & 1) << 2) + (((r >> 3) & 1) << 1) + (r & 1)
+
+
 def _token_source(hidden: int, layout: str) -> torch.Tensor:
     """For each position of an interleaved token row, the element of ``x`` it holds (int64 [Hp])."""
-    if layout == "mma":  # position 128c + 32w + 8q + 4kk + 2h + i <- element 128c + 32w + 16kk + 8h + 2q + i
-        c, w, q, kk, h, i = torch.meshgrid(*(torch.arange(n) for n in (hidden // K_CHUNK, 4, 4, 2, 2, 2)),
-                                           indexing="ij")
-        return (K_CHUNK * c + 32 * w + 16 * kk + 8 * h + 2 * q + i).flatten()
-    fmt = _FMT[layout]
-    source = torch.zeros(fmt.interleaved_row(hidden), dtype=torch.int64)
-    source[fmt.interleaved_offset(torch.arange(hidden), 8)] = torch.arange(hidden)
+    elements = torch.arange(hidden)
+    if layout == "mma":
+        positions, row = mma_position(elements), hidden
+    else:
+        positions, row = _FMT[layout].interleaved_offset(elements, 8), _FMT[layout].interleaved_row(hidden)
+    source = torch.zeros(row, dtype=torch.int64)
+    source[positions] = elements
     return source
 
 
@@ -780,14 +788,13 @@ def moe_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp=None, out=Non
     runtime.require_sm90(x, "x")
     tokens, topk = topk_idx.shape
     layout = weight_layout_of(l1[0])
+    y = out if out is not None else torch.empty(tokens, hidden, dtype=torch.bfloat16, device=x.device)
     if weight_layout_of(l2[0]) == "mega":
         from .expert_major_decode import moe_decode_by_expert
 
-        y = out if out is not None else torch.empty(tokens, hidden, dtype=torch.bfloat16, device=x.device)
         return moe_decode_by_expert(x, topk_idx, topk_weights, l1, l2, activation_clamp, y)
     gate_up, down = compile_kernels(hidden, inter, fmt, activation_clamp is not None, topk, down_rows, layout)
     a = torch.empty(tokens, topk, _FMT[fmt].interleaved_row(inter), dtype=torch.float32, device=x.device)
-    y = out if out is not None else torch.empty(tokens, hidden, dtype=torch.bfloat16, device=x.device)
     experts = l1[0].shape[0]
     stream = runtime.current_stream()
     clamp = 0.0 if activation_clamp is None else float(activation_clamp)
