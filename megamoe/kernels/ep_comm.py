@@ -330,13 +330,6 @@ class _EpKernel:
         cute.arch.sync_threads()
 
     @cute.jit
-    def check_code(self, code: Int32, row: Int32, site: cutlass.Constexpr, rank: Int32, record: Int64):
-        """Debug: a source code read from ``pool`` must be in ``[0, codes)``."""
-        if cutlass.const_expr(self.debug):  # noqa: SIM102 (compile-time test, then the runtime one)
-            if (code < 0) | (code >= self.codes):
-                self.fail(site, rank, record, row, Int32(self.codes), code)
-
-    @cute.jit
     def load_unit(self, src: Int64, num_vecs: cutlass.Constexpr, unit: Int32, lane: Int32):
         """This lane's 16-byte vectors ``v = unit * 32 * VECS_PER_LANE + i * 32 + lane`` of a row at ``src``
         (``i < VECS_PER_LANE``; none past ``num_vecs``): (their words, their in-row flags)."""
@@ -386,14 +379,21 @@ class _EpKernel:
         """Copy units (one warp each) per row of ``num_vecs`` vectors."""
         return -(-num_vecs // (WARP * VECS_PER_LANE))
 
+
+class Dispatch(_EpKernel):
+    """The dispatch kernel (module docstring, steps 1-4)."""
+
+    @cute.jit
+    def check_pool_code(self, code: Int32, row: Int32, rank: Int32, record: Int64):
+        """Debug: a source code read from ``pool`` must be in ``[0, codes)``."""
+        if cutlass.const_expr(self.debug):  # noqa: SIM102 (compile-time test, then the runtime one)
+            if (code < 0) | (code >= self.codes):
+                self.fail(SITE_POOL, rank, record, row, Int32(self.codes), code)
+
     def decode(self, code):
         """Source code -> (source rank, routing entry q = t * k + j)."""
         src = code // (self.t_max * self.topk)
         return src, code - src * (self.t_max * self.topk)
-
-
-class Dispatch(_EpKernel):
-    """The dispatch kernel (module docstring, steps 1-4)."""
 
     @cute.jit
     def __call__(self, me: Int32, num_tokens: Int32, base: Int64, peers: Int64, stats: Int64, record: Int64,
@@ -472,7 +472,7 @@ class Dispatch(_EpKernel):
             unit = u - row * units
             e = expert_of_block(row, offs, num_local, DSL_OPS)
             code = _ld_u32(base + (pool + (Int64(e) * self.pool_cap + (row - offs[e])) * 4))
-            self.check_code(code, row, SITE_POOL, me, record)
+            self.check_pool_code(code, row, me, record)
             src, q = self.decode(code)
             t = q // k
             peer = _ld_u64(peers + Int64(src) * 8)
