@@ -86,8 +86,8 @@ def transform_weights_for_mega_moe(l1: tuple, l2: tuple) -> tuple[tuple, tuple]:
 
     ``l1 = (uint8 [E_l, 2I, H/2], int32 [E_l, 2I, H/128])`` rows [gate; up], ``l2 = (uint8 [E_l, H, I/2],
     int32 [E_l, H, I/128])``; H and I multiples of 512. Returns ``(l1k, l2k)``: L1 rows interleaved for
-    the SwiGLU epilogue and both in the SM90 kernel's BF16-operand-mode layout (``int32 [E_l, N, K/128,
-    16]``, ``int32 [E_l, N, K/128]``); scale codes outside that mode's exact decode range raise.
+    the SwiGLU epilogue and both in the SM90 kernel's BF16-operand-mode layout (``int32 [E_l, N/64, K/128,
+    64, 16]``, ``int32 [E_l, N, K/128]``); scale codes outside that mode's exact decode range raise.
     """
     from .kernels import sm90_grouped_gemm as sm90
 
@@ -161,8 +161,8 @@ def check_fp4_operands(l1, l2, sym_buffer: SymmBuffer, recipe) -> None:
             fail(name, "must be the (weights, scales) tuple of transform_weights_for_mega_moe")
         if isinstance(pair[0], torch.Tensor) and pair[0].dtype == torch.uint8:
             fail(f"{name}[0]", "is uint8 (canonical FP4 weights?): pass the kernel operands of "
-                 "transform_weights_for_mega_moe(l1, l2), int32 [E/R, N, K/128, 16]")
-        check_tensor(f"{name}[0]", pair[0], dtype=torch.int32, shape=(e_l, n, kk // 128, 16),
+                 "transform_weights_for_mega_moe(l1, l2), int32 [E/R, N/64, K/128, 64, 16]")
+        check_tensor(f"{name}[0]", pair[0], dtype=torch.int32, shape=(e_l, n // 64, kk // 128, 64, 16),
                      device=sym_buffer.device, contiguous=True)
         check_tensor(f"{name}[1]", pair[1], dtype=torch.int32, shape=(e_l, n, kk // 128), device=sym_buffer.device,
                      contiguous=True)

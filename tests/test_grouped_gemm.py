@@ -10,6 +10,7 @@ import os
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before the first cutlass import (CPU compile)
 
+import itertools
 import struct
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 
 from megamoe.kernels.sm90_fp4_decode import (
     BF16_ACC_SHIFT,
+    BF16_CODE_BITS,
     BF16_MAX_SCALE_CODE,
     BF16_MIN_SCALE_CODE,
     BF16_SCALE_FIELD_OFFSET,
@@ -135,7 +137,7 @@ def test_config_validation():
 def _cpu_inputs(m=40, n=128, k=512, e=3):
     a = torch.zeros(m, k, dtype=torch.float8_e4m3fn)
     a_sf = torch.zeros(m, k // 128, dtype=torch.int32)
-    b = torch.zeros(e, n, k // 128, 64, dtype=torch.uint8)
+    b = torch.zeros(e, n // 64, k // 128, 64, 64, dtype=torch.uint8)
     b_sf = torch.zeros(e, n, k // 128, dtype=torch.int32)
     offsets = torch.zeros(e + 1, dtype=torch.int32)
     return dict(a=a, a_sf=a_sf, b=b, b_sf=b_sf, offsets=offsets)
@@ -149,9 +151,9 @@ def _cpu_inputs(m=40, n=128, k=512, e=3):
         ("a", lambda d: d.update(a=d["a"].t().contiguous().t()), "`a` must be contiguous"),
         ("a_sf", lambda d: d.update(a_sf=d["a_sf"][:, :2]), "`a_sf` must have shape"),
         ("a_sf", lambda d: d.update(a_sf=d["a_sf"].to(torch.int64)), "`a_sf` must have dtype int32"),
-        ("b", lambda d: d.update(b=from_sm90_weight_layout(d["b"])), "`b` must be 4-D"),
+        ("b", lambda d: d.update(b=from_sm90_weight_layout(d["b"])), "`b` must be 5-D"),
         ("b", lambda d: d.update(b=d["b"][..., :32].contiguous()), "SM90 fp8-mode weight layout"),
-        ("b", lambda d: d.update(b=d["b"][:, :96].contiguous(), b_sf=d["b_sf"][:, :96]), "multiple of 64"),
+        ("b", lambda d: d.update(b=d["b"][:, :, :, :32].contiguous()), "SM90 fp8-mode weight layout"),
         ("b_sf", lambda d: d.update(b_sf=d["b_sf"][:2]), "`b_sf` must have shape"),
         ("offsets", lambda d: d.update(offsets=d["offsets"][:-1]), "`offsets` must have shape"),
         ("offsets", lambda d: d.update(offsets=d["offsets"].long()), "`offsets` must have dtype int32"),
@@ -177,7 +179,7 @@ def test_contiguous_validation(name, change, pattern):
 
 def _cpu_inputs_bf16(m=40, n=128, k=512, e=3):
     return {"a": torch.zeros(m, k, dtype=torch.bfloat16), "a_sf": None,
-            "b": torch.zeros(e, n, k // 128, 16, dtype=torch.int32),
+            "b": torch.zeros(e, n // 64, k // 128, 64, 16, dtype=torch.int32),
             "b_sf": torch.zeros(e, n, k // 128, dtype=torch.int32), "offsets": torch.zeros(e + 1, dtype=torch.int32)}
 
 
@@ -214,7 +216,7 @@ def test_masked_validation():
     e, max_m, k, n = 3, 16, 512, 64
     a = torch.zeros(e, max_m, k, dtype=torch.float8_e4m3fn)
     a_sf = torch.zeros(e, max_m, k // 128, dtype=torch.int32)
-    b = torch.zeros(e, n, k // 128, 64, dtype=torch.uint8)
+    b = torch.zeros(e, n // 64, k // 128, 64, 64, dtype=torch.uint8)
     b_sf = torch.zeros(e, n, k // 128, dtype=torch.int32)
     mm = torch.zeros(e, dtype=torch.int32)
     with pytest.raises(ValueError, match="`a` must have one slab per expert"):
@@ -231,7 +233,7 @@ def test_masked_validation():
 
 def test_swiglu_validation():
     args = _cpu_inputs(n=256)
-    args["b"], args["b_sf"] = args["b"][:, :128].contiguous(), args["b_sf"][:, :128].contiguous()
+    args["b"], args["b_sf"] = args["b"][:, :2].contiguous(), args["b_sf"][:, :128].contiguous()
     with pytest.raises(ValueError, match="multiple of 256"):
         grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(40))
     args = _cpu_inputs(n=256)
@@ -257,11 +259,32 @@ def test_swiglu_validation():
         grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(40), clamp=7.0)
 
 
+def _row_major(bk: torch.Tensor) -> torch.Tensor:
+    """A blocked kernel layout ``[E, N/64, K/128, 64, W]`` as ``[E, N, K/128, W]`` (row n = 64 * block + r)."""
+    e, blocks, chunks, rows, width = bk.shape
+    return bk.transpose(2, 3).reshape(e, blocks * rows, chunks, width)
+
+
 def test_weight_layout_roundtrip():
-    b = torch.randint(0, 256, (2, 8, 256), dtype=torch.uint8)
+    b = torch.randint(0, 256, (2, 128, 256), dtype=torch.uint8)
     bk = to_sm90_weight_layout(b)
-    assert bk.shape == (2, 8, 4, 64)
+    assert bk.shape == (2, 2, 4, 64, 64)
     assert torch.equal(from_sm90_weight_layout(bk), b)
+    with pytest.raises(ValueError, match="blocks of 64"):
+        to_sm90_weight_layout(b[:, :96])
+
+
+def test_weight_layouts_keep_a_row_block_chunk_contiguous():
+    """Both layouts: the 64 rows x 64 bytes of one row block and K chunk are one contiguous 4 KiB piece, rows
+    in order, each row's chunk as in the row-major form (checked against the canonical bytes of row 70)."""
+    b = torch.randint(0, 256, (1, 128, 256), dtype=torch.uint8)
+    fp8 = to_sm90_weight_layout(b)
+    piece = fp8[0, 1, 2].reshape(-1)  # block 1 (rows 64..127), chunk 2
+    assert piece.numel() == 4096 and fp8[0, 1, 2].is_contiguous()
+    one_row = torch.zeros_like(b)
+    one_row[0, 70] = b[0, 70]
+    assert torch.equal(piece[6 * 64: 7 * 64], to_sm90_weight_layout(one_row)[0, 1, 2, 6])
+    assert torch.equal(to_sm90_bf16_weight_layout(b)[0, 1, 2, 6], to_sm90_bf16_weight_layout(one_row)[0, 1, 2, 6])
 
 
 def _prmt(lo: int, hi: int, sel: int) -> int:
@@ -289,7 +312,7 @@ def test_decode_emulation_matches_e2m1():
     torch.manual_seed(0)
     rows, k = 64, 256
     b = torch.randint(0, 256, (1, rows, k // 2), dtype=torch.uint8)
-    words = to_sm90_weight_layout(b).view(torch.int32)[0]  # [rows, K/128, 16 words]
+    words = _row_major(to_sm90_weight_layout(b)).view(torch.int32)[0]  # [rows, K/128, 16 words]
     expect = e2m1_table()[unpack_fp4_codes(b[0]).long()]  # [rows, K]
     got = torch.full((rows, k), float("nan"))
     for chunk in range(k // 128):
@@ -307,9 +330,9 @@ def test_decode_emulation_matches_e2m1():
 
 
 def test_bf16_weight_layout_roundtrip():
-    b = torch.randint(0, 256, (2, 8, 256), dtype=torch.uint8)
+    b = torch.randint(0, 256, (2, 128, 256), dtype=torch.uint8)
     bk = to_sm90_bf16_weight_layout(b)
-    assert bk.shape == (2, 8, 4, 16) and bk.dtype == torch.int32
+    assert bk.shape == (2, 2, 4, 64, 16) and bk.dtype == torch.int32
     assert torch.equal(from_sm90_bf16_weight_layout(bk), b)
 
 
@@ -338,11 +361,25 @@ def _bf16_multiplier(code: int) -> int:
 def _decode_word_bf16(x: int, mult: int) -> tuple[int, int, int, int]:
     """Bit-exact Python model of ``decode_e2m1x8_bf16`` (same instruction sequence)."""
     m32 = 0xFFFFFFFF
-    d0 = _mul_bf16x2(x & 0x81C081C0, mult)
-    d1 = _mul_bf16x2((x << 3) & m32 & 0x81C081C0, mult)
-    d2 = _mul_bf16x2((x << 6) & m32 & 0x01C001C0, mult) ^ ((x << 1) & m32 & 0x80008000)
-    d3 = _mul_bf16x2((x >> 3) & 0x01C001C0, mult) ^ ((x << 2) & m32 & 0x80008000)
+    d0 = _mul_bf16x2((x << 6) & m32 & 0x81C081C0, mult)
+    d1 = _mul_bf16x2((x << 2) & m32 & 0x81C081C0, mult)
+    d2 = _mul_bf16x2(((x >> 4) | (x << 28)) & m32 & 0x81C081C0, mult)
+    d3 = _mul_bf16x2((x & 0x81808180) | ((x >> 8) & 0x00400040), mult)
     return d0, d1, d2, d3
+
+
+def test_bf16_layout_needs_one_split_register():
+    """The BF16-mode layout's claim: no four rotations of one window (code bits m, e0, e1 at BF16 bits 6-8,
+    the sign at 15, both halves) tile a 32-bit word, so at least one register needs a second window; three
+    do tile part of it, as ``BF16_CODE_BITS`` uses, and its fourth register covers exactly the rest."""
+    window = {6, 7, 8, 15, 22, 23, 24, 31}
+    translates = [frozenset((p - r) % 32 for p in window) for r in range(32)]
+    assert not any(
+        len(a | b | c | d) == 32 for a, b, c, d in itertools.combinations(translates, 4)
+    )
+    layout = [frozenset((p + 16 * i) % 32 for p in bits for i in range(2)) for bits in BF16_CODE_BITS]
+    assert all(layout[j] in translates for j in range(3)) and layout[3] not in translates
+    assert len(frozenset().union(*layout)) == 32
 
 
 def _bf16_decode_case(rows=64, k=256, seed=0, low=BF16_MIN_SCALE_CODE):
@@ -368,7 +405,7 @@ def test_bf16_decode_emulation_matches_dequantize():
     owns rows 16w + l//4 (+8), k = 16kk + 8h + 2(l%4) + i, register (kk, h) holding i = 0, 1."""
     rows, k = 64, 256
     b, b_sf = _bf16_decode_case(rows, k)
-    words = to_sm90_bf16_weight_layout(b)[0]  # [rows, K/128, 16]
+    words = _row_major(to_sm90_bf16_weight_layout(b))[0]  # [rows, K/128, 16]
     sf = unpack_ue8m0(b_sf[0])  # [rows, K/32] codes
     expect = (dequantize_fp4(b, b_sf)[0] * 2.0**-BF16_ACC_SHIFT).to(torch.bfloat16).view(torch.int16)
     got = torch.zeros(rows, k, dtype=torch.int32) - 1
@@ -394,7 +431,7 @@ def test_bf16_decode_emulation_matches_dequantize():
 
 
 def test_bf16_prepare_checks_the_scale_range():
-    b, b_sf = _bf16_decode_case(8, 128, seed=1)
+    b, b_sf = _bf16_decode_case(64, 128, seed=1)
     bk, bk_sf = prepare_fp4_weights(b, b_sf, mma="bf16")
     assert torch.equal(bk, to_sm90_bf16_weight_layout(b)) and torch.equal(bk_sf, b_sf)
     codes = unpack_ue8m0(b_sf).clone()
@@ -402,7 +439,7 @@ def test_bf16_prepare_checks_the_scale_range():
     with pytest.raises(ValueError, match=r"`b_sf` has UE8M0 codes above .* \[0, 3, 1\]"):
         prepare_fp4_weights(b, pack_ue8m0(codes), mma="bf16")
     codes = unpack_ue8m0(b_sf).clone()
-    nonzero = (unpack_fp4_codes(b) & 7).reshape(1, 8, 4, 32).amax(-1) > 0
+    nonzero = (unpack_fp4_codes(b) & 7).reshape(1, 64, 4, 32).amax(-1) > 0
     e, r, blk = nonzero.nonzero()[0].tolist()
     codes[e, r, blk] = BF16_MIN_SCALE_CODE - 1
     with pytest.raises(ValueError, match="`b_sf` has UE8M0 codes below"):

@@ -165,16 +165,16 @@ def _bad_cases():
         "clamp": (_with(a, activation_clamp=-1.0), "`activation_clamp` must be positive and finite"),
         "out dtype": (_with(a, out=torch.empty(3, 256)), "`out` must have dtype bfloat16"),
         "cpu tensors": (a, "`x` must be a CUDA tensor"),
-        "mega l1 shape": (_with(a, l1=(torch.ones(4, 256, 2, 8, dtype=torch.int32), s1)), "`l1[0]` must have shape"),
-        "mega l1 with fp8 l2": (_with(a, l1=(torch.ones(4, 256, 2, 16, dtype=torch.int32), s1),
+        "mega l1 shape": (_with(a, l1=(torch.ones(4, 4, 2, 64, 8, dtype=torch.int32), s1)), "`l1[0]` must have shape"),
+        "mega l1 with fp8 l2": (_with(a, l1=(torch.ones(4, 4, 2, 64, 16, dtype=torch.int32), s1),
                                       l2=(w2.view(torch.float8_e4m3fn), s2)), "`l2[0]` must be FP4"),
-        "mega l2 alone": (_with(a, l2=(torch.ones(4, 256, 1, 16, dtype=torch.int32), s2)),
+        "mega l2 alone": (_with(a, l2=(torch.ones(4, 4, 1, 64, 16, dtype=torch.int32), s2)),
                           "`l2[0]` may be in the Mega MoE layout (int32) only when l1 is too"),
-        "mega l2 shape": (_with(a, l1=(torch.ones(4, 256, 2, 16, dtype=torch.int32), s1),
-                                l2=(torch.ones(4, 256, 2, 16, dtype=torch.int32), s2)), "`l2[0]` must have shape"),
-        "too many experts": (_with(a, l1=(torch.ones(1025, 256, 2, 16, dtype=torch.int32),
+        "mega l2 shape": (_with(a, l1=(torch.ones(4, 4, 2, 64, 16, dtype=torch.int32), s1),
+                                l2=(torch.ones(4, 4, 2, 64, 16, dtype=torch.int32), s2)), "`l2[0]` must have shape"),
+        "too many experts": (_with(a, l1=(torch.ones(1025, 4, 2, 64, 16, dtype=torch.int32),
                                           torch.ones(1025, 256, 2, dtype=torch.int32)),
-                                   l2=(torch.ones(1025, 256, 1, 16, dtype=torch.int32),
+                                   l2=(torch.ones(1025, 4, 1, 64, 16, dtype=torch.int32),
                                        torch.ones(1025, 256, 1, dtype=torch.int32))), "experts"),
     }
 
@@ -193,9 +193,9 @@ def test_fp8_inputs_pass_shape_checks():
 
     assert check_decode_inputs(**_valid_cpu_inputs("fp8")) == ("fp8", 256, 128)
     assert check_decode_inputs(**_valid_cpu_inputs("fp4")) == ("fp4", 256, 128)
-    mega = _with(_valid_cpu_inputs("fp4"), l1=(torch.ones(4, 256, 2, 16, dtype=torch.int32), _valid_cpu_inputs()["l1"][1]))
+    mega = _with(_valid_cpu_inputs("fp4"), l1=(torch.ones(4, 4, 2, 64, 16, dtype=torch.int32), _valid_cpu_inputs()["l1"][1]))
     assert check_decode_inputs(**mega) == ("fp4", 256, 128)
-    both = _with(mega, l2=(torch.ones(4, 256, 1, 16, dtype=torch.int32), _valid_cpu_inputs()["l2"][1]))
+    both = _with(mega, l2=(torch.ones(4, 4, 1, 64, 16, dtype=torch.int32), _valid_cpu_inputs()["l2"][1]))
     assert check_decode_inputs(**both) == ("fp4", 256, 128)
 
 

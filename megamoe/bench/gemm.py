@@ -91,14 +91,15 @@ def _fill_rows(out: torch.Tensor, make) -> torch.Tensor:
 
 def make_fp4_weights(experts: int, n: int, k: int, mmas=("bf16", "fp8")) -> dict:
     """Random FP4 weights (quantized randn) in each mode's kernel layout: ``{mma: (b, b_sf int32 [E, N, K/128])}``
-    with b ``int32 [E, N, K/128, 16]`` (BF16 mode) or ``uint8 [E, N, K/128, 64]`` (FP8 mode), same values."""
+    with b ``int32 [E, N/64, K/128, 64, 16]`` (BF16 mode) or ``uint8 [E, N/64, K/128, 64, 64]`` (FP8 mode), same
+    values."""
     from megamoe.kernels.sm90_grouped_gemm import prepare_fp4_weights
     from megamoe.layouts import quantize_fp4
 
     out = {}
     for mma in mmas:
-        shape, dtype = ((16,), torch.int32) if mma == "bf16" else ((64,), torch.uint8)
-        out[mma] = (torch.empty(experts, n, k // 128, *shape, dtype=dtype, device="cuda"),
+        width, dtype = (16, torch.int32) if mma == "bf16" else (64, torch.uint8)
+        out[mma] = (torch.empty(experts, n // 64, k // 128, 64, width, dtype=dtype, device="cuda"),
                     torch.empty(experts, n, k // 128, dtype=torch.int32, device="cuda"))
     for e in range(experts):
         canonical = quantize_fp4(torch.randn(1, n, k, device="cuda"))

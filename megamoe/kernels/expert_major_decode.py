@@ -15,7 +15,7 @@ all idle or all busy. Ids outside ``[0, E)`` (-1: masked) match no expert.
 
 Three kernels (plus the gather of ``x`` into MMA order):
 
-* ``gate_up`` over L1 in the Mega MoE layout (``int32 [E, 2I, H/128, 16]``, gate/up rows interleaved by
+* ``gate_up`` over L1 in the Mega MoE layout (``int32 [E, 2I/64, H/128, 64, 16]``, gate/up rows interleaved by
   8): warp = (expert, 8 neurons); lane ``(g, q)`` ends with the gate and up sums of neuron ``8b + g`` for
   columns ``2q, 2q + 1``, applies the optional clamp and ``silu(gate) * up`` in FP32 and stores ``a`` for
   each real pair as two BF16 planes ``hi = bf16(a)``, ``lo = bf16(a - hi)`` (``a_planes`` ``[2, T*k, I]``,
@@ -305,7 +305,7 @@ def moe_decode_by_expert(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: 
     from .warp_decode import interleave_tokens
 
     tokens, topk = topk_idx.shape
-    hidden, inter = x.shape[1], l1[0].shape[1] // 2
+    hidden, inter = x.shape[1], l1[1].shape[1] // 2  # scales [E, 2I, H/128]
     experts = l1[0].shape[0]
     gate_up, down, combine = compile_kernels(hidden, inter, activation_clamp is not None, topk, tuning)
     planes = torch.empty(2, tokens * topk, inter, dtype=torch.bfloat16, device=x.device)

@@ -6,7 +6,13 @@ into the wgmma A fragment (weights are the wgmma M side, swap-AB). Two modes, tw
 in fragment order (four 16-byte segments per chunk and row, segment ``q = lane % 4``; rows ``g`` and
 ``g + 8``, ``g = lane // 4 + 16 * warp``).
 
-FP8 mode (``to_sm90_weight_layout``, uint8 ``[E, N, K/128, 64]``): E2M1 -> E4M3, exact (every E2M1 value is
+Both layouts store rows in blocks of ``ROW_BLOCK`` = 64: ``[E, N/64, K/128, 64, 64 bytes]``, so the 64 rows x
+64 bytes of one block and K chunk -- what a kernel reads together (a TMA box of 64 or 128 rows, or a warp's
+16 rows) -- are one contiguous 4 KiB piece of memory. Row-major ``[E, N, K/128, 64 bytes]`` puts those 64-byte
+pieces K/2 bytes apart: measured on an H200 (2026-11-30, a Triton kernel reading 128 x 64-byte tiles chunk
+by chunk, 264 CTAs), 2470 GB/s row-major vs 3059 GB/s blocked at K = 4096 and 3111 vs 3824 GB/s at K = 7168.
+
+FP8 mode (``to_sm90_weight_layout``, uint8 ``[E, N/64, K/128, 64, 64]``): E2M1 -> E4M3, exact (every E2M1 value is
 an E4M3 value); the per-32 scales are applied outside the MMA. A thread owns, per 32-wide K block ``kb``,
 ``k = kb*32 + 16*h + 4*q + i`` (h in {0, 1}, i in 0..3): the PTX ``wgmma .e4m3`` A fragment, four registers
 of four bytes, ``(row, h)`` major. Segment ``q`` holds words ``kb = 0..3`` whose low half is ``h = 0`` and
@@ -14,26 +20,31 @@ high half ``h = 1``; nibble order inside a byte is unchanged (even element in th
 word: magnitudes through a byte-permute (``prmt``) table lookup, sign bits moved to bit 7 of each byte with
 a second ``prmt``; -0 (code 8) becomes E4M3 -0 (0x80), never NaN.
 
-BF16 mode (``to_sm90_bf16_weight_layout``, int32 ``[E, N, K/128, 16]``): E2M1 times its UE8M0 scale ->
+BF16 mode (``to_sm90_bf16_weight_layout``, int32 ``[E, N/64, K/128, 64, 16]``): E2M1 times its UE8M0 scale ->
 BF16, exact, so the MMA needs no scales at all. A thread owns, per 16-wide K block ``kk``, ``k = 16*kk +
 8*h + 2*q + i`` (the ``wgmma .bf16`` A fragment: registers ``(row, h)``, element i = 0 in the low half).
 Word ``w`` of segment ``q`` holds the 8 elements of K blocks ``kk = 2w, 2w + 1`` (one 32-wide scale block)
-for one row; register ``j = 2 * (kk - 2w) + h`` of them is decoded from the word x as follows:
+for one row; register ``j = 2 * (kk - 2w) + h`` of them is decoded from the word x as follows (bit
+positions of its low-half element; the high-half element's are 16 higher, modulo 32):
 
-    j  magnitude window        magnitudes (low half)  sign window   sign bit (low half)
-    0  x                        bits 6-8               (same)        15
-    1  x << 3                   bits 3-5               (same)        12
-    2  x << 6                   bits 0-2               x << 1        14
-    3  x >> 3                   bits 9-11              x << 2        13
+    j  bits m, e0, e1, sign   window                                     BF16 bits of the low half
+    0  0, 1, 2, 9             (x << 6) & 0x81C081C0                      sign 15, e1 e0 m at 8..6
+    1  4, 5, 6, 13            (x << 2) & 0x81C081C0                      the same
+    2  10, 11, 12, 19         rotr(x, 4) & 0x81C081C0                    the same (the high sign wraps to bit 3)
+    3  14, 7, 8, 15           (x & 0x81808180) | ((x >> 8) & 0x00400040) the same
 
-(high half: the same + 16). ``t = window & 0x01C001C0`` puts the three magnitude bits ``e1 e0 m`` of both
-elements at BF16 bits 8..6 -- exponent bits 1..0 and the top mantissa bit -- so the BF16 value of ``t`` is
-exactly ``v * 2**-126`` for every E2M1 magnitude v (e = 0, code 1 = 0.5, lands on the BF16 subnormal
-2**-127). For j = 0, 1 the sign already sits at bit 15 of the same window (mask ``0x81C081C0``); for
-j = 2, 3 it is xor-ed in after the multiply (negation is exact). One ``mul.rn.bf16x2`` by ``2**(126 + s - P)``
+Registers 0-2 are whole windows of x (a shift or rotate and one mask); register 3 takes the 8 bits left
+over, which no single window can cover (the three translates above already use its room), so its
+mantissa bit comes from a second window. The window puts the three magnitude bits ``e1 e0 m`` of both
+elements at BF16 bits 8..6 -- exponent bits 1..0 and the top mantissa bit -- and the sign at bit 15, so
+the BF16 value of the window is exactly ``v * 2**-126`` for every E2M1 value v (e = 0, code 1 = 0.5,
+lands on the BF16 subnormal 2**-127; -0 stays -0). One ``mul.rn.bf16x2`` by ``2**(126 + s - P)``
 (s the UE8M0 exponent, ``P = BF16_ACC_SHIFT``) restores the value and applies the scale in one exact
 rounding-free step: ``mul.bf16``/``.bf16x2`` have no ``.ftz`` form in PTX, subnormal inputs and results are
-kept. 15 instructions per 8 weights (11 integer, 4 ``HMUL2``), plus 2 per scale.
+kept. 13 instructions per 8 weights (9 integer, 4 ``HMUL2``), plus 2 per scale. (The previous layout,
+three-bit magnitude fields with separate sign windows for two registers, took 15: the search over the 32
+bit positions in ``tests/test_grouped_gemm.py::test_bf16_layout_needs_one_split_register`` shows that
+three whole windows plus one split register is the best this window/mask/multiply form allows.)
 
 Exact range: the multiplier ``2**(126 + s - P)`` must be a finite BF16 (``s <= P + 1``) and the smallest
 product ``0.5 * 2**(s - P)`` at least the smallest BF16 subnormal 2**-133 (``s >= P - 132``). With
@@ -74,29 +85,49 @@ BF16_SCALE_FIELD_OFFSET = 126 - BF16_ACC_SHIFT
 """BF16 exponent field of the decode multiplier = UE8M0 code + this."""
 BF16_WORDS = 16
 """int32 words per row and 128-wide K chunk in the BF16-mode layout."""
-# Per fragment register j of a word (low-half bit positions; the high half is the same + 16): where the
-# three magnitude bits and the sign bit of its element are stored (see the module docstring).
-BF16_MAG_BIT = (6, 3, 0, 9)
-BF16_SIGN_BIT = (15, 12, 14, 13)
+ROW_BLOCK = 64
+"""Weight rows per block of both kernel layouts (``[E, N/ROW_BLOCK, K/128, ROW_BLOCK, chunk]``)."""
+BF16_CODE_BITS = ((0, 1, 2, 9), (4, 5, 6, 13), (10, 11, 12, 19), (14, 7, 8, 15))
+"""Per fragment register j of a word: where the E2M1 code bits (m, e0, e1, sign) of its low-half element
+sit in the word; the high-half element's are 16 higher, modulo 32 (see the module docstring)."""
+
+
+def _block_rows(t: torch.Tensor) -> torch.Tensor:
+    """Row-major kernel chunks ``[E, N, K/128, W]`` -> the blocked layout ``[E, N/64, K/128, 64, W]``."""
+    e, n, chunks, width = t.shape
+    return t.view(e, n // ROW_BLOCK, ROW_BLOCK, chunks, width).transpose(2, 3).contiguous()
+
+
+def _unblock_rows(t: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``_block_rows``."""
+    e, blocks, chunks, rows, width = t.shape
+    return t.transpose(2, 3).reshape(e, blocks * rows, chunks, width)
+
+
+def _check_blocked(name: str, t: torch.Tensor, dtype: torch.dtype, width: int, what: str) -> None:
+    check_tensor(name, t, dtype=dtype, ndim=5)
+    if t.shape[3] != ROW_BLOCK or t.shape[4] != width:
+        fail(name, f"must be the {what} [E, N/{ROW_BLOCK}, K/128, {ROW_BLOCK}, {width}], got {list(t.shape)}")
 
 
 def to_sm90_weight_layout(b: torch.Tensor) -> torch.Tensor:
-    """Canonical packed FP4 ``uint8 [E, N, K/2]`` -> kernel layout ``uint8 [E, N, K/128, 64]`` (done once
-    at weight-load time). Byte ``kb*16 + h*8 + q*2 + p`` of a 64-byte chunk moves to ``q*16 + kb*4 + h*2 + p``."""
+    """Canonical packed FP4 ``uint8 [E, N, K/2]`` -> FP8-mode kernel layout ``uint8 [E, N/64, K/128, 64, 64]``
+    (done once at weight-load time; N a multiple of 64). Byte ``kb*16 + h*8 + q*2 + p`` of a row's 64-byte
+    chunk moves to ``q*16 + kb*4 + h*2 + p``."""
     check_tensor("b", b, dtype=torch.uint8, ndim=3)
     e, n, half_k = b.shape
     check_multiple("b.shape[2] * 2 (K)", 2 * half_k, K_CHUNK, "the kernel layout works in 128-wide K chunks")
+    check_multiple("b.shape[1] (N)", n, ROW_BLOCK, "the kernel layout stores rows in blocks of 64")
     chunks = b.reshape(e, n, half_k // CHUNK_BYTES, 4, 2, 4, 2)  # (kb, h, q, p)
-    return chunks.permute(0, 1, 2, 5, 3, 4, 6).reshape(e, n, half_k // CHUNK_BYTES, CHUNK_BYTES).contiguous()
+    return _block_rows(chunks.permute(0, 1, 2, 5, 3, 4, 6).reshape(e, n, half_k // CHUNK_BYTES, CHUNK_BYTES))
 
 
 def from_sm90_weight_layout(bk: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``to_sm90_weight_layout``: ``uint8 [E, N, K/128, 64]`` -> canonical ``uint8 [E, N, K/2]``."""
-    check_tensor("b", bk, dtype=torch.uint8, ndim=4)
-    e, n, chunks, width = bk.shape
-    if width != CHUNK_BYTES:
-        fail("b", f"must have {CHUNK_BYTES} bytes per 128-K chunk (shape [E, N, K/128, 64]), got {list(bk.shape)}")
-    parts = bk.reshape(e, n, chunks, 4, 4, 2, 2)  # (q, kb, h, p)
+    """Inverse of ``to_sm90_weight_layout``: ``uint8 [E, N/64, K/128, 64, 64]`` -> canonical ``uint8 [E, N, K/2]``."""
+    _check_blocked("b", bk, torch.uint8, CHUNK_BYTES, "FP8-mode weight layout uint8")
+    rows = _unblock_rows(bk)
+    e, n, chunks, _ = rows.shape
+    parts = rows.reshape(e, n, chunks, 4, 4, 2, 2)  # (q, kb, h, p)
     return parts.permute(0, 1, 2, 4, 5, 3, 6).reshape(e, n, chunks * CHUNK_BYTES).contiguous()
 
 
@@ -106,38 +137,40 @@ def _bf16_word_view(codes: torch.Tensor) -> torch.Tensor:
     return codes.reshape(e, n, k // K_CHUNK, 4, 2, 2, 4, 2).permute(0, 1, 2, 6, 3, 4, 5, 7)
 
 
+def _bf16_code_bit_positions(device) -> torch.Tensor:
+    """int64 ``[kk', h, i, 4]``: the word bit of code bit (m, e0, e1, sign) of element i of register j = 2 kk' + h."""
+    low = torch.tensor(BF16_CODE_BITS, device=device).view(2, 2, 1, 4)
+    return (low + 16 * torch.arange(2, device=device).view(1, 1, 2, 1)) % 32
+
+
 def to_sm90_bf16_weight_layout(b: torch.Tensor) -> torch.Tensor:
-    """Canonical packed FP4 ``uint8 [E, N, K/2]`` -> BF16-mode kernel layout ``int32 [E, N, K/128, 16]``
-    (word ``4*q + w`` of a chunk: see the module docstring). Done once at weight-load time."""
+    """Canonical packed FP4 ``uint8 [E, N, K/2]`` -> BF16-mode kernel layout ``int32 [E, N/64, K/128, 64, 16]``
+    (word ``4*q + w`` of a row's chunk: see the module docstring). Done once at weight-load time; N a
+    multiple of 64."""
     check_tensor("b", b, dtype=torch.uint8, ndim=3)
     e, n, half_k = b.shape
     check_multiple("b.shape[2] * 2 (K)", 2 * half_k, K_CHUNK, "the kernel layout works in 128-wide K chunks")
-    j = torch.arange(4, device=b.device).view(2, 2, 1)  # register j = 2 kk' + h
-    i = torch.arange(2, device=b.device).view(1, 1, 2)
-    mag_bit = torch.tensor(BF16_MAG_BIT, device=b.device)[j] + 16 * i
-    sign_bit = torch.tensor(BF16_SIGN_BIT, device=b.device)[j] + 16 * i
+    check_multiple("b.shape[1] (N)", n, ROW_BLOCK, "the kernel layout stores rows in blocks of 64")
+    pos = _bf16_code_bit_positions(b.device)  # [kk', h, i, code bit]
     out = torch.empty(e, n, half_k // CHUNK_BYTES, BF16_WORDS, dtype=torch.int32, device=b.device)
     for x in range(e):  # one expert at a time: the int64 temporaries are 16x the expert's bytes
         codes = _bf16_word_view(unpack_fp4_codes(b[x : x + 1]).to(torch.int64))  # [..., q, w, kk', h, i]
-        bits = ((codes & 7) << mag_bit) | ((codes >> 3) << sign_bit)
-        words = bits.flatten(-3).sum(-1)  # disjoint bit fields: the sum is their OR
+        bits = sum(((codes >> c) & 1) << pos[..., c] for c in range(4))  # disjoint bits: the sum is their OR
+        words = bits.flatten(-3).sum(-1)
         words = torch.where(words >= 2**31, words - 2**32, words)  # uint32 -> the same bits as int32
         out[x] = words.to(torch.int32).reshape(n, half_k // CHUNK_BYTES, BF16_WORDS)
-    return out
+    return _block_rows(out)
 
 
 def from_sm90_bf16_weight_layout(bk: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``to_sm90_bf16_weight_layout``: ``int32 [E, N, K/128, 16]`` -> canonical ``uint8 [E, N, K/2]``."""
-    check_tensor("b", bk, dtype=torch.int32, ndim=4)
-    e, n, chunks, width = bk.shape
-    if width != BF16_WORDS:
-        fail("b", f"must have {BF16_WORDS} words per 128-K chunk (shape [E, N, K/128, 16]), got {list(bk.shape)}")
-    words = (bk.to(torch.int64) & 0xFFFFFFFF).reshape(e, n, chunks, 4, 4, 1, 1, 1)  # [..., q, w]
-    j = torch.arange(4, device=bk.device).view(2, 2, 1)
-    i = torch.arange(2, device=bk.device).view(1, 1, 2)
-    mag = (words >> (torch.tensor(BF16_MAG_BIT, device=bk.device)[j] + 16 * i)) & 7
-    sign = (words >> (torch.tensor(BF16_SIGN_BIT, device=bk.device)[j] + 16 * i)) & 1
-    codes = (mag | (sign << 3)).permute(0, 1, 2, 4, 5, 6, 3, 7)  # (w, kk', h, q, i): natural k order
+    """Inverse of ``to_sm90_bf16_weight_layout``: ``int32 [E, N/64, K/128, 64, 16]`` -> canonical ``uint8 [E, N, K/2]``."""
+    _check_blocked("b", bk, torch.int32, BF16_WORDS, "BF16-mode weight layout int32")
+    bk = _unblock_rows(bk)
+    e, n, chunks, _ = bk.shape
+    words = (bk.to(torch.int64) & 0xFFFFFFFF).reshape(e, n, chunks, 4, 4, 1, 1, 1, 1)  # [..., q, w]
+    bits = (words >> _bf16_code_bit_positions(bk.device)) & 1  # [..., q, w, kk', h, i, code bit]
+    codes = (bits << torch.arange(4, device=bk.device)).sum(-1)
+    codes = codes.permute(0, 1, 2, 4, 5, 6, 3, 7)  # (w, kk', h, q, i): natural k order
     return pack_fp4_codes(codes.reshape(e, n, chunks * K_CHUNK).to(torch.uint8))
 
 
@@ -264,28 +297,25 @@ def _device_helpers():
     @dsl_user_op
     def decode_e2m1x8_bf16(x, multiplier, *, loc=None, ip=None):
         """One BF16-mode word (8 E2M1 elements) and its bf16x2 multiplier ``2**(126 + s - P)`` (both halves)
-        -> the four bf16x2 fragment registers j = 0..3 (``BF16_MAG_BIT`` / ``BF16_SIGN_BIT``)."""
+        -> the four bf16x2 fragment registers j = 0..3 (``BF16_CODE_BITS``)."""
         return pure_asm(
             4,
             [Int32(v).ir_value(loc=loc, ip=ip) for v in (x, multiplier)],
-            "{.reg .b32 t0, t1, t2, t3, s2, s3;\n"
-            "and.b32 t0, $4, 0x81C081C0;\n"
-            "shl.b32 t1, $4, 3;\n"
+            "{.reg .b32 t0, t1, t2, t3, u;\n"
+            "shl.b32 t0, $4, 6;\n"
+            "and.b32 t0, t0, 0x81C081C0;\n"
+            "shl.b32 t1, $4, 2;\n"
             "and.b32 t1, t1, 0x81C081C0;\n"
-            "shl.b32 t2, $4, 6;\n"
-            "and.b32 t2, t2, 0x01C001C0;\n"
-            "shr.u32 t3, $4, 3;\n"
-            "and.b32 t3, t3, 0x01C001C0;\n"
-            "shl.b32 s2, $4, 1;\n"
-            "and.b32 s2, s2, 0x80008000;\n"
-            "shl.b32 s3, $4, 2;\n"
-            "and.b32 s3, s3, 0x80008000;\n"
+            "shf.r.wrap.b32 t2, $4, $4, 4;\n"
+            "and.b32 t2, t2, 0x81C081C0;\n"
+            "shr.u32 u, $4, 8;\n"
+            "and.b32 u, u, 0x00400040;\n"
+            "and.b32 t3, $4, 0x81808180;\n"
+            "or.b32 t3, t3, u;\n"
             "mul.rn.bf16x2 $0, t0, $5;\n"
             "mul.rn.bf16x2 $1, t1, $5;\n"
-            "mul.rn.bf16x2 t2, t2, $5;\n"
-            "mul.rn.bf16x2 t3, t3, $5;\n"
-            "xor.b32 $2, t2, s2;\n"
-            "xor.b32 $3, t3, s3;}",
+            "mul.rn.bf16x2 $2, t2, $5;\n"
+            "mul.rn.bf16x2 $3, t3, $5;}",
             "=r,=r,=r,=r,r,r",
             loc,
             ip,

@@ -77,6 +77,7 @@ from .sm90_fp4_decode import (
     E4M3_LUT_HI,
     E4M3_LUT_LO,
     K_CHUNK,
+    ROW_BLOCK,
     check_bf16_scale_range,
     from_sm90_bf16_weight_layout,
     from_sm90_weight_layout,
@@ -207,8 +208,8 @@ def prepare_fp4_weights(b: torch.Tensor, b_sf: torch.Tensor, mma: str = "fp8") -
     """Canonical FP4 weights (``uint8 [E, N, K/2]``, ``int32 [E, N, K/128]``) -> the kernel's operands for
     ``mma`` mode, scales unchanged (made contiguous). Run once at weight-load time.
 
-    "fp8" (default, the layout existing callers pass FP8 tokens with): ``uint8 [E, N, K/128, 64]``, nibbles
-    reordered into the e4m3 fragment order. "bf16" (recommended; BF16 tokens): ``int32 [E, N, K/128, 16]``
+    "fp8" (default, the layout existing callers pass FP8 tokens with): ``uint8 [E, N/64, K/128, 64, 64]``, nibbles
+    reordered into the e4m3 fragment order. "bf16" (recommended; BF16 tokens): ``int32 [E, N/64, K/128, 64, 16]``
     (``to_sm90_bf16_weight_layout``); raises if a scale code is outside the exact range of the BF16 decode
     (one host sync)."""
     if mma not in MMA_MODES:
@@ -274,7 +275,7 @@ def _build_kernel_class():
             self,
             mA: cute.Tensor,  # (M, K) bf16 or fp8, K-major
             mSFA,  # FP8 mode: (M, K/128) int32; BF16 mode: None
-            mW: cute.Tensor,  # (N, K/2, E) uint8 view of the mode's kernel layout
+            mW: cute.Tensor,  # (64 rows, N/64, 64 bytes, K/128, E) uint8 view of the mode's blocked kernel layout
             mSFW: cute.Tensor,  # (N, K/128, E) int32
             mD: cute.Tensor,  # (M, N) bf16; "swiglu_fp8": (M, N/8) int32 view of FP8 [M, N/2]; "swiglu_fp8_bf16": (M, N/4) of BF16
             mDSF: cute.Tensor,  # "swiglu_fp8": (M, N/64) uint8 view of the packed UE8M0 scales; else unused
@@ -300,6 +301,12 @@ def _build_kernel_class():
 
             g2s = cpasync.CopyBulkTensorTileG2SOp()
             tma_a, tA = cpasync.make_tiled_tma_atom(g2s, mA, cute.slice_(a_layout, (None, None, 0)), (tt, K_CHUNK))
+            # Logical (N, K/2, E) = ((64, N/64), (64, K/128), E): a 64-row box of one K chunk is contiguous.
+            # (Static 64s: the TMA box must map onto static modes.)
+            mW = cute.make_tensor(mW.iterator, cute.make_layout(
+                ((ROW_BLOCK, mW.shape[1]), (CHUNK_BYTES, mW.shape[3]), mW.shape[4]),
+                stride=((CHUNK_BYTES, mW.stride[1]), (1, ROW_BLOCK * CHUNK_BYTES), mW.stride[4]),
+            ))
             tma_w, tW = cpasync.make_tiled_tma_atom(g2s, mW, cute.slice_(w_layout, (None, None, 0)), (tn, CHUNK_BYTES))
             tma_sfw, tSFW = cpasync.make_tiled_tma_atom(g2s, mSFW, cute.slice_(sfw_layout, (None, None, 0)), (tn, 4))
             tma_sfa, tSFA = None, None
@@ -471,7 +478,7 @@ def _build_kernel_class():
 
             total_rows = Int32(tA.shape[0])
             k_tiles = Int32(tA.shape[1]) // K_CHUNK
-            n_tiles = Int32(tW.shape[0]) // tn
+            n_tiles = Int32(cute.size(tW, mode=[0])) // tn
 
             if warp_idx < 4:
                 if cutlass.const_expr(self.rebalance_registers):
@@ -816,15 +823,15 @@ def _kernel_class():
 
 
 def _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, group_a, group_b):
-    """Torch tensors (2-D token views, 4-D kernel-layout weights of either mode) -> CuTe tensors in kernel mode
+    """Torch tensors (2-D token views, 5-D blocked kernel-layout weights of either mode) -> CuTe tensors in kernel mode
     order; ``a_sf`` None (BF16 mode) stays None."""
-    e, n, chunks, _ = b.shape
-    w = b.view(torch.uint8).view(e, n, chunks * CHUNK_BYTES).permute(1, 2, 0)  # (N, K/2, E) bytes
+    e, blocks, chunks, rows, _ = b.shape
+    w = b.view(torch.uint8).view(e, blocks, chunks, rows, CHUNK_BYTES).permute(3, 1, 4, 2, 0)  # (row, block, byte, chunk, E)
     sfw = b_sf.permute(1, 2, 0)  # (N, K/128, E)
     return (
         runtime.to_cute(a, leading_dim=1),
         None if a_sf is None else runtime.to_cute(a_sf, leading_dim=1),
-        runtime.to_cute(w, leading_dim=1),
+        runtime.to_cute(w, leading_dim=2),
         runtime.to_cute(sfw, leading_dim=1),
         runtime.to_cute(out, leading_dim=1),
         runtime.to_cute(out_sf, leading_dim=1, align=4),
@@ -849,10 +856,10 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
         m, n, k, e = 128, 256, 512, 2
         if config.mma == "bf16":
             a, a_sf = torch.empty(m, k, dtype=torch.bfloat16), None
-            b = torch.empty(e, n, k // 128, BF16_WORDS, dtype=torch.int32)
+            b = torch.empty(e, n // ROW_BLOCK, k // 128, ROW_BLOCK, BF16_WORDS, dtype=torch.int32)
         else:
             a, a_sf = torch.empty(m, k, dtype=torch.float8_e4m3fn), torch.empty(m, k // 128, dtype=torch.int32)
-            b = torch.empty(e, n, k // 128, CHUNK_BYTES, dtype=torch.uint8)
+            b = torch.empty(e, n // ROW_BLOCK, k // 128, ROW_BLOCK, CHUNK_BYTES, dtype=torch.uint8)
         b_sf = torch.empty(e, n, k // 128, dtype=torch.int32)
         if epilogue == "swiglu_fp8":
             out = torch.empty(m, n // 8, dtype=torch.int32)
@@ -891,8 +898,8 @@ def _dummies(device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 # ----------------------------------------------------------------------------------------------------
 
 _LAYOUTS = {
-    "fp8": (torch.uint8, CHUNK_BYTES, "uint8 [E, N, K/128, 64] (prepare_fp4_weights(..., mma='fp8'))"),
-    "bf16": (torch.int32, BF16_WORDS, "int32 [E, N, K/128, 16] (prepare_fp4_weights(..., mma='bf16'))"),
+    "fp8": (torch.uint8, CHUNK_BYTES, "uint8 [E, N/64, K/128, 64, 64] (prepare_fp4_weights(..., mma='fp8'))"),
+    "bf16": (torch.int32, BF16_WORDS, "int32 [E, N/64, K/128, 64, 16] (prepare_fp4_weights(..., mma='bf16'))"),
 }
 
 
@@ -909,12 +916,12 @@ def _weights_mode(b: torch.Tensor) -> str:
 
 def _check_weights(b: torch.Tensor, b_sf: torch.Tensor, k: int, device, mma: str) -> tuple[int, int]:
     dtype, width, what = _LAYOUTS[mma]
-    check_tensor("b", b, dtype=dtype, ndim=4, device=device, contiguous=True)
-    e, n, chunks, got_width = b.shape
-    if got_width != width or chunks * K_CHUNK != k:
-        fail("b", f"must be the SM90 {mma}-mode weight layout {what} = [*, *, {k // K_CHUNK}, {width}], "
-             f"got {list(b.shape)}")
-    check_multiple("b.shape[1] (N)", n, N_MULTIPLE, "weight tiles of 64 rows per warpgroup")
+    check_tensor("b", b, dtype=dtype, ndim=5, device=device, contiguous=True)
+    e, blocks, chunks, rows, got_width = b.shape
+    if got_width != width or rows != ROW_BLOCK or chunks * K_CHUNK != k:
+        fail("b", f"must be the SM90 {mma}-mode weight layout {what} = [*, *, {k // K_CHUNK}, {ROW_BLOCK}, "
+             f"{width}], got {list(b.shape)}")
+    n = blocks * ROW_BLOCK
     check_tensor("b_sf", b_sf, dtype=torch.int32, shape=(e, n, k // K_CHUNK), device=device, contiguous=True)
     return e, n
 
@@ -1023,8 +1030,8 @@ def grouped_gemm_fp8_fp4_contiguous(
 ) -> torch.Tensor | None:
     """Contiguous grouped GEMM ``out[rows of e] = a[rows of e] . b[e]^T`` (tokens x FP4 -> BF16, FP32 accumulate).
 
-    The MMA mode follows the weights (``prepare_fp4_weights(..., mma=)``): BF16 mode, b ``int32 [E, N, K/128,
-    16]`` with a ``bfloat16 [M, K]`` and a_sf None; FP8 mode, b ``uint8 [E, N, K/128, 64]`` with a
+    The MMA mode follows the weights (``prepare_fp4_weights(..., mma=)``): BF16 mode, b ``int32 [E, N/64, K/128,
+    64, 16]`` with a ``bfloat16 [M, K]`` and a_sf None; FP8 mode, b ``uint8 [E, N/64, K/128, 64, 64]`` with a
     ``float8_e4m3fn [M, K]`` and a_sf ``int32 [M, K/128]`` (packed UE8M0 per 32). b_sf ``int32 [E, N, K/128]``;
     ``config.mma``, when a config is given, must match the weights. offsets ``int32 [E+1]``:
     expert e owns rows ``[offsets[e], offsets[e+1])``, or ``[offsets[e], offsets[e] + counts[e])`` when

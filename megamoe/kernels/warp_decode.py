@@ -60,7 +60,7 @@ from ..checks import check_multiple, check_range, check_tensor, fail
 from ..layouts import PACKED_BLOCK_K
 from ..numerics import check_activation_clamp
 from . import ptx, runtime
-from .sm90_fp4_decode import BF16_ACC_SHIFT, BF16_WORDS, K_CHUNK, device_helpers
+from .sm90_fp4_decode import BF16_ACC_SHIFT, BF16_WORDS, CHUNK_BYTES, K_CHUNK, ROW_BLOCK, device_helpers
 
 WARPS_PER_CTA = 8
 """Warps per CTA of both kernels (256 threads); every warp works alone."""
@@ -383,7 +383,7 @@ class _GateUp(_GateUpLaunch):
 
 class _GateUpMMA(_GateUpLaunch):
     """``gate_up`` on tensor cores, for FP4 L1 weights in the Mega MoE layout (``transform_weights_for_mega_moe``:
-    rows interleaved gate/up in runs of 8, BF16-mode SM90 layout ``int32 [E, 2I, H/128, 16]``).
+    rows interleaved gate/up in runs of 8, BF16-mode SM90 layout ``int32 [E, 2I/64, H/128, 64, 16]``).
 
     A warp owns 8 neurons ``i0..i0+7`` of one (token, slot) pair: the 16 consecutive kernel-layout rows
     ``2*i0 .. 2*i0+15`` (gate rows of the 8 neurons, then their up rows) are the M = 16 rows of
@@ -433,20 +433,22 @@ class _GateUpMMA(_GateUpLaunch):
 
 
 def mma_rows(w: cute.Pointer, sf: cute.Pointer, first_row: Int64, k: int, lane) -> tuple:
-    """Lane addresses for the 16 kernel-layout rows ``first_row .. first_row + 15`` of a BF16-mode SM90 weight
-    tensor with K = ``k`` (``int32 [.., N, K/128, 16]`` + scales ``int32 [.., N, K/128]``): lane ``(g, q) =
-    (lane / 4, lane % 4)`` reads 16-byte segment q of row ``first_row + g`` (and of the row 8 further) and
-    that row's scale words."""
+    """Lane addresses for the 16 kernel-layout rows ``first_row .. first_row + 15`` (``first_row`` a multiple
+    of 16: one row block) of a BF16-mode SM90 weight tensor with K = ``k`` (``int32 [.., N/64, K/128, 64, 16]``
+    + scales ``int32 [.., N, K/128]``): lane ``(g, q) = (lane / 4, lane % 4)`` reads 16-byte segment q of row
+    ``first_row + g`` (and of the row 8 further) and that row's scale words."""
     row = first_row + lane // 4
-    return w.toint() + row * (k // 2) + (lane % 4) * 16, sf.toint() + row * (k // K_CHUNK * 4)
+    in_block = row % ROW_BLOCK
+    weights = w.toint() + (row - in_block) * (k // 2) + in_block * CHUNK_BYTES + (lane % 4) * 16
+    return weights, sf.toint() + row * (k // K_CHUNK * 4)
 
 
 def mma_load(rows: tuple, k: int, c: int) -> tuple:
     """K chunk ``c`` of ``mma_rows``: the lane's 4 words of row g and of row g + 8, and both rows' packed
     scale words."""
-    wa = rows[0] + c * (K_CHUNK // 2)
+    wa = rows[0] + c * (ROW_BLOCK * CHUNK_BYTES)
     sf_far = rows[1] + 8 * (k // K_CHUNK) * 4
-    return (_ld16(wa, WEIGHT_LOAD), _ld16(wa + 8 * (k // 2), WEIGHT_LOAD), _ld_word(rows[1] + c * 4),
+    return (_ld16(wa, WEIGHT_LOAD), _ld16(wa + 8 * CHUNK_BYTES, WEIGHT_LOAD), _ld_word(rows[1] + c * 4),
             _ld_word(sf_far + c * 4))
 
 
@@ -724,18 +726,18 @@ def check_decode_inputs(x, topk_idx, topk_weights, l1, l2, activation_clamp=None
     if mega and fmt != "fp4":
         fail("l2[0]", "must be FP4 (uint8 or the int32 Mega MoE layout) when l1 is in the Mega MoE layout (int32)")
     per_byte = 2 if fmt == "fp4" else 1
-    check_tensor("l1[0]", w1, ndim=4 if mega else 3, contiguous=True)
-    experts, two_inter = w1.shape[:2]
+    check_tensor("l1[0]", w1, ndim=5 if mega else 3, contiguous=True)
+    experts, two_inter = w1.shape[0], w1.shape[1] * (ROW_BLOCK if mega else 1)
     if experts < 1:
         fail("l1[0]", f"must hold at least one expert, got shape {list(w1.shape)}")
     if two_inter % 2:
         fail("l1[0]", f"dim 1 must be 2 * intermediate (gate rows then up rows), got {two_inter}")
     inter = two_inter // 2
-    check_multiple("l1[0].shape[1] // 2 (intermediate)", inter, PACKED_BLOCK_K,
+    check_multiple("intermediate (half the L1 rows)", inter, PACKED_BLOCK_K,
                    "16-byte weight vectors and packed UE8M0 scale words")
     if mega:
         check_multiple("x.shape[1] (hidden)", hidden, K_CHUNK, "the Mega MoE layout's 128-wide K chunks")
-        check_tensor("l1[0]", w1, shape=(experts, two_inter, hidden // K_CHUNK, BF16_WORDS))
+        check_tensor("l1[0]", w1, shape=(experts, two_inter // ROW_BLOCK, hidden // K_CHUNK, ROW_BLOCK, BF16_WORDS))
     else:
         check_tensor("l1[0]", w1, shape=(experts, two_inter, hidden // per_byte))
     check_tensor("l1[1]", s1, dtype=torch.int32, shape=(experts, two_inter, hidden // PACKED_BLOCK_K), contiguous=True)
@@ -743,7 +745,8 @@ def check_decode_inputs(x, topk_idx, topk_weights, l1, l2, activation_clamp=None
         from .expert_major_decode import MAX_EXPERTS
 
         check_range("l1[0].shape[0] (experts)", experts, 1, MAX_EXPERTS)
-        check_tensor("l2[0]", w2, shape=(experts, hidden, inter // K_CHUNK, BF16_WORDS), contiguous=True)
+        check_tensor("l2[0]", w2, shape=(experts, hidden // ROW_BLOCK, inter // K_CHUNK, ROW_BLOCK, BF16_WORDS),
+                     contiguous=True)
     else:
         check_tensor("l2[0]", w2, dtype=_WEIGHT_DTYPES[fmt], shape=(experts, hidden, inter // per_byte), contiguous=True)
     check_tensor("l2[1]", s2, dtype=torch.int32, shape=(experts, hidden, inter // PACKED_BLOCK_K), contiguous=True)
@@ -774,7 +777,7 @@ def moe_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp=None, out=Non
     FP4 (uint8 ``[E, 2I, H/2]`` and ``[E, H, I/2]``) or FP8 (float8_e4m3fn ``[E, 2I, H]`` and
     ``[E, H, I]``) with packed UE8M0 scales int32 ``[E, 2I, H/128]`` and ``[E, H, I/128]``; H and I
     multiples of 128. ``l1`` may instead be FP4 L1 in the Mega MoE layout (``transform_weights_for_mega_moe``'s
-    first result: int32 ``[E, 2I, H/128, 16]``, scales in the BF16 decode's exact range), with ``l2`` canonical
+    first result: int32 ``[E, 2I/64, H/128, 64, 16]``, scales in the BF16 decode's exact range), with ``l2`` canonical
     FP4: gate_up then runs on tensor cores (``_GateUpMMA``); with ``l2`` in that layout too (the second result,
     int32 ``[E, H, I/128, 16]``; E <= 1024) the expert-major kernels run instead (``expert_major_decode``: each
     routed expert's rows read once per batch). ``activation_clamp`` c: ``gate <= c``, ``|up| <= c``. ``out``:
