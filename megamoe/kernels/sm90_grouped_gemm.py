@@ -33,10 +33,11 @@ Design:
   CTA) and tokens the N side (``tile_tokens`` = 8..64 rows, 128 in BF16 mode), so a decode-sized group (a
   few tokens) wastes no tensor-core work on padding beyond the wgmma N granularity of 8.
 * Persistent, warp-specialized CTA of 1 + tile_n/64 warpgroups: warpgroup 0's first warp issues TMA loads
-  (tokens [tile_tokens, 128] 128B-swizzled; packed weights [tile_n, 64 B]; the packed weight scale words, a
-  4-word box covering K/128 chunks 4j..4j+3, and in FP8 mode the token scale words likewise) into a
-  ``stages``-deep mbarrier pipeline, one stage per 128 of K. The consumer warpgroups decode FP4 straight
-  into the register A fragment (weights pre-permuted once per mode) and issue RS wgmma.
+  (tokens [tile_tokens, 128] 128B-swizzled; packed weights [tile_n, 64 B], one or two contiguous 4 KiB
+  row blocks of the blocked layout; the packed weight scale words, a 4-word box covering K/128 chunks
+  4j..4j+3, and in FP8 mode the token scale words likewise) into a ``stages``-deep mbarrier pipeline, one
+  stage per 128 of K. The consumer warpgroups decode FP4 straight into the register A fragment (weights
+  pre-permuted once per mode) and issue RS wgmma.
 * BF16 mode pipeline: one wgmma group per 32-K block (two k16 wgmmas), up to three groups in flight while
   the next block is decoded: block kb's fragment registers are rewritten after ``wait_group(3)`` retires the
   previous chunk's block-kb group, and chunk kt-1's stage is released inside chunk kt once its last group
@@ -48,14 +49,20 @@ Design:
   Token tiles start at the group's first row, any alignment; rows past the group are loaded (TMA zero-fills
   past the tensor) but never stored: the epilogues store with a per-row predicate.
 
-What bounds small token tiles (H200, ncu, flash L1 EP8, 16 rows/expert, BF16 mode): instruction issue. A
-consumer warp spends ~200 SASS instructions per 128-K chunk, 136 of them decoding (15 per word of 8 weights
-plus 2 per scale multiplier; an exhaustive search over the bit placements of a word's nibbles, with
-shift/rotate, mask, multiply and sign-merge steps, finds none below 15); issue slots are 70% busy, DRAM
-58-60%. Tried on 2026-11-30 and kept out, each A/B-timed in one process with checked outputs: a one-warp
-producer with 3 CTAs per SM (24 consumer warps: L1 1 row/expert 92.5 -> 99.3 us); alternating accumulators
-for odd k16 blocks (1-3% slower, also with a lone tile per CTA); programmatic dependent launch of dispatch,
-GEMMs and combine (within the run-to-run spread).
+What bounds small token tiles (H200, ncu, flash L1 EP8, 16 rows/expert, BF16 mode, before the two changes
+below): instruction issue and memory together. A consumer warp spent ~217 SASS instructions per 128-K
+chunk, 136 of them decoding (15 per word of 8 weights plus 2 per scale multiplier); issue slots 70% busy,
+DRAM 58-60%. Two changes measured on 2026-11-30 (2 x H200, three builds timed in one session, outputs
+checked, flash and pro, EP8 and EP2, 1-1024 rows/expert; ``bench/results/2026-11-30_gemm_decode_layout_ab_h200.json``):
+the word decode of ``sm90_fp4_decode`` in 13 instructions (three whole windows and one split register;
+~198 per chunk) made the kernel up to 10% faster (most at 16-64 rows/expert, within 1.5% at 1 row), and the blocked weight layout
+(each 64-row x 128-K tile one contiguous 4 KiB piece) another 0-7% (e.g. pro L2 EP2 64 rows/expert 1331.7
+-> 1254.0 -> 1171.2 us; flash L1 EP8 16 rows 99.3 -> 96.8 -> 95.1 us). Unrolling the chunk loop by two
+leaves ~198 instructions per chunk (ptxas shares nothing between the copies). Tried on 2026-11-30 and kept
+out, each A/B-timed in one process with checked outputs: a one-warp producer with 3 CTAs per SM (24
+consumer warps: L1 1 row/expert 92.5 -> 99.3 us); alternating accumulators for odd k16 blocks (1-3%
+slower, also with a lone tile per CTA); programmatic dependent launch of dispatch, GEMMs and combine (within
+the run-to-run spread).
 
 Constraints: K % 512 == 0 (packed scale rows must be 16-byte aligned for TMA), N % 64 == 0 (SwiGLU: N = 2I,
 I % 128 == 0). BF16 mode: weight scale codes within the decode's exact range (``sm90_fp4_decode``), checked
@@ -826,7 +833,8 @@ def _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, group_a, group_b):
     """Torch tensors (2-D token views, 5-D blocked kernel-layout weights of either mode) -> CuTe tensors in kernel mode
     order; ``a_sf`` None (BF16 mode) stays None."""
     e, blocks, chunks, rows, _ = b.shape
-    w = b.view(torch.uint8).view(e, blocks, chunks, rows, CHUNK_BYTES).permute(3, 1, 4, 2, 0)  # (row, block, byte, chunk, E)
+    w = b.view(torch.uint8).view(e, blocks, chunks, rows, CHUNK_BYTES)
+    w = w.permute(3, 1, 4, 2, 0)  # (row, block, byte, chunk, E)
     sfw = b_sf.permute(1, 2, 0)  # (N, K/128, E)
     return (
         runtime.to_cute(a, leading_dim=1),
