@@ -353,9 +353,16 @@ def _mul_bf16x2(a: int, b: int) -> int:
     return lo | (hi << 16)
 
 
-def _bf16_multiplier(code: int) -> int:
-    """Model of ``ue8m0_to_bf16x2_multiplier``: ``code * 0x00800080 + offset * 0x00800080``."""
-    return (code * 0x00800080 + BF16_SCALE_FIELD_OFFSET * 0x00800080) & 0xFFFFFFFF
+def _bf16_multiplier(codes: list[int], kb: int) -> int:
+    """Model of ``ue8m0_to_bf16_multiplier_pair`` on the packed scale word of ``codes`` (4 UE8M0 codes, byte i =
+    code i) for block pair ``kb // 2``, then of ``decode_e2m1x8_bf16``'s broadcast of half ``kb % 2``."""
+    word = sum(c << (8 * i) for i, c in enumerate(codes))
+    sel = 0x4140 + 0x202 * (kb // 2)
+    src = word.to_bytes(4, "little") + bytes(4)
+    placed = int.from_bytes(bytes(src[(sel >> (4 * i)) & 7] for i in range(4)), "little")
+    pair = (placed * 0x80 + BF16_SCALE_FIELD_OFFSET * 0x00800080) & 0xFFFFFFFF
+    half = (pair >> (16 * (kb % 2))) & 0xFFFF
+    return half | (half << 16)
 
 
 def _decode_word_bf16(x: int, mult: int) -> tuple[int, int, int, int]:
@@ -417,7 +424,7 @@ def test_bf16_decode_emulation_matches_dequantize():
                     row = g + 8 * r
                     for kb in range(4):
                         word = int(words[row, chunk, 4 * q + kb]) & 0xFFFFFFFF
-                        mult = _bf16_multiplier(int(sf[row, 4 * chunk + kb]))
+                        mult = _bf16_multiplier(sf[row, 4 * chunk: 4 * chunk + 4].tolist(), kb)
                         for j, reg in enumerate(_decode_word_bf16(word, mult)):
                             k0 = chunk * 128 + 32 * kb + 16 * (j // 2) + 8 * (j % 2) + 2 * q
                             got[row, k0], got[row, k0 + 1] = reg & 0xFFFF, reg >> 16

@@ -57,8 +57,12 @@ checked, flash and pro, EP8 and EP2, 1-1024 rows/expert; ``bench/results/2026-11
 the word decode of ``sm90_fp4_decode`` in 13 instructions (three whole windows and one split register;
 ~198 per chunk) made the kernel up to 10% faster (most at 16-64 rows/expert, within 1.5% at 1 row), and the blocked weight layout
 (each 64-row x 128-K tile one contiguous 4 KiB piece) another 0-7% (e.g. pro L2 EP2 64 rows/expert 1331.7
--> 1254.0 -> 1171.2 us; flash L1 EP8 16 rows 99.3 -> 96.8 -> 95.1 us). Unrolling the chunk loop by two
-leaves ~198 instructions per chunk (ptxas shares nothing between the copies). Tried on 2026-11-30 and kept
+-> 1254.0 -> 1171.2 us; flash L1 EP8 16 rows 99.3 -> 96.8 -> 95.1 us). Then the decode multipliers in
+pairs (one instruction per row and 32-K block instead of two; ~185 per chunk): 1-6% faster at 19 of 24
+points, most at 1 row/expert (pro L1 EP2 1 row 1470.8 -> 1392.0 us, flash L2 EP2 1 row 180.2 -> 170.9 us),
+within the run-to-run spread at the others (pro L2 EP2 64 rows: 1078/1268 -> 1226/1236 us;
+``bench/results/2026-11-30_gemm_multiplier_pair_ab_h200.json``). Unrolling the chunk loop by two leaves
+~198 instructions per chunk (ptxas shares nothing between the copies). Tried on 2026-11-30 and kept
 out, each A/B-timed in one process with checked outputs: a one-warp producer with 3 CTAs per SM (24
 consumer warps: L1 1 row/expert 92.5 -> 99.3 us); alternating accumulators for odd k16 blocks (1-3%
 slower, also with a lone tile per CTA); programmatic dependent launch of dispatch, GEMMs and combine (within
@@ -581,7 +585,7 @@ def _build_kernel_class():
             wbuf = cute.make_rmem_tensor((4, 2), Int32)  # (word, r): FP8 k32 block kb / BF16 k16 blocks 2w, 2w+1
             sfw_words = cute.make_rmem_tensor((2,), Int32)
             if cutlass.const_expr(self.bf16):
-                mult = cute.make_rmem_tensor((4, 2), Int32)  # (k32 block, r): bf16x2 decode multipliers
+                mult = cute.make_rmem_tensor((2, 2), Int32)  # (k32 block pair, r): two BF16 decode multipliers
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             else:
@@ -774,7 +778,7 @@ def _build_kernel_class():
         @cute.jit
         def bf16_load(self, ab_pipeline, state, kt, sW_words, sSFW, q, wrow0, wrow1, wbuf, sfw_words, mult):
             """BF16 mode: wait for chunk kt's stage; this thread's weight words of rows wrow0/wrow1 (one 16-byte
-            load each) and the bf16x2 decode multipliers of its four 32-K blocks."""
+            load each) and the BF16 decode multipliers of its four 32-K blocks, two per word."""
             ab_pipeline.consumer_wait(state)
             s = state.index
             cute.autovec_copy(sW_words[None, q, wrow0, s], wbuf[None, 0])
@@ -783,15 +787,15 @@ def _build_kernel_class():
             sfw_words[0] = sSFW[wrow0, w, s]
             sfw_words[1] = sSFW[wrow1, w, s]
             for r in cutlass.range_constexpr(2):
-                for kb in cutlass.range_constexpr(4):
-                    mult[kb, r] = dev.ue8m0_to_bf16x2_multiplier(sfw_words[r], kb)
+                for p in cutlass.range_constexpr(2):
+                    mult[p, r] = dev.ue8m0_to_bf16_multiplier_pair(sfw_words[r], p)
 
         @cute.jit
         def bf16_block(self, tiled_mma, acc, frag, tCrA, tCrB, wbuf, mult, s, kb: cutlass.Constexpr[int]):
             """BF16 mode: decode 32-K block kb (word kb of both rows) into the fragment registers of k16 blocks
             2kb, 2kb+1 and issue their wgmmas as one group."""
             for r in cutlass.range_constexpr(2):
-                d0, d1, d2, d3 = dev.decode_e2m1x8_bf16(wbuf[kb, r], mult[kb, r])
+                d0, d1, d2, d3 = dev.decode_e2m1x8_bf16(wbuf[kb, r], mult[kb // 2, r], kb % 2)
                 frag[(0, r, 0), 0, 2 * kb] = d0
                 frag[(0, r, 1), 0, 2 * kb] = d1
                 frag[(0, r, 0), 0, 2 * kb + 1] = d2

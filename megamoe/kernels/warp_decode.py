@@ -459,9 +459,11 @@ def mma_chunk(acc: list, loaded: tuple, bs: list) -> list:
     parity) of the C fragment each (shorter MMA dependency chains)."""
     h = device_helpers()
     lo_words, hi_words, lo_sf, hi_sf = loaded
+    lo_mult = [h.ue8m0_to_bf16_multiplier_pair(lo_sf, p) for p in range(2)]
+    hi_mult = [h.ue8m0_to_bf16_multiplier_pair(hi_sf, p) for p in range(2)]
     for wd in range(4):  # word wd = 32-wide scale block wd of the chunk
-        g = h.decode_e2m1x8_bf16(lo_words[wd], h.ue8m0_to_bf16x2_multiplier(lo_sf, wd))
-        u = h.decode_e2m1x8_bf16(hi_words[wd], h.ue8m0_to_bf16x2_multiplier(hi_sf, wd))
+        g = h.decode_e2m1x8_bf16(lo_words[wd], lo_mult[wd // 2], wd % 2)
+        u = h.decode_e2m1x8_bf16(hi_words[wd], hi_mult[wd // 2], wd % 2)
         for kk in range(2):
             frag = [g[2 * kk], u[2 * kk], g[2 * kk + 1], u[2 * kk + 1]]
             for b, xs in enumerate(bs):
