@@ -34,15 +34,17 @@ from .layouts.weights import check_fp4_expert_weights
 PATHS = ("auto", "warp_decode", "grouped")
 MEASURED_CROSSOVERS: dict[tuple[int, int, int, int], int] = {
     (4096, 2048, 32, 6): 32,
-    (4096, 2048, 128, 6): 16,
-    (7168, 3072, 48, 6): 4,
-    (7168, 3072, 192, 6): 4,
+    (4096, 2048, 128, 6): 32,
+    (7168, 3072, 48, 6): 32,
+    (7168, 3072, 192, 6): 32,
 }
 """(hidden, intermediate, experts, top-k) -> the largest batch where warp decode beat the grouped path:
-H200, 2026-11-29, ``bench/results/2026-11-29_decode_session5_h200.txt`` (warp decode as the decoder runs
-it vs grouped, us: flash 32 experts 41.1 vs 90.0 at T=1, 131.9 vs 186.5 at 8, 202.7 vs 235.8 at 32, 365.4 vs
-233.1 at 64; flash 128: 335.1 vs 365.1 at 16, 514.0 vs 503.6 at 32; pro 48: 284.6 vs 298.8 at 4, 428.9 vs
-422.9 at 8; pro 192: 318.9 vs 324.5 at 4, 567.1 vs 539.9 at 8)."""
+H200, 2026-11-30, ``bench/results/2026-11-30_decode_h200.txt`` (batches 1, 4, 8, 16, 32; warp decode as the
+decoder runs it vs grouped, us: flash 32 experts 40.8 vs 89.2 at T=1, 122.3 vs 175.7 at 8, 190.7 vs 222.8 at
+32; flash 128: 450.9 vs 477.3 at 32; pro 48: 341.5 vs 399.5 at 8, 558.6 vs 568.7 at 32; pro 192: 439.8 vs
+497.2 at 8, 1343.7 vs 1419.8 at 32). Warp decode won every measured batch; the grouped path won at 64 in
+every shape in the previous receipt (``2026-11-29_decode_session5_h200.txt``: flash 32 experts 365.4 vs
+233.1 us), so 32 stands for all four until a batch between 32 and 64 is measured."""
 EXPERT_MAJOR_MIN_TOKENS = 4
 """Smallest batch for which warp decode runs the expert-major kernels (else the per-pair SIMT kernels).
 ``bench/results/2026-11-29_decode_expert_major_h200.txt`` (us, SIMT / expert-major): flash 32 experts 40.7 /
