@@ -49,24 +49,24 @@ Design:
   Token tiles start at the group's first row, any alignment; rows past the group are loaded (TMA zero-fills
   past the tensor) but never stored: the epilogues store with a per-row predicate.
 
-What bounds small token tiles (H200, ncu, flash L1 EP8, 16 rows/expert, BF16 mode, before the two changes
+What bounds small token tiles (H200, ncu, flash L1 EP8, 16 rows/expert, BF16 mode, before the changes
 below): instruction issue and memory together. A consumer warp spent ~217 SASS instructions per 128-K
 chunk, 136 of them decoding (15 per word of 8 weights plus 2 per scale multiplier); issue slots 70% busy,
-DRAM 58-60%. Two changes measured on 2026-11-30 (2 x H200, three builds timed in one session, outputs
-checked, flash and pro, EP8 and EP2, 1-1024 rows/expert; ``bench/results/2026-11-30_gemm_decode_layout_ab_h200.json``):
+DRAM 58-60%. Changes measured on 2026-11-30 (2 x H200, builds timed in one session, outputs checked, flash
+and pro, EP8 and EP2, 1-1024 rows/expert; ``bench/results/2026-11-30_gemm_decode_layout_ab_h200.json``):
 the word decode of ``sm90_fp4_decode`` in 13 instructions (three whole windows and one split register;
-~198 per chunk) made the kernel up to 10% faster (most at 16-64 rows/expert, within 1.5% at 1 row), and the blocked weight layout
-(each 64-row x 128-K tile one contiguous 4 KiB piece) another 0-7% (e.g. pro L2 EP2 64 rows/expert 1331.7
--> 1254.0 -> 1171.2 us; flash L1 EP8 16 rows 99.3 -> 96.8 -> 95.1 us). Then the decode multipliers in
-pairs (one instruction per row and 32-K block instead of two; ~185 per chunk): 1-6% faster at 19 of 24
-points, most at 1 row/expert (pro L1 EP2 1 row 1470.8 -> 1392.0 us, flash L2 EP2 1 row 180.2 -> 170.9 us),
-within the run-to-run spread at the others (pro L2 EP2 64 rows: 1078/1268 -> 1226/1236 us;
-``bench/results/2026-11-30_gemm_multiplier_pair_ab_h200.json``). Unrolling the chunk loop by two leaves
-~198 instructions per chunk (ptxas shares nothing between the copies). Tried on 2026-11-30 and kept
-out, each A/B-timed in one process with checked outputs: a one-warp producer with 3 CTAs per SM (24
-consumer warps: L1 1 row/expert 92.5 -> 99.3 us); alternating accumulators for odd k16 blocks (1-3%
-slower, also with a lone tile per CTA); programmatic dependent launch of dispatch, GEMMs and combine (within
-the run-to-run spread).
+~198 per chunk) made the kernel up to 10% faster (most at 16-64 rows/expert, within 1.5% at 1 row), and
+the blocked weight layout (each 64-row x 128-K tile one contiguous 4 KiB piece) another 0-7% (e.g. pro L2
+EP2 64 rows/expert 1331.7 -> 1254.0 -> 1171.2 us; flash L1 EP8 16 rows 99.3 -> 96.8 -> 95.1 us). Then the
+decode multipliers in pairs (one instruction per row and 32-K block instead of two; ~185 per chunk): 1-6%
+faster at 19 of 24 points, most at 1 row/expert (pro L1 EP2 1 row 1470.8 -> 1392.0 us, flash L2 EP2 1 row
+180.2 -> 170.9 us), within the run-to-run spread at the others (pro L2 EP2 64 rows: 1078/1268 -> 1226/1236
+us; ``bench/results/2026-11-30_gemm_multiplier_pair_ab_h200.json``). Unrolling the chunk loop by two leaves
+~198 instructions per chunk (ptxas shares nothing between the copies). Tried on 2026-11-30 and kept out,
+each A/B-timed in one process with checked outputs: a one-warp producer with 3 CTAs per SM (24 consumer
+warps: L1 1 row/expert 92.5 -> 99.3 us); alternating accumulators for odd k16 blocks (1-3% slower, also
+with a lone tile per CTA); programmatic dependent launch of dispatch, GEMMs and combine (within the
+run-to-run spread).
 
 Constraints: K % 512 == 0 (packed scale rows must be 16-byte aligned for TMA), N % 64 == 0 (SwiGLU: N = 2I,
 I % 128 == 0). BF16 mode: weight scale codes within the decode's exact range (``sm90_fp4_decode``), checked
