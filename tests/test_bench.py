@@ -1,7 +1,9 @@
 """The EP MoE benchmark, one process without torchrun: the tiny preset (on CPU: legacy path, FP32 reference)."""
 
 import pytest
+import torch
 
+from megamoe.bench.common import environment_receipt, source_digest
 from megamoe.bench.moe import main
 
 
@@ -16,3 +18,18 @@ def test_moe_bench_cycles_routings_and_checks_each():
 def test_moe_bench_rejects_no_routings():
     with pytest.raises(SystemExit):
         main(["--routings", "0"])
+
+
+def test_receipt_names_the_source_it_ran(tmp_path):
+    """The digest follows the package's sources: same files, same digest; one changed byte or a renamed file,
+    another; the receipt carries the installed package's."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "sub" / "b.py").write_text("y = 2\n")
+    first = source_digest(tmp_path)
+    assert source_digest(tmp_path) == first and len(first) == 16
+    (tmp_path / "sub" / "b.py").write_text("y = 3\n")
+    changed = source_digest(tmp_path)
+    (tmp_path / "sub" / "b.py").rename(tmp_path / "sub" / "c.py")
+    assert len({first, changed, source_digest(tmp_path)}) == 3
+    assert environment_receipt(torch.device("cpu"), 1)["megamoe_source"] == source_digest()

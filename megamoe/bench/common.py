@@ -6,10 +6,12 @@ checks correctness on the same inputs first and never reports a time without tha
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import platform
 import statistics
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 
@@ -34,9 +36,22 @@ def dsl_version() -> str:
     return version
 
 
+def source_digest(root: Path | None = None) -> str:
+    """First 16 hex digits of the SHA-256 over the megamoe package's Python sources (relative paths and
+    contents, sorted): which code produced a result, also where no git checkout exists (the GPU machine
+    gets a copy of the tree)."""
+    root = Path(__file__).resolve().parents[1] if root is None else root
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def environment_receipt(device: torch.device, num_ranks: int) -> dict:
-    """Machine facts every result must carry: GPU, CC, CUDA, torch, DSL, ranks, topology."""
+    """Machine facts every result must carry: GPU, CC, CUDA, torch, DSL, ranks, topology, and the digest
+    of the megamoe sources that ran (``source_digest``)."""
     rec = {
+        "megamoe_source": source_digest(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cutlass_dsl": dsl_version(),
