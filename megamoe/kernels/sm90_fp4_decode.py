@@ -108,8 +108,10 @@ def _unblock_rows(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(2, 3).reshape(e, blocks * rows, chunks, width)
 
 
-def _check_blocked(name: str, t: torch.Tensor, dtype: torch.dtype, width: int, what: str) -> None:
-    check_tensor(name, t, dtype=dtype, ndim=5)
+def check_blocked_layout(name: str, t: torch.Tensor, dtype: torch.dtype, width: int, what: str, **checks) -> None:
+    """``t`` must be a blocked kernel layout ``[E, N/64, K/128, 64, width]`` of ``dtype`` (``what`` names it
+    in the error); ``checks``: further ``check_tensor`` rules (device, contiguous)."""
+    check_tensor(name, t, dtype=dtype, ndim=5, **checks)
     if t.shape[3] != ROW_BLOCK or t.shape[4] != width:
         fail(name, f"must be the {what} [E, N/{ROW_BLOCK}, K/128, {ROW_BLOCK}, {width}], got {list(t.shape)}")
 
@@ -128,7 +130,7 @@ def to_sm90_weight_layout(b: torch.Tensor) -> torch.Tensor:
 
 def from_sm90_weight_layout(bk: torch.Tensor) -> torch.Tensor:
     """Inverse of ``to_sm90_weight_layout``: ``uint8 [E, N/64, K/128, 64, 64]`` -> canonical ``uint8 [E, N, K/2]``."""
-    _check_blocked("b", bk, torch.uint8, CHUNK_BYTES, "FP8-mode weight layout uint8")
+    check_blocked_layout("b", bk, torch.uint8, CHUNK_BYTES, "FP8-mode weight layout uint8")
     rows = _unblock_rows(bk)
     e, n, chunks, _ = rows.shape
     parts = rows.reshape(e, n, chunks, 4, 4, 2, 2)  # (q, kb, h, p)
@@ -156,20 +158,21 @@ def to_sm90_bf16_weight_layout(b: torch.Tensor) -> torch.Tensor:
     check_multiple("b.shape[2] * 2 (K)", 2 * half_k, K_CHUNK, "the kernel layout works in 128-wide K chunks")
     check_multiple("b.shape[1] (N)", n, ROW_BLOCK, "the kernel layout stores rows in blocks of 64")
     pos = _bf16_code_bit_positions(b.device)  # [kk', h, i, code bit]
-    out = torch.empty(e, n, half_k // CHUNK_BYTES, BF16_WORDS, dtype=torch.int32, device=b.device)
+    chunks = half_k // CHUNK_BYTES
+    out = torch.empty(e, n // ROW_BLOCK, chunks, ROW_BLOCK, BF16_WORDS, dtype=torch.int32, device=b.device)
     for x in range(e):  # one expert at a time: the int64 temporaries are 16x the expert's bytes
         codes = _bf16_word_view(unpack_fp4_codes(b[x : x + 1]).to(torch.int64))  # [..., q, w, kk', h, i]
         bits = sum(((codes >> c) & 1) << pos[..., c] for c in range(4))  # disjoint bits: the sum is their OR
         words = bits.flatten(-3).sum(-1)
         words = torch.where(words >= 2**31, words - 2**32, words)  # uint32 -> the same bits as int32
-        out[x] = words.to(torch.int32).reshape(n, half_k // CHUNK_BYTES, BF16_WORDS)
-    return _block_rows(out)
+        out[x] = _block_rows(words.to(torch.int32).reshape(1, n, chunks, BF16_WORDS))[0]
+    return out
 
 
 def from_sm90_bf16_weight_layout(bk: torch.Tensor) -> torch.Tensor:
     """Inverse of ``to_sm90_bf16_weight_layout``: ``int32 [E, N/64, K/128, 64, 16]`` -> canonical
     ``uint8 [E, N, K/2]``."""
-    _check_blocked("b", bk, torch.int32, BF16_WORDS, "BF16-mode weight layout int32")
+    check_blocked_layout("b", bk, torch.int32, BF16_WORDS, "BF16-mode weight layout int32")
     bk = _unblock_rows(bk)
     e, n, chunks, _ = bk.shape
     words = (bk.to(torch.int64) & 0xFFFFFFFF).reshape(e, n, chunks, 4, 4, 1, 1, 1, 1)  # [..., q, w]

@@ -90,6 +90,7 @@ from .sm90_fp4_decode import (
     K_CHUNK,
     ROW_BLOCK,
     check_bf16_scale_range,
+    check_blocked_layout,
     from_sm90_bf16_weight_layout,
     from_sm90_weight_layout,
     to_sm90_bf16_weight_layout,
@@ -118,7 +119,7 @@ __all__ = [
 NUM_SMS_H200 = 132
 SMEM_CAPACITY = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
 K_MULTIPLE = 512
-N_MULTIPLE = 64
+N_MULTIPLE = ROW_BLOCK  # weight rows: whole row blocks of the kernel layouts (64 per warpgroup tile)
 MMA_MODES = ("bf16", "fp8")
 TILE_TOKENS_CHOICES = {"bf16": (8, 16, 32, 64, 128), "fp8": (8, 16, 32, 64)}
 TILE_N_CHOICES = (64, 128)
@@ -927,12 +928,13 @@ def _weights_mode(b: torch.Tensor) -> str:
 
 
 def _check_weights(b: torch.Tensor, b_sf: torch.Tensor, k: int, device, mma: str) -> tuple[int, int]:
-    dtype, width, what = _LAYOUTS[mma]
-    check_tensor("b", b, dtype=dtype, ndim=5, device=device, contiguous=True)
-    e, blocks, chunks, rows, got_width = b.shape
-    if got_width != width or rows != ROW_BLOCK or chunks * K_CHUNK != k:
-        fail("b", f"must be the SM90 {mma}-mode weight layout {what} = [*, *, {k // K_CHUNK}, {ROW_BLOCK}, "
-             f"{width}], got {list(b.shape)}")
+    dtype, width, _ = _LAYOUTS[mma]
+    check_blocked_layout("b", b, dtype, width, f"SM90 {mma}-mode weight layout (prepare_fp4_weights(..., "
+                         f"mma={mma!r})) {str(dtype).removeprefix('torch.')}", device=device, contiguous=True)
+    e, blocks, chunks = b.shape[:3]
+    if chunks * K_CHUNK != k:
+        fail("b", f"must hold K/128 = {k // K_CHUNK} chunks per row block (dim 2) for a.shape[-1] = {k}, "
+             f"got {list(b.shape)}")
     n = blocks * ROW_BLOCK
     check_tensor("b_sf", b_sf, dtype=torch.int32, shape=(e, n, k // K_CHUNK), device=device, contiguous=True)
     return e, n
