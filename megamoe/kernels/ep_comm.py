@@ -115,10 +115,6 @@ def _asm(results: list, args: list, text: str, constraints: str, loc=None, ip=No
     return ptx.inline_asm(results, args, text, constraints, loc, ip, side_effects=True)
 
 
-def _v(x, cls, loc, ip):
-    return cls(x).ir_value(loc=loc, ip=ip)
-
-
 @dsl_user_op
 def _ld_v4(addr: Int64, on, *, loc=None, ip=None) -> list:
     """16 bytes at ``addr`` (L2, ``.cg``) as 4 words when ``on``, else 4 zero words (no access)."""
@@ -126,7 +122,7 @@ def _ld_v4(addr: Int64, on, *, loc=None, ip=None) -> list:
         "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n"
         "@p ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4];\n}"
     )
-    args = [_v(addr, Int64, loc, ip), _v(on, Int32, loc, ip)]
+    args = [ptx.ir_arg(addr, Int64, loc, ip), ptx.ir_arg(on, Int32, loc, ip)]
     return [Int32(w) for w in _asm([T.i32()] * 4, args, text, "=r,=r,=r,=r,l,r,~{memory}", loc, ip)]
 
 
@@ -134,86 +130,47 @@ def _ld_v4(addr: Int64, on, *, loc=None, ip=None) -> list:
 def _ld_u32_if(addr: Int64, on, *, loc=None, ip=None) -> Int32:
     """The word at ``addr`` (L2, ``.cg``) when ``on``, else 0 (no access)."""
     text = "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\nmov.b32 $0, 0;\n@p ld.global.cg.b32 $0, [$1];\n}"
-    args = [_v(addr, Int64, loc, ip), _v(on, Int32, loc, ip)]
+    args = [ptx.ir_arg(addr, Int64, loc, ip), ptx.ir_arg(on, Int32, loc, ip)]
     return Int32(_asm([T.i32()], args, text, "=r,l,r,~{memory}", loc, ip)[0])
 
 
 @dsl_user_op
 def _ld_u32(addr: Int64, *, loc=None, ip=None) -> Int32:
-    return Int32(_asm([T.i32()], [_v(addr, Int64, loc, ip)], "ld.global.cg.b32 $0, [$1];", "=r,l,~{memory}", loc, ip)[0])
+    return Int32(_asm([T.i32()], [ptx.ir_arg(addr, Int64, loc, ip)], "ld.global.cg.b32 $0, [$1];", "=r,l,~{memory}", loc, ip)[0])
 
 
 @dsl_user_op
 def _ld_u64(addr: Int64, *, loc=None, ip=None) -> Int64:
-    return Int64(_asm([T.i64()], [_v(addr, Int64, loc, ip)], "ld.global.cg.b64 $0, [$1];", "=l,l,~{memory}", loc, ip)[0])
+    return Int64(_asm([T.i64()], [ptx.ir_arg(addr, Int64, loc, ip)], "ld.global.cg.b64 $0, [$1];", "=l,l,~{memory}", loc, ip)[0])
 
-
-@dsl_user_op
-def _st_u32(addr: Int64, value, *, loc=None, ip=None) -> None:
-    _asm([], [_v(addr, Int64, loc, ip), _v(value, Int32, loc, ip)], "st.global.b32 [$0], $1;", "l,r,~{memory}", loc, ip)
 
 
 @dsl_user_op
 def _st_u64(addr: Int64, value, *, loc=None, ip=None) -> None:
-    _asm([], [_v(addr, Int64, loc, ip), _v(value, Int64, loc, ip)], "st.global.b64 [$0], $1;", "l,l,~{memory}", loc, ip)
+    _asm([], [ptx.ir_arg(addr, Int64, loc, ip), ptx.ir_arg(value, Int64, loc, ip)], "st.global.b64 [$0], $1;", "l,l,~{memory}", loc, ip)
 
 
-@dsl_user_op
-def _atom_add(addr: Int64, value, *, loc=None, ip=None) -> Int32:
-    """``atomicAdd`` (relaxed, gpu scope); returns the old value."""
-    args = [_v(addr, Int64, loc, ip), _v(value, Int32, loc, ip)]
-    return Int32(_asm([T.i32()], args, "atom.relaxed.gpu.global.add.s32 $0, [$1], $2;", "=r,l,r,~{memory}", loc, ip)[0])
 
-
-@dsl_user_op
-def _arrive(addr: Int64, *, loc=None, ip=None) -> None:
-    """Grid-barrier arrival: ``fence.acq_rel.gpu`` then a release add of 1 (gpu scope)."""
-    _asm([], [_v(addr, Int64, loc, ip)], "fence.acq_rel.gpu;\nred.release.gpu.global.add.s32 [$0], 1;", "l,~{memory}", loc, ip)
-
-
-@dsl_user_op
-def _ld_flag(addr: Int64, wide: bool, scope: str, *, loc=None, ip=None) -> Int32:
-    """Acquire-load a flag; returns its call part (the high word of a 64-bit ``ready``)."""
-    if wide:
-        text = f"{{\n.reg .b64 v;\nld.acquire.{scope}.global.b64 v, [$1];\nshr.b64 v, v, 32;\ncvt.u32.u64 $0, v;\n}}"
-    else:
-        text = f"ld.acquire.{scope}.global.b32 $0, [$1];"
-    return Int32(_asm([T.i32()], [_v(addr, Int64, loc, ip)], text, "=r,l,~{memory}", loc, ip)[0])
 
 
 @dsl_user_op
 def _ld_low_word(addr: Int64, *, loc=None, ip=None) -> Int32:
     """Low word of a 64-bit flag already acquired (the token count of ``ready``)."""
-    return Int32(_asm([T.i32()], [_v(addr, Int64, loc, ip)], "ld.global.cg.b32 $0, [$1];", "=r,l,~{memory}", loc, ip)[0])
+    return Int32(_asm([T.i32()], [ptx.ir_arg(addr, Int64, loc, ip)], "ld.global.cg.b32 $0, [$1];", "=r,l,~{memory}", loc, ip)[0])
 
-
-@dsl_user_op
-def _behind(seen, expected, *, loc=None, ip=None) -> Int32:
-    """1 when ``(int32)(seen - expected) < 0`` (wrap-safe "not yet"), else 0."""
-    text = "{\n.reg .b32 d;\n.reg .pred p;\nsub.s32 d, $1, $2;\nsetp.lt.s32 p, d, 0;\nselp.b32 $0, 1, 0, p;\n}"
-    args = [_v(seen, Int32, loc, ip), _v(expected, Int32, loc, ip)]
-    return Int32(_asm([T.i32()], args, text, "=r,r,r", loc, ip)[0])
 
 
 @dsl_user_op
 def _st_release_sys(addr: Int64, value, wide: bool, *, loc=None, ip=None) -> None:
     """Publish a flag to any rank: ``st.release.sys`` (64-bit when ``wide``)."""
     if wide:
-        _asm([], [_v(addr, Int64, loc, ip), _v(value, Int64, loc, ip)], "st.release.sys.global.b64 [$0], $1;",
+        _asm([], [ptx.ir_arg(addr, Int64, loc, ip), ptx.ir_arg(value, Int64, loc, ip)], "st.release.sys.global.b64 [$0], $1;",
              "l,l,~{memory}", loc, ip)
     else:
-        _asm([], [_v(addr, Int64, loc, ip), _v(value, Int32, loc, ip)], "st.release.sys.global.b32 [$0], $1;",
+        _asm([], [ptx.ir_arg(addr, Int64, loc, ip), ptx.ir_arg(value, Int32, loc, ip)], "st.release.sys.global.b32 [$0], $1;",
              "l,r,~{memory}", loc, ip)
 
 
-@dsl_user_op
-def _globaltimer(*, loc=None, ip=None) -> Int64:
-    return Int64(_asm([T.i64()], [], "mov.u64 $0, %globaltimer;", "=l", loc, ip)[0])
-
-
-@dsl_user_op
-def _smid(*, loc=None, ip=None) -> Int32:
-    return Int32(_asm([T.i32()], [], "mov.u32 $0, %smid;", "=r", loc, ip)[0])
 
 
 @dsl_user_op
@@ -223,26 +180,22 @@ def _st_record(addr: Int64, words: list, *, loc=None, ip=None) -> None:
     for i in range(RECORD_WORDS):
         lines += [f"cvt.s64.s32 w, ${i + 1};", f"st.relaxed.sys.global.b64 [$0+{8 * i}], w;"]
     text = "{\n" + "\n".join(lines) + "\nfence.sc.sys;\n}"
-    args = [_v(addr, Int64, loc, ip)] + [_v(w, Int32, loc, ip) for w in words]
+    args = [ptx.ir_arg(addr, Int64, loc, ip)] + [ptx.ir_arg(w, Int32, loc, ip) for w in words]
     _asm([], args, text, "l" + ",r" * RECORD_WORDS + ",~{memory}", loc, ip)
 
-
-@dsl_user_op
-def _trap(*, loc=None, ip=None) -> None:
-    _asm([], [], "trap;", "~{memory}", loc, ip)
 
 
 @dsl_user_op
 def _bf16x2_f32(word, *, loc=None, ip=None) -> list:
     """Two BF16 (low half first) -> two FP32 (exact)."""
     text = "{\n.reg .b32 t;\nshl.b32 t, $2, 16;\nmov.b32 $0, t;\nand.b32 t, $2, 0xFFFF0000;\nmov.b32 $1, t;\n}"
-    return [Float32(v) for v in _asm([T.f32()] * 2, [_v(word, Int32, loc, ip)], text, "=f,=f,r", loc, ip)]
+    return [Float32(v) for v in _asm([T.f32()] * 2, [ptx.ir_arg(word, Int32, loc, ip)], text, "=f,=f,r", loc, ip)]
 
 
 @dsl_user_op
 def _f32x2_bf16x2(lo, hi, *, loc=None, ip=None) -> Int32:
     """Two FP32 -> two BF16 (round to nearest even), ``lo`` in the low half."""
-    args = [_v(hi, Float32, loc, ip), _v(lo, Float32, loc, ip)]
+    args = [ptx.ir_arg(hi, Float32, loc, ip), ptx.ir_arg(lo, Float32, loc, ip)]
     return Int32(_asm([T.i32()], args, "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", loc, ip)[0])
 
 
@@ -295,27 +248,27 @@ class _EpKernel:
     def fail(self, site: cutlass.Constexpr, rank: Int32, record: Int64, index: Int32, expected: Int32, seen: Int32):
         """Debug report (printf + host-mapped record) and trap."""
         cta = cute.arch.block_idx()[0]
-        sm = _smid()
+        sm = ptx.smid()
         role, text = SITES[site]
         cute.printf("megamoe debug: rank %d CTA %d (SM %d) role " + role + ": " + text, rank, cta, sm, index, expected, seen)
         if record != Int64(0):
             _st_record(record + Int64(cta) * (RECORD_WORDS * 8), [Int32(site + 1), rank, cta, sm, index, expected, seen, Int32(0)])
-        _trap()
+        ptx.trap()
 
     @cute.jit
     def wait_flag(self, addr: Int64, expected: Int32, wide: cutlass.Constexpr, scope: cutlass.Constexpr,
                   site: cutlass.Constexpr, index: Int32, rank: Int32, record: Int64, timeout_ns: Int64):
         """Spin until the flag's call part reaches ``expected`` (acquire); debug: time out and report."""
-        seen = _ld_flag(addr, wide, scope)
+        seen = ptx.ld_acquire(addr, wide, scope)
         if cutlass.const_expr(self.debug):
-            start = _globaltimer()
-            while _behind(seen, expected) != 0:
-                if _globaltimer() - start > timeout_ns:
+            start = ptx.globaltimer()
+            while ptx.behind(seen, expected) != 0:
+                if ptx.globaltimer() - start > timeout_ns:
                     self.fail(site, rank, record, index, expected, seen)
-                seen = _ld_flag(addr, wide, scope)
+                seen = ptx.ld_acquire(addr, wide, scope)
         else:
-            while _behind(seen, expected) != 0:
-                seen = _ld_flag(addr, wide, scope)
+            while ptx.behind(seen, expected) != 0:
+                seen = ptx.ld_acquire(addr, wide, scope)
 
     @cute.jit
     def grid_barrier(self, base: Int64, call: Int32, q: cutlass.Constexpr, site: cutlass.Constexpr, rank: Int32,
@@ -324,7 +277,7 @@ class _EpKernel:
         cute.arch.sync_threads()
         if cute.arch.thread_idx()[0] == 0:
             counter = base + (self.signals + 4)
-            _arrive(counter)
+            ptx.arrive(counter)
             target = (call * BARRIERS_PER_CALL + (q + 1)) * cute.arch.grid_dim()[0]
             self.wait_flag(counter, target, False, "gpu", site, Int32(q), rank, record, timeout_ns)
         cute.arch.sync_threads()
@@ -437,9 +390,9 @@ class Dispatch(_EpKernel):
                 e = _ld_u64(idx + Int64(q) * 8) - Int64(me) * num_local
                 if (e >= 0) & (e < num_local):
                     le = Int32(e)
-                    pos = _atom_add(base + (counts + Int64(le) * 4), 1)
+                    pos = ptx.atom_add(base + (counts + Int64(le) * 4), 1, "relaxed")
                     if pos < self.pool_cap:
-                        _st_u32(base + (pool + (Int64(le) * self.pool_cap + pos) * 4), src * (self.t_max * k) + q)
+                        ptx.st_global_u32(base + (pool + (Int64(le) * self.pool_cap + pos) * 4), src * (self.t_max * k) + q)
                     if cutlass.const_expr(self.debug):  # noqa: SIM102 (compile-time test, then the runtime one)
                         if pos >= self.pool_cap:
                             self.fail(SITE_EXPERT, me, record, le, Int32(self.pool_cap), pos)
@@ -458,11 +411,11 @@ class Dispatch(_EpKernel):
         total = cutlass.min(offs[num_local], self.ring)
         if cta == 0:
             for e in cutlass.range(tid, num_local + 1, THREADS):
-                _st_u32(base + (cfg.offset("expert_offsets") + Int64(e) * 4), cutlass.min(offs[e], self.ring))
+                ptx.st_global_u32(base + (cfg.offset("expert_offsets") + Int64(e) * 4), cutlass.min(offs[e], self.ring))
                 if cutlass.const_expr(cfg.has_stats):  # noqa: SIM102 (compile-time test, then the runtime one)
                     if e < num_local:
                         stat = stats + Int64(e) * 4
-                        _st_u32(stat, _ld_u32(stat) + _ld_u32(base + (counts + Int64(e) * 4)))
+                        ptx.st_global_u32(stat, _ld_u32(stat) + _ld_u32(base + (counts + Int64(e) * 4)))
 
         # 4. Pull every row of the ring from its source rank: FP8 rows dequantized to BF16, BF16 rows copied.
         units = self.units(hidden // VEC if self.fp8 else hidden * 2 // VEC)
@@ -484,7 +437,7 @@ class Dispatch(_EpKernel):
                 self.copy_unit(peer + (cfg.offset("x") + Int64(t) * (hidden * 2)), dst, hidden * 2 // VEC, unit, lane)
             if (unit == 0) & (lane == 0):
                 weight = _ld_u32(peer + (cfg.offset("topk_weights") + Int64(q) * 4))
-                _st_u32(base + (cfg.offset("l1_topk_weights") + Int64(row) * 4), weight)
+                ptx.st_global_u32(base + (cfg.offset("l1_topk_weights") + Int64(row) * 4), weight)
                 j = q - t * k
                 slot = peer + (cfg.offset("combine") + (Int64(j) * self.t_max + Int64(t)) * (hidden * 2))
                 _st_u64(base + (cfg.offset("ring_dest") + Int64(row) * 8), slot)
@@ -578,9 +531,9 @@ class Combine(_EpKernel):
         # 4. Ready for the next call.
         if cta == 0:
             for e in cutlass.range(tid, self.num_local, THREADS):
-                _st_u32(base + (cfg.offset("expert_counts") + Int64(e) * 4), 0)
+                ptx.st_global_u32(base + (cfg.offset("expert_counts") + Int64(e) * 4), 0)
             if tid == 0:
-                _st_u32(base + self.signals, call + 1)
+                ptx.st_global_u32(base + self.signals, call + 1)
 
 
 # --------------------------------------------------------------------------------------------------

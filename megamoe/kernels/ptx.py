@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from cutlass import Int32, Int64
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 
 def inline_asm(results: list, args: list, text: str, constraints: str, loc, ip, side_effects: bool) -> list:
@@ -35,3 +35,65 @@ def fence_acq_rel_sys(*, loc=None, ip=None) -> None:
     """``fence.acq_rel.sys``: this thread's earlier stores are ordered before its later ones for every
     observer, other GPUs included."""
     inline_asm([], [], "fence.acq_rel.sys;", "~{memory}", loc, ip, side_effects=True)
+
+
+def ir_arg(x, cls, loc, ip):
+    """``x`` as a ``cls`` (Int32, Int64, Float32) operand of an inline-PTX block."""
+    return cls(x).ir_value(loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_global_u32(addr, value, *, loc=None, ip=None) -> None:
+    """Store one word at the global address ``addr`` (weak; volatile, clobbers memory)."""
+    args = [ir_arg(addr, Int64, loc, ip), ir_arg(value, Int32, loc, ip)]
+    inline_asm([], args, "st.global.b32 [$0], $1;", "l,r,~{memory}", loc, ip, side_effects=True)
+
+
+@dsl_user_op
+def atom_add(addr, value, sem: str, *, loc=None, ip=None) -> Int32:
+    """``atom.<sem>.gpu.global.add.s32`` (``sem``: "relaxed" or "acq_rel"); returns the old value."""
+    args = [ir_arg(addr, Int64, loc, ip), ir_arg(value, Int32, loc, ip)]
+    text = f"atom.{sem}.gpu.global.add.s32 $0, [$1], $2;"
+    return Int32(inline_asm([T.i32()], args, text, "=r,l,r,~{memory}", loc, ip, side_effects=True)[0])
+
+
+@dsl_user_op
+def arrive(addr, *, loc=None, ip=None) -> None:
+    """Counted arrival: ``fence.acq_rel.gpu`` then a release add of 1 (gpu scope) at ``addr``: every store
+    this thread made (or observed, e.g. through a CTA barrier) before is visible to whoever acquires the count."""
+    text = "fence.acq_rel.gpu;\nred.release.gpu.global.add.s32 [$0], 1;"
+    inline_asm([], [ir_arg(addr, Int64, loc, ip)], text, "l,~{memory}", loc, ip, side_effects=True)
+
+
+@dsl_user_op
+def ld_acquire(addr, wide: bool, scope: str, *, loc=None, ip=None) -> Int32:
+    """Acquire-load a flag at ``scope`` ("gpu" or "sys"); a 64-bit flag (``wide``) returns its high word."""
+    if wide:
+        text = f"{{\n.reg .b64 v;\nld.acquire.{scope}.global.b64 v, [$1];\nshr.b64 v, v, 32;\ncvt.u32.u64 $0, v;\n}}"
+    else:
+        text = f"ld.acquire.{scope}.global.b32 $0, [$1];"
+    return Int32(inline_asm([T.i32()], [ir_arg(addr, Int64, loc, ip)], text, "=r,l,~{memory}", loc, ip, side_effects=True)[0])
+
+
+@dsl_user_op
+def behind(seen, expected, *, loc=None, ip=None) -> Int32:
+    """1 when ``(int32)(seen - expected) < 0`` (wrap-safe "not yet"), else 0."""
+    text = "{\n.reg .b32 d;\n.reg .pred p;\nsub.s32 d, $1, $2;\nsetp.lt.s32 p, d, 0;\nselp.b32 $0, 1, 0, p;\n}"
+    args = [ir_arg(seen, Int32, loc, ip), ir_arg(expected, Int32, loc, ip)]
+    return Int32(inline_asm([T.i32()], args, text, "=r,r,r", loc, ip, side_effects=True)[0])
+
+
+@dsl_user_op
+def globaltimer(*, loc=None, ip=None) -> Int64:
+    """``%globaltimer`` (ns)."""
+    return Int64(inline_asm([T.i64()], [], "mov.u64 $0, %globaltimer;", "=l", loc, ip, side_effects=True)[0])
+
+
+@dsl_user_op
+def smid(*, loc=None, ip=None) -> Int32:
+    return Int32(inline_asm([T.i32()], [], "mov.u32 $0, %smid;", "=r", loc, ip, side_effects=True)[0])
+
+
+@dsl_user_op
+def trap(*, loc=None, ip=None) -> None:
+    inline_asm([], [], "trap;", "~{memory}", loc, ip, side_effects=True)
