@@ -15,6 +15,14 @@ def test_moe_bench_cycles_routings_and_checks_each():
     assert all(r["routed_rows_per_rank"] == 3 * 4 for r in rows if r["tokens_per_rank"] == 3)
 
 
+def test_moe_bench_paths_filter():
+    """--paths runs only the named paths (here the low-latency legacy mode) and refuses a filter matching none."""
+    rows = main(["--preset", "tiny", "--tokens", "2", "--paths", "low_latency", "--warmup", "1", "--iters", "2"])
+    assert rows and all("low_latency" in r["path"] and r["correct"] for r in rows)
+    with pytest.raises(SystemExit, match="no path matches"):
+        main(["--preset", "tiny", "--tokens", "2", "--paths", "no-such-path"])
+
+
 def test_moe_bench_rejects_no_routings():
     with pytest.raises(SystemExit):
         main(["--routings", "0"])

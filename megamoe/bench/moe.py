@@ -69,6 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--routings", type=int, default=1, help="buffers with distinct random routings per point; "
                    "timed calls cycle through them (see the module docstring)")
     p.add_argument("--json", default=None, help="write a JSON receipt here (rank 0)")
+    p.add_argument("--paths", type=lambda s: s.split(","), default=None,
+                   help="run only the paths whose name contains one of these comma-separated words (e.g. fused)")
     p.add_argument("--profile", action="store_true", help="print rank 0's torch.profiler summary of one call per point")
     args = p.parse_args(argv)
     if args.routings < 1:
@@ -141,6 +143,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     paths = {f"legacy {mode}, {gemm} GEMM": LegacyMoE(l1, l2, mode, gemm) for gemm in gemms for mode in LegacyMoE.MODES}
     if "sm90" in gemms or (not fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)):
         paths["fused (staged)"] = MegaMoE(l1, l2)  # FP8 x FP4: SM90 GEMMs; BF16: torch grouped GEMMs
+    if args.paths:
+        paths = {name: path for name, path in paths.items() if any(word in name for word in args.paths)}
+        if not paths:
+            raise SystemExit(f"megamoe.bench: no path matches --paths {','.join(args.paths)}")
     bf16_bytes_per_expert = 3 * h * i * 2
     fp4_bytes_per_expert = fp4_expert_bytes(h, i)
     dispatch_row_bytes = k * 12 + (h + h // 32 if fp8 else 2 * h)
