@@ -33,6 +33,7 @@ from megamoe.kernels.sm90_grouped_gemm import (
     GemmConfig,
     compile_grouped_gemm,
     grouped_gemm_fp8_fp4_contiguous,
+    grouped_gemm_fp8_fp4_l1_l2_contiguous,
     grouped_gemm_fp8_fp4_masked,
     grouped_gemm_fp8_fp4_swiglu_contiguous,
     grouped_gemm_fp8_fp4_swiglu_masked,
@@ -62,7 +63,7 @@ needs_sm90 = pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 (Hopper) CU
 # ----------------------------------------------------------------------------------------------------
 
 # Every code path of both MMA modes: each token tile (tile_tokens=8 has its own accumulator shape), one and
-# two consumer warpgroups, one and two CTAs per SM, the three group modes, the four epilogues.
+# two consumer warpgroups, one and two CTAs per SM, the three group modes, the five epilogues.
 FP8 = {"mma": "fp8"}
 COMPILE_CASES = [
     (GemmConfig(tile_tokens=8, tile_n=128, **FP8), "offsets", "bf16"),
@@ -92,6 +93,9 @@ COMPILE_CASES = [
     (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "bf16_scatter"),
     (GemmConfig(tile_tokens=128, tile_n=128), "offsets", "bf16_scatter"),
     (GemmConfig(tile_tokens=32, tile_n=64), "offsets_counts", "bf16_scatter"),
+    (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "l1_l2"),
+    (GemmConfig(tile_tokens=32, tile_n=64), "offsets", "l1_l2"),
+    (GemmConfig(tile_tokens=128, tile_n=128), "offsets", "l1_l2"),
 ]
 
 
@@ -257,6 +261,36 @@ def test_swiglu_validation():
                                                out=torch.zeros(40, 128, dtype=torch.float8_e4m3fn))
     with pytest.raises(ValueError, match="`a` must be a CUDA tensor"):
         grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(40), clamp=7.0)
+
+
+def _l1_l2_cpu_inputs(hidden=512, inter=512, m=40, e=3):
+    """Valid-shaped CPU operands of the fused L1/L2 entry (BF16-mode layouts)."""
+    z = torch.zeros
+    return dict(
+        a=z(m, hidden, dtype=torch.bfloat16),
+        b1=z(e, 2 * inter // 64, hidden // 128, 64, 16, dtype=torch.int32), b1_sf=z(e, 2 * inter, hidden // 128, dtype=torch.int32),
+        offsets=z(e + 1, dtype=torch.int32), row_weights=z(m),
+        b2=z(e, hidden // 64, inter // 128, 64, 16, dtype=torch.int32), b2_sf=z(e, hidden, inter // 128, dtype=torch.int32),
+        out_row_ptrs=z(m, dtype=torch.int64),
+    )
+
+
+@pytest.mark.parametrize("change,pattern", [
+    (dict(b1=torch.zeros(3, 16, 4, 64, 64, dtype=torch.uint8)), "fused L1/L2 launch is BF16 mode only"),
+    (dict(b2=torch.zeros(2, 8, 4, 64, 16, dtype=torch.int32)), "must hold the same 3 experts"),
+    (dict(b2=torch.zeros(3, 8, 8, 64, 16, dtype=torch.int32)), "must hold K/128 = 4 chunks"),
+    (dict(out_row_ptrs=torch.zeros(40, dtype=torch.int32)), "`out_row_ptrs` must have dtype int64"),
+    (dict(row_weights=torch.zeros(39)), "`row_weights` must have shape"),
+    (dict(sync=torch.zeros(4, dtype=torch.int32)), "`sync` must have shape"),
+    (dict(act=torch.zeros(40, 512, dtype=torch.float32)), "`act` must have dtype bfloat16"),
+    (dict(timeout_ns=-1), "`timeout_ns` must be"),
+    ({}, "`a` must be a CUDA tensor"),
+])
+def test_l1_l2_validation(change, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        grouped_gemm_fp8_fp4_l1_l2_contiguous(**{**_l1_l2_cpu_inputs(), **change})
+    with pytest.raises(ValueError, match=r"`I \(rows of b1 / 2\)` must be a multiple of 512"):
+        grouped_gemm_fp8_fp4_l1_l2_contiguous(**_l1_l2_cpu_inputs(inter=256))
 
 
 def _row_major(bk: torch.Tensor) -> torch.Tensor:
@@ -904,6 +938,50 @@ def test_bf16_counts_masked_graph_and_empty():
     _check_graph_replay(lambda: grouped_gemm_fp8_fp4_contiguous(a3, None, bk, bk_sf, offsets, out=out, config=cfg8),
                         offsets, out, (a3, None, b, b_sf),
                         ([0, 10, 10, 50, 96, 96], [4, 5, 60, 61, 90, 90], [0, 0, 0, 0, 0, 0]))
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("tile_tokens,tile_n,ctas,clamp", [(8, 128, 2, None), (32, 64, 1, 5.0), (128, 128, 1, None)])
+def test_bf16_l1_l2_one_launch_equals_two(tile_tokens, tile_n, ctas, clamp):
+    """The fused L1/L2 launch stores bit for bit what the SwiGLU launch then the scatter launch store (rows of
+    no group untouched), its L2 rows also pass the FP64 check against its own L1 output, and it leaves its
+    counters zeroed: a second call (new routing weights) equals the two launches again."""
+    gen = torch.Generator().manual_seed(5000 + tile_tokens + tile_n)
+    counts, hidden, inter = [0, 1, 37, 5, 0, 130, 9, 64], 1024, 512
+    a, offsets, _, row_expert, w1, w1_sf = _bf16_case(counts, 2 * inter, hidden, gen, lead_pad=2, tail_pad=9)
+    w2, w2_sf = _random_weights(len(counts), hidden, inter, gen, "cuda")
+    b1, b1_sf = prepare_fp4_weights_l1(w1, w1_sf, mma="bf16")
+    b2, b2_sf = prepare_fp4_weights(w2, w2_sf, mma="bf16")
+    m = a.shape[0]
+    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas)
+    routed = row_expert >= 0
+    perm = torch.randperm(m + 3, generator=gen)[:m].to("cuda")
+    sync = torch.zeros(len(counts) + 2, dtype=torch.int32, device="cuda")
+    for call in range(2):
+        row_weights = torch.rand(m, generator=gen).cuda()
+        outs = []
+        for fused in (False, True):
+            act = torch.full((m, inter), float("nan"), dtype=torch.bfloat16, device="cuda")
+            dest = torch.full((m + 3, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+            ptrs = dest.data_ptr() + perm.to(torch.int64) * (hidden * 2)
+            if fused:
+                grouped_gemm_fp8_fp4_l1_l2_contiguous(a, b1, b1_sf, offsets, row_weights, b2, b2_sf, ptrs, clamp=clamp,
+                                                      act=act, config=cfg, sync=sync)
+            else:
+                grouped_gemm_fp8_fp4_swiglu_contiguous(a, None, b1, b1_sf, offsets, row_weights, clamp=clamp, out=act,
+                                                       config=cfg, out_dtype=torch.bfloat16)
+                grouped_gemm_fp8_fp4_contiguous(act, None, b2, b2_sf, offsets, config=cfg, out_row_ptrs=ptrs)
+            outs.append((act, dest))
+        torch.cuda.synchronize()
+        (act0, dest0), (act1, dest1) = outs
+        assert torch.equal(act1.view(torch.int16), act0.view(torch.int16)), f"call {call}: L1 rows differ"
+        assert torch.equal(dest1.view(torch.int16), dest0.view(torch.int16)), f"call {call}: L2 rows differ"
+        assert bool(act1[~routed].isnan().all()), "an L1 row outside every group was written"
+        plain = torch.full((m, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+        plain[routed] = dest1[perm[routed]]
+        _check_rows(plain, act1, None, w2, w2_sf, row_expert, f"fused L2 {cfg.describe('l1_l2')} call {call}")
+        assert int(sync.abs().sum()) == 0, f"counters left at {sync.tolist()}"
 
 
 @gpu

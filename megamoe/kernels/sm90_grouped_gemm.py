@@ -48,6 +48,14 @@ Design:
   same time share the weight tile in L2); group bounds are read on device (no host sync, CUDA-graph safe).
   Token tiles start at the group's first row, any alignment; rows past the group are loaded (TMA zero-fills
   past the tensor) but never stored: the epilogues store with a per-row predicate.
+* L1 and L2 in one launch (``grouped_gemm_fp8_fp4_l1_l2_contiguous``, epilogue "l1_l2", BF16 mode): the tile
+  list is L1's tiles then L2's, so every CTA finishes its L1 tiles first (deadlock-free with all CTAs
+  resident). Warp 1 (idle otherwise) meets each consumer warpgroup on a named barrier after an L1 tile's
+  stores and adds 1 (``fence.acq_rel.gpu`` + release add) to the expert's counter and to an all-tiles
+  counter, so the consumers never wait on a fence. An L2 tile's producer checks (acquire) the all-tiles
+  counter, then the expert's: if not ready it TMA-loads the weights of up to ``stages`` chunks, spins, and
+  loads the tokens after a ``fence.proxy.async.global``; once all L1 tiles are seen done it checks no more.
+  The last CTA out zeroes the counters. Both epilogues' staging tiles share one shared-memory region.
 
 What bounds small token tiles (H200, ncu, flash L1 EP8, 16 rows/expert, BF16 mode, before the changes
 below): instruction issue and memory together. A consumer warp spent ~217 SASS instructions per 128-K
@@ -104,6 +112,7 @@ __all__ = [
     "grouped_gemm_fp8_fp4_masked",
     "grouped_gemm_fp8_fp4_swiglu_contiguous",
     "grouped_gemm_fp8_fp4_swiglu_masked",
+    "grouped_gemm_fp8_fp4_l1_l2_contiguous",
     "prepare_fp4_weights",
     "prepare_fp4_weights_l1",
     "to_sm90_weight_layout",
@@ -124,7 +133,7 @@ MMA_MODES = ("bf16", "fp8")
 TILE_TOKENS_CHOICES = {"bf16": (8, 16, 32, 64, 128), "fp8": (8, 16, 32, 64)}
 TILE_N_CHOICES = (64, 128)
 GROUP_MODES = ("offsets", "offsets_counts", "masked")
-EPILOGUES = ("bf16", "swiglu_fp8", "swiglu_fp8_bf16", "bf16_scatter")
+EPILOGUES = ("bf16", "swiglu_fp8", "swiglu_fp8_bf16", "bf16_scatter", "l1_l2")
 SCATTER_PAD = 8
 """BF16 elements of padding per staged row of the scatter epilogue (rows stay 16-byte aligned)."""
 SWIGLU_GRANULARITY = 8
@@ -177,10 +186,14 @@ class GemmConfig:
 
     def epilogue_bytes(self, epilogue: str = "bf16") -> int:
         """Shared memory the epilogue needs besides the pipeline (SwiGLU: FP32 activations of one tile;
-        scatter: the BF16 tile, rows padded by 16 bytes)."""
+        scatter: the BF16 tile, rows padded by 16 bytes; "l1_l2": one region for both)."""
+        swiglu = self.tile_tokens * (self.tile_n // 2 + 4) * 4
+        scatter = self.tile_tokens * (self.tile_n + SCATTER_PAD) * 2
+        if epilogue == "l1_l2":  # one region serves both (equal sizes): see the kernel
+            return swiglu
         if epilogue.startswith("swiglu"):
-            return self.tile_tokens * (self.tile_n // 2 + 4) * 4
-        return self.tile_tokens * (self.tile_n + SCATTER_PAD) * 2 if epilogue == "bf16_scatter" else 0
+            return swiglu
+        return scatter if epilogue == "bf16_scatter" else 0
 
     def max_stages(self, epilogue: str = "bf16") -> int:
         budget = SMEM_CAPACITY // self.ctas_per_sm - 1024 - 4096 - self.epilogue_bytes(epilogue)
@@ -258,16 +271,19 @@ def _build_kernel_class():
     class Sm90Fp4GroupedGemm:
         """One compiled variant: ``GemmConfig`` (incl. the MMA mode) x group mode ("offsets", "offsets_counts",
         "masked") x epilogue ("bf16": D [M, N] BF16; "swiglu_fp8": SwiGLU of interleaved gate/up rows, FP8
-        [M, N/2] + UE8M0; "swiglu_fp8_bf16": those FP8 values as BF16 [M, N/2])."""
+        [M, N/2] + UE8M0; "swiglu_fp8_bf16": those FP8 values as BF16 [M, N/2]; "bf16_scatter": BF16 rows to
+        per-row addresses; "l1_l2": "swiglu_fp8_bf16" into the second GEMM's tokens, then that GEMM with
+        "bf16_scatter", in one launch)."""
 
         def __init__(self, config: GemmConfig, group_mode: str, epilogue: str = "bf16"):
             self.cfg = config
             self.bf16 = config.mma == "bf16"
             self.group_mode = group_mode
             self.epilogue = epilogue
-            self.swiglu = epilogue.startswith("swiglu")
-            self.swiglu_bf16 = epilogue == "swiglu_fp8_bf16"
-            self.scatter = epilogue == "bf16_scatter"
+            self.fused = epilogue == "l1_l2"  # L1 tiles (swiglu_fp8_bf16), then L2 tiles (bf16_scatter)
+            self.swiglu = epilogue.startswith("swiglu") or self.fused
+            self.swiglu_bf16 = epilogue == "swiglu_fp8_bf16" or self.fused
+            self.scatter = epilogue == "bf16_scatter" or self.fused
             self.out_stride = config.tile_n + SCATTER_PAD  # BF16 elements per staged row (scatter)
             self.tile_tokens = config.tile_tokens
             self.tile_n = config.tile_n
@@ -294,9 +310,15 @@ def _build_kernel_class():
             mRowW: cute.Tensor,  # swiglu: (M,) float32 routing weight; "bf16_scatter": (M,) int64 row address
             mGroupA: cute.Tensor,  # offsets [E+1] ("offsets*") or masked_m [E] ("masked")
             mGroupB: cute.Tensor,  # counts [E] ("offsets_counts"), else any int32 tensor (unused)
+            mA2,  # "l1_l2": (M, I) bf16, the second GEMM's tokens (= mD's memory); else None
+            mW2,  # "l1_l2": the second GEMM's weights, as mW; else None
+            mSFW2,  # "l1_l2": (H, I/128, E) int32; else None
+            mRowAddr,  # "l1_l2": (M,) int64 row addresses of the second GEMM's scatter; else None
             num_groups: Int32,
             max_m: Int32,  # rows per group slab ("masked"), else unused
             clamp: Float32,  # "swiglu_fp8" with clamp: gate <= clamp, |up| <= clamp; +inf = no clamp
+            sync: Int64,  # "l1_l2": address of int32 [E + 2] zeroed counters (left zeroed); else unused
+            timeout_ns: Int64,  # "l1_l2": spin-wait limit (0: none), then printf + trap
             num_ctas: Int32,
             stream,
         ):
@@ -313,14 +335,16 @@ def _build_kernel_class():
 
             g2s = cpasync.CopyBulkTensorTileG2SOp()
             tma_a, tA = cpasync.make_tiled_tma_atom(g2s, mA, cute.slice_(a_layout, (None, None, 0)), (tt, K_CHUNK))
-            # Logical (N, K/2, E) = ((64, N/64), (64, K/128), E): a 64-row box of one K chunk is contiguous.
-            # (Static 64s: the TMA box must map onto static modes.)
-            mW = cute.make_tensor(mW.iterator, cute.make_layout(
-                ((ROW_BLOCK, mW.shape[1]), (CHUNK_BYTES, mW.shape[3]), mW.shape[4]),
-                stride=((CHUNK_BYTES, mW.stride[1]), (1, ROW_BLOCK * CHUNK_BYTES), mW.stride[4]),
-            ))
-            tma_w, tW = cpasync.make_tiled_tma_atom(g2s, mW, cute.slice_(w_layout, (None, None, 0)), (tn, CHUNK_BYTES))
+            tma_w, tW = self.weight_tma(g2s, mW, w_layout)
             tma_sfw, tSFW = cpasync.make_tiled_tma_atom(g2s, mSFW, cute.slice_(sfw_layout, (None, None, 0)), (tn, 4))
+            second = (None,) * 6
+            if cutlass.const_expr(self.fused):
+                tma_a2, tA2 = cpasync.make_tiled_tma_atom(g2s, mA2, cute.slice_(a_layout, (None, None, 0)), (tt, K_CHUNK))
+                tma_w2, tW2 = self.weight_tma(g2s, mW2, w_layout)
+                tma_sfw2, tSFW2 = cpasync.make_tiled_tma_atom(
+                    g2s, mSFW2, cute.slice_(sfw_layout, (None, None, 0)), (tn, 4)
+                )
+                second = (tma_a2, tA2, tma_w2, tW2, tma_sfw2, tSFW2)
             tma_sfa, tSFA = None, None
             if cutlass.const_expr(not self.bf16):
                 tma_sfa, tSFA = cpasync.make_tiled_tma_atom(
@@ -346,19 +370,29 @@ def _build_kernel_class():
                 sSFW: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(sfw_layout)], 128]
                 sSFA: cute.struct.Align[cute.struct.MemRange[Int32, 1 if self.bf16 else cute.cosize(sfa_layout)], 128]
                 sAct: cute.struct.Align[cute.struct.MemRange[Float32, tt * self.act_stride if self.swiglu else 1], 16]
-                sOut: cute.struct.Align[
-                    cute.struct.MemRange[cutlass.BFloat16, tt * self.out_stride if self.scatter else 8], 16
+                sOut: cute.struct.Align[  # "l1_l2": shares sAct's bytes (see kernel())
+                    cute.struct.MemRange[cutlass.BFloat16, tt * self.out_stride if self.scatter and not self.fused else 8], 16
                 ]
 
             self.shared_storage = SharedStorage
             self.tx_bytes = tt * K_CHUNK * a_dtype.width // 8 + tn * CHUNK_BYTES + 16 * tn + (0 if self.bf16 else 16 * tt)
 
             self.kernel(
-                tma_a, tA, tma_w, tW, tma_sfw, tSFW, tma_sfa, tSFA,
-                mD, mDSF, mRowW, mGroupA, mGroupB, num_groups, max_m, clamp,
+                tma_a, tA, tma_w, tW, tma_sfw, tSFW, tma_sfa, tSFA, *second,
+                mD, mDSF, mRowW, mRowAddr, mGroupA, mGroupB, num_groups, max_m, clamp, sync, timeout_ns,
                 tiled_mma, a_layout, w_layout, sfw_layout, sfa_layout,
             ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=self.cfg.ctas_per_sm,
                      stream=stream)
+
+        def weight_tma(self, g2s, mW: cute.Tensor, w_layout: cute.Layout):
+            """TMA atom and coordinate tensor of blocked kernel-layout weights (``mW``: (64 rows, N/64, 64 bytes,
+            K/128, E) uint8): logical (N, K/2, E) = ((64, N/64), (64, K/128), E), so the 64-row box of one K
+            chunk is contiguous (static 64s: the TMA box must map onto static modes)."""
+            mW = cute.make_tensor(mW.iterator, cute.make_layout(
+                ((ROW_BLOCK, mW.shape[1]), (CHUNK_BYTES, mW.shape[3]), mW.shape[4]),
+                stride=((CHUNK_BYTES, mW.stride[1]), (1, ROW_BLOCK * CHUNK_BYTES), mW.stride[4]),
+            ))
+            return cpasync.make_tiled_tma_atom(g2s, mW, cute.slice_(w_layout, (None, None, 0)), (self.tile_n, CHUNK_BYTES))
 
         # ------------------------------------------------------------------------------------------
         # Work decomposition, shared by the producer warp and the consumer warpgroups.
@@ -438,14 +472,23 @@ def _build_kernel_class():
             tSFW: cute.Tensor,
             tma_sfa,  # FP8 mode: cute.CopyAtom; BF16 mode: None
             tSFA,  # FP8 mode: cute.Tensor; BF16 mode: None
+            tma_a2,  # "l1_l2": the second GEMM's token, weight and scale atoms and tensors; else None
+            tA2,
+            tma_w2,
+            tW2,
+            tma_sfw2,
+            tSFW2,
             mD: cute.Tensor,
             mDSF: cute.Tensor,
             mRowW: cute.Tensor,
+            mRowAddr,
             mGroupA: cute.Tensor,
             mGroupB: cute.Tensor,
             num_groups: Int32,
             max_m: Int32,
             clamp: Float32,
+            sync: Int64,
+            timeout_ns: Int64,
             tiled_mma: cute.TiledMma,
             a_layout: cute.ComposedLayout,
             w_layout: cute.Layout,
@@ -483,82 +526,254 @@ def _build_kernel_class():
                 sAct = storage.sAct.get_tensor(
                     cute.make_layout((self.tile_tokens, self.act_stride), stride=(self.act_stride, 1))
                 )
-            if cutlass.const_expr(self.scatter):  # the staged tile, (token, column) BF16, passed as sAct
-                sAct = storage.sOut.get_tensor(
-                    cute.make_layout((self.tile_tokens, self.out_stride), stride=(self.out_stride, 1))
-                )
+            sOut = None
+            if cutlass.const_expr(self.scatter):  # the staged tile, (token, column) BF16
+                out_layout = cute.make_layout((self.tile_tokens, self.out_stride), stride=(self.out_stride, 1))
+                if cutlass.const_expr(self.fused):
+                    # Rows of both staging tiles are 2 * tile_n + 16 bytes, and consumer warpgroup w touches only
+                    # bytes [128w, 128w + 128) of each row in both epilogues, which it runs one after the other:
+                    # one region serves both (a pipeline stage more at large tiles).
+                    assert self.act_stride * 4 == self.out_stride * 2
+                    sOut = cute.make_tensor(cute.recast_ptr(sAct.iterator, dtype=cutlass.BFloat16), out_layout)
+                else:
+                    sOut = storage.sOut.get_tensor(out_layout)
 
             total_rows = Int32(tA.shape[0])
+            # (k_tiles, n_tiles) of each GEMM; the second is the first's unless fused.
             k_tiles = Int32(tA.shape[1]) // K_CHUNK
             n_tiles = Int32(cute.size(tW, mode=[0])) // tn
+            dims = (k_tiles, n_tiles, k_tiles, n_tiles)
+            if cutlass.const_expr(self.fused):
+                dims = (k_tiles, n_tiles, Int32(tA2.shape[1]) // K_CHUNK, Int32(cute.size(tW2, mode=[0])) // tn)
 
             if warp_idx < 4:
                 if cutlass.const_expr(self.rebalance_registers):
                     cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
                     self.producer(
-                        ab_pipeline, tma_a, tA, tma_w, tW, tma_sfw, tSFW, tma_sfa, tSFA,
-                        sA, sW, sSFW, sSFA, mGroupA, mGroupB, num_groups, max_m,
-                        total_rows, k_tiles, n_tiles, bidx, gdim,
+                        ab_pipeline, (tma_a, tA, tma_w, tW, tma_sfw, tSFW), (tma_a2, tA2, tma_w2, tW2, tma_sfw2, tSFW2),
+                        tma_sfa, tSFA, sA, sW, sSFW, sSFA, mGroupA, mGroupB, num_groups, max_m,
+                        total_rows, dims, sync, timeout_ns, bidx, gdim,
                     )
+                if cutlass.const_expr(self.fused):
+                    if warp_idx == 1:
+                        self.signaller(mGroupA, mGroupB, num_groups, max_m, total_rows, dims, sync, bidx, gdim)
             else:
                 if cutlass.const_expr(self.rebalance_registers):
                     cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consumer(
-                    ab_pipeline, tiled_mma, tidx - 128, sA, sW, sSFW, sSFA, sAct, mD, mDSF, mRowW, mGroupA, mGroupB,
-                    num_groups, max_m, clamp, total_rows, k_tiles, n_tiles, bidx, gdim,
+                    ab_pipeline, tiled_mma, tidx - 128, sA, sW, sSFW, sSFA, sAct, sOut, mD, mDSF, mRowW, mRowAddr,
+                    mGroupA, mGroupB, num_groups, max_m, clamp, total_rows, dims, sync, bidx, gdim,
+                )
+            if cutlass.const_expr(self.fused):
+                self.reset_counters(sync, num_groups, warp_idx, gdim)
+
+        @cute.jit
+        def next_tile(self, t: Int32, phase: Int32, e: Int32, base: Int32, t_off: Int32, dims, num_groups: Int32,
+                      mGroupA: cute.Tensor, mGroupB: cute.Tensor, max_m: Int32, total_rows: Int32):
+            """``find_tile`` over the launch's tiles: those of the first GEMM (``phase`` 0), then, when fused,
+            those of the second (phase 1, tile ids from ``t_off`` = the first GEMM's tile count on).
+            Returns (phase, e, base, t_off, valid, row0, row_end, n_tile); ``t`` must not decrease."""
+            n_tiles = dims[1]
+            if cutlass.const_expr(self.fused):
+                n_tiles = Int32(cutlass.select_(phase == 0, dims[1], dims[3]))
+            e, base, valid, row0, row_end, n_tile = self.find_tile(
+                t - t_off, e, base, n_tiles, num_groups, mGroupA, mGroupB, max_m, total_rows
+            )
+            if cutlass.const_expr(self.fused):
+                if phase == 0:
+                    if e >= num_groups:  # past the first GEMM's tiles; base: their count
+                        phase = Int32(1)
+                        t_off = t_off + base
+                        e, base, valid, row0, row_end, n_tile = self.find_tile(
+                            t - t_off, Int32(0), Int32(0), dims[3], num_groups, mGroupA, mGroupB, max_m, total_rows
+                        )
+            return phase, e, base, t_off, valid, row0, row_end, n_tile
+
+        @cute.jit
+        def first_gemm_count(self, sync: Int64, e: Int32, dims, mGroupA, mGroupB, max_m, total_rows):
+            """Fused: (address, target) of group e's counter: each first-GEMM tile of the group adds 1 (release)
+            once its rows are stored (``signaller``)."""
+            start, end = self.group_bounds(e, mGroupA, mGroupB, max_m, total_rows)
+            m_tiles = (end - start + self.tile_tokens - 1) // self.tile_tokens
+            return sync + Int64(e) * 4, m_tiles * dims[1]
+
+        @cute.jit
+        def wait_first_gemm(self, addr: Int64, target: Int32, e: Int32, timeout_ns: Int64):
+            """Fused: spin until group e's counter at ``addr`` reaches ``target`` (acquire), then order the async
+            proxy (TMA) after it. With ``timeout_ns`` > 0, expiry printf's the wait and traps."""
+            seen = ptx.ld_acquire(addr, False, "gpu")
+            began = ptx.globaltimer()
+            while ptx.behind(seen, target) != 0:
+                if timeout_ns > Int64(0):
+                    if ptx.globaltimer() - began > timeout_ns:
+                        cute.printf(
+                            "megamoe debug: fused grouped GEMM CTA %d (SM %d) role producer: timed out: waits "
+                            "first-GEMM tiles of group %d: count >= %d, sees %d",
+                            cute.arch.block_idx()[0], ptx.smid(), e, target, seen,
+                        )
+                        ptx.trap()
+                seen = ptx.ld_acquire(addr, False, "gpu")
+            cute.arch.fence_proxy("async.global")
+
+        def signal_barrier(self, wg):
+            """Named barrier 3 + wg: consumer warpgroup wg (128 threads) and the signal warp (32), once per
+            first-GEMM tile."""
+            return pipeline.NamedBarrier(barrier_id=3 + wg, num_threads=160)
+
+        @cute.jit
+        def signaller(self, mGroupA, mGroupB, num_groups, max_m, total_rows, dims, sync: Int64, bidx, gdim):
+            """Fused, warp 1: for each of this CTA's first-GEMM tiles, meet every consumer warpgroup once its rows
+            are stored (``signal_barrier``), then add 1 to the group's counter and to the all-groups counter
+            ``sync[E + 1]`` (``fence.acq_rel.gpu`` + release add: cumulative over the stores the barrier ordered
+            before). The fence waits here, not in the consumers. Ends at the first second-GEMM tile (the first
+            GEMM's tiles come first)."""
+            t = bidx
+            phase, e, base, t_off, valid, row0, row_end, n_tile = self.next_tile(
+                t, Int32(0), Int32(0), Int32(0), Int32(0), dims, num_groups, mGroupA, mGroupB, max_m, total_rows
+            )
+            while valid & (phase == 0):
+                for wg in cutlass.range_constexpr(self.num_consumer_wg):
+                    self.signal_barrier(wg).arrive_and_wait()
+                if cute.arch.lane_idx() == 0:
+                    ptx.arrive(sync + Int64(e) * 4)
+                    ptx.arrive(sync + Int64(num_groups + 1) * 4)
+                t = t + gdim
+                phase, e, base, t_off, valid, row0, row_end, n_tile = self.next_tile(
+                    t, phase, e, base, t_off, dims, num_groups, mGroupA, mGroupB, max_m, total_rows
                 )
 
         @cute.jit
-        def producer(self, ab_pipeline, tma_a, tA, tma_w, tW, tma_sfw, tSFW, tma_sfa, tSFA,
-                     sA, sW, sSFW, sSFA, mGroupA, mGroupB, num_groups, max_m,
-                     total_rows, k_tiles, n_tiles, bidx, gdim):
-            tt, tn = self.tile_tokens, self.tile_n
+        def reset_counters(self, sync: Int64, num_groups: Int32, warp_idx: Int32, gdim: Int32):
+            """Fused, at the end: the last CTA to finish (all its tiles done, its waits over) zeroes the
+            ``num_groups + 2`` counters (``sync[E]`` counts finished CTAs) for the next launch."""
+            cute.arch.sync_threads()
+            if warp_idx == 0:
+                lane = cute.arch.lane_idx()
+                old = Int32(0)
+                if lane == 0:
+                    old = ptx.atom_add(sync + Int64(num_groups) * 4, 1, "acq_rel")
+                old = cute.arch.shuffle_sync(old, 0)
+                if old == gdim - 1:
+                    for i in cutlass.range(lane, num_groups + 2, 32, unroll=1):
+                        ptx.st_global_u32(sync + Int64(i) * 4, Int32(0))
+
+        @cute.jit
+        def load_chunk(self, ab_pipeline, state, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile,
+                       tokens: cutlass.Constexpr[bool], weights: cutlass.Constexpr[bool]):
+            """TMA loads of K chunk ``kt`` into ``state``'s stage (acquired by the caller): the token tile and/or
+            the weight tile with its packed scales. ``ops``: (tma_a, tma_w, tma_sfw)."""
+            bar = ab_pipeline.producer_get_barrier(state)
+            s = state.index
+            if cutlass.const_expr(tokens):
+                cute.copy(ops[0], tAg[(None, kt)], tAs[(None, s)], tma_bar_ptr=bar)
+            if cutlass.const_expr(weights):
+                cute.copy(ops[1], tWg[(None, n_tile, kt, e)], tWs[(None, s)], tma_bar_ptr=bar)
+                cute.copy(ops[2], tSFWg[(None, n_tile, kt // 4, e)], tSFWs[(None, s)], tma_bar_ptr=bar)
+
+        def weight_partitions(self, ops, sW, sSFW):
+            """Weight and scale TMA partitions of one GEMM (``ops``: tma_a, tA, tma_w, tW, tma_sfw, tSFW); static:
+            (TMA, RestN, RestK, E)."""
             one = cute.make_layout(1)
-            # Weight-side partitions are static: (TMA, RestN, RestK, E).
             tWs, tWg = cpasync.tma_partition(
-                tma_w, 0, one, cute.group_modes(sW, 0, 2),
-                cute.group_modes(cute.local_tile(tW, (tn, CHUNK_BYTES), (None, None, None)), 0, 2),
+                ops[2], 0, one, cute.group_modes(sW, 0, 2),
+                cute.group_modes(cute.local_tile(ops[3], (self.tile_n, CHUNK_BYTES), (None, None, None)), 0, 2),
             )
             tSFWs, tSFWg = cpasync.tma_partition(
-                tma_sfw, 0, one, cute.group_modes(sSFW, 0, 2),
-                cute.group_modes(cute.local_tile(tSFW, (tn, 4), (None, None, None)), 0, 2),
+                ops[4], 0, one, cute.group_modes(sSFW, 0, 2),
+                cute.group_modes(cute.local_tile(ops[5], (self.tile_n, 4), (None, None, None)), 0, 2),
             )
+            return tWs, tWg, tSFWs, tSFWg
+
+        def token_partitions(self, ops, row0, sA):
+            """Token TMA partitions of one GEMM for the tile starting at ``row0`` (any row: the coordinate
+            domain is offset): (TMA, K chunk)."""
+            gA = cute.local_tile(cute.domain_offset((row0, 0), ops[1]), (self.tile_tokens, K_CHUNK), (0, None))
+            return cpasync.tma_partition(ops[0], 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
+                                         cute.group_modes(gA, 0, 2))
+
+        @cute.jit
+        def producer(self, ab_pipeline, first, second, tma_sfa, tSFA, sA, sW, sSFW, sSFA, mGroupA, mGroupB,
+                     num_groups, max_m, total_rows, dims, sync, timeout_ns, bidx, gdim):
+            """Warp 0: TMA loads of every tile's K chunks. ``first``/``second``: (tma_a, tA, tma_w, tW, tma_sfw,
+            tSFW) of the two GEMMs (second: all None unless fused). A second-GEMM tile first loads the weights of
+            up to ``stages`` chunks (they do not depend on the first GEMM), then waits for its tokens' rows
+            (``wait_first_gemm``) and loads them."""
+            tt = self.tile_tokens
+            one = cute.make_layout(1)
+            tWs, tWg, tSFWs, tSFWg = self.weight_partitions(first, sW, sSFW)
+            atoms = (first[0], first[2], first[4])
+            if cutlass.const_expr(self.fused):
+                tWs2, tWg2, tSFWs2, tSFWg2 = self.weight_partitions(second, sW, sSFW)
+                atoms2 = (second[0], second[2], second[4])
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
             t = bidx
-            e, base, valid, row0, row_end, n_tile = self.find_tile(
-                t, Int32(0), Int32(0), n_tiles, num_groups, mGroupA, mGroupB, max_m, total_rows
+            phase, e, base, t_off, valid, row0, row_end, n_tile = self.next_tile(
+                t, Int32(0), Int32(0), Int32(0), Int32(0), dims, num_groups, mGroupA, mGroupB, max_m, total_rows
             )
+            all_done = Int32(0)  # fused: every first-GEMM tile seen done (acquired + proxy fence): no more checks
             while valid:
-                # Token-side tiles start at an arbitrary row: offset the TMA coordinate domain.
-                gA = cute.local_tile(cute.domain_offset((row0, 0), tA), (tt, K_CHUNK), (0, None))
-                tAs, tAg = cpasync.tma_partition(tma_a, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
-                tSFAs, tSFAg = None, None
-                if cutlass.const_expr(not self.bf16):
-                    gSFA = cute.local_tile(cute.domain_offset((row0, 0), tSFA), (tt, 4), (0, None))
-                    tSFAs, tSFAg = cpasync.tma_partition(
-                        tma_sfa, 0, one, cute.group_modes(sSFA, 0, 2), cute.group_modes(gSFA, 0, 2)
-                    )
-                for kt in cutlass.range(k_tiles, unroll=1):
-                    ab_pipeline.producer_acquire(state)
-                    bar = ab_pipeline.producer_get_barrier(state)
-                    s = state.index
-                    cute.copy(tma_a, tAg[(None, kt)], tAs[(None, s)], tma_bar_ptr=bar)
-                    cute.copy(tma_w, tWg[(None, n_tile, kt, e)], tWs[(None, s)], tma_bar_ptr=bar)
-                    cute.copy(tma_sfw, tSFWg[(None, n_tile, kt // 4, e)], tSFWs[(None, s)], tma_bar_ptr=bar)
+                if phase == 0:
+                    tAs, tAg = self.token_partitions(first, row0, sA)
+                    tSFAs, tSFAg = None, None
                     if cutlass.const_expr(not self.bf16):
-                        cute.copy(tma_sfa, tSFAg[(None, kt // 4)], tSFAs[(None, s)], tma_bar_ptr=bar)
-                    ab_pipeline.producer_commit(state)
-                    state.advance()
+                        gSFA = cute.local_tile(cute.domain_offset((row0, 0), tSFA), (tt, 4), (0, None))
+                        tSFAs, tSFAg = cpasync.tma_partition(
+                            tma_sfa, 0, one, cute.group_modes(sSFA, 0, 2), cute.group_modes(gSFA, 0, 2)
+                        )
+                    for kt in cutlass.range(dims[0], unroll=1):
+                        ab_pipeline.producer_acquire(state)
+                        self.load_chunk(ab_pipeline, state, kt, atoms, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile,
+                                        True, True)
+                        if cutlass.const_expr(not self.bf16):
+                            bar = ab_pipeline.producer_get_barrier(state)
+                            cute.copy(tma_sfa, tSFAg[(None, kt // 4)], tSFAs[(None, state.index)], tma_bar_ptr=bar)
+                        ab_pipeline.producer_commit(state)
+                        state.advance()
+                else:
+                    if cutlass.const_expr(self.fused):
+                        tAs2, tAg2 = self.token_partitions(second, row0, sA)
+                        addr, target = self.first_gemm_count(sync, e, dims, mGroupA, mGroupB, max_m, total_rows)
+                        # Rows ready (always once all first-GEMM tiles are seen done, t_off of them): load chunks as
+                        # the first GEMM does. Else the weights of the first chunks (at most `stages`: they need no
+                        # stage of this tile released) are loaded before the wait, the tokens after it.
+                        ahead = Int32(0)
+                        if all_done == 0:
+                            if ptx.behind(ptx.ld_acquire(sync + Int64(num_groups + 1) * 4, False, "gpu"), t_off) == 0:
+                                all_done = Int32(1)
+                                cute.arch.fence_proxy("async.global")
+                            elif ptx.behind(ptx.ld_acquire(addr, False, "gpu"), target) != 0:
+                                ahead = cutlass.min(dims[2], Int32(self.stages))
+                            else:
+                                cute.arch.fence_proxy("async.global")
+                        pending = state.clone()
+                        for kt in cutlass.range(ahead, unroll=1):
+                            ab_pipeline.producer_acquire(state)
+                            self.load_chunk(ab_pipeline, state, kt, atoms2, tAg2, tAs2, tWg2, tWs2, tSFWg2, tSFWs2,
+                                            e, n_tile, False, True)
+                            ab_pipeline.producer_commit(state)
+                            state.advance()
+                        if ahead > 0:
+                            self.wait_first_gemm(addr, target, e, timeout_ns)
+                        for kt in cutlass.range(ahead, unroll=1):
+                            self.load_chunk(ab_pipeline, pending, kt, atoms2, tAg2, tAs2, tWg2, tWs2, tSFWg2, tSFWs2,
+                                            e, n_tile, True, False)
+                            pending.advance()
+                        for kt in cutlass.range(ahead, dims[2], unroll=1):
+                            ab_pipeline.producer_acquire(state)
+                            self.load_chunk(ab_pipeline, state, kt, atoms2, tAg2, tAs2, tWg2, tWs2, tSFWg2, tSFWs2,
+                                            e, n_tile, True, True)
+                            ab_pipeline.producer_commit(state)
+                            state.advance()
                 t = t + gdim
-                e, base, valid, row0, row_end, n_tile = self.find_tile(
-                    t, e, base, n_tiles, num_groups, mGroupA, mGroupB, max_m, total_rows
+                phase, e, base, t_off, valid, row0, row_end, n_tile = self.next_tile(
+                    t, phase, e, base, t_off, dims, num_groups, mGroupA, mGroupB, max_m, total_rows
                 )
             ab_pipeline.producer_tail(state)
 
         @cute.jit
-        def consumer(self, ab_pipeline, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sAct, mD, mDSF, mRowW, mGroupA, mGroupB,
-                     num_groups, max_m, clamp, total_rows, k_tiles, n_tiles, bidx, gdim):
+        def consumer(self, ab_pipeline, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sAct, sOut, mD, mDSF, mRowW, mRowAddr,
+                     mGroupA, mGroupB, num_groups, max_m, clamp, total_rows, dims, sync, bidx, gdim):
             tt, tn = self.tile_tokens, self.tile_n
             thr_mma = tiled_mma.get_slice(ctidx)
             # Register A fragment as int32, ((1, 2, 2), 1, k blocks): per (row r, k-half h) of each k block
@@ -601,10 +816,13 @@ def _build_kernel_class():
 
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             t = bidx
-            e, base, valid, row0, row_end, n_tile = self.find_tile(
-                t, Int32(0), Int32(0), n_tiles, num_groups, mGroupA, mGroupB, max_m, total_rows
+            phase, e, base, t_off, valid, row0, row_end, n_tile = self.next_tile(
+                t, Int32(0), Int32(0), Int32(0), Int32(0), dims, num_groups, mGroupA, mGroupB, max_m, total_rows
             )
             while valid:
+                k_tiles = dims[0]
+                if cutlass.const_expr(self.fused):
+                    k_tiles = Int32(cutlass.select_(phase == 0, dims[0], dims[2]))
                 acc.fill(0.0)
                 if cutlass.const_expr(self.bf16):
                     # The release of chunk kt-1 sits between chunk kt's wgmma groups; a data-dependent branch
@@ -661,10 +879,17 @@ def _build_kernel_class():
                         ab_pipeline.consumer_release(state)
                         state.advance()
 
-                if cutlass.const_expr(self.swiglu):
+                if cutlass.const_expr(self.fused):
+                    if phase == 0:
+                        self.epilogue_swiglu(acc, cC, ctidx, sAct, mD, mDSF, mRowW, clamp, row0, row_end, n_tile)
+                        # This warpgroup's rows of the tile are stored: hand the count to the signal warp.
+                        self.signal_barrier(ctidx // 128).arrive_and_wait()
+                    else:
+                        self.epilogue_scatter(acc, cC, ctidx, sOut, mRowAddr, row0, row_end, n_tile)
+                elif cutlass.const_expr(self.swiglu):
                     self.epilogue_swiglu(acc, cC, ctidx, sAct, mD, mDSF, mRowW, clamp, row0, row_end, n_tile)
                 elif cutlass.const_expr(self.scatter):
-                    self.epilogue_scatter(acc, cC, ctidx, sAct, mRowW, row0, row_end, n_tile)
+                    self.epilogue_scatter(acc, cC, ctidx, sOut, mRowW, row0, row_end, n_tile)
                 else:
                     # BF16, stored only for token rows inside the group.
                     n0 = n_tile * tn
@@ -677,8 +902,8 @@ def _build_kernel_class():
                                     mD[m, n0 + cC[i][0]] = acc[i].to(cutlass.BFloat16)
 
                 t = t + gdim
-                e, base, valid, row0, row_end, n_tile = self.find_tile(
-                    t, e, base, n_tiles, num_groups, mGroupA, mGroupB, max_m, total_rows
+                phase, e, base, t_off, valid, row0, row_end, n_tile = self.next_tile(
+                    t, phase, e, base, t_off, dims, num_groups, mGroupA, mGroupB, max_m, total_rows
                 )
             if cutlass.const_expr(self.scatter):
                 ptx.fence_acq_rel_sys()  # rows stored to other GPUs precede any release after this kernel
@@ -834,23 +1059,34 @@ def _kernel_class():
     return _KERNEL_CLASS
 
 
-def _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, group_a, group_b):
-    """Torch tensors (2-D token views, 5-D blocked kernel-layout weights of either mode) -> CuTe tensors in kernel mode
-    order; ``a_sf`` None (BF16 mode) stays None."""
+def _weight_args(b, b_sf):
+    """5-D blocked kernel-layout weights of either mode and their scales -> CuTe tensors in kernel mode order."""
     e, blocks, chunks, rows, _ = b.shape
     w = b.view(torch.uint8).view(e, blocks, chunks, rows, CHUNK_BYTES)
     w = w.permute(3, 1, 4, 2, 0)  # (row, block, byte, chunk, E)
     sfw = b_sf.permute(1, 2, 0)  # (N, K/128, E)
+    return runtime.to_cute(w, leading_dim=2), runtime.to_cute(sfw, leading_dim=1)
+
+
+def _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, group_a, group_b, second=None):
+    """Torch tensors (2-D token views, 5-D blocked kernel-layout weights of either mode) -> CuTe tensors in kernel mode
+    order; ``a_sf`` None (BF16 mode) stays None. ``second``: the "l1_l2" epilogue's ``(a2, b2, b2_sf, row_ptrs)``
+    (its tokens [M, I] bf16, weights, scales, row addresses int64 [M]), else None."""
+    extra = (None,) * 4
+    if second is not None:
+        a2, b2, b2_sf, row_ptrs = second
+        extra = (runtime.to_cute(a2, leading_dim=1), *_weight_args(b2, b2_sf),
+                 runtime.to_cute(row_ptrs, leading_dim=0, align=8))
     return (
         runtime.to_cute(a, leading_dim=1),
         None if a_sf is None else runtime.to_cute(a_sf, leading_dim=1),
-        runtime.to_cute(w, leading_dim=2),
-        runtime.to_cute(sfw, leading_dim=1),
+        *_weight_args(b, b_sf),
         runtime.to_cute(out, leading_dim=1),
         runtime.to_cute(out_sf, leading_dim=1, align=4),
         runtime.to_cute(row_weights, leading_dim=0, align=row_weights.element_size()),
         runtime.to_cute(group_a, leading_dim=0, align=4),
         runtime.to_cute(group_b, leading_dim=0, align=4),
+        *extra,
     )
 
 
@@ -874,20 +1110,25 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
             a, a_sf = torch.empty(m, k, dtype=torch.float8_e4m3fn), torch.empty(m, k // 128, dtype=torch.int32)
             b = torch.empty(e, n // ROW_BLOCK, k // 128, ROW_BLOCK, CHUNK_BYTES, dtype=torch.uint8)
         b_sf = torch.empty(e, n, k // 128, dtype=torch.int32)
+        second = None
         if epilogue == "swiglu_fp8":
             out = torch.empty(m, n // 8, dtype=torch.int32)
-        elif epilogue == "swiglu_fp8_bf16":
+        elif epilogue in ("swiglu_fp8_bf16", "l1_l2"):
             out = torch.empty(m, n // 4, dtype=torch.int32)
         else:
             out = torch.empty(m, n, dtype=torch.bfloat16)
+        if epilogue == "l1_l2":  # second GEMM: K = n / 2, N = k
+            second = (torch.empty(m, n // 2, dtype=torch.bfloat16),
+                      torch.empty(e, k // ROW_BLOCK, n // 2 // 128, ROW_BLOCK, BF16_WORDS, dtype=torch.int32),
+                      torch.empty(e, k, n // 2 // 128, dtype=torch.int32), torch.empty(m, dtype=torch.int64))
         out_sf = torch.empty(m, n // 64, dtype=torch.uint8)
         row_weights = torch.empty(m, dtype=torch.int64 if epilogue == "bf16_scatter" else torch.float32)
         groups = torch.zeros(e + 1, dtype=torch.int32)
-        args = _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, groups, groups)
+        args = _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, groups, groups, second)
         kernel = _kernel_class()(config, group_mode, epilogue)
         return cute.compile(
-            kernel, *args, cutlass.Int32(e), cutlass.Int32(m), cutlass.Float32(float("inf")), cutlass.Int32(1),
-            runtime.current_stream(),
+            kernel, *args, cutlass.Int32(e), cutlass.Int32(m), cutlass.Float32(float("inf")), cutlass.Int64(0),
+            cutlass.Int64(0), cutlass.Int32(1), runtime.current_stream(),
         )
 
     return runtime.compiled(("sm90_fp4_grouped_gemm", config, group_mode, epilogue), build)
@@ -916,27 +1157,28 @@ _LAYOUTS = {
 }
 
 
-def _weights_mode(b: torch.Tensor) -> str:
-    """The MMA mode the kernel-layout weights ``b`` were prepared for (from their dtype)."""
+def _weights_mode(b: torch.Tensor, name: str = "b") -> str:
+    """The MMA mode the kernel-layout weights ``b`` (called ``name``) were prepared for (from their dtype)."""
     if isinstance(b, torch.Tensor):
         for mma, (dtype, _, _) in _LAYOUTS.items():
             if b.dtype == dtype:
                 return mma
     got = f"dtype {str(b.dtype).removeprefix('torch.')}" if isinstance(b, torch.Tensor) else type(b).__name__
-    fail("b", f"must be a kernel weight layout, FP8 mode {_LAYOUTS['fp8'][2]} or BF16 mode {_LAYOUTS['bf16'][2]}; "
+    fail(name, f"must be a kernel weight layout, FP8 mode {_LAYOUTS['fp8'][2]} or BF16 mode {_LAYOUTS['bf16'][2]}; "
          f"got {got}")
 
 
-def _check_weights(b: torch.Tensor, b_sf: torch.Tensor, k: int, device, mma: str) -> tuple[int, int]:
+def _check_weights(b: torch.Tensor, b_sf: torch.Tensor, k: int, device, mma: str,
+                   names: tuple[str, str] = ("b", "b_sf")) -> tuple[int, int]:
     dtype, width, _ = _LAYOUTS[mma]
-    check_blocked_layout("b", b, dtype, width, f"SM90 {mma}-mode weight layout (prepare_fp4_weights(..., "
+    check_blocked_layout(names[0], b, dtype, width, f"SM90 {mma}-mode weight layout (prepare_fp4_weights(..., "
                          f"mma={mma!r})) {str(dtype).removeprefix('torch.')}", device=device, contiguous=True)
     e, blocks, chunks = b.shape[:3]
     if chunks * K_CHUNK != k:
-        fail("b", f"must hold K/128 = {k // K_CHUNK} chunks per row block (dim 2) for a.shape[-1] = {k}, "
+        fail(names[0], f"must hold K/128 = {k // K_CHUNK} chunks per row block (dim 2) for a.shape[-1] = {k}, "
              f"got {list(b.shape)}")
     n = blocks * ROW_BLOCK
-    check_tensor("b_sf", b_sf, dtype=torch.int32, shape=(e, n, k // K_CHUNK), device=device, contiguous=True)
+    check_tensor(names[1], b_sf, dtype=torch.int32, shape=(e, n, k // K_CHUNK), device=device, contiguous=True)
     return e, n
 
 
@@ -990,16 +1232,16 @@ def _rows_view(a_sf: torch.Tensor | None, rows: int) -> torch.Tensor | None:
     return None if a_sf is None else a_sf.view(rows, a_sf.shape[-1])
 
 
-def _check_operands(a, a_sf, b, b_sf, groups, counts=None, *, masked: bool,
-                    swiglu: bool) -> tuple[str, int, int, int]:
+def _check_operands(a, a_sf, b, b_sf, groups, counts=None, *, masked: bool, swiglu: bool,
+                    names: tuple[str, str] = ("b", "b_sf")) -> tuple[str, int, int, int]:
     """What the four entries share: tokens and weights of one MMA mode, the group tensors (``offsets`` [E+1]
     and optional ``counts`` [E], or ``masked_m`` [E] with one token slab per expert), and for SwiGLU an N
     of whole 128-column output blocks. Returns ``(mma, K, E, N)``."""
-    mma = _weights_mode(b)
+    mma = _weights_mode(b, names[0])
     k = _check_tokens(a, a_sf, 3 if masked else 2, mma)
-    e, n = _check_weights(b, b_sf, k, a.device, mma)
+    e, n = _check_weights(b, b_sf, k, a.device, mma, names)
     if swiglu:
-        check_multiple("b.shape[1] (2I)", n, 2 * K_CHUNK, "I must be a multiple of 128 for packed output scales")
+        check_multiple(f"{names[0]}.shape[1] * 64 (2I)", n, 2 * K_CHUNK, "I must be a multiple of 128 for packed output scales")
     if masked:
         if a.shape[0] != e:
             fail("a", f"must have one slab per expert: shape[0] = {e} (b.shape[0]), got {a.shape[0]}")
@@ -1012,7 +1254,9 @@ def _check_operands(a, a_sf, b, b_sf, groups, counts=None, *, masked: bool,
 
 
 def _launch(config, group_mode, epilogue, a2, a_sf2, b, b_sf, out2, out_sf2, row_weights, group_a, group_b,
-            num_groups, max_m, clamp, max_tiles):
+            num_groups, max_m, clamp, max_tiles, second=None, sync=None, timeout_ns=0):
+    """Compile (cached) and launch one variant; ``second``/``sync``/``timeout_ns``: the "l1_l2" epilogue's
+    second-GEMM operands (``_cute_args``), its int32 [E + 2] zeroed counters and spin-wait limit."""
     if max_tiles <= 0 or a2.shape[0] == 0:
         return
     import cutlass
@@ -1025,8 +1269,9 @@ def _launch(config, group_mode, epilogue, a2, a_sf2, b, b_sf, out2, out_sf2, row
         out_sf2, _, out2 = _dummies(a2.device)
     elif out_sf2 is None:  # "swiglu_fp8_bf16" writes no scales
         out_sf2 = _dummies(a2.device)[0]
-    args = _cute_args(a2, a_sf2, b, b_sf, out2, out_sf2, row_weights, group_a, group_b)
+    args = _cute_args(a2, a_sf2, b, b_sf, out2, out_sf2, row_weights, group_a, group_b, second)
     kernel(*args, cutlass.Int32(num_groups), cutlass.Int32(max_m), cutlass.Float32(clamp),
+           cutlass.Int64(0 if sync is None else sync.data_ptr()), cutlass.Int64(timeout_ns),
            cutlass.Int32(min(num_sms * config.ctas_per_sm, max_tiles)), runtime.current_stream())
 
 
@@ -1133,14 +1378,15 @@ SWIGLU_OUT_DTYPES = {torch.float8_e4m3fn: "swiglu_fp8", torch.bfloat16: "swiglu_
 """L1 output dtype -> epilogue: FP8 + packed UE8M0 scales, or the same quantized values as BF16."""
 
 
-def _swiglu_outputs(rows: tuple[int, ...], inter: int, out, out_sf, out_dtype, device):
-    """Check or allocate the L1 outputs; returns (epilogue, out, out_sf or None, kernel views of both)."""
+def _swiglu_outputs(rows: tuple[int, ...], inter: int, out, out_sf, out_dtype, device, name: str = "out"):
+    """Check or allocate the L1 outputs (``out`` called ``name``); returns (epilogue, out, out_sf or None, kernel
+    views of both)."""
     if out_dtype not in SWIGLU_OUT_DTYPES:
         fail("out_dtype", f"must be torch.float8_e4m3fn (FP8 + UE8M0 scales) or torch.bfloat16 (the same quantized "
              f"values in BF16), got {out_dtype}")
     if out is None:
         out = torch.empty(*rows, inter, dtype=out_dtype, device=device)
-    check_tensor("out", out, dtype=out_dtype, shape=(*rows, inter), device=device, contiguous=True)
+    check_tensor(name, out, dtype=out_dtype, shape=(*rows, inter), device=device, contiguous=True)
     n_rows = math.prod(rows)
     if out_dtype == torch.bfloat16:
         if out_sf is not None:
@@ -1196,6 +1442,67 @@ def grouped_gemm_fp8_fp4_swiglu_contiguous(
     _launch(cfg, mode, epilogue, a, a_sf, b, b_sf, out_k, out_sf_k, row_weights,
             offsets, offsets if counts is None else counts, e, 0, clamp_value, max_tiles)
     return out, out_sf
+
+
+def grouped_gemm_fp8_fp4_l1_l2_contiguous(
+    a: torch.Tensor,
+    b1: torch.Tensor,
+    b1_sf: torch.Tensor,
+    offsets: torch.Tensor,
+    row_weights: torch.Tensor,
+    b2: torch.Tensor,
+    b2_sf: torch.Tensor,
+    out_row_ptrs: torch.Tensor,
+    clamp: float | None = None,
+    act: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+    *,
+    sync: torch.Tensor | None = None,
+    timeout_ns: int = 0,
+) -> torch.Tensor:
+    """L1 with the SwiGLU epilogue and L2 with the scatter epilogue in one persistent launch (BF16 mode).
+
+    Computes ``grouped_gemm_fp8_fp4_swiglu_contiguous(a, None, b1, b1_sf, offsets, row_weights, clamp, act,
+    out_dtype=torch.bfloat16)`` then ``grouped_gemm_fp8_fp4_contiguous(act, None, b2, b2_sf, offsets,
+    out_row_ptrs=out_row_ptrs)``, bit for bit, without the launch boundary: the CTAs take the L1 tiles, then
+    the L2 tiles; an L2 tile loads its first ``stages`` weight chunks, then waits until every L1 tile of its
+    expert has stored its rows of ``act`` (per-expert counters in ``sync``, release / acquire at gpu scope,
+    then a proxy fence before the TMA reads them). Deadlock-free because every CTA finishes its L1 tiles
+    before its first L2 tile and all CTAs are resident (the grid is at most the SMs' CTA slots).
+
+    a ``bfloat16 [M, H]``; b1/b1_sf from ``prepare_fp4_weights_l1(..., mma="bf16")`` (N = 2I); b2/b2_sf from
+    ``prepare_fp4_weights(..., mma="bf16")`` (N = H, K = I); offsets ``int32 [E+1]``; row_weights ``float32
+    [M]``; out_row_ptrs ``int64 [M]`` (as ``grouped_gemm_fp8_fp4_contiguous``; every storing thread ends with
+    ``fence.acq_rel.sys``); act ``bfloat16 [M, I]`` (allocated when None; rows of no group are not written).
+    H and I multiples of 512; ``config`` serves both GEMMs (its tile_n must divide 2I and H). ``sync``: ``int32
+    [E + 2]`` zeros, left zeroed by the launch (one per stream: launches in flight at once must not share it;
+    None: a fresh zeroed tensor). ``timeout_ns`` > 0: a spin-wait that lasts longer printf's what it waits
+    for and traps. Returns ``act``."""
+    for name, b in (("b1", b1), ("b2", b2)):
+        if _weights_mode(b, name) != "bf16":
+            fail(name, f"must be in the BF16-mode layout {_LAYOUTS['bf16'][2]} (the fused L1/L2 launch is BF16 mode only)")
+    _, k, e, n1 = _check_operands(a, None, b1, b1_sf, offsets, masked=False, swiglu=True, names=("b1", "b1_sf"))
+    inter, m = n1 // 2, a.shape[0]
+    check_multiple("I (rows of b1 / 2)", inter, K_MULTIPLE, "L2's K granularity")
+    check_tensor("b2", b2, ndim=5)
+    if b2.shape[0] != e or b2.shape[1] * ROW_BLOCK != k:
+        fail("b2", f"must hold the same {e} experts with N = H = {k} rows (L2 of b1's experts), got "
+             f"{b2.shape[0]} experts of {b2.shape[1] * ROW_BLOCK} rows")
+    _check_weights(b2, b2_sf, inter, a.device, "bf16", ("b2", "b2_sf"))
+    check_tensor("row_weights", row_weights, dtype=torch.float32, shape=(m,), device=a.device, contiguous=True)
+    check_tensor("out_row_ptrs", out_row_ptrs, dtype=torch.int64, shape=(m,), device=a.device, contiguous=True)
+    _, act, _, act_k, _ = _swiglu_outputs((m,), inter, act, None, torch.bfloat16, a.device, "act")
+    if not isinstance(timeout_ns, int) or timeout_ns < 0:
+        fail("timeout_ns", f"must be a non-negative int (0: no limit), got {timeout_ns!r}")
+    if sync is None:
+        sync = torch.zeros(e + 2, dtype=torch.int32, device=a.device)
+    check_tensor("sync", sync, dtype=torch.int32, shape=(e + 2,), device=a.device, contiguous=True)
+    cfg = _resolve_config(config, m / max(e, 1), math.gcd(n1, k), k, "bf16")
+    _check_device(a, b1=b1, b1_sf=b1_sf, b2=b2, b2_sf=b2_sf, act=act)
+    max_tiles = (m // cfg.tile_tokens + e) * ((n1 + k) // cfg.tile_n)
+    _launch(cfg, "offsets", "l1_l2", a, None, b1, b1_sf, act_k, None, row_weights, offsets, offsets, e, 0,
+            _bf16_clamp(clamp), max_tiles, second=(act, b2, b2_sf, out_row_ptrs), sync=sync, timeout_ns=timeout_ns)
+    return act
 
 
 def grouped_gemm_fp8_fp4_swiglu_masked(
