@@ -6,20 +6,23 @@ BF16 grouped GEMMs; the rest of this docstring describes ``fp8_fp4_mega_moe``.
 ``fp8_fp4_mega_moe(y, l1, l2, sym_buffer, ...)`` computes the numerics contract of ``megamoe.numerics``
 (FP8 x FP4 recipe) for the ``T = y.shape[0]`` tokens the caller copied into the buffer's ``x``, ``x_sf``,
 ``topk_idx`` and ``topk_weights`` views; ``l1``/``l2`` come from ``transform_weights_for_mega_moe``. It is
-collective: every rank of the buffer's group makes the same sequence of calls on the same buffer. Four
-launches on the caller's stream, nothing else (no host sync, no host zeroing):
+collective: every rank of the buffer's group makes the same sequence of calls on the same buffer. Three or
+four launches on the caller's stream, nothing else (no host sync, no host zeroing):
 
 1. dispatch (``kernels.ep_comm``): announce ``ready``, scan every rank's routing over NVLink, count and
    pool the rows of local experts, prefix offsets, pull FP8 token rows + scales + routing weights into
    the L1 ring (``l1_acts`` as exact BF16, ``l1_topk_weights``, and ``ring_dest``: where each row's
    result goes), contiguous per expert with ragged groups (``expert_offsets``);
-2. L1: ``grouped_gemm_fp8_fp4_swiglu_contiguous`` (BF16-operand mode) -> ``l2_acts``: the FP8-quantized
-   SwiGLU outputs as their exact BF16 values (steps 1-5);
-3. L2: ``grouped_gemm_fp8_fp4_contiguous`` (BF16-operand mode, ``out_row_ptrs=ring_dest``) stores each
-   BF16 row (step 6) straight into its source rank's ``combine[slot, token]`` over NVLink (whole
-   128-byte lines), so the transfer overlaps the GEMM's other tiles; each storing thread ends with
-   ``fence.acq_rel.sys``;
-4. combine (``kernels.ep_comm``): publish ``done``, wait for every rank's ``done``, sum each token's valid
+2. L1 and L2 (BF16-operand mode): the L1 tiles write ``l2_acts``, the FP8-quantized SwiGLU outputs as
+   their exact BF16 values (steps 1-5); the L2 tiles store each BF16 row (step 6) straight into its source
+   rank's ``combine[slot, token]`` over NVLink (whole 128-byte lines), so the transfer overlaps the other
+   tiles; each storing thread ends with ``fence.acq_rel.sys``. Below ``FUSED_L1_L2_MAX_ROWS_PER_EXPERT``
+   expected rows per expert one persistent launch runs both (``grouped_gemm_fp8_fp4_l1_l2_contiguous``: an
+   L2 tile streams its first weight chunks while it waits, per-expert counters, release / acquire, for the
+   L1 tiles of its expert; in debug mode that wait times out too, printf + trap), else two launches
+   (``grouped_gemm_fp8_fp4_swiglu_contiguous``, then ``grouped_gemm_fp8_fp4_contiguous`` with
+   ``out_row_ptrs=ring_dest``), one launch more but each with its own tile config;
+3. combine (``kernels.ep_comm``): publish ``done``, wait for every rank's ``done``, sum each token's valid
    slots in slot order (step 7).
 
 Why no rank overwrites what a peer still reads (all flags only grow, comparisons are wrap-safe):
@@ -57,11 +60,14 @@ r has not started call c (a missing or extra call there, or r is stuck earlier: 
 ``waits done[dst=r]``: rank r has not finished pushing its rows of call c (read r's lines);
 ``waits grid barrier``: CTAs of this rank's own kernel are missing (not all resident: another kernel
 holds SMs) or stopped earlier; a bad pool code or an expert / ring overflow: corrupted
-protocol state or duplicate experts in a token's top-k.
+protocol state or duplicate experts in a token's top-k; ``fused grouped GEMM ... waits first-GEMM tiles of
+group e`` (printf only: no host-mapped record): L1 tiles of local expert e never finished (not all CTAs
+resident, or a counter left dirty by an earlier trapped launch).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import weakref
 from dataclasses import dataclass, replace
@@ -78,6 +84,13 @@ from .symm_buffer import SymmBuffer
 DEBUG_ENV = "MEGAMOE_DEBUG"
 DEBUG_TIMEOUT_ENV = "MEGAMOE_DEBUG_TIMEOUT_S"
 DEFAULT_DEBUG_TIMEOUT_S = 10.0
+FUSED_L1_L2_MAX_ROWS_PER_EXPERT = 0.25
+"""Below this many expected rows per local expert, L1 and L2 run as one launch
+(``grouped_gemm_fp8_fp4_l1_l2_contiguous``), else as two. Measured on 2 x H200 (2026-11-30, EP2, 8 routings,
+outputs checked, builds alternated in one session; ``bench/results/2026-11-30_fused_l1_l2_ab_h200.json``): at 1
+token/rank (0.04-0.05 rows/expert) one launch was faster, pro 133.7 -> 127.7 us (mean of 4 pairs, each in its
+favour), flash 69.1 -> 67.4 (7 pairs, within the spread); at 8 tokens/rank (0.33-0.38) flash equal, pro 2.7%
+slower; from 128 tokens/rank (6+ rows/expert) 4-9% slower (flash 2048: 1632.6 -> 1785.6 us)."""
 RECIPE = (1, 1, 32)
 """Scale granularity (token rows, weight rows, K elements): per-token, per-row, per-32 UE8M0 scales."""
 
@@ -176,6 +189,7 @@ class _State:
     peers: torch.Tensor  # int64 [R]: every rank's buffer base address
     record: torch.Tensor  # int64 [num_ctas, RECORD_WORDS], host-mapped: debug reports
     num_ctas: int
+    gemm_sync: torch.Tensor  # int32 [E/R + 2] zeros: the fused L1/L2 launch's counters (it leaves them zeroed)
 
 
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -192,7 +206,8 @@ def _state(buf: SymmBuffer) -> _State:
         num_ctas = torch.cuda.get_device_properties(buf.device).multi_processor_count
         peers = torch.tensor(buf.peer_ptrs, dtype=torch.int64).to(buf.device)
         record = torch.zeros(num_ctas, RECORD_WORDS, dtype=torch.int64, pin_memory=True)
-        st = _STATES[buf] = _State(peers, record, num_ctas)
+        gemm_sync = torch.zeros(buf.layout.num_local_experts + 2, dtype=torch.int32, device=buf.device)
+        st = _STATES[buf] = _State(peers, record, num_ctas, gemm_sync)
     return st
 
 
@@ -220,8 +235,8 @@ def debug_report(sym_buffer: SymmBuffer) -> str | None:
 
 
 def _staged(y, sym_buffer: SymmBuffer, stats, debug: bool, expert_compute) -> torch.Tensor:
-    """Dispatch, ``expert_compute(num_tokens)`` (L1 and L2 on the rings: returns the rows bf16
-    ``[ring, H]`` for combine to push, or None when L2 stored them at ``ring_dest``), combine; then, in
+    """Dispatch, ``expert_compute(num_tokens, state, timeout_ns)`` (L1 and L2 on the rings: returns the rows
+    bf16 ``[ring, H]`` for combine to push, or None when L2 stored them at ``ring_dest``), combine; then, in
     debug mode, poison the buffer."""
     from .kernels import ep_comm, runtime
 
@@ -232,7 +247,7 @@ def _staged(y, sym_buffer: SymmBuffer, stats, debug: bool, expert_compute) -> to
     base, record, num_tokens = buf.buffer.data_ptr(), st.record.data_ptr(), y.shape[0]
     timeout = debug_timeout_ns() if debug else 0
     ep_comm.dispatch(cfg, buf.rank, num_tokens, base, st.peers, stats, record, timeout, st.num_ctas)
-    rows = expert_compute(num_tokens)
+    rows = expert_compute(num_tokens, st, timeout)
     cfg = replace(cfg, rows_stored=rows is None)
     ep_comm.combine(cfg, buf.rank, num_tokens, base, st.peers, rows, y, record, timeout, st.num_ctas)
     if debug:
@@ -271,18 +286,25 @@ def fp8_fp4_mega_moe(
     check_fp4_operands(l1, l2, sym_buffer, recipe)
     buf, lay = sym_buffer, sym_buffer.layout
 
-    def expert_compute(num_tokens: int) -> None:
+    def expert_compute(num_tokens: int, st: _State, timeout_ns: int) -> None:
         # GEMM tiles from the rows an expert gets when every rank routes T tokens uniformly (the ring's
         # size would overstate them: it bounds the worst case).
         rows_per_expert = lay.num_ranks * num_tokens * lay.num_topk / lay.num_experts
+        if rows_per_expert < FUSED_L1_L2_MAX_ROWS_PER_EXPERT:  # one launch, one config for both GEMMs
+            cfg = sm90.select_config(rows_per_expert, math.gcd(2 * lay.intermediate_hidden, lay.hidden), lay.hidden)
+            sm90.grouped_gemm_fp8_fp4_l1_l2_contiguous(
+                buf.l1_acts, *l1, buf.expert_offsets, buf.l1_topk_weights, *l2, buf.ring_dest,
+                clamp=activation_clamp, act=buf.l2_acts, config=cfg, sync=st.gemm_sync, timeout_ns=timeout_ns,
+            )
+            return
         cfg1 = sm90.select_config(rows_per_expert, 2 * lay.intermediate_hidden, lay.hidden)
         cfg2 = sm90.select_config(rows_per_expert, lay.hidden, lay.intermediate_hidden)
         sm90.grouped_gemm_fp8_fp4_swiglu_contiguous(
             buf.l1_acts, None, *l1, buf.expert_offsets, buf.l1_topk_weights, clamp=activation_clamp,
             out=buf.l2_acts, config=cfg1, out_dtype=torch.bfloat16,
         )
-        return sm90.grouped_gemm_fp8_fp4_contiguous(buf.l2_acts, None, *l2, buf.expert_offsets, config=cfg2,
-                                                    out_row_ptrs=buf.ring_dest)
+        sm90.grouped_gemm_fp8_fp4_contiguous(buf.l2_acts, None, *l2, buf.expert_offsets, config=cfg2,
+                                             out_row_ptrs=buf.ring_dest)
 
     return _staged(y, buf, stats, debug, expert_compute)
 
@@ -318,7 +340,7 @@ def bf16_mega_moe(
     check_tensor("l2", l2, dtype=torch.bfloat16, shape=(e_l, h, i), device=dev, contiguous=True)
     buf = sym_buffer
 
-    def expert_compute(num_tokens: int) -> torch.Tensor:
+    def expert_compute(num_tokens: int, st: _State, timeout_ns: int) -> torch.Tensor:
         ends = buf.expert_offsets[1:]  # rows past the last end are never read
         h1 = torch._grouped_mm(buf.l1_acts, l1.transpose(1, 2), offs=ends)
         a = l1_epilogue(h1, buf.l1_topk_weights, activation_clamp, fp8=False)[0]
