@@ -259,16 +259,10 @@ class _EpKernel:
     def wait_flag(self, addr: Int64, expected: Int32, wide: cutlass.Constexpr, scope: cutlass.Constexpr,
                   site: cutlass.Constexpr, index: Int32, rank: Int32, record: Int64, timeout_ns: Int64):
         """Spin until the flag's call part reaches ``expected`` (acquire); debug: time out and report."""
-        seen = ptx.ld_acquire(addr, wide, scope)
+        seen = ptx.spin_until(addr, expected, wide, scope, timeout_ns, self.debug)
         if cutlass.const_expr(self.debug):
-            start = ptx.globaltimer()
-            while ptx.behind(seen, expected) != 0:
-                if ptx.globaltimer() - start > timeout_ns:
-                    self.fail(site, rank, record, index, expected, seen)
-                seen = ptx.ld_acquire(addr, wide, scope)
-        else:
-            while ptx.behind(seen, expected) != 0:
-                seen = ptx.ld_acquire(addr, wide, scope)
+            if ptx.behind(seen, expected) != 0:
+                self.fail(site, rank, record, index, expected, seen)
 
     @cute.jit
     def grid_barrier(self, base: Int64, call: Int32, q: cutlass.Constexpr, site: cutlass.Constexpr, rank: Int32,

@@ -1,9 +1,10 @@
 """Inline PTX for the CuTe DSL kernels: one helper that every kernel module's PTX wrappers go through, and
-the raw-address memory operations more than one kernel module uses."""
+the raw-address memory operations (and the flag spin-wait) more than one kernel module uses."""
 
 from __future__ import annotations
 
-from cutlass import Int32, Int64
+import cutlass
+from cutlass import Int32, Int64, cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -97,3 +98,25 @@ def smid(*, loc=None, ip=None) -> Int32:
 @dsl_user_op
 def trap(*, loc=None, ip=None) -> None:
     inline_asm([], [], "trap;", "~{memory}", loc, ip, side_effects=True)
+
+
+@cute.jit
+def spin_until(addr: Int64, expected: Int32, wide: cutlass.Constexpr, scope: cutlass.Constexpr, timeout_ns: Int64,
+               timed: cutlass.Constexpr) -> Int32:
+    """Acquire-load the flag at ``addr`` (``ld_acquire``) until it reaches ``expected`` (wrap-safe); returns the
+    last value seen. ``timed``: also give up once ``timeout_ns`` (> 0; 0: never) has passed -- the caller then
+    sees ``behind(seen, expected)`` and reports."""
+    seen = ld_acquire(addr, wide, scope)
+    if cutlass.const_expr(timed):
+        start = globaltimer()
+        waiting = behind(seen, expected)
+        while waiting != 0:
+            seen = ld_acquire(addr, wide, scope)
+            waiting = behind(seen, expected)
+            if timeout_ns > Int64(0):
+                if globaltimer() - start > timeout_ns:
+                    waiting = Int32(0)
+    else:
+        while behind(seen, expected) != 0:
+            seen = ld_acquire(addr, wide, scope)
+    return seen

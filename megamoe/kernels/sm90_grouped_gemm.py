@@ -602,18 +602,14 @@ def _build_kernel_class():
         def wait_first_gemm(self, addr: Int64, target: Int32, e: Int32, timeout_ns: Int64):
             """Fused: spin until group e's counter at ``addr`` reaches ``target`` (acquire), then order the async
             proxy (TMA) after it. With ``timeout_ns`` > 0, expiry printf's the wait and traps."""
-            seen = ptx.ld_acquire(addr, False, "gpu")
-            began = ptx.globaltimer()
-            while ptx.behind(seen, target) != 0:
-                if timeout_ns > Int64(0):
-                    if ptx.globaltimer() - began > timeout_ns:
-                        cute.printf(
-                            "megamoe debug: fused grouped GEMM CTA %d (SM %d) role producer: timed out: waits "
-                            "first-GEMM tiles of group %d: count >= %d, sees %d",
-                            cute.arch.block_idx()[0], ptx.smid(), e, target, seen,
-                        )
-                        ptx.trap()
-                seen = ptx.ld_acquire(addr, False, "gpu")
+            seen = ptx.spin_until(addr, target, False, "gpu", timeout_ns, True)
+            if ptx.behind(seen, target) != 0:
+                cute.printf(
+                    "megamoe debug: fused grouped GEMM CTA %d (SM %d) role producer: timed out: waits "
+                    "first-GEMM tiles of group %d: count >= %d, sees %d",
+                    cute.arch.block_idx()[0], ptx.smid(), e, target, seen,
+                )
+                ptx.trap()
             cute.arch.fence_proxy("async.global")
 
         def signal_barrier(self, wg):
@@ -662,14 +658,14 @@ def _build_kernel_class():
         def load_chunk(self, ab_pipeline, state, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile,
                        tokens: cutlass.Constexpr[bool], weights: cutlass.Constexpr[bool]):
             """TMA loads of K chunk ``kt`` into ``state``'s stage (acquired by the caller): the token tile and/or
-            the weight tile with its packed scales. ``ops``: (tma_a, tma_w, tma_sfw)."""
+            the weight tile with its packed scales. ``ops``: the GEMM's (tma_a, tA, tma_w, tW, tma_sfw, tSFW)."""
             bar = ab_pipeline.producer_get_barrier(state)
             s = state.index
             if cutlass.const_expr(tokens):
                 cute.copy(ops[0], tAg[(None, kt)], tAs[(None, s)], tma_bar_ptr=bar)
             if cutlass.const_expr(weights):
-                cute.copy(ops[1], tWg[(None, n_tile, kt, e)], tWs[(None, s)], tma_bar_ptr=bar)
-                cute.copy(ops[2], tSFWg[(None, n_tile, kt // 4, e)], tSFWs[(None, s)], tma_bar_ptr=bar)
+                cute.copy(ops[2], tWg[(None, n_tile, kt, e)], tWs[(None, s)], tma_bar_ptr=bar)
+                cute.copy(ops[4], tSFWg[(None, n_tile, kt // 4, e)], tSFWs[(None, s)], tma_bar_ptr=bar)
 
         def weight_partitions(self, ops, sW, sSFW):
             """Weight and scale TMA partitions of one GEMM (``ops``: tma_a, tA, tma_w, tW, tma_sfw, tSFW); static:
@@ -702,10 +698,8 @@ def _build_kernel_class():
             tt = self.tile_tokens
             one = cute.make_layout(1)
             tWs, tWg, tSFWs, tSFWg = self.weight_partitions(first, sW, sSFW)
-            atoms = (first[0], first[2], first[4])
             if cutlass.const_expr(self.fused):
                 tWs2, tWg2, tSFWs2, tSFWg2 = self.weight_partitions(second, sW, sSFW)
-                atoms2 = (second[0], second[2], second[4])
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
             t = bidx
             phase, e, base, t_off, valid, row0, row_end, n_tile = self.next_tile(
@@ -723,7 +717,7 @@ def _build_kernel_class():
                         )
                     for kt in cutlass.range(dims[0], unroll=1):
                         ab_pipeline.producer_acquire(state)
-                        self.load_chunk(ab_pipeline, state, kt, atoms, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile,
+                        self.load_chunk(ab_pipeline, state, kt, first, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile,
                                         True, True)
                         if cutlass.const_expr(not self.bf16):
                             bar = ab_pipeline.producer_get_barrier(state)
@@ -749,19 +743,19 @@ def _build_kernel_class():
                         pending = state.clone()
                         for kt in cutlass.range(ahead, unroll=1):
                             ab_pipeline.producer_acquire(state)
-                            self.load_chunk(ab_pipeline, state, kt, atoms2, tAg2, tAs2, tWg2, tWs2, tSFWg2, tSFWs2,
+                            self.load_chunk(ab_pipeline, state, kt, second, tAg2, tAs2, tWg2, tWs2, tSFWg2, tSFWs2,
                                             e, n_tile, False, True)
                             ab_pipeline.producer_commit(state)
                             state.advance()
                         if ahead > 0:
                             self.wait_first_gemm(addr, target, e, timeout_ns)
                         for kt in cutlass.range(ahead, unroll=1):
-                            self.load_chunk(ab_pipeline, pending, kt, atoms2, tAg2, tAs2, tWg2, tWs2, tSFWg2, tSFWs2,
+                            self.load_chunk(ab_pipeline, pending, kt, second, tAg2, tAs2, tWg2, tWs2, tSFWg2, tSFWs2,
                                             e, n_tile, True, False)
                             pending.advance()
                         for kt in cutlass.range(ahead, dims[2], unroll=1):
                             ab_pipeline.producer_acquire(state)
-                            self.load_chunk(ab_pipeline, state, kt, atoms2, tAg2, tAs2, tWg2, tWs2, tSFWg2, tSFWs2,
+                            self.load_chunk(ab_pipeline, state, kt, second, tAg2, tAs2, tWg2, tWs2, tSFWg2, tSFWs2,
                                             e, n_tile, True, True)
                             ab_pipeline.producer_commit(state)
                             state.advance()
