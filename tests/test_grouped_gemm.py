@@ -99,12 +99,65 @@ COMPILE_CASES = [
 ]
 
 
+# The fused launch's debug build (timed wait, printf): its function call serializes the wgmmas, by design.
+DEBUG_CASES = [(GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "l1_l2")]
+
+_COMPILE_CHILD = """
+import json, re, sys
+from megamoe.kernels.sm90_grouped_gemm import GemmConfig, compile_grouped_gemm
+report = []
+for cfg, mode, epilogue, debug in json.loads(sys.argv[1]):
+    try:
+        ptx = compile_grouped_gemm(GemmConfig(**cfg), mode, epilogue, debug).__ptx__  # the PTX text
+        ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+        report.append({"wgmma": "wgmma.mma_async" in ptx, "calls": len(re.findall(r"^\\s*call(\\.uni)?\\s", ptx, re.M))})
+    except Exception as exc:  # reported per case by the test
+        report.append({"error": f"{type(exc).__name__}: {exc}"})
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def sm90a_builds(tmp_path_factory):
+    """Compile every case of COMPILE_CASES (release) and DEBUG_CASES (debug) for sm_90a in one child process
+    that keeps the PTX (the DSL reads its dump settings at import); per case: wgmma present, call count."""
+    import dataclasses
+    import json
+    import subprocess
+    import sys
+
+    cases = [(dataclasses.asdict(c), m, e, False) for c, m, e in COMPILE_CASES]
+    cases += [(dataclasses.asdict(c), m, e, True) for c, m, e in DEBUG_CASES]
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
+               CUTE_DSL_DUMP_DIR=str(tmp_path_factory.mktemp("ptx")))
+    done = subprocess.run([sys.executable, "-c", _COMPILE_CHILD, json.dumps(cases)], env=env,
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize(
-    "config,mode,epilogue", COMPILE_CASES,
+    "case", range(len(COMPILE_CASES)),
     ids=[f"{c.mma}-{c.tile_tokens}x{c.tile_n}x{c.ctas_per_sm}-{m}-{e}" for c, m, e in COMPILE_CASES],
 )
-def test_compiles_for_sm90a(config, mode, epilogue):
-    assert compile_grouped_gemm(config, mode, epilogue) is not None
+def test_compiles_for_sm90a_without_wgmma_serialization(sm90a_builds, case):
+    """Every release variant compiles, issues wgmma, and calls no function: ptxas serializes every wgmma of a
+    kernel that contains a call (C7510, "wgmma pipeline crossing function boundary"), e.g. a printf."""
+    build = sm90a_builds[case]
+    assert "error" not in build, build.get("error")
+    assert build["wgmma"], "no wgmma.mma_async in the PTX"
+    assert build["calls"] == 0, f"{build['calls']} function call(s) in the PTX: ptxas would serialize its wgmmas"
+
+
+def test_debug_build_compiles_and_the_call_check_sees_its_printf(sm90a_builds):
+    build = sm90a_builds[len(COMPILE_CASES)]
+    assert "error" not in build, build.get("error")
+    assert build["wgmma"] and build["calls"] >= 1, build  # the check above can see a call
+
+
+def test_debug_build_only_for_the_fused_launch():
+    with pytest.raises(ValueError, match="debug"):
+        compile_grouped_gemm(GemmConfig(), "offsets", "bf16", debug=True)
 
 
 def test_select_config():

@@ -55,7 +55,10 @@ Design:
   counter, so the consumers never wait on a fence. An L2 tile's producer checks (acquire) the all-tiles
   counter, then the expert's: if not ready it TMA-loads the weights of up to ``stages`` chunks, spins, and
   loads the tokens after a ``fence.proxy.async.global``; once all L1 tiles are seen done it checks no more.
-  The last CTA out zeroes the counters. Both epilogues' staging tiles share one shared-memory region.
+  The last CTA out zeroes the counters. Both epilogues' staging tiles share one shared-memory region. Only
+  the debug build (``timeout_ns`` > 0) times the wait and printf's: a function call anywhere in a kernel
+  makes ptxas serialize all its wgmmas (C7510), which had cost the release build up to 10% (CPU tests check
+  every release variant's PTX for calls).
 
 What bounds small token tiles (H200, ncu, flash L1 EP8, 16 rows/expert, BF16 mode, before the changes
 below): instruction issue and memory together. A consumer warp spent ~217 SASS instructions per 128-K
@@ -273,10 +276,12 @@ def _build_kernel_class():
         "masked") x epilogue ("bf16": D [M, N] BF16; "swiglu_fp8": SwiGLU of interleaved gate/up rows, FP8
         [M, N/2] + UE8M0; "swiglu_fp8_bf16": those FP8 values as BF16 [M, N/2]; "bf16_scatter": BF16 rows to
         per-row addresses; "l1_l2": "swiglu_fp8_bf16" into the second GEMM's tokens, then that GEMM with
-        "bf16_scatter", in one launch)."""
+        "bf16_scatter", in one launch) x debug ("l1_l2": the wait is timed and reports with printf; any
+        function call in a kernel makes ptxas serialize all its wgmmas, C7510, so only debug builds have one)."""
 
-        def __init__(self, config: GemmConfig, group_mode: str, epilogue: str = "bf16"):
+        def __init__(self, config: GemmConfig, group_mode: str, epilogue: str = "bf16", debug: bool = False):
             self.cfg = config
+            self.debug = debug
             self.bf16 = config.mma == "bf16"
             self.group_mode = group_mode
             self.epilogue = epilogue
@@ -318,7 +323,7 @@ def _build_kernel_class():
             max_m: Int32,  # rows per group slab ("masked"), else unused
             clamp: Float32,  # "swiglu_fp8" with clamp: gate <= clamp, |up| <= clamp; +inf = no clamp
             sync: Int64,  # "l1_l2": address of int32 [E + 2] zeroed counters (left zeroed); else unused
-            timeout_ns: Int64,  # "l1_l2": spin-wait limit (0: none), then printf + trap
+            timeout_ns: Int64,  # "l1_l2", debug build: spin-wait limit (0: none), then printf + trap
             num_ctas: Int32,
             stream,
         ):
@@ -601,15 +606,16 @@ def _build_kernel_class():
         @cute.jit
         def wait_first_gemm(self, addr: Int64, target: Int32, e: Int32, timeout_ns: Int64):
             """Fused: spin until group e's counter at ``addr`` reaches ``target`` (acquire), then order the async
-            proxy (TMA) after it. With ``timeout_ns`` > 0, expiry printf's the wait and traps."""
-            seen = ptx.spin_until(addr, target, False, "gpu", timeout_ns, True)
-            if ptx.behind(seen, target) != 0:
-                cute.printf(
-                    "megamoe debug: fused grouped GEMM CTA %d (SM %d) role producer: timed out: waits "
-                    "first-GEMM tiles of group %d: count >= %d, sees %d",
-                    cute.arch.block_idx()[0], ptx.smid(), e, target, seen,
-                )
-                ptx.trap()
+            proxy (TMA) after it. Debug build: with ``timeout_ns`` > 0, expiry printf's the wait and traps."""
+            seen = ptx.spin_until(addr, target, False, "gpu", timeout_ns, self.debug)
+            if cutlass.const_expr(self.debug):
+                if ptx.behind(seen, target) != 0:
+                    cute.printf(
+                        "megamoe debug: fused grouped GEMM CTA %d (SM %d) role producer: timed out: waits "
+                        "first-GEMM tiles of group %d: count >= %d, sees %d",
+                        cute.arch.block_idx()[0], ptx.smid(), e, target, seen,
+                    )
+                    ptx.trap()
             cute.arch.fence_proxy("async.global")
 
         def signal_barrier(self, wg):
@@ -1084,13 +1090,16 @@ def _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, group_a, group_b, sec
     )
 
 
-def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "bf16"):
-    """Compile (and cache) the kernel for ``config`` (incl. its MMA mode), ``group_mode`` and ``epilogue``;
+def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "bf16", debug: bool = False):
+    """Compile (and cache) the kernel for ``config`` (incl. its MMA mode), ``group_mode``, ``epilogue`` and
+    ``debug`` ("l1_l2" only: the build whose wait can time out and report; its wgmmas run serialized);
     works on a CPU with ``CUTE_DSL_ARCH=sm_90a``. Shapes are dynamic: one compile serves every M, N, K, E."""
     if group_mode not in GROUP_MODES:
         fail("group_mode", f"must be one of {GROUP_MODES}, got {group_mode!r}")
     if epilogue not in EPILOGUES:
         fail("epilogue", f"must be one of {EPILOGUES}, got {epilogue!r}")
+    if debug and epilogue != "l1_l2":
+        fail("debug", f"applies to the 'l1_l2' epilogue only (the only kernel here that waits), got {epilogue!r}")
 
     def build():
         import cutlass
@@ -1119,13 +1128,13 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
         row_weights = torch.empty(m, dtype=torch.int64 if epilogue == "bf16_scatter" else torch.float32)
         groups = torch.zeros(e + 1, dtype=torch.int32)
         args = _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, groups, groups, second)
-        kernel = _kernel_class()(config, group_mode, epilogue)
+        kernel = _kernel_class()(config, group_mode, epilogue, debug)
         return cute.compile(
             kernel, *args, cutlass.Int32(e), cutlass.Int32(m), cutlass.Float32(float("inf")), cutlass.Int64(0),
             cutlass.Int64(0), cutlass.Int32(1), runtime.current_stream(),
         )
 
-    return runtime.compiled(("sm90_fp4_grouped_gemm", config, group_mode, epilogue), build)
+    return runtime.compiled(("sm90_fp4_grouped_gemm", config, group_mode, epilogue, debug), build)
 
 
 _DUMMIES: dict = {}
@@ -1250,12 +1259,13 @@ def _check_operands(a, a_sf, b, b_sf, groups, counts=None, *, masked: bool, swig
 def _launch(config, group_mode, epilogue, a2, a_sf2, b, b_sf, out2, out_sf2, row_weights, group_a, group_b,
             num_groups, max_m, clamp, max_tiles, second=None, sync=None, timeout_ns=0):
     """Compile (cached) and launch one variant; ``second``/``sync``/``timeout_ns``: the "l1_l2" epilogue's
-    second-GEMM operands (``_cute_args``), its int32 [E + 2] zeroed counters and spin-wait limit."""
+    second-GEMM operands (``_cute_args``), its int32 [E + 2] zeroed counters and spin-wait limit (> 0: the
+    debug build)."""
     if max_tiles <= 0 or a2.shape[0] == 0:
         return
     import cutlass
 
-    kernel = compile_grouped_gemm(config, group_mode, epilogue)
+    kernel = compile_grouped_gemm(config, group_mode, epilogue, timeout_ns > 0)
     num_sms = torch.cuda.get_device_properties(a2.device).multi_processor_count
     if epilogue == "bf16":
         out_sf2, row_weights, _ = _dummies(a2.device)
@@ -1470,8 +1480,9 @@ def grouped_gemm_fp8_fp4_l1_l2_contiguous(
     ``fence.acq_rel.sys``); act ``bfloat16 [M, I]`` (allocated when None; rows of no group are not written).
     H and I multiples of 512; ``config`` serves both GEMMs (its tile_n must divide 2I and H). ``sync``: ``int32
     [E + 2]`` zeros, left zeroed by the launch (one per stream: launches in flight at once must not share it;
-    None: a fresh zeroed tensor). ``timeout_ns`` > 0: a spin-wait that lasts longer printf's what it waits
-    for and traps. Returns ``act``."""
+    None: a fresh zeroed tensor). ``timeout_ns`` > 0 runs the debug build: a spin-wait that lasts longer
+    printf's what it waits for and traps (the printf call makes ptxas serialize that build's wgmmas: slower).
+    Returns ``act``."""
     for name, b in (("b1", b1), ("b2", b2)):
         if _weights_mode(b, name) != "bf16":
             fail(name, f"must be in the BF16-mode layout {_LAYOUTS['bf16'][2]} (the fused L1/L2 launch is BF16 mode only)")
