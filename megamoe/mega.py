@@ -6,8 +6,8 @@ BF16 grouped GEMMs; the rest of this docstring describes ``fp8_fp4_mega_moe``.
 ``fp8_fp4_mega_moe(y, l1, l2, sym_buffer, ...)`` computes the numerics contract of ``megamoe.numerics``
 (FP8 x FP4 recipe) for the ``T = y.shape[0]`` tokens the caller copied into the buffer's ``x``, ``x_sf``,
 ``topk_idx`` and ``topk_weights`` views; ``l1``/``l2`` come from ``transform_weights_for_mega_moe``. It is
-collective: every rank of the buffer's group makes the same sequence of calls on the same buffer. Three or
-four launches on the caller's stream, nothing else (no host sync, no host zeroing):
+collective: every rank of the buffer's group makes the same sequence of calls on the same buffer. Three
+launches on the caller's stream, nothing else (no host sync, no host zeroing):
 
 1. dispatch (``kernels.ep_comm``): announce ``ready``, scan every rank's routing over NVLink, count and
    pool the rows of local experts, prefix offsets, pull FP8 token rows + scales + routing weights into
@@ -16,12 +16,15 @@ four launches on the caller's stream, nothing else (no host sync, no host zeroin
 2. L1 and L2 (BF16-operand mode): the L1 tiles write ``l2_acts``, the FP8-quantized SwiGLU outputs as
    their exact BF16 values (steps 1-5); the L2 tiles store each BF16 row (step 6) straight into its source
    rank's ``combine[slot, token]`` over NVLink (whole 128-byte lines), so the transfer overlaps the other
-   tiles; each storing thread ends with ``fence.acq_rel.sys``. Below ``FUSED_L1_L2_MAX_ROWS_PER_EXPERT``
-   expected rows per expert one persistent launch runs both (``grouped_gemm_fp8_fp4_l1_l2_contiguous``: an
-   L2 tile streams its first weight chunks while it waits, per-expert counters, release / acquire, for the
-   L1 tiles of its expert; in debug mode that wait times out too, printf + trap), else two launches
-   (``grouped_gemm_fp8_fp4_swiglu_contiguous``, then ``grouped_gemm_fp8_fp4_contiguous`` with
-   ``out_row_ptrs=ring_dest``), one launch more but each with its own tile config;
+   tiles; each storing thread ends with ``fence.acq_rel.sys``. One persistent launch runs both
+   (``grouped_gemm_fp8_fp4_l1_l2_contiguous``: an L2 tile streams its first weight chunks while it waits,
+   per-expert counters, release / acquire, for the L1 tiles of its expert; in debug mode that wait times
+   out too, printf + trap), the same values bit for bit as the legacy path's two launches
+   (``grouped_gemm_fp8_fp4_swiglu_contiguous``, then ``grouped_gemm_fp8_fp4_contiguous``). Measured on 2 x
+   H200 (EP2, 8 routings, outputs checked, builds alternated in one session), once its release build
+   stopped calling printf (a call anywhere in a kernel makes ptxas serialize all its wgmmas), the one
+   launch beat or matched the two at every point, 1-2048 tokens/rank (flash 8: 217.1 -> 204.2 us, pro 1:
+   129.9 -> 117.4 us; ``bench/results/2026-11-30_fused_l1_l2_unserialized_ab_h200.json``);
 3. combine (``kernels.ep_comm``): publish ``done``, wait for every rank's ``done``, sum each token's valid
    slots in slot order (step 7).
 
@@ -84,13 +87,6 @@ from .symm_buffer import SymmBuffer
 DEBUG_ENV = "MEGAMOE_DEBUG"
 DEBUG_TIMEOUT_ENV = "MEGAMOE_DEBUG_TIMEOUT_S"
 DEFAULT_DEBUG_TIMEOUT_S = 10.0
-FUSED_L1_L2_MAX_ROWS_PER_EXPERT = 0.25
-"""Below this many expected rows per local expert, L1 and L2 run as one launch
-(``grouped_gemm_fp8_fp4_l1_l2_contiguous``), else as two. Measured on 2 x H200 (2026-11-30, EP2, 8 routings,
-outputs checked, builds alternated in one session; ``bench/results/2026-11-30_fused_l1_l2_ab_h200.json``): at 1
-token/rank (0.04-0.05 rows/expert) one launch was faster, pro 133.7 -> 127.7 us (mean of 4 pairs, each in its
-favour), flash 69.1 -> 67.4 (7 pairs, within the spread); at 8 tokens/rank (0.33-0.38) flash equal, pro 2.7%
-slower; from 128 tokens/rank (6+ rows/expert) 4-9% slower (flash 2048: 1632.6 -> 1785.6 us)."""
 RECIPE = (1, 1, 32)
 """Scale granularity (token rows, weight rows, K elements): per-token, per-row, per-32 UE8M0 scales."""
 
@@ -290,21 +286,11 @@ def fp8_fp4_mega_moe(
         # GEMM tiles from the rows an expert gets when every rank routes T tokens uniformly (the ring's
         # size would overstate them: it bounds the worst case).
         rows_per_expert = lay.num_ranks * num_tokens * lay.num_topk / lay.num_experts
-        if rows_per_expert < FUSED_L1_L2_MAX_ROWS_PER_EXPERT:  # one launch, one config for both GEMMs
-            cfg = sm90.select_config(rows_per_expert, math.gcd(2 * lay.intermediate_hidden, lay.hidden), lay.hidden)
-            sm90.grouped_gemm_fp8_fp4_l1_l2_contiguous(
-                buf.l1_acts, *l1, buf.expert_offsets, buf.l1_topk_weights, *l2, buf.ring_dest,
-                clamp=activation_clamp, act=buf.l2_acts, config=cfg, sync=st.gemm_sync, timeout_ns=timeout_ns,
-            )
-            return
-        cfg1 = sm90.select_config(rows_per_expert, 2 * lay.intermediate_hidden, lay.hidden)
-        cfg2 = sm90.select_config(rows_per_expert, lay.hidden, lay.intermediate_hidden)
-        sm90.grouped_gemm_fp8_fp4_swiglu_contiguous(
-            buf.l1_acts, None, *l1, buf.expert_offsets, buf.l1_topk_weights, clamp=activation_clamp,
-            out=buf.l2_acts, config=cfg1, out_dtype=torch.bfloat16,
+        cfg = sm90.select_config(rows_per_expert, math.gcd(2 * lay.intermediate_hidden, lay.hidden), lay.hidden)
+        sm90.grouped_gemm_fp8_fp4_l1_l2_contiguous(  # one config for both GEMMs
+            buf.l1_acts, *l1, buf.expert_offsets, buf.l1_topk_weights, *l2, buf.ring_dest,
+            clamp=activation_clamp, act=buf.l2_acts, config=cfg, sync=st.gemm_sync, timeout_ns=timeout_ns,
         )
-        sm90.grouped_gemm_fp8_fp4_contiguous(buf.l2_acts, None, *l2, buf.expert_offsets, config=cfg2,
-                                             out_row_ptrs=buf.ring_dest)
 
     return _staged(y, buf, stats, debug, expert_compute)
 
