@@ -24,7 +24,8 @@ launches on the caller's stream, nothing else (no host sync, no host zeroing):
    H200 (EP2, 8 routings, outputs checked, builds alternated in one session), once its release build
    stopped calling printf (a call anywhere in a kernel makes ptxas serialize all its wgmmas), the one
    launch beat or matched the two at every point, 1-2048 tokens/rank (flash 8: 217.1 -> 204.2 us, pro 1:
-   129.9 -> 117.4 us; ``bench/results/2026-11-30_fused_l1_l2_unserialized_ab_h200.json``);
+   129.9 -> 117.4 us), and at 8192 ran within 1.5% of them (flash 5694 -> 5636, pro 15347 -> 15565 us, one
+   run each; ``bench/results/2026-11-30_fused_l1_l2_unserialized_ab_h200.json``);
 3. combine (``kernels.ep_comm``): publish ``done``, wait for every rank's ``done``, sum each token's valid
    slots in slot order (step 7).
 
