@@ -128,7 +128,8 @@ def sm90a_builds(tmp_path_factory):
 
     cases = [(dataclasses.asdict(c), m, e, False) for c, m, e in COMPILE_CASES]
     cases += [(dataclasses.asdict(c), m, e, True) for c, m, e in DEBUG_CASES]
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
+    # No file cache: a kernel loaded from it comes without its PTX.
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DISABLE_FILE_CACHING="1",
                CUTE_DSL_DUMP_DIR=str(tmp_path_factory.mktemp("ptx")))
     done = subprocess.run([sys.executable, "-c", _COMPILE_CHILD, json.dumps(cases)], env=env,
                           capture_output=True, text=True, timeout=1800)
