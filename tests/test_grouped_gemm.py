@@ -103,14 +103,20 @@ COMPILE_CASES = [
 DEBUG_CASES = [(GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "l1_l2")]
 
 _COMPILE_CHILD = """
-import json, re, sys
+import json, os, re, shutil, subprocess, sys
 from megamoe.kernels.sm90_grouped_gemm import GemmConfig, compile_grouped_gemm
-report = []
-for cfg, mode, epilogue, debug in json.loads(sys.argv[1]):
+ptxas, report = shutil.which("ptxas"), []
+for i, (cfg, mode, epilogue, debug) in enumerate(json.loads(sys.argv[1])):
     try:
         ptx = compile_grouped_gemm(GemmConfig(**cfg), mode, epilogue, debug).__ptx__  # the PTX text
-        ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-        report.append({"wgmma": "wgmma.mma_async" in ptx, "calls": len(re.findall(r"^\\s*call(\\.uni)?\\s", ptx, re.M))})
+        ptx = (ptx.decode() if isinstance(ptx, bytes) else ptx).replace("\\0", "")
+        build = {"wgmma": "wgmma.mma_async" in ptx, "calls": len(re.findall(r"^\\s*call(\\.uni)?\\s", ptx, re.M))}
+        if ptxas:  # its performance advisories (C75xx), e.g. C7510: wgmma serialized, and why
+            path = os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], f"case{i}.ptx")
+            open(path, "w").write(ptx)
+            out = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True)
+            build["ptxas"] = [l for l in out.stderr.splitlines() if "(C75" in l or "error" in l]
+        report.append(build)
     except Exception as exc:  # reported per case by the test
         report.append({"error": f"{type(exc).__name__}: {exc}"})
 print(json.dumps(report))
@@ -120,7 +126,8 @@ print(json.dumps(report))
 @pytest.fixture(scope="module")
 def sm90a_builds(tmp_path_factory):
     """Compile every case of COMPILE_CASES (release) and DEBUG_CASES (debug) for sm_90a in one child process
-    that keeps the PTX (the DSL reads its dump settings at import); per case: wgmma present, call count."""
+    that keeps the PTX (the DSL reads its dump settings at import); per case: wgmma present, call count, and
+    where a ``ptxas`` is on PATH, its C75xx advisories for that PTX."""
     import dataclasses
     import json
     import subprocess
@@ -154,6 +161,17 @@ def test_debug_build_compiles_and_the_call_check_sees_its_printf(sm90a_builds):
     build = sm90a_builds[len(COMPILE_CASES)]
     assert "error" not in build, build.get("error")
     assert build["wgmma"] and build["calls"] >= 1, build  # the check above can see a call
+
+
+def test_ptxas_reports_no_wgmma_serialization(sm90a_builds):
+    """Any cause ptxas names (a call, register shortage, an ill-formed pipeline), every release variant; the
+    debug build's C7510 shows the check can see one. Needs a ptxas on PATH (the CUDA toolkit's)."""
+    if "ptxas" not in sm90a_builds[0]:
+        pytest.skip("no ptxas on PATH")
+    advisories = {i: b["ptxas"] for i, b in enumerate(sm90a_builds[: len(COMPILE_CASES)]) if b["ptxas"]}
+    assert not advisories, "ptxas advisories: " + "; ".join(
+        f"{COMPILE_CASES[i][0].describe(COMPILE_CASES[i][2])} {COMPILE_CASES[i][1]}: {a}" for i, a in advisories.items())
+    assert any("C7510" in line for line in sm90a_builds[len(COMPILE_CASES)]["ptxas"])
 
 
 def test_debug_build_only_for_the_fused_launch():
