@@ -1,33 +1,34 @@
-"""Mega MoE, staged: NVLink dispatch, SM90 grouped GEMMs, NVLink combine; no host sync, CUDA-graph capturable.
+"""Mega MoE: one persistent kernel per rank (FP8 x FP4) -- NVLink dispatch, SM90 L1 / L2 tiles and NVLink
+combine in one launch; no host sync, CUDA-graph capturable.
 
-``bf16_mega_moe`` (BF16 tokens and weights) runs the same dispatch and combine kernels around torch's
-BF16 grouped GEMMs; the rest of this docstring describes ``fp8_fp4_mega_moe``.
+``bf16_mega_moe`` (BF16 tokens and weights) runs the same protocol staged, as three launches: the dispatch
+and combine kernels of ``kernels.ep_comm`` around torch's BF16 grouped GEMMs; the rest of this docstring
+describes ``fp8_fp4_mega_moe``.
 
 ``fp8_fp4_mega_moe(y, l1, l2, sym_buffer, ...)`` computes the numerics contract of ``megamoe.numerics``
 (FP8 x FP4 recipe) for the ``T = y.shape[0]`` tokens the caller copied into the buffer's ``x``, ``x_sf``,
 ``topk_idx`` and ``topk_weights`` views; ``l1``/``l2`` come from ``transform_weights_for_mega_moe``. It is
-collective: every rank of the buffer's group makes the same sequence of calls on the same buffer. Three
-launches on the caller's stream, nothing else (no host sync, no host zeroing):
+collective: every rank of the buffer's group makes the same sequence of calls on the same buffer. One launch
+on the caller's stream, nothing else (no host sync, no host zeroing): ``kernels.sm90_grouped_gemm.mega_moe_sm90``,
+every CTA slot of the GPU (two per SM for token tiles <= 16, else one; all resident), each CTA a TMA producer
+warp, a signal warp and one or two consumer warpgroups (BF16-operand wgmma with in-register FP4 decode):
 
-1. dispatch (``kernels.ep_comm``): announce ``ready``, scan every rank's routing over NVLink, count and
-   pool the rows of local experts, prefix offsets, pull FP8 token rows + scales + routing weights into
-   the L1 ring (``l1_acts`` as exact BF16, ``l1_topk_weights``, and ``ring_dest``: where each row's
-   result goes), contiguous per expert with ragged groups (``expert_offsets``);
-2. L1 and L2 (BF16-operand mode): the L1 tiles write ``l2_acts``, the FP8-quantized SwiGLU outputs as
-   their exact BF16 values (steps 1-5); the L2 tiles store each BF16 row (step 6) straight into its source
-   rank's ``combine[slot, token]`` over NVLink (whole 128-byte lines), so the transfer overlaps the other
-   tiles; each storing thread ends with ``fence.acq_rel.sys``. One persistent launch runs both
-   (``grouped_gemm_fp8_fp4_l1_l2_contiguous``: an L2 tile streams its first weight chunks while it waits,
-   per-expert counters, release / acquire, for the L1 tiles of its expert; in debug mode that wait times
-   out too, printf + trap), the same values bit for bit as the legacy path's two launches
-   (``grouped_gemm_fp8_fp4_swiglu_contiguous``, then ``grouped_gemm_fp8_fp4_contiguous``). Measured on 2 x
-   H200 (EP2, 8 routings, outputs checked, builds alternated in one session), once its release build
-   stopped calling printf (a call anywhere in a kernel makes ptxas serialize all its wgmmas), the one
-   launch beat or matched the two at every point, 1-2048 tokens/rank (flash 8: 217.1 -> 204.2 us, pro 1:
-   129.9 -> 117.4 us), and at 8192 ran within 1.5% of them (flash 5694 -> 5636, pro 15347 -> 15565 us, one
-   run each; ``bench/results/2026-11-30_fused_l1_l2_unserialized_ab_h200.json``);
-3. combine (``kernels.ep_comm``): publish ``done``, wait for every rank's ``done``, sum each token's valid
-   slots in slot order (step 7).
+1. dispatch, all threads of every CTA (``ep_comm.EpPhases``): announce ``ready``, scan every rank's routing
+   over NVLink, count and pool the rows of local experts, grid barrier, the expert offsets (exclusive prefix
+   of the counts) in each CTA's shared memory, then pull this CTA's share of the FP8 token rows + scales +
+   routing weights into the L1 ring (``l1_acts`` as exact BF16, ``l1_topk_weights``, and ``ring_dest``: where
+   each row's result goes), contiguous per expert; each pulled 2 KiB unit adds 1 (release) to its expert's
+   counter;
+2. L1 and L2 tiles (as ``grouped_gemm_fp8_fp4_l1_l2_contiguous``): an L1 tile loads its first weight chunks,
+   then waits (acquire) until its expert's rows are all pulled, then loads them; the L1 tiles write
+   ``l2_acts``, the FP8-quantized SwiGLU outputs as their exact BF16 values (steps 1-5); an L2 tile streams its
+   first weight chunks while it waits for the L1 tiles of its expert, and stores each BF16 row (step 6)
+   straight into its source rank's ``combine[slot, token]`` over NVLink (whole 128-byte lines); each storing
+   thread ends with ``fence.acq_rel.sys``. The same values bit for bit as the legacy path's two launches
+   (``grouped_gemm_fp8_fp4_swiglu_contiguous``, then ``grouped_gemm_fp8_fp4_contiguous``);
+3. combine, the consumer warpgroups of every CTA: grid barrier (every row of this rank stored), publish
+   ``done``, wait for every rank's ``done``, sum each token's valid slots in slot order (step 7); the last
+   CTA out zeroes the counters and ends the call.
 
 Why no rank overwrites what a peer still reads (all flags only grow, comparisons are wrap-safe):
 
@@ -41,16 +42,18 @@ Why no rank overwrites what a peer still reads (all flags only grow, comparisons
 * ``ready[src]`` of call c + 1 (and its token count) lands in a peer only after that peer finished its
   scan of call c (it published ``done`` for c, which the sender awaited); ``done`` of call c + 1 only
   after the rows of c + 1, hence after the receiver's ``ready`` of c + 1, hence after it finished c.
-* ``expert_counts``, ``pool``, ``expert_offsets`` and the rings are local and stream-ordered; the
-  counts are zeroed by combine for the next call, the grid-barrier counter (``signals[1]``) and the
-  call counter (``signals[0]``) never reset.
+* ``expert_counts``, ``pool`` and the rings are local and stream-ordered; the counts are zeroed at the
+  end of the call (after every CTA read them), with the kernel's own counters (per-expert pulls and L1
+  tiles, grid barrier); the call counter (``signals[0]``) never resets.
 * The ring holds every row a rank can receive: ``num_ring_tokens >= R * T_max * min(k, E/R)``, checked
   on the host (experts of one token are distinct, as any top-k router makes them).
 
-Memory ordering: rows stored to a peer, then ``fence.acq_rel.sys`` (by the storing thread, in the L2
-GEMM), the end of that kernel (stream order), a grid barrier, and the ``done`` flag stored with
-``st.release.sys``; flags are read with ``ld.acquire.sys`` by one thread followed by a
-CTA barrier before anyone reads the data (see ``kernels.ep_comm``).
+Memory ordering: rows stored to a peer, then ``fence.acq_rel.sys`` (by the storing thread, in an L2
+tile), a named barrier of the consumer warpgroups, a grid barrier (release / acquire, gpu scope), and the
+``done`` flag stored with ``st.release.sys``; flags are read with ``ld.acquire.sys`` by one thread followed
+by a barrier before anyone reads the data (see ``kernels.ep_comm``). Pulled rows reach the TMA loads of
+other CTAs through the per-expert counters (warp barrier, ``fence.acq_rel.gpu`` + release add; acquire,
+then ``fence.proxy.async.global``), as the L1 rows reach the L2 tiles.
 
 Debug mode (``debug=True`` or ``MEGAMOE_DEBUG=1``): every spin-wait times out after
 ``MEGAMOE_DEBUG_TIMEOUT_S`` seconds (default 10) and the kernels check the row codes they read; a
@@ -64,9 +67,10 @@ r has not started call c (a missing or extra call there, or r is stuck earlier: 
 ``waits done[dst=r]``: rank r has not finished pushing its rows of call c (read r's lines);
 ``waits grid barrier``: CTAs of this rank's own kernel are missing (not all resident: another kernel
 holds SMs) or stopped earlier; a bad pool code or an expert / ring overflow: corrupted
-protocol state or duplicate experts in a token's top-k; ``fused grouped GEMM ... waits first-GEMM tiles of
-group e`` (printf only: no host-mapped record): L1 tiles of local expert e never finished (not all CTAs
-resident, or a counter left dirty by an earlier trapped launch).
+protocol state or duplicate experts in a token's top-k; ``fused grouped GEMM ... waits pulled row units
+of group e`` or ``... waits first-GEMM tiles of group e`` (printf only: no host-mapped record): the pulls or
+the L1 tiles of local expert e never finished (not all CTAs resident, or a counter left dirty by an earlier
+trapped launch).
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -184,9 +188,9 @@ class _State:
     """Per-buffer launch state, made on the first call (outside CUDA-graph capture)."""
 
     peers: torch.Tensor  # int64 [R]: every rank's buffer base address
-    record: torch.Tensor  # int64 [num_ctas, RECORD_WORDS], host-mapped: debug reports
-    num_ctas: int
-    gemm_sync: torch.Tensor  # int32 [E/R + 2] zeros: the fused L1/L2 launch's counters (it leaves them zeroed)
+    record: torch.Tensor  # int64 [2 * SMs, RECORD_WORDS], host-mapped: debug reports, one row per CTA
+    num_ctas: int  # CTAs of the staged dispatch / combine kernels (one per SM)
+    gemm_sync: torch.Tensor  # int32 zeros: the one-launch kernel's counters (it leaves them zeroed)
 
 
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -200,10 +204,12 @@ def _state(buf: SymmBuffer) -> _State:
                  "before capturing (it compiles the kernels and stores the peer addresses)")
         from .kernels.ep_comm import RECORD_WORDS
 
+        from .kernels.sm90_grouped_gemm import sync_words
+
         num_ctas = torch.cuda.get_device_properties(buf.device).multi_processor_count
         peers = torch.tensor(buf.peer_ptrs, dtype=torch.int64).to(buf.device)
-        record = torch.zeros(num_ctas, RECORD_WORDS, dtype=torch.int64, pin_memory=True)
-        gemm_sync = torch.zeros(buf.layout.num_local_experts + 2, dtype=torch.int32, device=buf.device)
+        record = torch.zeros(2 * num_ctas, RECORD_WORDS, dtype=torch.int64, pin_memory=True)  # <= 2 CTAs per SM
+        gemm_sync = torch.zeros(sync_words(buf.layout.num_local_experts, mega=True), dtype=torch.int32, device=buf.device)
         st = _STATES[buf] = _State(peers, record, num_ctas, gemm_sync)
     return st
 
@@ -232,9 +238,8 @@ def debug_report(sym_buffer: SymmBuffer) -> str | None:
 
 
 def _staged(y, sym_buffer: SymmBuffer, stats, debug: bool, expert_compute) -> torch.Tensor:
-    """Dispatch, ``expert_compute(num_tokens, state, timeout_ns)`` (L1 and L2 on the rings: returns the rows
-    bf16 ``[ring, H]`` for combine to push, or None when L2 stored them at ``ring_dest``), combine; then, in
-    debug mode, poison the buffer."""
+    """``bf16_mega_moe``'s three launches: dispatch, ``expert_compute(num_tokens)`` (L1 and L2 on the rings:
+    returns the rows bf16 ``[ring, H]`` for combine to push), combine; then, in debug mode, poison the buffer."""
     from .kernels import ep_comm, runtime
 
     runtime.require_sm90(y, "y")
@@ -244,8 +249,7 @@ def _staged(y, sym_buffer: SymmBuffer, stats, debug: bool, expert_compute) -> to
     base, record, num_tokens = buf.buffer.data_ptr(), st.record.data_ptr(), y.shape[0]
     timeout = debug_timeout_ns() if debug else 0
     ep_comm.dispatch(cfg, buf.rank, num_tokens, base, st.peers, stats, record, timeout, st.num_ctas)
-    rows = expert_compute(num_tokens, st, timeout)
-    cfg = replace(cfg, rows_stored=rows is None)
+    rows = expert_compute(num_tokens)
     ep_comm.combine(cfg, buf.rank, num_tokens, base, st.peers, rows, y, record, timeout, st.num_ctas)
     if debug:
         poison_buffer(buf)
@@ -275,25 +279,29 @@ def fp8_fp4_mega_moe(
     ``debug``: module docstring (None: ``MEGAMOE_DEBUG``). Collective, asynchronous, CUDA-graph capturable
     once a first call has been made outside capture. Returns ``y``.
     """
+    from .kernels import ep_comm, runtime
     from .kernels import sm90_grouped_gemm as sm90
 
     debug = debug_enabled(debug)
     stats = cumulative_local_expert_recv_stats
     check_mega_call(y, sym_buffer, stats, activation, activation_clamp, fast_math, "fp8xfp4")
     check_fp4_operands(l1, l2, sym_buffer, recipe)
+    runtime.require_sm90(y, "y")
     buf, lay = sym_buffer, sym_buffer.layout
-
-    def expert_compute(num_tokens: int, st: _State, timeout_ns: int) -> None:
-        # GEMM tiles from the rows an expert gets when every rank routes T tokens uniformly (the ring's
-        # size would overstate them: it bounds the worst case).
-        rows_per_expert = lay.num_ranks * num_tokens * lay.num_topk / lay.num_experts
-        cfg = sm90.select_config(rows_per_expert, math.gcd(2 * lay.intermediate_hidden, lay.hidden), lay.hidden)
-        sm90.grouped_gemm_fp8_fp4_l1_l2_contiguous(  # one config for both GEMMs
-            buf.l1_acts, *l1, buf.expert_offsets, buf.l1_topk_weights, *l2, buf.ring_dest,
-            clamp=activation_clamp, act=buf.l2_acts, config=cfg, sync=st.gemm_sync, timeout_ns=timeout_ns,
-        )
-
-    return _staged(y, buf, stats, debug, expert_compute)
+    st = _state(buf)
+    num_tokens = y.shape[0]
+    # GEMM tiles from the rows an expert gets when every rank routes T tokens uniformly (the ring's size would
+    # overstate them: it bounds the worst case).
+    rows_per_expert = lay.num_ranks * num_tokens * lay.num_topk / lay.num_experts
+    cfg = sm90.select_config(rows_per_expert, math.gcd(2 * lay.intermediate_hidden, lay.hidden), lay.hidden)
+    sm90.mega_moe_sm90(
+        ep_comm.EpCommConfig(lay, debug, stats is not None), buf.l1_acts, *l1, buf.l1_topk_weights, *l2,
+        buf.ring_dest, buf.l2_acts, buf.expert_offsets, activation_clamp, cfg, st.gemm_sync, buf.rank, num_tokens,
+        buf.buffer.data_ptr(), st.peers, stats, st.record.data_ptr(), y, debug_timeout_ns() if debug else 0,
+    )
+    if debug:
+        poison_buffer(buf)
+    return y
 
 
 def bf16_mega_moe(
@@ -327,7 +335,7 @@ def bf16_mega_moe(
     check_tensor("l2", l2, dtype=torch.bfloat16, shape=(e_l, h, i), device=dev, contiguous=True)
     buf = sym_buffer
 
-    def expert_compute(num_tokens: int, st: _State, timeout_ns: int) -> torch.Tensor:
+    def expert_compute(num_tokens: int) -> torch.Tensor:
         ends = buf.expert_offsets[1:]  # rows past the last end are never read
         h1 = torch._grouped_mm(buf.l1_acts, l1.transpose(1, 2), offs=ends)
         a = l1_epilogue(h1, buf.l1_topk_weights, activation_clamp, fp8=False)[0]

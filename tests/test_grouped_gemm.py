@@ -97,18 +97,30 @@ COMPILE_CASES = [
     (GemmConfig(tile_tokens=32, tile_n=64), "offsets", "l1_l2"),
     (GemmConfig(tile_tokens=128, tile_n=128), "offsets", "l1_l2"),
 ]
+# The one-launch Mega MoE kernel ("l1_l2" with the ep_comm phases) for SymmBuffer layouts (symm_buffer_layout
+# arguments: ranks, experts, T_max, top-k, H, I): both CTA-per-SM modes, a wide hidden size, 8 ranks.
+MEGA_CASES = [
+    (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), (2, 256, 64, 8, 4096, 2048)),
+    (GemmConfig(tile_tokens=64, tile_n=128), (8, 256, 128, 8, 7168, 2048)),
+    (GemmConfig(tile_tokens=16, tile_n=64, ctas_per_sm=2), (1, 8, 33, 3, 512, 1024)),
+]
 
 
-# The fused launch's debug build (timed wait, printf): its function call serializes the wgmmas, by design.
-DEBUG_CASES = [(GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "l1_l2")]
+# The fused launch's debug builds (timed waits, printf): their function call serializes the wgmmas, by design.
+DEBUG_CASES = [(GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "l1_l2", None),
+               (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "l1_l2", MEGA_CASES[0][1])]
+RELEASE_CASES = [(c, m, e, None) for c, m, e in COMPILE_CASES] + [(c, "offsets", "l1_l2", lay) for c, lay in MEGA_CASES]
 
 _COMPILE_CHILD = """
 import json, os, re, shutil, subprocess, sys
+from megamoe import symm_buffer_layout
+from megamoe.kernels.ep_comm import EpCommConfig
 from megamoe.kernels.sm90_grouped_gemm import GemmConfig, compile_grouped_gemm
 ptxas, report = shutil.which("ptxas"), []
-for i, (cfg, mode, epilogue, debug) in enumerate(json.loads(sys.argv[1])):
+for i, (cfg, mode, epilogue, mega, debug) in enumerate(json.loads(sys.argv[1])):
     try:
-        ptx = compile_grouped_gemm(GemmConfig(**cfg), mode, epilogue, debug).__ptx__  # the PTX text
+        comm = None if mega is None else EpCommConfig(symm_buffer_layout(*mega), debug, True)
+        ptx = compile_grouped_gemm(GemmConfig(**cfg), mode, epilogue, debug, comm).__ptx__  # the PTX text
         ptx = (ptx.decode() if isinstance(ptx, bytes) else ptx).replace("\\0", "")
         build = {"wgmma": "wgmma.mma_async" in ptx, "calls": len(re.findall(r"^\\s*call(\\.uni)?\\s", ptx, re.M))}
         if ptxas:  # its performance advisories (C75xx), e.g. C7510: wgmma serialized, and why
@@ -125,7 +137,7 @@ print(json.dumps(report))
 
 @pytest.fixture(scope="module")
 def sm90a_builds(tmp_path_factory):
-    """Compile every case of COMPILE_CASES (release) and DEBUG_CASES (debug) for sm_90a in one child process
+    """Compile every case of RELEASE_CASES and DEBUG_CASES (debug) for sm_90a in one child process
     that keeps the PTX (the DSL reads its dump settings at import); per case: wgmma present, call count, and
     where a ``ptxas`` is on PATH, its C75xx advisories for that PTX."""
     import dataclasses
@@ -133,8 +145,8 @@ def sm90a_builds(tmp_path_factory):
     import subprocess
     import sys
 
-    cases = [(dataclasses.asdict(c), m, e, False) for c, m, e in COMPILE_CASES]
-    cases += [(dataclasses.asdict(c), m, e, True) for c, m, e in DEBUG_CASES]
+    cases = [(dataclasses.asdict(c), m, e, lay, False) for c, m, e, lay in RELEASE_CASES]
+    cases += [(dataclasses.asdict(c), m, e, lay, True) for c, m, e, lay in DEBUG_CASES]
     # No file cache: a kernel loaded from it comes without its PTX.
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DISABLE_FILE_CACHING="1",
                CUTE_DSL_DUMP_DIR=str(tmp_path_factory.mktemp("ptx")))
@@ -145,8 +157,9 @@ def sm90a_builds(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "case", range(len(COMPILE_CASES)),
-    ids=[f"{c.mma}-{c.tile_tokens}x{c.tile_n}x{c.ctas_per_sm}-{m}-{e}" for c, m, e in COMPILE_CASES],
+    "case", range(len(RELEASE_CASES)),
+    ids=[f"{c.mma}-{c.tile_tokens}x{c.tile_n}x{c.ctas_per_sm}-{m}-{e}" + ("" if lay is None else "-mega-r%d-e%d-h%d" % (lay[0], lay[1], lay[4]))
+         for c, m, e, lay in RELEASE_CASES],
 )
 def test_compiles_for_sm90a_without_wgmma_serialization(sm90a_builds, case):
     """Every release variant compiles, issues wgmma, and calls no function: ptxas serializes every wgmma of a
@@ -157,10 +170,10 @@ def test_compiles_for_sm90a_without_wgmma_serialization(sm90a_builds, case):
     assert build["calls"] == 0, f"{build['calls']} function call(s) in the PTX: ptxas would serialize its wgmmas"
 
 
-def test_debug_build_compiles_and_the_call_check_sees_its_printf(sm90a_builds):
-    build = sm90a_builds[len(COMPILE_CASES)]
-    assert "error" not in build, build.get("error")
-    assert build["wgmma"] and build["calls"] >= 1, build  # the check above can see a call
+def test_debug_builds_compile_and_the_call_check_sees_their_printf(sm90a_builds):
+    for build in sm90a_builds[len(RELEASE_CASES):]:
+        assert "error" not in build, build.get("error")
+        assert build["wgmma"] and build["calls"] >= 1, build  # the check above can see a call
 
 
 def test_ptxas_reports_no_wgmma_serialization(sm90a_builds):
@@ -168,10 +181,12 @@ def test_ptxas_reports_no_wgmma_serialization(sm90a_builds):
     debug build's C7510 shows the check can see one. Needs a ptxas on PATH (the CUDA toolkit's)."""
     if "ptxas" not in sm90a_builds[0]:
         pytest.skip("no ptxas on PATH")
-    advisories = {i: b["ptxas"] for i, b in enumerate(sm90a_builds[: len(COMPILE_CASES)]) if b["ptxas"]}
+    advisories = {i: b["ptxas"] for i, b in enumerate(sm90a_builds[: len(RELEASE_CASES)]) if b["ptxas"]}
     assert not advisories, "ptxas advisories: " + "; ".join(
-        f"{COMPILE_CASES[i][0].describe(COMPILE_CASES[i][2])} {COMPILE_CASES[i][1]}: {a}" for i, a in advisories.items())
-    assert any("C7510" in line for line in sm90a_builds[len(COMPILE_CASES)]["ptxas"])
+        f"{RELEASE_CASES[i][0].describe(RELEASE_CASES[i][2])} {RELEASE_CASES[i][1]} mega={RELEASE_CASES[i][3]}: {a}"
+        for i, a in advisories.items())
+    for build in sm90a_builds[len(RELEASE_CASES):]:
+        assert any("C7510" in line for line in build["ptxas"])
 
 
 def test_debug_build_only_for_the_fused_launch():

@@ -1,4 +1,7 @@
-"""NVLink dispatch and combine kernels of the staged Mega MoE path (sm_90a, CuTe DSL).
+"""NVLink dispatch and combine of the Mega MoE protocol (sm_90a, CuTe DSL): the phases as device functions
+(``EpPhases``), which the one-launch FP8 x FP4 kernel (``sm90_grouped_gemm.mega_moe_sm90``) runs around its GEMM
+tiles, and two kernels made of them for the staged BF16 path (``bf16_mega_moe``): dispatch, then torch's
+grouped GEMMs, then combine.
 
 Both kernels address every rank's SymmBuffer as ``peers[r] + section offset`` (``peers``: int64 [R]
 device array of base addresses; the offsets are the layout's, identical on every rank) and use the
@@ -26,9 +29,9 @@ dispatch:
      (``peers[src] + combine[j, t]``) into ``ring_dest[r]``.
 
 combine (after the L1 / L2 grouped GEMMs):
-  1. push, unless the L2 GEMM already stored every row at ``ring_dest`` and fenced (``rows_stored``, the
-     FP8 x FP4 path): one warp per (ring row, 2 KiB chunk) stores ``o[r]`` (BF16 rows ``[ring, H]``) at
-     ``ring_dest[r]`` (16-byte stores over NVLink); every thread then ``fence.acq_rel.sys``.
+  1. push (the staged kernel; the one-launch kernel's L2 tiles store their rows there themselves): one warp
+     per (ring row, 2 KiB chunk) stores ``o[r]`` (BF16 rows ``[ring, H]``) at ``ring_dest[r]`` (16-byte
+     stores over NVLink); every thread then ``fence.acq_rel.sys``.
   2. grid barrier 1; CTA 0 publishes ``done[me] = call + 1`` into every rank (``st.release.sys``);
      every CTA waits ``done[d] >= call + 1`` for all d (``ld.acquire.sys``).
   3. sum: one warp per (token, 256 columns): for each valid slot (``0 <= topk_idx < E``) in slot
@@ -37,8 +40,9 @@ combine (after the L1 / L2 grouped GEMMs):
   4. CTA 0 zeroes ``expert_counts`` and stores ``signals[0] = call + 1`` (every CTA read ``call``
      before arriving at barrier 1, so no final barrier is needed).
 
-Grid barriers count on ``signals[1]``, never reset: barrier q of call c completes at
-``(c * BARRIERS_PER_CALL + q + 1) * num_ctas`` arrivals. Every flag comparison is wrap-safe
+The staged kernels' grid barriers count on ``signals[1]``, never reset: barrier q of call c completes at
+``(c * BARRIERS_PER_CALL + q + 1) * num_ctas`` arrivals (the one-launch kernel counts on its own counter,
+zeroed at its end). Every flag comparison is wrap-safe
 (``(int32)(seen - expected) >= 0``, done in PTX), so 32-bit counters may wrap around.
 
 Memory model: data bound for another agent is stored with weak stores, followed by ``fence.acq_rel``
@@ -217,21 +221,25 @@ class EpCommConfig:
     layout: SymmBufferLayout
     debug: bool
     has_stats: bool = False
-    rows_stored: bool = False
-    """Combine only: the L2 GEMM already stored every ring row at ``ring_dest`` (its source rank's combine
-    slot) and fenced, so combine skips its push (step 1)."""
 
     def offset(self, name: str) -> int:
         return self.layout.section(name).offset
 
 
-class _EpKernel:
-    """What dispatch and combine share: sizes, flag waits, the grid barrier, debug reports."""
+class EpPhases:
+    """The protocol's phases as device functions over a group of ``threads`` threads per CTA (every CTA of
+    the grid takes part): the staged dispatch / combine kernels run them with all ``THREADS`` threads, the
+    one-launch Mega MoE kernel (``sm90_grouped_gemm``) with its own CTA's threads. ``barrier_id``: None when
+    the group is the whole CTA (``bar.sync 0``), else the named barrier the group synchronizes on. Every
+    method takes the thread's index in the group (``tid``), the CTA's index and the grid size."""
 
-    def __init__(self, cfg: EpCommConfig):
+    def __init__(self, cfg: EpCommConfig, threads: int = THREADS, barrier_id: int | None = None):
         lay = cfg.layout
         self.cfg = cfg
         self.debug = cfg.debug
+        self.threads = threads
+        self.warps = threads // WARP
+        self.barrier_id = barrier_id
         self.num_ranks = lay.num_ranks
         self.num_local = lay.num_local_experts
         self.num_experts = lay.num_experts
@@ -243,6 +251,8 @@ class _EpKernel:
         self.codes = self.pool_cap * lay.num_topk  # source codes lie in [0, codes)
         self.signals = cfg.offset("signals")
         self.fp8 = lay.mma_type == "fp8xfp4"  # tokens FP8 + packed UE8M0 scales, else BF16
+        self.row_units = self.units(self.hidden // VEC if self.fp8 else self.hidden * 2 // VEC)
+        """Pull units (one warp each) per ring row."""
 
     @cute.jit
     def fail(self, site: cutlass.Constexpr, rank: Int32, record: Int64, index: Int32, expected: Int32, seen: Int32):
@@ -265,16 +275,23 @@ class _EpKernel:
                 self.fail(site, rank, record, index, expected, seen)
 
     @cute.jit
-    def grid_barrier(self, base: Int64, call: Int32, q: cutlass.Constexpr, site: cutlass.Constexpr, rank: Int32,
-                     record: Int64, timeout_ns: Int64):
-        """Barrier ``q`` of call ``call`` over all CTAs (monotonic ``signals[1]``, gpu scope)."""
-        cute.arch.sync_threads()
-        if cute.arch.thread_idx()[0] == 0:
-            counter = base + (self.signals + 4)
+    def group_sync(self):
+        """Barrier over the group's threads."""
+        if cutlass.const_expr(self.barrier_id is None):
+            cute.arch.sync_threads()
+        else:
+            cute.arch.barrier(barrier_id=self.barrier_id, number_of_threads=self.threads)
+
+    @cute.jit
+    def grid_barrier(self, counter: Int64, target: Int32, q: cutlass.Constexpr, site: cutlass.Constexpr, tid: Int32,
+                     rank: Int32, record: Int64, timeout_ns: Int64):
+        """Barrier ``q`` over all CTAs: thread 0 of each adds 1 to the monotonic ``counter`` (gpu scope) and waits
+        for ``target`` arrivals."""
+        self.group_sync()
+        if tid == 0:
             ptx.arrive(counter)
-            target = (call * BARRIERS_PER_CALL + (q + 1)) * cute.arch.grid_dim()[0]
             self.wait_flag(counter, target, False, "gpu", site, Int32(q), rank, record, timeout_ns)
-        cute.arch.sync_threads()
+        self.group_sync()
 
     @cute.jit
     def load_unit(self, src: Int64, num_vecs: cutlass.Constexpr, unit: Int32, lane: Int32):
@@ -326,9 +343,10 @@ class _EpKernel:
         """Copy units (one warp each) per row of ``num_vecs`` vectors."""
         return -(-num_vecs // (WARP * VECS_PER_LANE))
 
-
-class Dispatch(_EpKernel):
-    """The dispatch kernel (module docstring, steps 1-4)."""
+    def decode(self, code):
+        """Source code -> (source rank, routing entry q = t * k + j)."""
+        src = code // (self.t_max * self.topk)
+        return src, code - src * (self.t_max * self.topk)
 
     @cute.jit
     def check_pool_code(self, code: Int32, row: Int32, rank: Int32, record: Int64):
@@ -337,52 +355,41 @@ class Dispatch(_EpKernel):
             if (code < 0) | (code >= self.codes):
                 self.fail(SITE_POOL, rank, record, row, Int32(self.codes), code)
 
-    def decode(self, code):
-        """Source code -> (source rank, routing entry q = t * k + j)."""
-        src = code // (self.t_max * self.topk)
-        return src, code - src * (self.t_max * self.topk)
+    # ----------------------------------------------------------------------------------------------
+    # Dispatch phases (module docstring, dispatch steps 1-4)
 
     @cute.jit
-    def __call__(self, me: Int32, num_tokens: Int32, base: Int64, peers: Int64, stats: Int64, record: Int64,
-                 timeout_ns: Int64, num_ctas: Int32, stream):
-        self.kernel(me, num_tokens, base, peers, stats, record, timeout_ns).launch(
-            grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
+    def current_call(self, base: Int64) -> Int32:
+        """``signals[0]``: the calls this rank has completed (read before any phase of a call)."""
+        return _ld_u32(base + self.signals)
 
-    @cute.kernel
-    def kernel(self, me: Int32, num_tokens: Int32, base: Int64, peers: Int64, stats: Int64, record: Int64,
-               timeout_ns: Int64):
-        cfg = self.cfg
-        num_ranks, num_local, k, hidden = self.num_ranks, self.num_local, self.topk, self.hidden
-        ready, counts, pool = cfg.offset("ready"), cfg.offset("expert_counts"), cfg.offset("pool")
-        tid = cute.arch.thread_idx()[0]
-        lane = tid % WARP
-        cta = cute.arch.block_idx()[0]
-        num_ctas = cute.arch.grid_dim()[0]
-        smem = utils.SmemAllocator()
-        offs = smem.allocate_tensor(Int32, cute.make_layout(num_local + 1), 16)
-        t_src = smem.allocate_tensor(Int32, cute.make_layout(2), 16)
-        call = _ld_u32(base + self.signals)
+    @cute.jit
+    def announce(self, me: Int32, num_tokens: Int32, peers: Int64, call: Int32, tid: Int32):
+        """Step 1 (one CTA): ``ready[me] = (call + 1) << 32 | T`` into every rank."""
+        ptx.fence_acq_rel_sys()
+        for r in cutlass.range(tid, self.num_ranks, self.threads):
+            flag = (Int64(call + 1) << 32) | Int64(num_tokens)
+            _st_release_sys(_ld_u64(peers + Int64(r) * 8) + (self.cfg.offset("ready") + Int64(me) * 8), flag, True)
 
-        # 1. Announce this call's tokens to every rank.
-        if cta == 0:
-            ptx.fence_acq_rel_sys()
-            for r in cutlass.range(tid, num_ranks, THREADS):
-                flag = (Int64(call + 1) << 32) | Int64(num_tokens)
-                _st_release_sys(_ld_u64(peers + Int64(r) * 8) + (ready + Int64(me) * 8), flag, True)
-
-        # 2. Scan every source's routing; append local (token, slot) entries to the expert pools.
-        for s in cutlass.range(num_ranks):
-            src = (me + cta + s) % num_ranks
+    @cute.jit
+    def scan(self, me: Int32, base: Int64, peers: Int64, call: Int32, t_src: cute.Tensor, tid: Int32, cta: Int32,
+             num_ctas: Int32, record: Int64, timeout_ns: Int64):
+        """Step 2: every source's routing entries that name a local expert go to that expert's pool
+        (``t_src``: 2 int32 of shared memory)."""
+        cfg, k = self.cfg, self.topk
+        counts, pool = cfg.offset("expert_counts"), cfg.offset("pool")
+        for s in cutlass.range(self.num_ranks):
+            src = (me + cta + s) % self.num_ranks
             if tid == 0:
-                flag = base + (ready + Int64(src) * 8)
+                flag = base + (cfg.offset("ready") + Int64(src) * 8)
                 self.wait_flag(flag, call + 1, True, "sys", SITE_READY, src, me, record, timeout_ns)
                 t_src[s % 2] = _ld_low_word(flag)
-            cute.arch.sync_threads()
+            self.group_sync()
             entries = t_src[s % 2] * k
             idx = _ld_u64(peers + Int64(src) * 8) + cfg.offset("topk_idx")
-            for q in cutlass.range(cta * THREADS + tid, entries, num_ctas * THREADS):
-                e = _ld_u64(idx + Int64(q) * 8) - Int64(me) * num_local
-                if (e >= 0) & (e < num_local):
+            for q in cutlass.range(cta * self.threads + tid, entries, num_ctas * self.threads):
+                e = _ld_u64(idx + Int64(q) * 8) - Int64(me) * self.num_local
+                if (e >= 0) & (e < self.num_local):
                     le = Int32(e)
                     pos = ptx.atom_add(base + (counts + Int64(le) * 4), 1, "relaxed")
                     if pos < self.pool_cap:
@@ -390,35 +397,47 @@ class Dispatch(_EpKernel):
                     if cutlass.const_expr(self.debug):  # noqa: SIM102 (compile-time test, then the runtime one)
                         if pos >= self.pool_cap:
                             self.fail(SITE_EXPERT, me, record, le, Int32(self.pool_cap), pos)
-        self.grid_barrier(base, call, 0, SITE_D_BARRIER, me, record, timeout_ns)
 
-        # 3. Expert offsets in the ring: exclusive prefix of the counts (clamped to the pool and ring).
-        for e in cutlass.range(tid, num_local, THREADS):
+    @cute.jit
+    def expert_offsets(self, offs: cute.Tensor, base: Int64, stats: Int64, tid: Int32, lane: Int32, cta: Int32,
+                       store: cutlass.Constexpr, me: Int32, record: Int64) -> Int32:
+        """Step 3 (after the scan's grid barrier): ``offs`` (shared, int32 [E_l + 1]) = the exclusive prefix of
+        the counts (clamped to the pool); CTA 0 adds the counts to the recv stats (``cfg.has_stats``) and, with
+        ``store``, writes ``expert_offsets`` (clamped to the ring). Returns the ring rows to pull."""
+        cfg = self.cfg
+        counts = cfg.offset("expert_counts")
+        for e in cutlass.range(tid, self.num_local, self.threads):
             offs[e] = cutlass.min(_ld_u32(base + (counts + Int64(e) * 4)), self.pool_cap)
-        cute.arch.sync_threads()
+        self.group_sync()
         if tid < WARP:
             self.warp_exclusive_scan(offs, lane)
-        cute.arch.sync_threads()
+        self.group_sync()
         if cutlass.const_expr(self.debug):  # noqa: SIM102 (compile-time test, then the runtime one)
-            if (cta == 0) & (tid == 0) & (offs[num_local] > self.ring):
-                self.fail(SITE_RING, me, record, Int32(self.ring), offs[num_local], offs[num_local] - self.ring)
-        total = cutlass.min(offs[num_local], self.ring)
+            if (cta == 0) & (tid == 0) & (offs[self.num_local] > self.ring):
+                self.fail(SITE_RING, me, record, Int32(self.ring), offs[self.num_local], offs[self.num_local] - self.ring)
         if cta == 0:
-            for e in cutlass.range(tid, num_local + 1, THREADS):
-                ptx.st_global_u32(base + (cfg.offset("expert_offsets") + Int64(e) * 4), cutlass.min(offs[e], self.ring))
+            for e in cutlass.range(tid, self.num_local + 1, self.threads):
+                if cutlass.const_expr(store):
+                    ptx.st_global_u32(base + (cfg.offset("expert_offsets") + Int64(e) * 4), cutlass.min(offs[e], self.ring))
                 if cutlass.const_expr(cfg.has_stats):  # noqa: SIM102 (compile-time test, then the runtime one)
-                    if e < num_local:
+                    if e < self.num_local:
                         stat = stats + Int64(e) * 4
                         ptx.st_global_u32(stat, _ld_u32(stat) + _ld_u32(base + (counts + Int64(e) * 4)))
+        return cutlass.min(offs[self.num_local], self.ring)
 
-        # 4. Pull every row of the ring from its source rank: FP8 rows dequantized to BF16, BF16 rows copied.
-        units = self.units(hidden // VEC if self.fp8 else hidden * 2 // VEC)
-        gw = cta * WARPS + tid // WARP
-        for u in cutlass.range(gw, total * units, num_ctas * WARPS):
+    @cute.jit
+    def pull(self, me: Int32, base: Int64, peers: Int64, offs: cute.Tensor, total: Int32, gw: Int32, num_warps: Int32,
+             lane: Int32, record: Int64, pulled: Int64, signal: cutlass.Constexpr):
+        """Step 4: warp ``gw`` of ``num_warps`` pulls units ``gw, gw + num_warps, ...`` of the ring's ``total`` rows
+        (``row_units`` per row, rows in expert order). With ``signal``, each unit ends with an arrival
+        (``ptx.arrive``, after a warp barrier) on its expert's counter ``pulled + 4 e``."""
+        cfg, k, hidden = self.cfg, self.topk, self.hidden
+        units = self.row_units
+        for u in cutlass.range(gw, total * units, num_warps):
             row = u // units
             unit = u - row * units
-            e = expert_of_block(row, offs, num_local, DSL_OPS)
-            code = _ld_u32(base + (pool + (Int64(e) * self.pool_cap + (row - offs[e])) * 4))
+            e = expert_of_block(row, offs, self.num_local, DSL_OPS)
+            code = _ld_u32(base + (cfg.offset("pool") + (Int64(e) * self.pool_cap + (row - offs[e])) * 4))
             self.check_pool_code(code, row, me, record)
             src, q = self.decode(code)
             t = q // k
@@ -435,6 +454,10 @@ class Dispatch(_EpKernel):
                 j = q - t * k
                 slot = peer + (cfg.offset("combine") + (Int64(j) * self.t_max + Int64(t)) * (hidden * 2))
                 _st_u64(base + (cfg.offset("ring_dest") + Int64(row) * 8), slot)
+            if cutlass.const_expr(signal):
+                cute.arch.sync_warp()
+                if lane == 0:
+                    ptx.arrive(pulled + Int64(e) * 4)
 
     @cute.jit
     def warp_exclusive_scan(self, offs: cute.Tensor, lane: Int32):
@@ -455,55 +478,32 @@ class Dispatch(_EpKernel):
         if lane == WARP - 1:
             offs[self.num_local] = incl
 
-
-class Combine(_EpKernel):
-    """The combine kernel (module docstring, steps 1-4)."""
+    # ----------------------------------------------------------------------------------------------
+    # Combine phases (module docstring, combine steps 2-4)
 
     @cute.jit
-    def __call__(self, me: Int32, num_tokens: Int32, base: Int64, peers: Int64, rows: Int64, y: Int64, record: Int64,
-                 timeout_ns: Int64, num_ctas: Int32, stream):
-        self.kernel(me, num_tokens, base, peers, rows, y, record, timeout_ns).launch(
-            grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
-
-    @cute.kernel
-    def kernel(self, me: Int32, num_tokens: Int32, base: Int64, peers: Int64, rows: Int64, y: Int64, record: Int64,
-               timeout_ns: Int64):
-        cfg = self.cfg
-        num_ranks, k, hidden, t_max = self.num_ranks, self.topk, self.hidden, self.t_max
-        combine = cfg.offset("combine")
-        tid = cute.arch.thread_idx()[0]
-        lane = tid % WARP
-        cta = cute.arch.block_idx()[0]
-        num_ctas = cute.arch.grid_dim()[0]
-        gw = cta * WARPS + tid // WARP
-        call = _ld_u32(base + self.signals)
-
-        # 1. Push every ring row to its source rank's combine area (unless the L2 GEMM stored them).
-        if cutlass.const_expr(not cfg.rows_stored):
-            total = _ld_u32(base + (cfg.offset("expert_offsets") + self.num_local * 4))
-            row_vecs = hidden * 2 // VEC
-            units = self.units(row_vecs)
-            for u in cutlass.range(gw, total * units, num_ctas * WARPS):
-                row = u // units
-                dst = _ld_u64(base + (cfg.offset("ring_dest") + Int64(row) * 8))
-                self.copy_unit(rows + Int64(row) * (hidden * 2), dst, row_vecs, u - row * units, lane)
-            ptx.fence_acq_rel_sys()
-
-        # 2. Rows are out: tell every rank, then wait until every rank's rows are in.
-        self.grid_barrier(base, call, 1, SITE_C_BARRIER, me, record, timeout_ns)
+    def exchange_done(self, me: Int32, base: Int64, peers: Int64, call: Int32, tid: Int32, cta: Int32, record: Int64,
+                      timeout_ns: Int64):
+        """Step 2, after the grid barrier that follows every row store: CTA 0 publishes ``done[me] = call + 1``
+        into every rank; every CTA waits for every rank's."""
+        done = self.cfg.offset("done")
         if cta == 0:
-            for d in cutlass.range(tid, num_ranks, THREADS):
-                _st_release_sys(_ld_u64(peers + Int64(d) * 8) + (cfg.offset("done") + Int64(me) * 4), call + 1, False)
-        for d in cutlass.range(tid, num_ranks, THREADS):
-            self.wait_flag(base + (cfg.offset("done") + Int64(d) * 4), call + 1, False, "sys", SITE_DONE, d, me,
-                           record, timeout_ns)
-        cute.arch.sync_threads()
+            for d in cutlass.range(tid, self.num_ranks, self.threads):
+                _st_release_sys(_ld_u64(peers + Int64(d) * 8) + (done + Int64(me) * 4), call + 1, False)
+        for d in cutlass.range(tid, self.num_ranks, self.threads):
+            self.wait_flag(base + (done + Int64(d) * 4), call + 1, False, "sys", SITE_DONE, d, me, record, timeout_ns)
+        self.group_sync()
 
-        # 3. y[t] = bf16(sum of the valid slots in slot order), one warp per (token, 32 vectors of 8).
+    @cute.jit
+    def sum_tokens(self, base: Int64, num_tokens: Int32, y: Int64, gw: Int32, num_warps: Int32, lane: Int32):
+        """Step 3: ``y[t] = bf16(sum of the valid slots in slot order)``, warp ``gw`` of ``num_warps`` per
+        (token, 32 vectors of 8) unit."""
+        k, hidden, t_max = self.topk, self.hidden, self.t_max
+        combine = self.cfg.offset("combine")
         out_vecs = hidden // 8
         parts = -(-out_vecs // WARP)
-        topk_idx = base + cfg.offset("topk_idx")
-        for u in cutlass.range(gw, num_tokens * parts, num_ctas * WARPS):
+        topk_idx = base + self.cfg.offset("topk_idx")
+        for u in cutlass.range(gw, num_tokens * parts, num_warps):
             t = u // parts
             v = (u - t * parts) * WARP + lane
             if v < out_vecs:
@@ -522,12 +522,83 @@ class Combine(_EpKernel):
                 out = [_f32x2_bf16x2(acc[2 * w], acc[2 * w + 1]) for w in range(4)]
                 ptx.st_global_v4(y + (Int64(t) * hidden + Int64(v) * 8) * 2, out, 1)
 
-        # 4. Ready for the next call.
+    @cute.jit
+    def finish_call(self, base: Int64, call: Int32, tid: Int32, num_threads: cutlass.Constexpr):
+        """Step 4 (``num_threads`` threads of one CTA, once every CTA has read ``call`` and the counts): zero
+        ``expert_counts`` and store ``signals[0] = call + 1``."""
+        for e in cutlass.range(tid, self.num_local, num_threads):
+            ptx.st_global_u32(base + (self.cfg.offset("expert_counts") + Int64(e) * 4), 0)
+        if tid == 0:
+            ptx.st_global_u32(base + self.signals, call + 1)
+
+
+class Dispatch(EpPhases):
+    """The dispatch kernel (module docstring, steps 1-4)."""
+
+    @cute.jit
+    def __call__(self, me: Int32, num_tokens: Int32, base: Int64, peers: Int64, stats: Int64, record: Int64,
+                 timeout_ns: Int64, num_ctas: Int32, stream):
+        self.kernel(me, num_tokens, base, peers, stats, record, timeout_ns).launch(
+            grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
+
+    @cute.kernel
+    def kernel(self, me: Int32, num_tokens: Int32, base: Int64, peers: Int64, stats: Int64, record: Int64,
+               timeout_ns: Int64):
+        tid = cute.arch.thread_idx()[0]
+        lane = tid % WARP
+        cta = cute.arch.block_idx()[0]
+        num_ctas = cute.arch.grid_dim()[0]
+        smem = utils.SmemAllocator()
+        offs = smem.allocate_tensor(Int32, cute.make_layout(self.num_local + 1), 16)
+        t_src = smem.allocate_tensor(Int32, cute.make_layout(2), 16)
+        call = self.current_call(base)
         if cta == 0:
-            for e in cutlass.range(tid, self.num_local, THREADS):
-                ptx.st_global_u32(base + (cfg.offset("expert_counts") + Int64(e) * 4), 0)
-            if tid == 0:
-                ptx.st_global_u32(base + self.signals, call + 1)
+            self.announce(me, num_tokens, peers, call, tid)
+        self.scan(me, base, peers, call, t_src, tid, cta, num_ctas, record, timeout_ns)
+        self.grid_barrier(base + (self.signals + 4), (call * BARRIERS_PER_CALL + 1) * num_ctas, 0, SITE_D_BARRIER, tid,
+                          me, record, timeout_ns)
+        total = self.expert_offsets(offs, base, stats, tid, lane, cta, True, me, record)
+        self.pull(me, base, peers, offs, total, cta * WARPS + tid // WARP, num_ctas * WARPS, lane, record, Int64(0), False)
+
+
+class Combine(EpPhases):
+    """The combine kernel (module docstring, steps 1-4)."""
+
+    @cute.jit
+    def __call__(self, me: Int32, num_tokens: Int32, base: Int64, peers: Int64, rows: Int64, y: Int64, record: Int64,
+                 timeout_ns: Int64, num_ctas: Int32, stream):
+        self.kernel(me, num_tokens, base, peers, rows, y, record, timeout_ns).launch(
+            grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
+
+    @cute.kernel
+    def kernel(self, me: Int32, num_tokens: Int32, base: Int64, peers: Int64, rows: Int64, y: Int64, record: Int64,
+               timeout_ns: Int64):
+        cfg = self.cfg
+        hidden = self.hidden
+        tid = cute.arch.thread_idx()[0]
+        lane = tid % WARP
+        cta = cute.arch.block_idx()[0]
+        num_ctas = cute.arch.grid_dim()[0]
+        gw = cta * WARPS + tid // WARP
+        call = self.current_call(base)
+
+        # 1. Push every ring row to its source rank's combine area.
+        total = _ld_u32(base + (cfg.offset("expert_offsets") + self.num_local * 4))
+        row_vecs = hidden * 2 // VEC
+        units = self.units(row_vecs)
+        for u in cutlass.range(gw, total * units, num_ctas * WARPS):
+            row = u // units
+            dst = _ld_u64(base + (cfg.offset("ring_dest") + Int64(row) * 8))
+            self.copy_unit(rows + Int64(row) * (hidden * 2), dst, row_vecs, u - row * units, lane)
+        ptx.fence_acq_rel_sys()
+
+        # 2-4. Rows are out: tell every rank, wait until every rank's rows are in, sum, reset.
+        self.grid_barrier(base + (self.signals + 4), (call * BARRIERS_PER_CALL + 2) * num_ctas, 1, SITE_C_BARRIER, tid,
+                          me, record, timeout_ns)
+        self.exchange_done(me, base, peers, call, tid, cta, record, timeout_ns)
+        self.sum_tokens(base, num_tokens, y, gw, num_ctas * WARPS, lane)
+        if cta == 0:
+            self.finish_call(base, call, tid, THREADS)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -549,7 +620,7 @@ def compile_combine(cfg: EpCommConfig):
     """The compiled combine kernel for ``cfg`` (``has_stats`` plays no part)."""
     from cutlass.cute.runtime import make_fake_stream
 
-    cfg = EpCommConfig(cfg.layout, cfg.debug, rows_stored=cfg.rows_stored)
+    cfg = EpCommConfig(cfg.layout, cfg.debug)
 
     def build():
         z32, z64 = Int32(0), Int64(0)
@@ -566,12 +637,9 @@ def dispatch(cfg: EpCommConfig, me: int, num_tokens: int, base: int, peers: torc
            num_ctas, runtime.current_stream())
 
 
-def combine(cfg: EpCommConfig, me: int, num_tokens: int, base: int, peers: torch.Tensor,
-            rows: torch.Tensor | None, y: torch.Tensor, record: int, timeout_ns: int, num_ctas: int) -> None:
-    """Launch combine on the current stream: ``rows`` BF16 [ring, H] (L2 outputs; None with
-    ``cfg.rows_stored``), ``y`` BF16 [T, H]."""
-    if (rows is None) != cfg.rows_stored:
-        raise ValueError("combine: pass rows exactly when the L2 GEMM did not store them (cfg.rows_stored)")
+def combine(cfg: EpCommConfig, me: int, num_tokens: int, base: int, peers: torch.Tensor, rows: torch.Tensor,
+            y: torch.Tensor, record: int, timeout_ns: int, num_ctas: int) -> None:
+    """Launch combine on the current stream: ``rows`` BF16 [ring, H] (L2 outputs), ``y`` BF16 [T, H]."""
     kernel = compile_combine(cfg)
-    kernel(me, num_tokens, base, peers.data_ptr(), 0 if rows is None else rows.data_ptr(), y.data_ptr(), record,
-           timeout_ns, num_ctas, runtime.current_stream())
+    kernel(me, num_tokens, base, peers.data_ptr(), rows.data_ptr(), y.data_ptr(), record, timeout_ns, num_ctas,
+           runtime.current_stream())

@@ -59,6 +59,11 @@ Design:
   the debug build (``timeout_ns`` > 0) times the wait and printf's: a function call anywhere in a kernel
   makes ptxas serialize all its wgmmas (C7510), which had cost the release build up to 10% (CPU tests check
   every release variant's PTX for calls).
+* The Mega MoE kernel (``mega_moe_sm90``: "l1_l2" compiled with an ``ep_comm.EpCommConfig``) adds the
+  protocol around those tiles: all threads run dispatch steps 1-3 (the expert offsets land in shared memory
+  and replace ``offsets``), warps 2 and 3 pull the token rows while the tiles run (an L1 tile waits on its
+  expert's pulled-units counter as an L2 tile waits on its L1 tiles), and the consumer warpgroups run combine
+  after their last tile; the last CTA out also ends the call.
 
 What bounds small token tiles (H200, ncu, flash L1 EP8, 16 rows/expert, BF16 mode, before the changes
 below): instruction issue and memory together. A consumer warp spent ~217 SASS instructions per 128-K
@@ -116,6 +121,7 @@ __all__ = [
     "grouped_gemm_fp8_fp4_swiglu_contiguous",
     "grouped_gemm_fp8_fp4_swiglu_masked",
     "grouped_gemm_fp8_fp4_l1_l2_contiguous",
+    "mega_moe_sm90",
     "prepare_fp4_weights",
     "prepare_fp4_weights_l1",
     "to_sm90_weight_layout",
@@ -139,6 +145,8 @@ GROUP_MODES = ("offsets", "offsets_counts", "masked")
 EPILOGUES = ("bf16", "swiglu_fp8", "swiglu_fp8_bf16", "bf16_scatter", "l1_l2")
 SCATTER_PAD = 8
 """BF16 elements of padding per staged row of the scatter epilogue (rows stay 16-byte aligned)."""
+COMBINE_BARRIER = 5
+"""Named barrier of the Mega MoE kernel's consumer warpgroups for combine (1-4: the epilogues' and signals')."""
 SWIGLU_GRANULARITY = 8
 """``interleave_gate_up`` granularity of L1 weights for the SwiGLU epilogue: the rows a thread holds in the
 wgmma accumulator, g and g + 8 of each 16-row group, are then gate and up of the same intermediate column."""
@@ -198,14 +206,15 @@ class GemmConfig:
             return swiglu
         return scatter if epilogue == "bf16_scatter" else 0
 
-    def max_stages(self, epilogue: str = "bf16") -> int:
-        budget = SMEM_CAPACITY // self.ctas_per_sm - 1024 - 4096 - self.epilogue_bytes(epilogue)
+    def max_stages(self, epilogue: str = "bf16", extra_bytes: int = 0) -> int:
+        """Stages that fit beside the epilogue's and ``extra_bytes`` of other shared memory."""
+        budget = SMEM_CAPACITY // self.ctas_per_sm - 1024 - 4096 - self.epilogue_bytes(epilogue) - extra_bytes
         return min(16, budget // self.stage_bytes())
 
-    def num_stages(self, epilogue: str = "bf16") -> int:
+    def num_stages(self, epilogue: str = "bf16", extra_bytes: int = 0) -> int:
         if self.stages is None:
-            return self.max_stages(epilogue)
-        check_range("config.stages", self.stages, 2, self.max_stages(epilogue))
+            return self.max_stages(epilogue, extra_bytes)
+        check_range("config.stages", self.stages, 2, self.max_stages(epilogue, extra_bytes))
         return self.stages
 
     def describe(self, epilogue: str = "bf16") -> str:
@@ -213,6 +222,18 @@ class GemmConfig:
             f"sm90 fp4 swapAB mma={self.mma} tile_tokens={self.tile_tokens} tile_n={self.tile_n} "
             f"stages={self.num_stages(epilogue)} ctas/SM={self.ctas_per_sm} epilogue={epilogue}"
         )
+
+
+def mega_smem_bytes(comm) -> int:
+    """Shared memory the Mega MoE kernel adds (``comm``: its ``ep_comm.EpCommConfig``, or None): the expert
+    offsets (int32 [E_l + 1]) and the scan's two source token counts."""
+    return 0 if comm is None else -(-4 * (comm.layout.num_local_experts + 3) // 16) * 16
+
+
+def sync_words(num_groups: int, mega: bool = False) -> int:
+    """int32 counters of the fused launch's ``sync``: per group L1 tiles done [E], finished CTAs, L1 tiles done;
+    Mega MoE adds per group pulled row units [E] and a grid-barrier counter."""
+    return 2 * num_groups + 3 if mega else num_groups + 2
 
 
 def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "bf16") -> GemmConfig:
@@ -265,7 +286,7 @@ def _build_kernel_class():
     from cutlass import Float32, Int32, Int64
     from cutlass.cute.nvgpu import cpasync, warpgroup
 
-    from . import ptx
+    from . import ep_comm, ptx
     from .sm90_fp4_decode import device_helpers
     from .warp_ops import nth_set_bit, warp_inclusive_sum
 
@@ -279,8 +300,10 @@ def _build_kernel_class():
         "bf16_scatter", in one launch) x debug ("l1_l2": the wait is timed and reports with printf; any
         function call in a kernel makes ptxas serialize all its wgmmas, C7510, so only debug builds have one)."""
 
-        def __init__(self, config: GemmConfig, group_mode: str, epilogue: str = "bf16", debug: bool = False):
+        def __init__(self, config: GemmConfig, group_mode: str, epilogue: str = "bf16", debug: bool = False,
+                     comm=None):
             self.cfg = config
+            self.comm = comm  # "l1_l2" + ep_comm.EpCommConfig: the one-launch Mega MoE kernel (see mega_moe_sm90)
             self.debug = debug
             self.bf16 = config.mma == "bf16"
             self.group_mode = group_mode
@@ -293,7 +316,7 @@ def _build_kernel_class():
             self.tile_tokens = config.tile_tokens
             self.tile_n = config.tile_n
             self.num_consumer_wg = config.consumer_warpgroups
-            self.stages = config.num_stages(epilogue)
+            self.stages = config.num_stages(epilogue, mega_smem_bytes(comm))
             self.act_stride = config.tile_n // 2 + 4  # FP32 activations per token row in smem (padded)
             self.threads = 128 * (1 + self.num_consumer_wg)
             # One CTA per SM: move registers from the producer warpgroup to the consumers (setmaxnreg).
@@ -302,6 +325,10 @@ def _build_kernel_class():
             self.rebalance_registers = config.ctas_per_sm == 1
             self.producer_regs = 40
             self.consumer_regs = 232 if self.num_consumer_wg == 2 else 240
+            if comm is not None:
+                # Dispatch runs on every thread of the CTA; combine on the consumer warpgroups (named barrier).
+                self.ep_all = ep_comm.EpPhases(comm, self.threads)
+                self.ep_cons = ep_comm.EpPhases(comm, 128 * self.num_consumer_wg, barrier_id=COMBINE_BARRIER)
 
         @cute.jit
         def __call__(
@@ -322,8 +349,15 @@ def _build_kernel_class():
             num_groups: Int32,
             max_m: Int32,  # rows per group slab ("masked"), else unused
             clamp: Float32,  # "swiglu_fp8" with clamp: gate <= clamp, |up| <= clamp; +inf = no clamp
-            sync: Int64,  # "l1_l2": address of int32 [E + 2] zeroed counters (left zeroed); else unused
+            sync: Int64,  # "l1_l2": address of zeroed int32 counters (``sync_words``; left zeroed); else unused
             timeout_ns: Int64,  # "l1_l2", debug build: spin-wait limit (0: none), then printf + trap
+            me: Int32,  # Mega MoE (``comm``): this rank, its tokens, its SymmBuffer base, the peers' bases (int64
+            num_tokens: Int32,  # [R] device array), the recv stats (int32 [E], 0: none), the debug record
+            base: Int64,  # (host-mapped int64 [CTAs, 8]) and y (bf16 [T, H]); else unused
+            peers: Int64,
+            stats: Int64,
+            record: Int64,
+            y: Int64,
             num_ctas: Int32,
             stream,
         ):
@@ -378,6 +412,7 @@ def _build_kernel_class():
                 sOut: cute.struct.Align[  # "l1_l2": shares sAct's bytes (see kernel())
                     cute.struct.MemRange[cutlass.BFloat16, tt * self.out_stride if self.scatter and not self.fused else 8], 16
                 ]
+                sComm: cute.struct.Align[cute.struct.MemRange[Int32, max(mega_smem_bytes(self.comm) // 4, 1)], 16]
 
             self.shared_storage = SharedStorage
             self.tx_bytes = tt * K_CHUNK * a_dtype.width // 8 + tn * CHUNK_BYTES + 16 * tn + (0 if self.bf16 else 16 * tt)
@@ -385,6 +420,7 @@ def _build_kernel_class():
             self.kernel(
                 tma_a, tA, tma_w, tW, tma_sfw, tSFW, tma_sfa, tSFA, *second,
                 mD, mDSF, mRowW, mRowAddr, mGroupA, mGroupB, num_groups, max_m, clamp, sync, timeout_ns,
+                me, num_tokens, base, peers, stats, record, y,
                 tiled_mma, a_layout, w_layout, sfw_layout, sfa_layout,
             ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=self.cfg.ctas_per_sm,
                      stream=stream)
@@ -494,6 +530,13 @@ def _build_kernel_class():
             clamp: Float32,
             sync: Int64,
             timeout_ns: Int64,
+            me: Int32,
+            num_tokens: Int32,
+            base: Int64,
+            peers: Int64,
+            stats: Int64,
+            record: Int64,
+            y: Int64,
             tiled_mma: cute.TiledMma,
             a_layout: cute.ComposedLayout,
             w_layout: cute.Layout,
@@ -544,6 +587,22 @@ def _build_kernel_class():
                     sOut = storage.sOut.get_tensor(out_layout)
 
             total_rows = Int32(tA.shape[0])
+            call = Int32(0)
+            if cutlass.const_expr(self.comm is not None):
+                # Mega MoE dispatch steps 1-3 on every thread (ep_comm): the expert offsets come from the counts in
+                # shared memory (they replace mGroupA); the pull (step 4) overlaps the tiles (warps 2 and 3).
+                offs = storage.sComm.get_tensor(cute.make_layout(self.ep_all.num_local + 1))
+                t_src = cute.make_tensor(offs.iterator + (self.ep_all.num_local + 1), cute.make_layout(2))
+                lane = cute.arch.lane_idx()
+                call = self.ep_all.current_call(base)
+                if bidx == 0:
+                    self.ep_all.announce(me, num_tokens, peers, call, tidx)
+                self.ep_all.scan(me, base, peers, call, t_src, tidx, bidx, gdim, record, timeout_ns)
+                self.ep_all.grid_barrier(sync + Int64(2 * num_groups + 2) * 4, gdim, 0, ep_comm.SITE_D_BARRIER, tidx, me,
+                                         record, timeout_ns)
+                total = self.ep_all.expert_offsets(offs, base, stats, tidx, lane, bidx, False, me, record)
+                cute.arch.sync_threads()
+                mGroupA = offs
             # (k_tiles, n_tiles) of each GEMM; the second is the first's unless fused.
             k_tiles = Int32(tA.shape[1]) // K_CHUNK
             n_tiles = Int32(cute.size(tW, mode=[0])) // tn
@@ -563,6 +622,13 @@ def _build_kernel_class():
                 if cutlass.const_expr(self.fused):
                     if warp_idx == 1:
                         self.signaller(mGroupA, mGroupB, num_groups, max_m, total_rows, dims, sync, bidx, gdim)
+                if cutlass.const_expr(self.comm is not None):
+                    if warp_idx >= 2:
+                        # Mega MoE pull: every unit counted on its expert's counter, for the L1 tiles' producers.
+                        # They all finish before combine's grid barrier: every pulled row's expert has L1 tiles,
+                        # each of which waited for all of its expert's units.
+                        self.ep_all.pull(me, base, peers, mGroupA, total, bidx * 2 + (warp_idx - 2), gdim * 2,
+                                         cute.arch.lane_idx(), record, sync + Int64(num_groups + 2) * 4, True)
             else:
                 if cutlass.const_expr(self.rebalance_registers):
                     cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -570,8 +636,18 @@ def _build_kernel_class():
                     ab_pipeline, tiled_mma, tidx - 128, sA, sW, sSFW, sSFA, sAct, sOut, mD, mDSF, mRowW, mRowAddr,
                     mGroupA, mGroupB, num_groups, max_m, clamp, total_rows, dims, sync, bidx, gdim,
                 )
+                if cutlass.const_expr(self.comm is not None):
+                    # Mega MoE combine on the consumer warpgroups (ep_comm steps 2-3): every row of every CTA is
+                    # stored and fenced (sys) by its thread once all CTAs pass this barrier.
+                    ctidx = tidx - 128
+                    num_warps = self.ep_cons.warps
+                    self.ep_cons.grid_barrier(sync + Int64(2 * num_groups + 2) * 4, 2 * gdim, 1, ep_comm.SITE_C_BARRIER,
+                                              ctidx, me, record, timeout_ns)
+                    self.ep_cons.exchange_done(me, base, peers, call, ctidx, bidx, record, timeout_ns)
+                    self.ep_cons.sum_tokens(base, num_tokens, y, bidx * num_warps + ctidx // 32, gdim * num_warps,
+                                            cute.arch.lane_idx())
             if cutlass.const_expr(self.fused):
-                self.reset_counters(sync, num_groups, warp_idx, gdim)
+                self.reset_counters(sync, num_groups, warp_idx, gdim, base, call)
 
         @cute.jit
         def next_tile(self, t: Int32, phase: Int32, e: Int32, base: Int32, t_off: Int32, dims, num_groups: Int32,
@@ -604,19 +680,47 @@ def _build_kernel_class():
             return sync + Int64(e) * 4, m_tiles * dims[1]
 
         @cute.jit
-        def wait_first_gemm(self, addr: Int64, target: Int32, e: Int32, timeout_ns: Int64):
-            """Fused: spin until group e's counter at ``addr`` reaches ``target`` (acquire), then order the async
-            proxy (TMA) after it. Debug build: with ``timeout_ns`` > 0, expiry printf's the wait and traps."""
+        def wait_counter(self, addr: Int64, target: Int32, e: Int32, timeout_ns: Int64, what: cutlass.Constexpr):
+            """Fused: spin until group e's counter at ``addr`` (``what`` it counts) reaches ``target`` (acquire),
+            then order the async proxy (TMA) after it. Debug build: with ``timeout_ns`` > 0, expiry printf's the
+            wait and traps."""
             seen = ptx.spin_until(addr, target, False, "gpu", timeout_ns, self.debug)
             if cutlass.const_expr(self.debug):
                 if ptx.behind(seen, target) != 0:
                     cute.printf(
                         "megamoe debug: fused grouped GEMM CTA %d (SM %d) role producer: timed out: waits "
-                        "first-GEMM tiles of group %d: count >= %d, sees %d",
+                        + what + " of group %d: count >= %d, sees %d",
                         cute.arch.block_idx()[0], ptx.smid(), e, target, seen,
                     )
                     ptx.trap()
             cute.arch.fence_proxy("async.global")
+
+        @cute.jit
+        def load_tile(self, ab_pipeline, state, ops, parts, e: Int32, n_tile: Int32, k_tiles: Int32, ahead: Int32,
+                      addr: Int64, target: Int32, timeout_ns: Int64, what: cutlass.Constexpr):
+            """Fused: the TMA loads of a tile whose token rows other CTAs produce in this launch. The first ``ahead``
+            chunks (at most ``stages``: they need no stage of this tile released) load their weights, then the wait
+            for the group's counter (``wait_counter``), then their tokens; the rest load both. ``ahead`` = 0: the
+            rows are known ready (acquired, proxy-fenced). ``ops``: the GEMM's TMA atoms and tensors, ``parts``: its
+            (tAg, tAs, tWg, tWs, tSFWg, tSFWs) partitions. Returns the advanced pipeline state."""
+            tAg, tAs, tWg, tWs, tSFWg, tSFWs = parts
+            pending = state.clone()
+            for kt in cutlass.range(ahead, unroll=1):
+                ab_pipeline.producer_acquire(state)
+                self.load_chunk(ab_pipeline, state, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile, False, True)
+                ab_pipeline.producer_commit(state)
+                state.advance()
+            if ahead > 0:
+                self.wait_counter(addr, target, e, timeout_ns, what)
+            for kt in cutlass.range(ahead, unroll=1):
+                self.load_chunk(ab_pipeline, pending, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile, True, False)
+                pending.advance()
+            for kt in cutlass.range(ahead, k_tiles, unroll=1):
+                ab_pipeline.producer_acquire(state)
+                self.load_chunk(ab_pipeline, state, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile, True, True)
+                ab_pipeline.producer_commit(state)
+                state.advance()
+            return state
 
         def signal_barrier(self, wg):
             """Named barrier 3 + wg: consumer warpgroup wg (128 threads) and the signal warp (32), once per
@@ -646,9 +750,10 @@ def _build_kernel_class():
                 )
 
         @cute.jit
-        def reset_counters(self, sync: Int64, num_groups: Int32, warp_idx: Int32, gdim: Int32):
-            """Fused, at the end: the last CTA to finish (all its tiles done, its waits over) zeroes the
-            ``num_groups + 2`` counters (``sync[E]`` counts finished CTAs) for the next launch."""
+        def reset_counters(self, sync: Int64, num_groups: Int32, warp_idx: Int32, gdim: Int32, base: Int64, call: Int32):
+            """Fused, at the end: the last CTA to finish (all its tiles done, its waits over) zeroes the counters
+            (``sync_words``; ``sync[E]`` counts finished CTAs) for the next launch; Mega MoE: and ends the call
+            (``EpPhases.finish_call``)."""
             cute.arch.sync_threads()
             if warp_idx == 0:
                 lane = cute.arch.lane_idx()
@@ -657,8 +762,13 @@ def _build_kernel_class():
                     old = ptx.atom_add(sync + Int64(num_groups) * 4, 1, "acq_rel")
                 old = cute.arch.shuffle_sync(old, 0)
                 if old == gdim - 1:
-                    for i in cutlass.range(lane, num_groups + 2, 32, unroll=1):
+                    words = num_groups + 2
+                    if cutlass.const_expr(self.comm is not None):
+                        words = 2 * num_groups + 3
+                    for i in cutlass.range(lane, words, 32, unroll=1):
                         ptx.st_global_u32(sync + Int64(i) * 4, Int32(0))
+                    if cutlass.const_expr(self.comm is not None):
+                        self.ep_all.finish_call(base, call, lane, 32)
 
         @cute.jit
         def load_chunk(self, ab_pipeline, state, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile,
@@ -700,7 +810,7 @@ def _build_kernel_class():
             """Warp 0: TMA loads of every tile's K chunks. ``first``/``second``: (tma_a, tA, tma_w, tW, tma_sfw,
             tSFW) of the two GEMMs (second: all None unless fused). A second-GEMM tile first loads the weights of
             up to ``stages`` chunks (they do not depend on the first GEMM), then waits for its tokens' rows
-            (``wait_first_gemm``) and loads them."""
+            (``load_tile``); Mega MoE: a first-GEMM tile likewise waits for its rows' pulls."""
             tt = self.tile_tokens
             one = cute.make_layout(1)
             tWs, tWg, tSFWs, tSFWg = self.weight_partitions(first, sW, sSFW)
@@ -715,28 +825,40 @@ def _build_kernel_class():
             while valid:
                 if phase == 0:
                     tAs, tAg = self.token_partitions(first, row0, sA)
-                    tSFAs, tSFAg = None, None
-                    if cutlass.const_expr(not self.bf16):
-                        gSFA = cute.local_tile(cute.domain_offset((row0, 0), tSFA), (tt, 4), (0, None))
-                        tSFAs, tSFAg = cpasync.tma_partition(
-                            tma_sfa, 0, one, cute.group_modes(sSFA, 0, 2), cute.group_modes(gSFA, 0, 2)
-                        )
-                    for kt in cutlass.range(dims[0], unroll=1):
-                        ab_pipeline.producer_acquire(state)
-                        self.load_chunk(ab_pipeline, state, kt, first, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile,
-                                        True, True)
+                    if cutlass.const_expr(self.comm is not None):
+                        # Mega MoE: the tile's rows are this launch's pulls (``EpPhases.pull`` counts units).
+                        start, end = self.group_bounds(e, mGroupA, mGroupB, max_m, total_rows)
+                        addr = sync + Int64(num_groups + 2 + e) * 4
+                        target = (end - start) * self.ep_all.row_units
+                        ahead = Int32(0)
+                        if ptx.behind(ptx.ld_acquire(addr, False, "gpu"), target) != 0:
+                            ahead = cutlass.min(dims[0], Int32(self.stages))
+                        else:
+                            cute.arch.fence_proxy("async.global")
+                        state = self.load_tile(ab_pipeline, state, first, (tAg, tAs, tWg, tWs, tSFWg, tSFWs), e, n_tile,
+                                               dims[0], ahead, addr, target, timeout_ns, "pulled row units")
+                    else:
+                        tSFAs, tSFAg = None, None
                         if cutlass.const_expr(not self.bf16):
-                            bar = ab_pipeline.producer_get_barrier(state)
-                            cute.copy(tma_sfa, tSFAg[(None, kt // 4)], tSFAs[(None, state.index)], tma_bar_ptr=bar)
-                        ab_pipeline.producer_commit(state)
-                        state.advance()
+                            gSFA = cute.local_tile(cute.domain_offset((row0, 0), tSFA), (tt, 4), (0, None))
+                            tSFAs, tSFAg = cpasync.tma_partition(
+                                tma_sfa, 0, one, cute.group_modes(sSFA, 0, 2), cute.group_modes(gSFA, 0, 2)
+                            )
+                        for kt in cutlass.range(dims[0], unroll=1):
+                            ab_pipeline.producer_acquire(state)
+                            self.load_chunk(ab_pipeline, state, kt, first, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile,
+                                            True, True)
+                            if cutlass.const_expr(not self.bf16):
+                                bar = ab_pipeline.producer_get_barrier(state)
+                                cute.copy(tma_sfa, tSFAg[(None, kt // 4)], tSFAs[(None, state.index)], tma_bar_ptr=bar)
+                            ab_pipeline.producer_commit(state)
+                            state.advance()
                 else:
                     if cutlass.const_expr(self.fused):
                         tAs2, tAg2 = self.token_partitions(second, row0, sA)
                         addr, target = self.first_gemm_count(sync, e, dims, mGroupA, mGroupB, max_m, total_rows)
                         # Rows ready (always once all first-GEMM tiles are seen done, t_off of them): load chunks as
-                        # the first GEMM does. Else the weights of the first chunks (at most `stages`: they need no
-                        # stage of this tile released) are loaded before the wait, the tokens after it.
+                        # the first GEMM does. Else the weights of the first chunks are loaded before the wait.
                         ahead = Int32(0)
                         if all_done == 0:
                             if ptx.behind(ptx.ld_acquire(sync + Int64(num_groups + 1) * 4, False, "gpu"), t_off) == 0:
@@ -746,25 +868,8 @@ def _build_kernel_class():
                                 ahead = cutlass.min(dims[2], Int32(self.stages))
                             else:
                                 cute.arch.fence_proxy("async.global")
-                        pending = state.clone()
-                        for kt in cutlass.range(ahead, unroll=1):
-                            ab_pipeline.producer_acquire(state)
-                            self.load_chunk(ab_pipeline, state, kt, second, tAg2, tAs2, tWg2, tWs2, tSFWg2, tSFWs2,
-                                            e, n_tile, False, True)
-                            ab_pipeline.producer_commit(state)
-                            state.advance()
-                        if ahead > 0:
-                            self.wait_first_gemm(addr, target, e, timeout_ns)
-                        for kt in cutlass.range(ahead, unroll=1):
-                            self.load_chunk(ab_pipeline, pending, kt, second, tAg2, tAs2, tWg2, tWs2, tSFWg2, tSFWs2,
-                                            e, n_tile, True, False)
-                            pending.advance()
-                        for kt in cutlass.range(ahead, dims[2], unroll=1):
-                            ab_pipeline.producer_acquire(state)
-                            self.load_chunk(ab_pipeline, state, kt, second, tAg2, tAs2, tWg2, tWs2, tSFWg2, tSFWs2,
-                                            e, n_tile, True, True)
-                            ab_pipeline.producer_commit(state)
-                            state.advance()
+                        state = self.load_tile(ab_pipeline, state, second, (tAg2, tAs2, tWg2, tWs2, tSFWg2, tSFWs2), e,
+                                               n_tile, dims[2], ahead, addr, target, timeout_ns, "first-GEMM tiles")
                 t = t + gdim
                 phase, e, base, t_off, valid, row0, row_end, n_tile = self.next_tile(
                     t, phase, e, base, t_off, dims, num_groups, mGroupA, mGroupB, max_m, total_rows
@@ -1090,16 +1195,21 @@ def _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, group_a, group_b, sec
     )
 
 
-def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "bf16", debug: bool = False):
-    """Compile (and cache) the kernel for ``config`` (incl. its MMA mode), ``group_mode``, ``epilogue`` and
-    ``debug`` ("l1_l2" only: the build whose wait can time out and report; its wgmmas run serialized);
-    works on a CPU with ``CUTE_DSL_ARCH=sm_90a``. Shapes are dynamic: one compile serves every M, N, K, E."""
+def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "bf16", debug: bool = False, comm=None):
+    """Compile (and cache) the kernel for ``config`` (incl. its MMA mode), ``group_mode``, ``epilogue``,
+    ``debug`` ("l1_l2" only: the build whose waits can time out and report; its wgmmas run serialized) and
+    ``comm`` ("l1_l2" only: an ``ep_comm.EpCommConfig`` makes it the one-launch Mega MoE kernel for that buffer
+    layout, ``mega_moe_sm90``); works on a CPU with ``CUTE_DSL_ARCH=sm_90a``. Shapes are dynamic: one compile
+    serves every M, N, K, E."""
     if group_mode not in GROUP_MODES:
         fail("group_mode", f"must be one of {GROUP_MODES}, got {group_mode!r}")
     if epilogue not in EPILOGUES:
         fail("epilogue", f"must be one of {EPILOGUES}, got {epilogue!r}")
     if debug and epilogue != "l1_l2":
         fail("debug", f"applies to the 'l1_l2' epilogue only (the only kernel here that waits), got {epilogue!r}")
+    if comm is not None and (epilogue != "l1_l2" or group_mode != "offsets" or comm.debug != debug):
+        fail("comm", f"needs the 'l1_l2' epilogue, 'offsets' groups and the same debug flag, got {epilogue!r}, "
+             f"{group_mode!r}, debug={debug} vs {comm.debug}")
 
     def build():
         import cutlass
@@ -1128,13 +1238,14 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
         row_weights = torch.empty(m, dtype=torch.int64 if epilogue == "bf16_scatter" else torch.float32)
         groups = torch.zeros(e + 1, dtype=torch.int32)
         args = _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, groups, groups, second)
-        kernel = _kernel_class()(config, group_mode, epilogue, debug)
+        kernel = _kernel_class()(config, group_mode, epilogue, debug, comm)
+        z32, z64 = cutlass.Int32(0), cutlass.Int64(0)
         return cute.compile(
-            kernel, *args, cutlass.Int32(e), cutlass.Int32(m), cutlass.Float32(float("inf")), cutlass.Int64(0),
-            cutlass.Int64(0), cutlass.Int32(1), runtime.current_stream(),
+            kernel, *args, cutlass.Int32(e), cutlass.Int32(m), cutlass.Float32(float("inf")), z64, z64,
+            z32, z32, z64, z64, z64, z64, z64, cutlass.Int32(1), runtime.current_stream(),
         )
 
-    return runtime.compiled(("sm90_fp4_grouped_gemm", config, group_mode, epilogue, debug), build)
+    return runtime.compiled(("sm90_fp4_grouped_gemm", config, group_mode, epilogue, debug, comm), build)
 
 
 _DUMMIES: dict = {}
@@ -1274,9 +1385,10 @@ def _launch(config, group_mode, epilogue, a2, a_sf2, b, b_sf, out2, out_sf2, row
     elif out_sf2 is None:  # "swiglu_fp8_bf16" writes no scales
         out_sf2 = _dummies(a2.device)[0]
     args = _cute_args(a2, a_sf2, b, b_sf, out2, out_sf2, row_weights, group_a, group_b, second)
+    z32, z64 = cutlass.Int32(0), cutlass.Int64(0)
     kernel(*args, cutlass.Int32(num_groups), cutlass.Int32(max_m), cutlass.Float32(clamp),
-           cutlass.Int64(0 if sync is None else sync.data_ptr()), cutlass.Int64(timeout_ns),
-           cutlass.Int32(min(num_sms * config.ctas_per_sm, max_tiles)), runtime.current_stream())
+           cutlass.Int64(0 if sync is None else sync.data_ptr()), cutlass.Int64(timeout_ns), z32, z32, z64, z64, z64,
+           z64, z64, cutlass.Int32(min(num_sms * config.ctas_per_sm, max_tiles)), runtime.current_stream())
 
 
 def grouped_gemm_fp8_fp4_contiguous(
@@ -1500,14 +1612,43 @@ def grouped_gemm_fp8_fp4_l1_l2_contiguous(
     if not isinstance(timeout_ns, int) or timeout_ns < 0:
         fail("timeout_ns", f"must be a non-negative int (0: no limit), got {timeout_ns!r}")
     if sync is None:
-        sync = torch.zeros(e + 2, dtype=torch.int32, device=a.device)
-    check_tensor("sync", sync, dtype=torch.int32, shape=(e + 2,), device=a.device, contiguous=True)
+        sync = torch.zeros(sync_words(e), dtype=torch.int32, device=a.device)
+    check_tensor("sync", sync, dtype=torch.int32, shape=(sync_words(e),), device=a.device, contiguous=True)
     cfg = _resolve_config(config, m / max(e, 1), math.gcd(n1, k), k, "bf16")
     _check_device(a, b1=b1, b1_sf=b1_sf, b2=b2, b2_sf=b2_sf, act=act)
     max_tiles = (m // cfg.tile_tokens + e) * ((n1 + k) // cfg.tile_n)
     _launch(cfg, "offsets", "l1_l2", a, None, b1, b1_sf, act_k, None, row_weights, offsets, offsets, e, 0,
             _bf16_clamp(clamp), max_tiles, second=(act, b2, b2_sf, out_row_ptrs), sync=sync, timeout_ns=timeout_ns)
     return act
+
+
+def mega_moe_sm90(comm, a: torch.Tensor, b1: torch.Tensor, b1_sf: torch.Tensor, row_weights: torch.Tensor,
+                  b2: torch.Tensor, b2_sf: torch.Tensor, row_ptrs: torch.Tensor, act: torch.Tensor, offsets: torch.Tensor,
+                  clamp: float | None, config: GemmConfig, sync: torch.Tensor, me: int, num_tokens: int, base: int,
+                  peers: torch.Tensor, stats: torch.Tensor | None, record: int, y: torch.Tensor, timeout_ns: int) -> None:
+    """Launch the one-launch Mega MoE kernel (``megamoe.mega`` validates the arguments; no checks here).
+
+    ``grouped_gemm_fp8_fp4_l1_l2_contiguous`` on the SymmBuffer's ring (``a`` = ``l1_acts``, ``row_weights`` =
+    ``l1_topk_weights``, ``row_ptrs`` = ``ring_dest``, ``act`` = ``l2_acts``; ``offsets`` only fills the
+    group-bounds argument: the kernel computes the offsets itself) with the ``ep_comm`` phases around it, on
+    every CTA slot (``SMs * config.ctas_per_sm`` CTAs, all resident): dispatch (announce, scan, grid barrier,
+    expert offsets in shared memory, pull; each pulled unit counted per expert in ``sync``), the tiles (an L1
+    tile loads its first weight chunks, then waits for its rows' pulls), then combine on the consumer warpgroups
+    (grid barrier, done exchange, sum into ``y``) and the call's end. ``comm``: the buffer's
+    ``ep_comm.EpCommConfig`` (debug iff ``timeout_ns`` > 0); ``sync``: int32 ``[sync_words(E, mega=True)]`` zeros,
+    left zeroed; ``peers``: int64 [R] device array of the ranks' buffer bases; ``record``: host-mapped int64
+    ``[CTAs, 8]`` (debug reports)."""
+    import cutlass
+
+    kernel = compile_grouped_gemm(config, "offsets", "l1_l2", timeout_ns > 0, comm)
+    num_ctas = torch.cuda.get_device_properties(a.device).multi_processor_count * config.ctas_per_sm
+    m, inter = act.shape
+    args = _cute_args(a, None, b1, b1_sf, act.view(torch.int32).view(m, inter // 2), _dummies(a.device)[0], row_weights,
+                      offsets, offsets, (act, b2, b2_sf, row_ptrs))
+    kernel(*args, cutlass.Int32(b1.shape[0]), cutlass.Int32(0), cutlass.Float32(_bf16_clamp(clamp)),
+           cutlass.Int64(sync.data_ptr()), cutlass.Int64(timeout_ns), cutlass.Int32(me), cutlass.Int32(num_tokens),
+           cutlass.Int64(base), cutlass.Int64(peers.data_ptr()), cutlass.Int64(0 if stats is None else stats.data_ptr()),
+           cutlass.Int64(record), cutlass.Int64(y.data_ptr()), cutlass.Int32(num_ctas), runtime.current_stream())
 
 
 def grouped_gemm_fp8_fp4_swiglu_masked(

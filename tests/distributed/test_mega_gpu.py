@@ -1,4 +1,4 @@
-"""Mega MoE (staged, ``megamoe.mega``) on 1, 2 and 4 GPUs against the FP32 reference and the legacy path.
+"""Mega MoE (``megamoe.mega``: FP8 x FP4 in one launch, BF16 staged) on 1, 2 and 4 GPUs against the FP32 reference and the legacy path.
 
 A protocol bug hangs or traps (and so poisons) a CUDA context, so every test runs this file as a
 subprocess with a timeout (``python test_mega_gpu.py one|two|four|hang``) and shows its output on failure:
