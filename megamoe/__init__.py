@@ -1,7 +1,7 @@
 """megamoe: expert-parallel Mixture-of-Experts layers for multi-GPU inference.
 
 Public surface (see README.md): the SymmBuffer and its sizing helper, the Mega MoE path
-(``fp8_fp4_mega_moe``, staged for now), the legacy EP baseline, one-GPU decode (``moe_decode``,
+(``fp8_fp4_mega_moe``: one persistent kernel per rank), the legacy EP baseline, one-GPU decode (``moe_decode``,
 ``MoEDecoder``), the FP32 reference of the numerics
 contract, the data layouts (``megamoe.layouts``) and the model layer (``megamoe.nn``).
 """

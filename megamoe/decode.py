@@ -8,7 +8,7 @@
   (token, slot) pair streams its expert's rows on its own (SIMT kernels over the canonical weights); from
   there on the expert-major tensor-core kernels (``kernels.expert_major_decode``, both weights in the Mega
   MoE layout) read each routed expert once per batch.
-* ``"grouped"``: the staged Mega MoE on one rank (``megamoe.mega``: routing, contiguous expert groups,
+* ``"grouped"``: the Mega MoE on one rank (``megamoe.mega``: routing, contiguous expert groups,
   SM90 grouped GEMMs with the SwiGLU-quant epilogue, combine), after quantizing ``x`` to FP8 (the
   numerics contract of ``megamoe.numerics``). Its cost follows the distinct experts' weights.
 

@@ -289,7 +289,7 @@ def test_validation_errors():
         EPMoE(8, 2, HIDDEN, 128, 16, impl="mega")
     with pytest.raises(ValueError, match="`hidden` must be a multiple of 512 \\(impl='fused'"):
         EPMoE(8, 2, HIDDEN, 512, 16, impl="fused")
-    with pytest.raises(ValueError, match="`mode` must be one of \\('staged',\\) for impl 'fused'"):
+    with pytest.raises(ValueError, match="`mode` must be one of \\('mega',\\) for impl 'fused'"):
         EPMoE(8, 2, 512, 512, 16, impl="fused", mode="normal")
     with pytest.raises(ValueError, match="`mode` must be one of \\('normal', 'low_latency'\\) for impl 'legacy'"):
         EPMoE(8, 2, HIDDEN, 128, 16, mode="fast")
@@ -443,7 +443,7 @@ def test_cuda_graph_low_latency_gpu():
 
 @pytest.mark.gpu
 def test_fused_impl_gpu():
-    """impl="fused" (the staged Mega MoE) on one GPU: the contract's reference plus the shared expert,
+    """impl="fused" (the Mega MoE) on one GPU: the contract's reference plus the shared expert,
     then a CUDA graph of the layer replaying new inputs exactly like eager calls."""
     hidden = inter = 512
     layer, w1, w2, _ = _layer(impl="fused", mode=None, shared=128, device="cuda", hidden=hidden, inter=inter)

@@ -14,7 +14,7 @@ expert. The HBM ceiling is measured in the same run (``torch.sum`` over ``--hbm-
 torch's grouped GEMMs (FP8 rowwise ``torch._scaled_grouped_mm``, else BF16 ``torch._grouped_mm``) on
 the same routed rows: L1 and L2 GEMMs only (routing permutation and SwiGLU excluded), each checked,
 and megamoe's grouped path for the whole layer on one GPU (``MoEDecoder(..., path="grouped")``: FP8
-token quantization, then the staged Mega MoE on one rank with the SM90 grouped GEMMs), checked against
+token quantization, then the Mega MoE on one rank with the SM90 grouped GEMMs), checked against
 the FP32 reference of the FP8 contract. The two megamoe columns give the crossover ``MoEDecoder``'s
 ``auto`` path uses (``megamoe.decode.MEASURED_CROSSOVERS``), printed per expert set.
 Every time printed carries its run's correctness verdict.

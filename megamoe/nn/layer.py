@@ -12,9 +12,10 @@ Implementations (``impl``, ``mode``), chosen explicitly, never substituted:
 
 * ``"legacy"``: ``megamoe.LegacyMoE``; ``mode="normal"`` (one host sync, exact sizes) or
   ``"low_latency"`` (no host sync, CUDA-graph capturable).
-* ``"fused"``: ``megamoe.MegaMoE`` (``mode="staged"``: NVLink dispatch and combine kernels around the
-  grouped GEMMs; no host sync, CUDA-graph capturable after one eager call); Hopper GPUs; the FP8 x FP4
-  recipe needs H and I multiples of 512.
+* ``"fused"``: ``megamoe.MegaMoE`` (``mode="mega"``: FP8 x FP4 one persistent kernel per rank -- NVLink
+  dispatch, grouped GEMM tiles, NVLink combine --, BF16 those kernels staged around torch's grouped GEMMs;
+  no host sync, CUDA-graph capturable after one eager call); Hopper GPUs; the FP8 x FP4 recipe needs H and
+  I multiples of 512.
 
 The routed part runs as the custom op ``torch.ops.megamoe.ep_moe`` (with a fake impl), so
 ``torch.compile`` traces a layer without graph breaks. Construction and every call are collective
@@ -43,7 +44,7 @@ from ..numerics import check_activation_clamp
 from ..symm_buffer import SymmBuffer
 from .checkpoint import Checkpoint, expert_range, read_expert_weights, read_mlp_weights
 
-IMPLS = {"legacy": LegacyMoE.MODES, "fused": ("staged",)}
+IMPLS = {"legacy": LegacyMoE.MODES, "fused": ("mega",)}
 """Implementation -> its modes (the first is the default)."""
 
 _LAYERS: weakref.WeakValueDictionary[int, EPMoE] = weakref.WeakValueDictionary()
