@@ -1,10 +1,11 @@
-"""The Mega MoE schedule's formulas and the protocol simulator (random interleavings, small rings)."""
+"""The Mega MoE schedules' formulas and the protocol simulators (random interleavings): the bounded-ring task
+schedule (``Schedule``, rings much smaller than the work) and the one-launch kernel's (``tiles``)."""
 
 import random
 
 import pytest
 
-from megamoe.scheduler import Deadlock, ProtocolError, Schedule, Simulator
+from megamoe.scheduler import Deadlock, OneLaunchSimulator, ProtocolError, Schedule, Simulator, tiles
 from megamoe.scheduler.schedule import EMPTY, L1, L2, PULL, block_prefix, block_rows, expert_of_block
 
 
@@ -129,6 +130,81 @@ def test_a_rank_that_never_calls_is_named_in_the_hang_report():
     calls[1] = []  # rank 1 never launches
     with pytest.raises(Deadlock) as err:
         Simulator(Schedule(3, 2, block_m=2, n_l1=1, n_l2=1, ring_blocks=2), 2, 2, calls, seed=0).run()
+    report = str(err.value)
+    assert "role scan: waits ready[src=1] >= call 0, sees None" in report
+    assert "ranks that did not call: [1]" in report
+
+
+# ---------------------------------------------------------------------------------------------------
+# The one-launch kernel's schedule (scheduler.tiles) and its model
+
+
+def test_launch_tiles_cover_every_row_and_slice_once_l1_first():
+    rows, tt, n_l1, n_l2 = [5, 0, 1, 9, 0, 3], 4, 3, 2
+    order = tiles.launch_tiles(rows, tt, n_l1, n_l2)
+    gemms = [g for g, *_ in order]
+    assert gemms == sorted(gemms)  # every L1 tile before every L2 tile
+    starts = [sum(rows[:e]) for e in range(len(rows) + 1)]
+    for gemm, n_slices in ((1, n_l1), (2, n_l2)):
+        covered = {}
+        for g, e, row0, n in order:
+            if g == gemm:
+                assert starts[e] <= row0 < starts[e + 1] and (row0 - starts[e]) % tt == 0
+                for r in range(row0, min(row0 + tt, starts[e + 1])):
+                    covered[(r, n)] = covered.get((r, n), 0) + 1
+        assert covered == {(r, n): 1 for r in range(starts[-1]) for n in range(n_slices)}
+    for e, r in enumerate(rows):  # an L2 tile of e waits for exactly e's L1 tiles
+        assert tiles.l1_done_target(r, tt, n_l1) == sum(1 for g, x, *_ in order if g == 1 and x == e)
+
+
+@pytest.mark.parametrize("ranks,local,ctas,seed", [(1, 4, 3, 0), (1, 4, 1, 1), (2, 4, 2, 2), (2, 3, 4, 3), (8, 2, 2, 4), (72, 2, 2, 5)])
+def test_one_launch_protocol_completes(ranks, local, ctas, seed):
+    k = min(4, ranks * local)
+    calls = _calls(seed, ranks, local, k, tokens=(0, 1, 5, 12) if ranks < 72 else (0, 1, 3))
+    sim = OneLaunchSimulator(local, tile_tokens=2, n_l1=2, n_l2=3, row_units=2, num_topk=k, ctas_per_rank=ctas,
+                             calls_per_rank=calls, seed=seed)
+    sim.run()
+    routed = sum(1 for calls_r in calls for call in calls_r for row in call for e in row if e >= 0)
+    assert routed > 0 and sum(sim.runs.values()) == len(sim.runs) > 0  # every tile ran once
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_launch_skewed_routing(seed):
+    calls = _calls(10 + seed, 2, 4, 3, tokens=(5, 9), masked=0.1, hot=3)  # every token on experts 0..2
+    OneLaunchSimulator(4, 3, 1, 2, 3, 3, 3, calls, seed=seed).run()
+
+
+class _EarlyL1(OneLaunchSimulator):
+    """Broken on purpose: an L1 tile starts one pulled unit early."""
+
+    def pulled_target(self, rows):
+        return max(super().pulled_target(rows) - 1, 0)
+
+
+class _EarlyL2(OneLaunchSimulator):
+    """Broken on purpose: an L2 tile starts one L1 tile early."""
+
+    def l1_done_target(self, rows):
+        return max(super().l1_done_target(rows) - 1, 0)
+
+
+@pytest.mark.parametrize("broken", [_EarlyL1, _EarlyL2])
+def test_the_one_launch_model_catches_early_waits(broken):
+    caught = 0
+    for seed in range(12):
+        calls = _calls(seed, 2, 2, 2, tokens=(6, 9), masked=0.0)
+        try:
+            broken(2, 2, 3, 3, 2, 2, 4, calls, seed=seed).run()
+        except ProtocolError:
+            caught += 1
+    assert caught > 0
+
+
+def test_one_launch_hang_report_names_the_rank_that_never_calls():
+    calls = _calls(3, 3, 2, 2, tokens=(2, 4))
+    calls[1] = []
+    with pytest.raises(Deadlock) as err:
+        OneLaunchSimulator(2, 2, 1, 1, 2, 2, 2, calls, seed=0).run()
     report = str(err.value)
     assert "role scan: waits ready[src=1] >= call 0, sees None" in report
     assert "ranks that did not call: [1]" in report

@@ -45,7 +45,8 @@ Design:
   them). The decoded weights carry a factor 2**-16 (``BF16_ACC_SHIFT``); the FP32 accumulator is multiplied
   by 2**16 (exact) before the epilogue.
 * Groups: tile work items are (expert, token tile, weight tile), token tiles fastest (CTAs working at the
-  same time share the weight tile in L2); group bounds are read on device (no host sync, CUDA-graph safe).
+  same time share the weight tile in L2; ``scheduler.tiles`` holds this order and the fused waits' targets,
+  shared with the protocol model); group bounds are read on device (no host sync, CUDA-graph safe).
   Token tiles start at the group's first row, any alignment; rows past the group are loaded (TMA zero-fills
   past the tensor) but never stored: the epilogues store with a per-row predicate.
 * L1 and L2 in one launch (``grouped_gemm_fp8_fp4_l1_l2_contiguous``, epilogue "l1_l2", BF16 mode): the tile
@@ -286,6 +287,7 @@ def _build_kernel_class():
     from cutlass import Float32, Int32, Int64
     from cutlass.cute.nvgpu import cpasync, warpgroup
 
+    from ..scheduler import tiles
     from . import ep_comm, ptx
     from .sm90_fp4_decode import device_helpers
     from .warp_ops import nth_set_bit, warp_inclusive_sum
@@ -474,7 +476,7 @@ def _build_kernel_class():
                 tiles_g = Int32(0)
                 if g < num_groups:
                     start, end = self.group_bounds(g, mGroupA, mGroupB, max_m, total_rows)
-                    tiles_g = (end - start + self.tile_tokens - 1) // self.tile_tokens * n_tiles
+                    tiles_g = tiles.token_tiles(end - start, self.tile_tokens) * n_tiles
                 incl = warp_inclusive_sum(tiles_g, lane)
                 # Lanes past the last group add no tiles, so the lowest hit is always a real group.
                 hit = cute.arch.vote_ballot_sync(t < base + incl)
@@ -493,10 +495,8 @@ def _build_kernel_class():
             n_tile = Int32(0)
             if valid:
                 start, end = self.group_bounds(e, mGroupA, mGroupB, max_m, total_rows)
-                m_tiles = (end - start + self.tile_tokens - 1) // self.tile_tokens
-                local = t - base
-                n_tile = local // m_tiles
-                row0 = start + (local - n_tile * m_tiles) * self.tile_tokens
+                row0, n_tile = tiles.tile_coords(t - base, start, tiles.token_tiles(end - start, self.tile_tokens),
+                                                 self.tile_tokens)
                 row_end = end
             return e, base, valid, row0, row_end, n_tile
 
@@ -676,8 +676,7 @@ def _build_kernel_class():
             """Fused: (address, target) of group e's counter: each first-GEMM tile of the group adds 1 (release)
             once its rows are stored (``signaller``)."""
             start, end = self.group_bounds(e, mGroupA, mGroupB, max_m, total_rows)
-            m_tiles = (end - start + self.tile_tokens - 1) // self.tile_tokens
-            return sync + Int64(e) * 4, m_tiles * dims[1]
+            return sync + Int64(e) * 4, tiles.l1_done_target(end - start, self.tile_tokens, dims[1])
 
         @cute.jit
         def wait_counter(self, addr: Int64, target: Int32, e: Int32, timeout_ns: Int64, what: cutlass.Constexpr):
@@ -829,7 +828,7 @@ def _build_kernel_class():
                         # Mega MoE: the tile's rows are this launch's pulls (``EpPhases.pull`` counts units).
                         start, end = self.group_bounds(e, mGroupA, mGroupB, max_m, total_rows)
                         addr = sync + Int64(num_groups + 2 + e) * 4
-                        target = (end - start) * self.ep_all.row_units
+                        target = tiles.pulled_target(end - start, self.ep_all.row_units)
                         ahead = Int32(0)
                         if ptx.behind(ptx.ld_acquire(addr, False, "gpu"), target) != 0:
                             ahead = cutlass.min(dims[0], Int32(self.stages))

@@ -1,8 +1,10 @@
-"""The Mega MoE schedule: tasks, ring slots and the counters that order them. One source of truth.
+"""A Mega MoE task schedule over a ring smaller than the work: tasks, ring slots and the counters that order them.
 
-Every formula here is written once, over an ``ops`` namespace (``min``, ``max``, ``select``), so the
-same functions run on Python ints in the protocol simulator (``PY_OPS``) and on DSL integers inside
-the fused kernel. Nothing branches on a value; loops have static trip counts.
+The design for ring reuse within a call, proven by ``simulator.Simulator``; the one-launch kernel does not
+run it yet (its ring holds every row a rank can receive; its schedule is ``scheduler.tiles``). Every formula
+is written once, over an ``ops`` namespace (``min``, ``max``, ``select``), so it runs on Python ints
+(``PY_OPS``) and on DSL integers: ``expert_of_block`` is the kernel's (``ep_comm``'s pull finds a ring row's
+expert with it). Nothing branches on a value; loops have static trip counts.
 
 Per call and per rank (the expert side):
 

@@ -1,9 +1,10 @@
-"""Pure-Python model of the Mega MoE protocol: R ranks x S CTAs under random interleavings.
+"""Pure-Python models of the Mega MoE protocol: R ranks x S CTAs under random interleavings.
 
-Each CTA is a generator that yields at every point where another agent could run: before and after
-each shared-memory action, and at every spin-wait (with a predicate and a description). A seeded
-scheduler resumes a random runnable CTA each step. The model follows the fused kernel's phases and
-uses ``schedule.Schedule`` for every task, ring and counter formula:
+Each agent (a CTA, or one of its warps) is a generator that yields at every point where another agent could
+run: before and after each shared-memory action, and at every spin-wait (with a predicate and a
+description). A seeded scheduler resumes a random runnable agent each step. ``OneLaunchSimulator`` models
+the one-launch kernel with ``scheduler.tiles`` (its class docstring); ``Simulator`` models the bounded-ring
+task schedule (``schedule.Schedule``, every task, ring and counter formula from it):
 
 1. announce: CTA 0 publishes ``ready[me] = (call, T)`` into every rank's workspace (release);
 2. scan: CTAs claim (source rank, token chunk) items, wait for that source's ``ready``, read its
@@ -31,6 +32,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from . import tiles
 from .schedule import EMPTY, L1, PULL, Schedule, block_prefix, block_rows, expert_of_block
 
 SCAN_CHUNK = 4  # tokens per scan work item
@@ -75,6 +77,8 @@ class Rank:
     ring_l2: dict = field(default_factory=dict)
     combine: dict = field(default_factory=dict)  # (slot, token, n2) -> (call, src, token, slot)
     outputs: list = field(default_factory=list)  # per call: {token: slots combined}
+    exits: int = 0  # one launch: CTAs finished
+    ctas: dict = field(default_factory=dict)  # one launch: CTA -> {"offsets": row starts or None, "pulls_done"}
 
 
 class Simulator:
@@ -113,29 +117,22 @@ class Simulator:
         rk.counters = [[0] * s.ring_blocks for _ in range(3)]
         rk.next_scan = rk.next_task = 0
 
-    # -- one CTA ---------------------------------------------------------------------------------
-    def _barrier(self, agent, rk: Rank, call: int, q: int) -> Iterator:
-        self._release(agent)
-        rk.barrier += 1
-        target = (call * 3 + q + 1) * self.ctas  # monotonic across calls: never reset
-        yield Wait("barrier", f"grid barrier {q} count >= {target}", lambda: rk.barrier >= target, lambda: rk.barrier)
+    # -- phases both protocols share -------------------------------------------------------------------
+    def _announce(self, rk: Rank, call: int) -> Iterator:
+        """CTA 0 publishes ``ready[me] = (call, T)`` into every rank."""
+        for peer in self.ranks:
+            peer.ready[rk.index] = (call, len(rk.inputs))
+            yield None
 
-    def _cta(self, rk: Rank, cta: int, call: int) -> Iterator:
-        s, agent = self.s, (rk.index, cta)
-        me, e_l = rk.index, s.num_local_experts
-        t_me = len(rk.inputs)
-        if cta == 0:  # 1. announce
-            for peer in self.ranks:
-                peer.ready[me] = (call, t_me)
-                yield None
-
-        # 2. scan: (source, chunk) items
+    def _scan(self, agent, rk: Rank, call: int) -> Iterator:
+        """Claim (source, token chunk) items; append the entries naming a local expert to its pool."""
+        me, e_l = rk.index, len(rk.counts)
         chunks = -(-self.t_max // SCAN_CHUNK)
         while True:
             item = rk.next_scan
             rk.next_scan += 1
             yield None
-            if item >= s.num_ranks * chunks:
+            if item >= len(self.ranks) * chunks:
                 break
             src, chunk = divmod(item, chunks)
             peer = self.ranks[src]
@@ -152,6 +149,45 @@ class Simulator:
                         rk.counts[le] += 1  # atomic add
                         self._store(agent, rk.pool[le], pos, (src, t, j))
                         yield None
+
+    def _combine(self, rk: Rank, cta: int, call: int, parts: int) -> Iterator:
+        """After the grid barrier that follows every row store: CTA 0 publishes ``done``, every CTA waits for
+        every rank's, then sums its share of the local tokens (``parts`` column parts per combine row)."""
+        me, e_l = rk.index, len(rk.counts)
+        if cta == 0:
+            for peer in self.ranks:
+                peer.done[me] = call
+                yield None
+        for d in range(len(self.ranks)):
+            yield Wait("combine", f"done[dst={d}] >= call {call}", lambda d=d: rk.done.get(d, -1) >= call,
+                       lambda d=d: rk.done.get(d))
+        for t in range(cta, len(rk.inputs), self.ctas):
+            combined = []
+            for j, e in enumerate(rk.inputs[t]):
+                if e < 0:
+                    continue
+                owner = e // e_l
+                for n2 in range(parts):
+                    if rk.combine.get((j, t, n2)) != (call, owner, t, j):
+                        raise ProtocolError(f"rank {me} call {call}: combine row (slot {j}, token {t}, part {n2}) = "
+                                            f"{rk.combine.get((j, t, n2))}, expected {(call, owner, t, j)}")
+                combined.append(j)
+            rk.outputs[call][t] = combined
+            yield None
+
+    # -- one CTA ---------------------------------------------------------------------------------
+    def _barrier(self, agent, rk: Rank, call: int, q: int) -> Iterator:
+        self._release(agent)
+        rk.barrier += 1
+        target = (call * 3 + q + 1) * self.ctas  # monotonic across calls: never reset
+        yield Wait("barrier", f"grid barrier {q} count >= {target}", lambda: rk.barrier >= target, lambda: rk.barrier)
+
+    def _cta(self, rk: Rank, cta: int, call: int) -> Iterator:
+        s, agent = self.s, (rk.index, cta)
+        me, e_l = rk.index, s.num_local_experts
+        if cta == 0:  # 1. announce
+            yield from self._announce(rk, call)
+        yield from self._scan(agent, rk, call)  # 2. scan
         yield from self._barrier(agent, rk, call, 0)
 
         # 3. pool blocks
@@ -213,26 +249,7 @@ class Simulator:
         yield from self._barrier(agent, rk, call, 1)
 
         # 5. done, 6. combine
-        if cta == 0:
-            for peer in self.ranks:
-                peer.done[me] = call
-                yield None
-        for d in range(s.num_ranks):
-            yield Wait("combine", f"done[dst={d}] >= call {call}", lambda d=d: rk.done.get(d, -1) >= call,
-                       lambda d=d: rk.done.get(d))
-        for t in range(cta, t_me, self.ctas):
-            combined = []
-            for j, e in enumerate(rk.inputs[t]):
-                if e < 0:
-                    continue
-                owner = e // e_l
-                for n2 in range(s.n_l2):
-                    if rk.combine.get((j, t, n2)) != (call, owner, t, j):
-                        raise ProtocolError(f"rank {me} call {call}: combine row (slot {j}, token {t}, part {n2}) = "
-                                            f"{rk.combine.get((j, t, n2))}, expected {(call, owner, t, j)}")
-                combined.append(j)
-            rk.outputs[call][t] = combined
-            yield None
+        yield from self._combine(rk, cta, call, s.n_l2)
         yield from self._barrier(agent, rk, call, 2)
         if cta == 0:
             self._reset(rk)
@@ -243,6 +260,10 @@ class Simulator:
         rk.inputs = rk.calls[call]  # the host's copy into the buffer: immediate, adversarial
         rk.inputs_call = call
         rk.outputs.append({})
+        return self._agents(rk, call)
+
+    def _agents(self, rk: Rank, call: int) -> list:
+        """The call's agents: ``[agent id (rank, CTA, ...), generator, current Wait]``."""
         return [[(rk.index, c), self._cta(rk, c, call), None] for c in range(self.ctas)]
 
     def run(self, max_steps: int = 10_000_000) -> None:
@@ -286,10 +307,134 @@ class Simulator:
     def _hang_report(self, live: dict) -> str:
         lines = ["Mega MoE protocol hang (model): every live CTA is waiting"]
         for r, agents in sorted(live.items()):
-            for (rank, cta), _, w in agents:
+            for agent, _, w in agents:
                 if w is not None:
-                    lines.append(f"  rank {rank} SM {cta} role {w.role}: waits {w.what}, sees {w.seen()}")
+                    lines.append(f"  rank {agent[0]} SM {agent[1]} role {w.role}: waits {w.what}, sees {w.seen()}")
         silent = [rk.index for rk in self.ranks if rk.call < max(len(x.calls) for x in self.ranks) and rk.index not in live]
         if silent:
             lines.append(f"  ranks that did not call: {silent}")
         return "\n".join(lines)
+
+
+class OneLaunchSimulator(Simulator):
+    """The one-launch kernel (``sm90_grouped_gemm.mega_moe_sm90``), with ``scheduler.tiles`` for its tile order
+    and wait targets. Per rank and call: every CTA announces (CTA 0), scans and passes grid barrier 0, takes the
+    expert offsets (row starts); then, as separate agents, its ``PULL_AGENTS`` pull warps (units ``gw, gw +
+    C * PULL_AGENTS, ...`` of the ring's rows, each stored then counted on ``pulled[e]``, release) and its
+    tile loop (tiles ``c, c + C, ...``: an L1 tile waits for ``pulled[e]``, stores its N-slice of every row
+    of its token tile into the L2 ring, then adds 1 to ``l1_done[e]`` (release); an L2 tile waits for
+    ``l1_done[e]`` and stores its N-slice of every row into the source rank's combine area). Then grid
+    barrier 1, the done exchange and the sum (``_combine``); the last CTA out, once its pull warps are done,
+    resets the rank's counters and counts. The ring holds every row (no reuse within a call), as the host
+    sizes it. Every datum is tagged (call, source rank, token, slot) and checked where it is read."""
+
+    PULL_AGENTS = 2
+
+    def __init__(self, num_local_experts: int, tile_tokens: int, n_l1: int, n_l2: int, row_units: int, num_topk: int,
+                 ctas_per_rank: int, calls_per_rank: list, seed: int = 0):
+        self.e_l, self.tile_tokens, self.n_l1, self.n_l2, self.row_units = num_local_experts, tile_tokens, n_l1, n_l2, row_units
+        super().__init__(None, num_topk, ctas_per_rank, calls_per_rank, seed)
+
+    # Wait targets (``scheduler.tiles``): methods so that tests can break them on purpose.
+    def pulled_target(self, rows: int) -> int:
+        return tiles.pulled_target(rows, self.row_units)
+
+    def l1_done_target(self, rows: int) -> int:
+        return tiles.l1_done_target(rows, self.tile_tokens, self.n_l1)
+
+    def _reset(self, rk: Rank) -> None:
+        rk.counts = [0] * self.e_l
+        rk.pool = [[None] * (len(self.ranks) * self.t_max) for _ in range(self.e_l)]
+        rk.counters = [[0] * self.e_l for _ in range(2)]  # pulled, l1_done
+        rk.next_scan = rk.barrier = rk.exits = 0
+
+    def _agents(self, rk: Rank, call: int) -> list:
+        rk.ctas = {c: {"offsets": None, "pulls_done": 0} for c in range(self.ctas)}
+        agents = []
+        for c in range(self.ctas):
+            agents.append([(rk.index, c), self._cta(rk, c, call), None])
+            agents += [[(rk.index, c, "pull", w), self._pull(rk, c, w, call), None] for w in range(self.PULL_AGENTS)]
+        return agents
+
+    def _launch_barrier(self, agent, rk: Rank, q: int) -> Iterator:
+        """Grid barrier q of the launch (its own counter, zeroed at the end of the launch)."""
+        self._release(agent)
+        rk.barrier += 1
+        target = (q + 1) * self.ctas
+        yield Wait("barrier", f"grid barrier {q} count >= {target}", lambda: rk.barrier >= target, lambda: rk.barrier)
+
+    def _row(self, rk: Rank, call: int, e: int, row: int, starts: list, what: str) -> tuple:
+        entry = rk.pool[e][row - starts[e]]
+        if entry is None:
+            raise ProtocolError(f"rank {rk.index} call {call}: {what} reads pool row {row} of expert {e} before it was visible")
+        return (call, *entry)
+
+    def _pull(self, rk: Rank, cta: int, w: int, call: int) -> Iterator:
+        agent, me = (rk.index, cta, "pull", w), rk.index
+        yield Wait("pull", "this CTA's expert offsets", lambda: rk.ctas[cta]["offsets"] is not None, lambda: None)
+        starts = rk.ctas[cta]["offsets"]
+        num_warps = self.ctas * self.PULL_AGENTS
+        for u in range(cta * self.PULL_AGENTS + w, starts[-1] * self.row_units, num_warps):
+            row, unit = divmod(u, self.row_units)
+            e = expert_of_block(row, starts, self.e_l)
+            tag = self._row(rk, call, e, row, starts, "a pull")
+            src = tag[1]
+            if self.ranks[src].inputs_call != call:
+                raise ProtocolError(f"rank {me} pulls rank {src}'s token {tag[2]} of call {self.ranks[src].inputs_call} "
+                                    f"in call {call}")
+            self._store(agent, rk.ring_l1, (row, unit), tag)
+            yield None
+            self._release(agent)
+            rk.counters[0][e] += 1
+            yield None
+        rk.ctas[cta]["pulls_done"] += 1
+
+    def _cta(self, rk: Rank, cta: int, call: int) -> Iterator:
+        agent, me = (rk.index, cta), rk.index
+        if cta == 0:
+            yield from self._announce(rk, call)
+        yield from self._scan(agent, rk, call)
+        yield from self._launch_barrier(agent, rk, 0)
+        starts = [sum(rk.counts[:e]) for e in range(self.e_l + 1)]
+        rk.ctas[cta]["offsets"] = starts
+        order = tiles.launch_tiles(rk.counts, self.tile_tokens, self.n_l1, self.n_l2)
+        for ti in range(cta, len(order), self.ctas):
+            gemm, e, row0, n = order[ti]
+            key = (me, call, ti)
+            self.runs[key] = self.runs.get(key, 0) + 1
+            rows = range(row0, min(row0 + self.tile_tokens, starts[e + 1]))
+            if gemm == 1:
+                target = self.pulled_target(rk.counts[e])
+                yield Wait("producer", f"pulled[{e}] >= {target}", lambda e=e, tg=target: rk.counters[0][e] >= tg,
+                           lambda e=e: rk.counters[0][e])
+                for row in rows:
+                    tag = self._row(rk, call, e, row, starts, "an L1 tile")
+                    for unit in range(self.row_units):
+                        if rk.ring_l1.get((row, unit)) != tag:
+                            raise ProtocolError(f"rank {me} call {call}: L1 tile of expert {e} reads ring row {row} unit "
+                                                f"{unit} = {rk.ring_l1.get((row, unit))}, expected {tag}")
+                    self._store(agent, rk.ring_l2, (row, n), tag)
+                    yield None
+                self._release(agent)
+                rk.counters[1][e] += 1
+            else:
+                target = self.l1_done_target(rk.counts[e])
+                yield Wait("producer", f"l1_done[{e}] >= {target}", lambda e=e, tg=target: rk.counters[1][e] >= tg,
+                           lambda e=e: rk.counters[1][e])
+                for row in rows:
+                    tag = self._row(rk, call, e, row, starts, "an L2 tile")
+                    for n1 in range(self.n_l1):
+                        if rk.ring_l2.get((row, n1)) != tag:
+                            raise ProtocolError(f"rank {me} call {call}: L2 tile of expert {e} reads L2 ring row {row} "
+                                                f"slice {n1} = {rk.ring_l2.get((row, n1))}, expected {tag}")
+                    _, src, t, j = tag
+                    self._store(agent, self.ranks[src].combine, (j, t, n), (call, me, t, j))
+                    yield None
+            yield None
+        yield from self._launch_barrier(agent, rk, 1)  # releases this CTA's row stores (fence.sys + barrier)
+        yield from self._combine(rk, cta, call, self.n_l2)
+        yield Wait("exit", "this CTA's pull warps", lambda: rk.ctas[cta]["pulls_done"] == self.PULL_AGENTS,
+                   lambda: rk.ctas[cta]["pulls_done"])
+        rk.exits += 1
+        if rk.exits == self.ctas:
+            self._reset(rk)
