@@ -389,6 +389,24 @@ class OneLaunchSimulator(Simulator):
             yield None
         rk.ctas[cta]["pulls_done"] += 1
 
+    def _tile_rows(self, rk: Rank, call: int, gemm: int, e: int, rows: range, starts: list) -> Iterator:
+        """A tile's wait (L1: ``pulled[e]``, L2: ``l1_done[e]``), then its input rows, each checked in every part
+        it reads (pull units, or L1 slices); returns ``[(row, tag)]``."""
+        counter, target = (0, self.pulled_target(rk.counts[e])) if gemm == 1 else (1, self.l1_done_target(rk.counts[e]))
+        ring, parts = (rk.ring_l1, self.row_units) if gemm == 1 else (rk.ring_l2, self.n_l1)
+        name = ("pulled", "l1_done")[counter]
+        yield Wait("producer", f"{name}[{e}] >= {target}", lambda: rk.counters[counter][e] >= target,
+                   lambda: rk.counters[counter][e])
+        out = []
+        for row in rows:
+            tag = self._row(rk, call, e, row, starts, f"an L{gemm} tile")
+            for part in range(parts):
+                if ring.get((row, part)) != tag:
+                    raise ProtocolError(f"rank {rk.index} call {call}: L{gemm} tile of expert {e} reads row {row} part "
+                                        f"{part} = {ring.get((row, part))}, expected {tag}")
+            out.append((row, tag))
+        return out
+
     def _cta(self, rk: Rank, cta: int, call: int) -> Iterator:
         agent, me = (rk.index, cta), rk.index
         if cta == 0:
@@ -403,33 +421,17 @@ class OneLaunchSimulator(Simulator):
             key = (me, call, ti)
             self.runs[key] = self.runs.get(key, 0) + 1
             rows = range(row0, min(row0 + self.tile_tokens, starts[e + 1]))
-            if gemm == 1:
-                target = self.pulled_target(rk.counts[e])
-                yield Wait("producer", f"pulled[{e}] >= {target}", lambda e=e, tg=target: rk.counters[0][e] >= tg,
-                           lambda e=e: rk.counters[0][e])
-                for row in rows:
-                    tag = self._row(rk, call, e, row, starts, "an L1 tile")
-                    for unit in range(self.row_units):
-                        if rk.ring_l1.get((row, unit)) != tag:
-                            raise ProtocolError(f"rank {me} call {call}: L1 tile of expert {e} reads ring row {row} unit "
-                                                f"{unit} = {rk.ring_l1.get((row, unit))}, expected {tag}")
+            tags = yield from self._tile_rows(rk, call, gemm, e, rows, starts)
+            for row, tag in tags:
+                if gemm == 1:
                     self._store(agent, rk.ring_l2, (row, n), tag)
-                    yield None
-                self._release(agent)
-                rk.counters[1][e] += 1
-            else:
-                target = self.l1_done_target(rk.counts[e])
-                yield Wait("producer", f"l1_done[{e}] >= {target}", lambda e=e, tg=target: rk.counters[1][e] >= tg,
-                           lambda e=e: rk.counters[1][e])
-                for row in rows:
-                    tag = self._row(rk, call, e, row, starts, "an L2 tile")
-                    for n1 in range(self.n_l1):
-                        if rk.ring_l2.get((row, n1)) != tag:
-                            raise ProtocolError(f"rank {me} call {call}: L2 tile of expert {e} reads L2 ring row {row} "
-                                                f"slice {n1} = {rk.ring_l2.get((row, n1))}, expected {tag}")
+                else:
                     _, src, t, j = tag
                     self._store(agent, self.ranks[src].combine, (j, t, n), (call, me, t, j))
-                    yield None
+                yield None
+            if gemm == 1:
+                self._release(agent)
+                rk.counters[1][e] += 1
             yield None
         yield from self._launch_barrier(agent, rk, 1)  # releases this CTA's row stores (fence.sys + barrier)
         yield from self._combine(rk, cta, call, self.n_l2)
