@@ -13,12 +13,12 @@ on the caller's stream, nothing else (no host sync, no host zeroing): ``kernels.
 every CTA slot of the GPU (two per SM for token tiles <= 16, else one; all resident), each CTA a TMA producer
 warp, a signal warp and one or two consumer warpgroups (BF16-operand wgmma with in-register FP4 decode):
 
-1. dispatch, all threads of every CTA (``ep_comm.EpPhases``): announce ``ready``, scan every rank's routing
+1. dispatch (``ep_comm.EpPhases``), all threads of every CTA: announce ``ready``, scan every rank's routing
    over NVLink, count and pool the rows of local experts, grid barrier, the expert offsets (exclusive prefix
-   of the counts) in each CTA's shared memory, then pull this CTA's share of the FP8 token rows + scales +
-   routing weights into the L1 ring (``l1_acts`` as exact BF16, ``l1_topk_weights``, and ``ring_dest``: where
-   each row's result goes), contiguous per expert; each pulled 2 KiB unit adds 1 (release) to its expert's
-   counter;
+   of the counts) in each CTA's shared memory; then warps 2 and 3 of every CTA, while the tiles run, pull the
+   FP8 token rows + scales + routing weights into the L1 ring (``l1_acts`` as exact BF16,
+   ``l1_topk_weights``, and ``ring_dest``: where each row's result goes), contiguous per expert; each pulled
+   2 KiB unit adds 1 (release) to its expert's counter;
 2. L1 and L2 tiles (as ``grouped_gemm_fp8_fp4_l1_l2_contiguous``): an L1 tile loads its first weight chunks,
    then waits (acquire) until its expert's rows are all pulled, then loads them; the L1 tiles write
    ``l2_acts``, the FP8-quantized SwiGLU outputs as their exact BF16 values (steps 1-5); an L2 tile streams its
@@ -203,7 +203,6 @@ def _state(buf: SymmBuffer) -> _State:
             fail("sym_buffer", "was never used by the Mega MoE path outside CUDA-graph capture: make one call "
                  "before capturing (it compiles the kernels and stores the peer addresses)")
         from .kernels.ep_comm import RECORD_WORDS
-
         from .kernels.sm90_grouped_gemm import sync_words
 
         num_ctas = torch.cuda.get_device_properties(buf.device).multi_processor_count
