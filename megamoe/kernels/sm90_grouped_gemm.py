@@ -1367,16 +1367,20 @@ def _check_operands(a, a_sf, b, b_sf, groups, counts=None, *, masked: bool, swig
 
 
 def _launch(config, group_mode, epilogue, a2, a_sf2, b, b_sf, out2, out_sf2, row_weights, group_a, group_b,
-            num_groups, max_m, clamp, max_tiles, second=None, sync=None, timeout_ns=0):
+            num_groups, max_m, clamp, max_tiles, second=None, sync=None, timeout_ns=0, mega=None):
     """Compile (cached) and launch one variant; ``second``/``sync``/``timeout_ns``: the "l1_l2" epilogue's
-    second-GEMM operands (``_cute_args``), its int32 [E + 2] zeroed counters and spin-wait limit (> 0: the
-    debug build)."""
-    if max_tiles <= 0 or a2.shape[0] == 0:
+    second-GEMM operands (``_cute_args``), its zeroed int32 counters (``sync_words``) and spin-wait limit (> 0:
+    the debug build). ``mega``: the Mega MoE kernel's ``(comm, me, num_tokens, base, peers, stats, record, y)``
+    (``mega_moe_sm90``): it runs on every CTA slot, tiles or not."""
+    if mega is None and (max_tiles <= 0 or a2.shape[0] == 0):
         return
     import cutlass
 
-    kernel = compile_grouped_gemm(config, group_mode, epilogue, timeout_ns > 0)
-    num_sms = torch.cuda.get_device_properties(a2.device).multi_processor_count
+    comm, *comm_args = (None, 0, 0, 0, None, None, 0, None) if mega is None else mega
+    kernel = compile_grouped_gemm(config, group_mode, epilogue, timeout_ns > 0, comm)
+    num_ctas = torch.cuda.get_device_properties(a2.device).multi_processor_count * config.ctas_per_sm
+    if mega is None:
+        num_ctas = min(num_ctas, max_tiles)
     if epilogue == "bf16":
         out_sf2, row_weights, _ = _dummies(a2.device)
     elif epilogue == "bf16_scatter":  # row_weights holds the row addresses
@@ -1384,10 +1388,16 @@ def _launch(config, group_mode, epilogue, a2, a_sf2, b, b_sf, out2, out_sf2, row
     elif out_sf2 is None:  # "swiglu_fp8_bf16" writes no scales
         out_sf2 = _dummies(a2.device)[0]
     args = _cute_args(a2, a_sf2, b, b_sf, out2, out_sf2, row_weights, group_a, group_b, second)
-    z32, z64 = cutlass.Int32(0), cutlass.Int64(0)
-    kernel(*args, cutlass.Int32(num_groups), cutlass.Int32(max_m), cutlass.Float32(clamp),
-           cutlass.Int64(0 if sync is None else sync.data_ptr()), cutlass.Int64(timeout_ns), z32, z32, z64, z64, z64,
-           z64, z64, cutlass.Int32(min(num_sms * config.ctas_per_sm, max_tiles)), runtime.current_stream())
+    me, num_tokens, base, peers, stats, record, y = comm_args
+    kernel(*args, cutlass.Int32(num_groups), cutlass.Int32(max_m), cutlass.Float32(clamp), cutlass.Int64(_address(sync)),
+           cutlass.Int64(timeout_ns), cutlass.Int32(me), cutlass.Int32(num_tokens), cutlass.Int64(base),
+           cutlass.Int64(_address(peers)), cutlass.Int64(_address(stats)), cutlass.Int64(record), cutlass.Int64(_address(y)),
+           cutlass.Int32(num_ctas), runtime.current_stream())
+
+
+def _address(t: torch.Tensor | None) -> int:
+    """A tensor's device address, 0 for None (the kernel's "absent")."""
+    return 0 if t is None else t.data_ptr()
 
 
 def grouped_gemm_fp8_fp4_contiguous(
@@ -1637,17 +1647,10 @@ def mega_moe_sm90(comm, a: torch.Tensor, b1: torch.Tensor, b1_sf: torch.Tensor, 
     ``ep_comm.EpCommConfig`` (debug iff ``timeout_ns`` > 0); ``sync``: int32 ``[sync_words(E, mega=True)]`` zeros,
     left zeroed; ``peers``: int64 [R] device array of the ranks' buffer bases; ``record``: host-mapped int64
     ``[CTAs, 8]`` (debug reports)."""
-    import cutlass
-
-    kernel = compile_grouped_gemm(config, "offsets", "l1_l2", timeout_ns > 0, comm)
-    num_ctas = torch.cuda.get_device_properties(a.device).multi_processor_count * config.ctas_per_sm
     m, inter = act.shape
-    args = _cute_args(a, None, b1, b1_sf, act.view(torch.int32).view(m, inter // 2), _dummies(a.device)[0], row_weights,
-                      offsets, offsets, (act, b2, b2_sf, row_ptrs))
-    kernel(*args, cutlass.Int32(b1.shape[0]), cutlass.Int32(0), cutlass.Float32(_bf16_clamp(clamp)),
-           cutlass.Int64(sync.data_ptr()), cutlass.Int64(timeout_ns), cutlass.Int32(me), cutlass.Int32(num_tokens),
-           cutlass.Int64(base), cutlass.Int64(peers.data_ptr()), cutlass.Int64(0 if stats is None else stats.data_ptr()),
-           cutlass.Int64(record), cutlass.Int64(y.data_ptr()), cutlass.Int32(num_ctas), runtime.current_stream())
+    _launch(config, "offsets", "l1_l2", a, None, b1, b1_sf, act.view(torch.int32).view(m, inter // 2), None,
+            row_weights, offsets, offsets, b1.shape[0], 0, _bf16_clamp(clamp), None, second=(act, b2, b2_sf, row_ptrs),
+            sync=sync, timeout_ns=timeout_ns, mega=(comm, me, num_tokens, base, peers, stats, record, y))
 
 
 def grouped_gemm_fp8_fp4_swiglu_masked(
