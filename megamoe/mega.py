@@ -15,14 +15,15 @@ warp, a signal warp and one or two consumer warpgroups (BF16-operand wgmma with 
 
 1. dispatch (``ep_comm.EpPhases``), all threads of every CTA: announce ``ready``, scan every rank's routing
    over NVLink, count and pool the rows of local experts, grid barrier, the expert offsets (exclusive prefix
-   of the counts) in each CTA's shared memory; then warps 2 and 3 of every CTA, while the tiles run, pull the
-   FP8 token rows + scales + routing weights into the L1 ring (``l1_acts`` as exact BF16,
-   ``l1_topk_weights``, and ``ring_dest``: where each row's result goes), contiguous per expert; each pulled
-   2 KiB unit adds 1 (release) to its expert's counter;
-2. L1 and L2 tiles (as ``grouped_gemm_fp8_fp4_l1_l2_contiguous``): an L1 tile loads its first weight chunks,
-   then waits (acquire) until its expert's rows are all pulled, then loads them; the L1 tiles write
-   ``l2_acts``, the FP8-quantized SwiGLU outputs as their exact BF16 values (steps 1-5); an L2 tile streams its
-   first weight chunks while it waits for the L1 tiles of its expert, and stores each BF16 row (step 6)
+   of the counts) and the pool blocks (each expert's rows cut into token tiles) in each CTA's shared memory;
+   then warps 2 and 3 of every CTA, while the tiles run, pull the FP8 token rows + scales + routing weights
+   into their block's rows of the bounded ring (``l1_acts`` as exact BF16, ``l1_topk_weights``, and
+   ``ring_dest``: where each row's result goes); each pulled 2 KiB unit adds 1 (release) to its block's
+   counter;
+2. L1 and L2 tiles (the tile order and every wait target: ``scheduler.tiles``): an L1 tile of a block loads
+   its first weight chunks, then waits (acquire) until the block's rows are all pulled, then loads them; the
+   L1 tiles write ``l2_acts``, the FP8-quantized SwiGLU outputs as their exact BF16 values (steps 1-5); an L2
+   tile streams its first weight chunks while it waits for the L1 tiles of its block, and stores each BF16 row (step 6)
    straight into its source rank's ``combine[slot, token]`` over NVLink (whole 128-byte lines); each storing
    thread ends with ``fence.acq_rel.sys``. The same values bit for bit as the legacy path's two launches
    (``grouped_gemm_fp8_fp4_swiglu_contiguous``, then ``grouped_gemm_fp8_fp4_contiguous``);
@@ -43,17 +44,22 @@ Why no rank overwrites what a peer still reads (all flags only grow, comparisons
   scan of call c (it published ``done`` for c, which the sender awaited); ``done`` of call c + 1 only
   after the rows of c + 1, hence after the receiver's ``ready`` of c + 1, hence after it finished c.
 * ``expert_counts``, ``pool`` and the rings are local and stream-ordered; the counts are zeroed at the
-  end of the call (after every CTA read them), with the kernel's own counters (per-expert pulls and L1
-  tiles, grid barrier); the call counter (``signals[0]``) never resets.
-* The ring holds every row a rank can receive: ``num_ring_tokens >= R * T_max * min(k, E/R)``, checked
-  on the host (experts of one token are distinct, as any top-k router makes them).
+  end of the call (after every CTA read them), with the kernel's own counters (per-block pulls, L1 and
+  L2 tiles, grid barrier); the call counter (``signals[0]``) never resets.
+* Within a call, the ring may be smaller than the rows received (any ``num_ring_tokens``, the token tile at
+  most half of it): when a call's rows do not fit, its blocks go in windows of half the ring and a pull into a
+  reused ring block first waits (acquire) until every L2 tile of the block before it there has finished
+  (those tiles signal then); the tile order makes that deadlock-free (``scheduler.tiles``, proven by the
+  model ``scheduler.Simulator``). A rank takes at most ``R * T_max * min(k, E/R)`` rows (experts of one
+  token are distinct, as any top-k router makes them; debug mode reports more).
 
 Memory ordering: rows stored to a peer, then ``fence.acq_rel.sys`` (by the storing thread, in an L2
 tile), a named barrier of the consumer warpgroups, a grid barrier (release / acquire, gpu scope), and the
 ``done`` flag stored with ``st.release.sys``; flags are read with ``ld.acquire.sys`` by one thread followed
 by a barrier before anyone reads the data (see ``kernels.ep_comm``). Pulled rows reach the TMA loads of
-other CTAs through the per-expert counters (warp barrier, ``fence.acq_rel.gpu`` + release add; acquire,
-then ``fence.proxy.async.global``), as the L1 rows reach the L2 tiles.
+other CTAs through the per-block counters (warp barrier, ``fence.acq_rel.gpu`` + release add; acquire,
+then ``fence.proxy.async.global``), as the L1 rows reach the L2 tiles and as a finished L2 tile frees its
+ring rows for the next pull.
 
 Debug mode (``debug=True`` or ``MEGAMOE_DEBUG=1``): every spin-wait times out after
 ``MEGAMOE_DEBUG_TIMEOUT_S`` seconds (default 10) and the kernels check the row codes they read; a
@@ -66,10 +72,11 @@ Hang diagnosis: rerun with ``MEGAMOE_DEBUG=1``. ``waits ready[src=r] >= c + 1, s
 r has not started call c (a missing or extra call there, or r is stuck earlier: read r's lines);
 ``waits done[dst=r]``: rank r has not finished pushing its rows of call c (read r's lines);
 ``waits grid barrier``: CTAs of this rank's own kernel are missing (not all resident: another kernel
-holds SMs) or stopped earlier; a bad pool code or an expert / ring overflow: corrupted
-protocol state or duplicate experts in a token's top-k; ``fused grouped GEMM ... waits pulled row units
-of group e`` or ``... waits first-GEMM tiles of group e`` (printf only: no host-mapped record): the pulls or
-the L1 tiles of local expert e never finished (not all CTAs resident, or a counter left dirty by an earlier
+holds SMs) or stopped earlier; a bad pool code or an expert / row-count overflow: corrupted
+protocol state or duplicate experts in a token's top-k; ``pull waits its ring block free``: the L2 tiles
+of an earlier block never finished; ``fused grouped GEMM ... waits pulled row units of pool block b`` or
+``... waits first-GEMM tiles of pool block b`` (printf only: no host-mapped record): the pulls or
+the L1 tiles of pool block b never finished (not all CTAs resident, or a counter left dirty by an earlier
 trapped launch).
 """
 
@@ -149,10 +156,11 @@ def check_mega_call(y, sym_buffer, stats, activation, activation_clamp, fast_mat
         raise TypeError(f"megamoe: `fast_math` must be a bool, got {type(fast_math).__name__}")
     r, e_l, k, t_max = lay.num_ranks, lay.num_local_experts, lay.num_topk, lay.num_max_tokens_per_rank
     worst = r * t_max * min(k, e_l)
-    if lay.num_ring_tokens < worst:
+    if mma_type == "bf16" and lay.num_ring_tokens < worst:  # staged: no ring reuse
         fail("sym_buffer", f"ring (num_ring_tokens = {lay.num_ring_tokens} rows of l1_acts / l2_acts) must hold "
-             f"every row a rank can receive, R * T_max * min(k, E/R) = {r} * {t_max} * {min(k, e_l)} = {worst}; "
-             f"allocate the buffer with num_ring_tokens >= {worst} or fewer num_max_tokens_per_rank")
+             f"every row a rank can receive for bf16_mega_moe (staged, no ring reuse), R * T_max * min(k, E/R) = "
+             f"{r} * {t_max} * {min(k, e_l)} = {worst}; allocate the buffer with num_ring_tokens >= {worst} or "
+             f"fewer num_max_tokens_per_rank")
     from .kernels.ep_comm import MAX_LOCAL_EXPERTS
 
     if e_l > MAX_LOCAL_EXPERTS:
@@ -161,6 +169,16 @@ def check_mega_call(y, sym_buffer, stats, activation, activation_clamp, fast_mat
     if y.numel() and y.data_ptr() % 16:
         fail("y", f"must start at a 16-byte aligned address (16-byte stores), got {y.data_ptr():#x}")
     return y.shape[0]
+
+
+def tile_config(layout, num_tokens: int):
+    """The one-launch kernel's ``GemmConfig`` for a call of ``num_tokens`` tokens on a buffer ``layout``: tiles from
+    the rows an expert gets when every rank routes T tokens uniformly (the ring's size would overstate them: it
+    bounds the worst case), the token tile at most half the ring (a reused ring needs two blocks)."""
+    from .kernels import sm90_grouped_gemm as sm90
+
+    rows_per_expert = min(layout.num_ranks * num_tokens * layout.num_topk / layout.num_experts, layout.num_ring_tokens // 2)
+    return sm90.select_config(rows_per_expert, math.gcd(2 * layout.intermediate_hidden, layout.hidden), layout.hidden)
 
 
 def check_fp4_operands(l1, l2, sym_buffer: SymmBuffer, recipe) -> None:
@@ -208,7 +226,7 @@ def _state(buf: SymmBuffer) -> _State:
         num_ctas = torch.cuda.get_device_properties(buf.device).multi_processor_count
         peers = torch.tensor(buf.peer_ptrs, dtype=torch.int64).to(buf.device)
         record = torch.zeros(2 * num_ctas, RECORD_WORDS, dtype=torch.int64, pin_memory=True)  # <= 2 CTAs per SM
-        gemm_sync = torch.zeros(sync_words(buf.layout.num_local_experts, mega=True), dtype=torch.int32, device=buf.device)
+        gemm_sync = torch.zeros(sync_words(buf.layout.num_local_experts, buf.layout), dtype=torch.int32, device=buf.device)
         st = _STATES[buf] = _State(peers, record, num_ctas, gemm_sync)
     return st
 
@@ -270,8 +288,9 @@ def fp8_fp4_mega_moe(
     """Fill ``y [T, H]`` (BF16) with the MoE output of the tokens in ``sym_buffer``'s input views.
 
     ``l1``, ``l2``: this rank's experts from ``transform_weights_for_mega_moe``. ``sym_buffer``: from
-    ``get_symm_buffer_for_mega_moe(..., mma_type="fp8xfp4")`` with the default ring (or any ring of
-    ``R * T_max * min(k, E/R)`` rows or more). ``cumulative_local_expert_recv_stats``: optional int32
+    ``get_symm_buffer_for_mega_moe(..., mma_type="fp8xfp4")``, any ring size (the default holds every row a
+    rank can receive up to 65536; a smaller ring is reused within the call, module docstring).
+    ``cumulative_local_expert_recv_stats``: optional int32
     ``[E/R]``, incremented by the rows each local expert received. ``recipe``: (1, 1, 32) only.
     ``activation_clamp``: ``gate <= c``, ``|up| <= c`` (rounded to BF16). ``fast_math``: allow
     approximate exp / reciprocal (the contract allows both; the SM90 SwiGLU epilogue's exp is used as is).
@@ -289,10 +308,7 @@ def fp8_fp4_mega_moe(
     buf, lay = sym_buffer, sym_buffer.layout
     st = _state(buf)
     num_tokens = y.shape[0]
-    # GEMM tiles from the rows an expert gets when every rank routes T tokens uniformly (the ring's size would
-    # overstate them: it bounds the worst case).
-    rows_per_expert = lay.num_ranks * num_tokens * lay.num_topk / lay.num_experts
-    cfg = sm90.select_config(rows_per_expert, math.gcd(2 * lay.intermediate_hidden, lay.hidden), lay.hidden)
+    cfg = tile_config(lay, num_tokens)
     sm90.mega_moe_sm90(
         ep_comm.EpCommConfig(lay, debug, stats is not None), buf.l1_acts, *l1, buf.l1_topk_weights, *l2,
         buf.ring_dest, buf.l2_acts, buf.expert_offsets, activation_clamp, cfg, st.gemm_sync, buf.rank, num_tokens,

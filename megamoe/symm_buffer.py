@@ -35,7 +35,8 @@ stored as their exact BF16 values, so every rounding point of the contract is ke
 
 ``ring`` (``num_ring_tokens``) bounds the rows in flight on the expert side; by default it holds
 every row a rank can receive (``R * T_max * min(k, E/R)``) up to ``DEFAULT_MAX_RING_TOKENS``,
-rounded up to ``RING_ALIGNMENT``.
+rounded up to ``RING_ALIGNMENT``. The one-launch FP8 x FP4 kernel works with any ring (it reuses ring
+blocks within a call when the rows do not fit: ``megamoe.mega``); the staged BF16 path needs every row.
 """
 
 from __future__ import annotations

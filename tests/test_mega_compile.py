@@ -122,10 +122,15 @@ def test_fast_math_and_debug_types(cpu_call):
         _call(cpu_call, debug="yes")
 
 
-def test_ring_too_small_names_the_buffer(cpu_call):
+def test_a_ring_smaller_than_the_rows_is_fine_except_staged(cpu_call):
+    """The one launch reuses ring blocks; the staged BF16 path needs a row for every received row."""
     small = get_symm_buffer_for_mega_moe(None, E, T_MAX * 4, K, H, I, num_ring_tokens=128, device="cpu")
+    with pytest.raises(ValueError, match="`y` must be a CUDA tensor"):
+        _call(cpu_call, sym_buffer=small)  # valid up to the device check
+    small_bf16 = get_symm_buffer_for_mega_moe(None, E, T_MAX * 4, K, H, I, num_ring_tokens=128, mma_type="bf16",
+                                              device="cpu")
     with pytest.raises(ValueError, match=r"`sym_buffer` ring \(num_ring_tokens = 128 .* = 256"):
-        _call(cpu_call, sym_buffer=small)
+        bf16_mega_moe(cpu_call["y"], torch.zeros(E, 2 * I, H).bfloat16(), torch.zeros(E, H, I).bfloat16(), small_bf16)
 
 
 def test_buffer_recipe_and_shapes(cpu_call):

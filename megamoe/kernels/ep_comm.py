@@ -19,14 +19,15 @@ dispatch:
   3. grid barrier 0; every CTA loads the counts and computes the exclusive prefix (smem); CTA 0 stores
      it as ``expert_offsets [E_l + 1]`` and adds the counts to the recv stats.
   4. pull: ring row ``r < offsets[E_l]`` belongs to expert ``e`` (binary search,
-     ``scheduler.schedule.expert_of_block``) and holds pool entry ``r - offsets[e]``; one warp per
+     ``scheduler.tiles.expert_of_block``) and holds pool entry ``r - offsets[e]``; one warp per
      (row, 2 KiB chunk of FP8) reads the chunk and its 64 packed UE8M0 scales from the source rank
      (16-byte loads, ``VECS_PER_LANE`` in flight per lane; half the lanes load one scale word each,
      shuffled to the lanes that need it) and stores it dequantized, exactly, as BF16 into
      ``l1_acts[r]`` (the BF16-mode GEMM operand); BF16 buffers (``mma_type="bf16"``) copy 2 KiB of
      BF16 per unit instead. Chunk 0's lane 0 also copies the routing weight into
      ``l1_topk_weights[r]`` and the address of the row's combine slot on its source rank
-     (``peers[src] + combine[j, t]``) into ``ring_dest[r]``.
+     (``peers[src] + combine[j, t]``) into ``ring_dest[r]``. The one-launch kernel pulls into its bounded
+     ring instead (``pull_ring``: rows at their pool block's ring rows, ``scheduler.tiles``).
 
 combine (after the L1 / L2 grouped GEMMs):
   1. push (the staged kernel; the one-launch kernel's L2 tiles store their rows there themselves): one warp
@@ -68,7 +69,7 @@ import torch
 from cutlass import Float32, Int32, Int64, cute, utils
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from ..scheduler.schedule import expert_of_block
+from ..scheduler import tiles
 from ..symm_buffer import SymmBufferLayout
 from . import ptx, runtime
 from .sm90_fp4_decode import device_helpers
@@ -94,13 +95,14 @@ SITES = (
     ("dispatch", "timed out: waits grid barrier %d: arrivals >= %d, sees %d"),
     ("dispatch", "pool code of ring row %d must be in [0, %d), got %d"),
     ("dispatch", "expert %d can take at most %d rows (pool row), got row %d: duplicate experts in a token's top-k?"),
-    ("dispatch", "ring holds %d rows, this call routes %d rows here (%d too many): duplicate experts in a token's top-k?"),
+    ("dispatch", "a rank takes at most %d rows, this call routes %d rows here (%d too many): duplicate experts in a token's top-k?"),
     ("combine", "timed out: waits grid barrier %d: arrivals >= %d, sees %d"),
     ("combine", "timed out: waits done[dst=%d] >= %d (call + 1), sees %d"),
+    ("dispatch", "timed out: pull waits its ring block free: L2 tiles done of pool block %d >= %d, sees %d"),
 )
 """Debug diagnostics: (role, message with index, expected, seen), shared by the kernels' printf and
 ``format_record``."""
-SITE_READY, SITE_D_BARRIER, SITE_POOL, SITE_EXPERT, SITE_RING, SITE_C_BARRIER, SITE_DONE = range(len(SITES))
+SITE_READY, SITE_D_BARRIER, SITE_POOL, SITE_EXPERT, SITE_ROWS, SITE_C_BARRIER, SITE_DONE, SITE_RING_FREE = range(len(SITES))
 
 
 def format_record(row: list[int]) -> str:
@@ -206,7 +208,7 @@ def _f32x2_bf16x2(lo, hi, *, loc=None, ip=None) -> Int32:
 DSL_OPS = SimpleNamespace(
     min=cutlass.min, max=cutlass.max, select=lambda c, a, b: Int32(cutlass.select_(c, Int32(a), Int32(b)))
 )
-"""``scheduler.schedule`` ops over DSL integers."""
+"""``scheduler.tiles`` ops over DSL integers."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -233,7 +235,7 @@ class EpPhases:
     the group is the whole CTA (``bar.sync 0``), else the named barrier the group synchronizes on. Every
     method takes the thread's index in the group (``tid``), the CTA's index and the grid size."""
 
-    def __init__(self, cfg: EpCommConfig, threads: int = THREADS, barrier_id: int | None = None):
+    def __init__(self, cfg: EpCommConfig, threads: int = THREADS, barrier_id: int | None = None, bounded_ring: bool = False):
         lay = cfg.layout
         self.cfg = cfg
         self.debug = cfg.debug
@@ -247,6 +249,11 @@ class EpPhases:
         self.hidden = lay.hidden
         self.t_max = lay.num_max_tokens_per_rank
         self.ring = lay.num_ring_tokens
+        self.max_rows = lay.num_ranks * lay.num_max_tokens_per_rank * min(lay.num_topk, lay.num_local_experts)
+        """Rows a rank can receive in a call (distinct experts per token)."""
+        self.row_limit = self.max_rows if bounded_ring else self.ring
+        """Rows a call may route here: a bounded ring (the one-launch kernel reuses ring blocks) takes any
+        rank's worth, else the ring holds them all."""
         self.pool_cap = lay.num_ranks * lay.num_max_tokens_per_rank  # rows per expert in ``pool``
         self.codes = self.pool_cap * lay.num_topk  # source codes lie in [0, codes)
         self.signals = cfg.offset("signals")
@@ -402,8 +409,8 @@ class EpPhases:
     def expert_offsets(self, offs: cute.Tensor, base: Int64, stats: Int64, tid: Int32, lane: Int32, cta: Int32,
                        store: cutlass.Constexpr, me: Int32, record: Int64) -> Int32:
         """Step 3 (after the scan's grid barrier): ``offs`` (shared, int32 [E_l + 1]) = the exclusive prefix of
-        the counts (clamped to the pool); CTA 0 adds the counts to the recv stats (``cfg.has_stats``) and, with
-        ``store``, writes ``expert_offsets`` (clamped to the ring). Returns the ring rows to pull."""
+        the counts (clamped to the pool), then clamped to ``row_limit``; CTA 0 adds the counts to the recv stats
+        (``cfg.has_stats``) and, with ``store``, writes ``expert_offsets``. Returns the rows to pull."""
         cfg = self.cfg
         counts = cfg.offset("expert_counts")
         for e in cutlass.range(tid, self.num_local, self.threads):
@@ -412,52 +419,85 @@ class EpPhases:
         if tid < WARP:
             self.warp_exclusive_scan(offs, lane)
         self.group_sync()
+        total = offs[self.num_local]
         if cutlass.const_expr(self.debug):  # noqa: SIM102 (compile-time test, then the runtime one)
-            if (cta == 0) & (tid == 0) & (offs[self.num_local] > self.ring):
-                self.fail(SITE_RING, me, record, Int32(self.ring), offs[self.num_local], offs[self.num_local] - self.ring)
+            if (cta == 0) & (tid == 0) & (total > self.row_limit):
+                self.fail(SITE_ROWS, me, record, Int32(self.row_limit), total, total - self.row_limit)
+        self.group_sync()  # every thread read the total before it is clamped
+        for e in cutlass.range(tid, self.num_local + 1, self.threads):
+            offs[e] = cutlass.min(offs[e], self.row_limit)
+        self.group_sync()
         if cta == 0:
             for e in cutlass.range(tid, self.num_local + 1, self.threads):
                 if cutlass.const_expr(store):
-                    ptx.st_global_u32(base + (cfg.offset("expert_offsets") + Int64(e) * 4), cutlass.min(offs[e], self.ring))
+                    ptx.st_global_u32(base + (cfg.offset("expert_offsets") + Int64(e) * 4), offs[e])
                 if cutlass.const_expr(cfg.has_stats):  # noqa: SIM102 (compile-time test, then the runtime one)
                     if e < self.num_local:
                         stat = stats + Int64(e) * 4
                         ptx.st_global_u32(stat, _ld_u32(stat) + _ld_u32(base + (counts + Int64(e) * 4)))
-        return cutlass.min(offs[self.num_local], self.ring)
+        return cutlass.min(total, self.row_limit)
+
+    @cute.jit
+    def fetch_unit(self, me: Int32, base: Int64, peers: Int64, e: Int32, entry: Int32, row: Int32, unit: Int32,
+                   lane: Int32, record: Int64):
+        """One warp: unit ``unit`` of local expert e's pool entry ``entry`` into ring row ``row`` (``l1_acts``); unit
+        0's lane 0 also stores the row's routing weight (``l1_topk_weights``) and combine slot (``ring_dest``)."""
+        cfg, k, hidden = self.cfg, self.topk, self.hidden
+        code = _ld_u32(base + (cfg.offset("pool") + (Int64(e) * self.pool_cap + entry) * 4))
+        self.check_pool_code(code, row, me, record)
+        src, q = self.decode(code)
+        t = q // k
+        peer = _ld_u64(peers + Int64(src) * 8)
+        dst = base + (cfg.offset("l1_acts") + Int64(row) * (hidden * 2))
+        if cutlass.const_expr(self.fp8):
+            self.pull_unit(peer + (cfg.offset("x") + Int64(t) * hidden),
+                           peer + (cfg.offset("x_sf") + Int64(t) * (hidden // 32)), dst, unit, lane)
+        else:
+            self.copy_unit(peer + (cfg.offset("x") + Int64(t) * (hidden * 2)), dst, hidden * 2 // VEC, unit, lane)
+        if (unit == 0) & (lane == 0):
+            weight = _ld_u32(peer + (cfg.offset("topk_weights") + Int64(q) * 4))
+            ptx.st_global_u32(base + (cfg.offset("l1_topk_weights") + Int64(row) * 4), weight)
+            j = q - t * k
+            slot = peer + (cfg.offset("combine") + (Int64(j) * self.t_max + Int64(t)) * (hidden * 2))
+            _st_u64(base + (cfg.offset("ring_dest") + Int64(row) * 8), slot)
 
     @cute.jit
     def pull(self, me: Int32, base: Int64, peers: Int64, offs: cute.Tensor, total: Int32, gw: Int32, num_warps: Int32,
-             lane: Int32, record: Int64, pulled: Int64, signal: cutlass.Constexpr):
-        """Step 4: warp ``gw`` of ``num_warps`` pulls units ``gw, gw + num_warps, ...`` of the ring's ``total`` rows
-        (``row_units`` per row, rows in expert order). With ``signal``, each unit ends with an arrival
-        (``ptx.arrive``, after a warp barrier) on its expert's counter ``pulled + 4 e``."""
-        cfg, k, hidden = self.cfg, self.topk, self.hidden
+             lane: Int32, record: Int64):
+        """Step 4 (staged): warp ``gw`` of ``num_warps`` pulls units ``gw, gw + num_warps, ...`` of the ring's
+        ``total`` rows (``row_units`` per row, rows in expert order, ring row = row)."""
         units = self.row_units
         for u in cutlass.range(gw, total * units, num_warps):
             row = u // units
-            unit = u - row * units
-            e = expert_of_block(row, offs, self.num_local, DSL_OPS)
-            code = _ld_u32(base + (cfg.offset("pool") + (Int64(e) * self.pool_cap + (row - offs[e])) * 4))
-            self.check_pool_code(code, row, me, record)
-            src, q = self.decode(code)
-            t = q // k
-            peer = _ld_u64(peers + Int64(src) * 8)
-            dst = base + (cfg.offset("l1_acts") + Int64(row) * (hidden * 2))
-            if cutlass.const_expr(self.fp8):
-                self.pull_unit(peer + (cfg.offset("x") + Int64(t) * hidden),
-                               peer + (cfg.offset("x_sf") + Int64(t) * (hidden // 32)), dst, unit, lane)
-            else:
-                self.copy_unit(peer + (cfg.offset("x") + Int64(t) * (hidden * 2)), dst, hidden * 2 // VEC, unit, lane)
-            if (unit == 0) & (lane == 0):
-                weight = _ld_u32(peer + (cfg.offset("topk_weights") + Int64(q) * 4))
-                ptx.st_global_u32(base + (cfg.offset("l1_topk_weights") + Int64(row) * 4), weight)
-                j = q - t * k
-                slot = peer + (cfg.offset("combine") + (Int64(j) * self.t_max + Int64(t)) * (hidden * 2))
-                _st_u64(base + (cfg.offset("ring_dest") + Int64(row) * 8), slot)
-            if cutlass.const_expr(signal):
-                cute.arch.sync_warp()
-                if lane == 0:
-                    ptx.arrive(pulled + Int64(e) * 4)
+            e = tiles.expert_of_block(row, offs, self.num_local, DSL_OPS)
+            self.fetch_unit(me, base, peers, e, row - offs[e], row, u - row * units, lane, record)
+
+    @cute.jit
+    def pull_ring(self, me: Int32, base: Int64, peers: Int64, offs: cute.Tensor, firsts: cute.Tensor, total: Int32,
+                  gw: Int32, num_warps: Int32, lane: Int32, record: Int64, tile_tokens: cutlass.Constexpr, period: Int32,
+                  n_l2: Int32, pulled: Int64, l2_done: Int64, timeout_ns: Int64):
+        """Step 4 into the one-launch kernel's bounded ring (``scheduler.tiles``): as ``pull``, rows in expert order,
+        expert e's row i in pool block ``b = firsts[e] + i // tile_tokens`` (``firsts``: shared int32 [E_l + 1],
+        the block prefix), at its ring row (``period`` 0: packed, the row itself); before a unit of a block
+        that reuses ring rows, every lane waits (acquire) for ``l2_done[prior] >= n_l2``; each unit ends with a
+        warp barrier and an arrival (``ptx.arrive``) on ``pulled[b]`` (int32 counters at ``pulled`` /
+        ``l2_done``, 4 bytes per block)."""
+        units = self.row_units
+        for u in cutlass.range(gw, total * units, num_warps):
+            row = u // units
+            e = tiles.expert_of_block(row, offs, self.num_local, DSL_OPS)
+            entry = row - offs[e]
+            pool_row = firsts[e] * tile_tokens + entry
+            block = pool_row // tile_tokens
+            prior = tiles.prior_block(block, period, DSL_OPS)
+            if prior >= 0:
+                self.wait_flag(l2_done + Int64(prior) * 4, n_l2, False, "gpu", SITE_RING_FREE, prior, me, record,
+                               timeout_ns)
+            ring_row = tiles.ring_row(block, firsts[e], offs[e], period, tile_tokens, DSL_OPS) + (pool_row - block * tile_tokens)
+            self.fetch_unit(me, base, peers, e, entry, ring_row, u - row * units, lane, record)
+            cute.arch.sync_warp()
+            if lane == 0:
+                ptx.arrive(pulled + Int64(block) * 4)
 
     @cute.jit
     def warp_exclusive_scan(self, offs: cute.Tensor, lane: Int32):
@@ -558,7 +598,7 @@ class Dispatch(EpPhases):
         self.grid_barrier(base + (self.signals + 4), (call * BARRIERS_PER_CALL + 1) * num_ctas, 0, SITE_D_BARRIER, tid,
                           me, record, timeout_ns)
         total = self.expert_offsets(offs, base, stats, tid, lane, cta, True, me, record)
-        self.pull(me, base, peers, offs, total, cta * WARPS + tid // WARP, num_ctas * WARPS, lane, record, Int64(0), False)
+        self.pull(me, base, peers, offs, total, cta * WARPS + tid // WARP, num_ctas * WARPS, lane, record)
 
 
 class Combine(EpPhases):

@@ -61,10 +61,15 @@ Design:
   makes ptxas serialize all its wgmmas (C7510), which had cost the release build up to 10% (CPU tests check
   every release variant's PTX for calls).
 * The Mega MoE kernel (``mega_moe_sm90``: "l1_l2" compiled with an ``ep_comm.EpCommConfig``) adds the
-  protocol around those tiles: all threads run dispatch steps 1-3 (the expert offsets land in shared memory
-  and replace ``offsets``), warps 2 and 3 pull the token rows while the tiles run (an L1 tile waits on its
-  expert's pulled-units counter as an L2 tile waits on its L1 tiles), and the consumer warpgroups run combine
-  after their last tile; the last CTA out also ends the call.
+  protocol around those tiles: all threads run dispatch steps 1-3 (the expert offsets and the pool-block
+  prefix land in shared memory and replace ``offsets``), warps 2 and 3 pull the token rows while the tiles
+  run, and the consumer warpgroups run combine after their last tile; the last CTA out also ends the call.
+  Its tiles follow ``scheduler.tiles`` over a bounded ring: per pool block (token tile) counters of pulled
+  units, L1 tiles and (when the call's rows exceed the ring and ring blocks are reused) L2 tiles; an L1 tile
+  waits on its block's pulls, an L2 tile on its block's L1 tiles, a pull into a reused ring block on the L2
+  tiles of the block before it there. Every warp finds tile t in closed form (phase arithmetic and a binary
+  search over the block prefix, ``mega_tile``), with no cursor held across the consumers' mainloop (with two
+  CTAs per SM a cursor there costs the registers the wgmmas need: ptxas C7512).
 
 What bounds small token tiles (H200, ncu, flash L1 EP8, 16 rows/expert, BF16 mode, before the changes
 below): instruction issue and memory together. A consumer warp spent ~217 SASS instructions per 128-K
@@ -227,14 +232,32 @@ class GemmConfig:
 
 def mega_smem_bytes(comm) -> int:
     """Shared memory the Mega MoE kernel adds (``comm``: its ``ep_comm.EpCommConfig``, or None): the expert
-    offsets (int32 [E_l + 1]) and the scan's two source token counts."""
-    return 0 if comm is None else -(-4 * (comm.layout.num_local_experts + 3) // 16) * 16
+    offsets (int32 [E_l + 1]), the scan's two source token counts, the pool-block prefix (int32 [E_l + 1]), the
+    ring geometry (``Sm90Fp4GroupedGemm.ring_geometry``: 4 int32) and the last-CTA flag."""
+    return 0 if comm is None else -(-4 * (2 * comm.layout.num_local_experts + 9) // 16) * 16
 
 
-def sync_words(num_groups: int, mega: bool = False) -> int:
-    """int32 counters of the fused launch's ``sync``: per group L1 tiles done [E], finished CTAs, L1 tiles done;
-    Mega MoE adds per group pulled row units [E] and a grid-barrier counter."""
-    return 2 * num_groups + 3 if mega else num_groups + 2
+MEGA_HEADER = 3
+"""Mega MoE ``sync`` words before the per-block counters: finished CTAs, L1 tiles done, grid-barrier arrivals."""
+L1_DONE, FINISHED, ALL_L1, GRID, PULLED, L2_DONE = range(6)
+"""The fused launch's counters (``Sm90Fp4GroupedGemm.word``)."""
+
+
+def mega_max_blocks(layout, tile_tokens: int) -> int:
+    """Most pool blocks of a Mega MoE call on ``layout`` (a ``SymmBufferLayout``) with ``tile_tokens``-row blocks."""
+    from ..scheduler import tiles
+
+    max_rows = layout.num_ranks * layout.num_max_tokens_per_rank * min(layout.num_topk, layout.num_local_experts)
+    return tiles.max_blocks(max_rows, tile_tokens, layout.num_local_experts)
+
+
+def sync_words(num_groups: int, layout=None) -> int:
+    """int32 counters of the fused launch's ``sync``: per group L1 tiles done [E], finished CTAs, L1 tiles done.
+    Mega MoE (``layout``: its ``SymmBufferLayout``): ``MEGA_HEADER`` words, then per pool block L1 tiles done,
+    pulled row units and L2 tiles done, each ``[mega_max_blocks]`` for the smallest token tile."""
+    if layout is None:
+        return num_groups + 2
+    return MEGA_HEADER + 3 * mega_max_blocks(layout, min(TILE_TOKENS_CHOICES["bf16"]))
 
 
 def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "bf16") -> GemmConfig:
@@ -329,7 +352,8 @@ def _build_kernel_class():
             self.consumer_regs = 232 if self.num_consumer_wg == 2 else 240
             if comm is not None:
                 # Dispatch runs on every thread of the CTA; combine on the consumer warpgroups (named barrier).
-                self.ep_all = ep_comm.EpPhases(comm, self.threads)
+                self.ep_all = ep_comm.EpPhases(comm, self.threads, bounded_ring=True)
+                self.max_blocks = mega_max_blocks(comm.layout, self.tile_tokens)
                 self.ep_cons = ep_comm.EpPhases(comm, 128 * self.num_consumer_wg, barrier_id=COMBINE_BARRIER)
 
         @cute.jit
@@ -495,10 +519,69 @@ def _build_kernel_class():
             n_tile = Int32(0)
             if valid:
                 start, end = self.group_bounds(e, mGroupA, mGroupB, max_m, total_rows)
-                row0, n_tile = tiles.tile_coords(t - base, start, tiles.token_tiles(end - start, self.tile_tokens),
-                                                 self.tile_tokens)
+                m, n_tile = tiles.tile_coords(t - base, tiles.token_tiles(end - start, self.tile_tokens))
+                row0 = start + m * self.tile_tokens
                 row_end = end
             return e, base, valid, row0, row_end, n_tile
+
+        @cute.jit
+        def geometry_words(self, firsts: cute.Tensor):
+            """Mega MoE: the 4 shared int32 after the block prefix ``firsts`` (pool blocks, window, ring period,
+            windows)."""
+            return cute.make_tensor(firsts.iterator + (self.ep_all.num_local + 1), cute.make_layout(4))
+
+        @cute.jit
+        def store_ring_geometry(self, offs: cute.Tensor, firsts: cute.Tensor, total_rows: Int32):
+            """Mega MoE, one thread, once the block prefix is complete: this call's ring geometry
+            (``scheduler.tiles.ring_layout`` for a ring of ``total_rows`` rows) into shared memory,
+            where the tile loops read it at each tile (values held in registers across the mainloop would cost
+            the consumer warps registers they do not have with two CTAs per SM)."""
+            geo = self.geometry_words(firsts)
+            num_blocks = Int32(firsts[self.ep_all.num_local])
+            window, period = tiles.ring_layout(Int32(offs[self.ep_all.num_local]), num_blocks, total_rows, self.tile_tokens,
+                                               ep_comm.DSL_OPS)
+            geo[0] = num_blocks
+            geo[1] = window
+            geo[2] = period
+            geo[3] = tiles.num_windows(num_blocks, window)
+
+        @cute.jit
+        def ring_geometry(self, firsts: cute.Tensor):
+            """Mega MoE: (pool blocks, window, ring period, windows) of this call (``store_ring_geometry``)."""
+            geo = self.geometry_words(firsts)
+            return Int32(geo[0]), Int32(geo[1]), Int32(geo[2]), Int32(geo[3])
+
+        @cute.jit
+        def ring_reused(self, firsts: cute.Tensor):
+            """Mega MoE: this call reuses ring blocks (more blocks than a window): L2 tiles signal too."""
+            geo = self.geometry_words(firsts)
+            return Int32(geo[1]) < Int32(geo[0])
+
+        @cute.jit
+        def mega_tile(self, t: Int32, dims, num_groups: Int32, offs: cute.Tensor, firsts: cute.Tensor):
+            """Mega MoE: tile ``t`` of the bounded-ring order (``scheduler.tiles``: phase p = window p's L1 tiles,
+            then window p - 1's L2 tiles; the phase in closed form). Returns (GEMM 0 / 1, expert e, valid, row0,
+            row_end, n_tile, block): ring rows [row0, row_end) of e's pool block ``block`` (``tiles.window_block``: a
+            binary search over the block prefix in shared memory, ``tiles.window_tile``). No cursor: values held
+            across the consumers' mainloop cost registers they do not have with two CTAs per SM."""
+            ops = ep_comm.DSL_OPS
+            n1, n2 = dims[1], dims[3]
+            nb, window, period, last = self.ring_geometry(firsts)
+            p = tiles.phase_of(t, window, nb, n1, n2, ops)
+            local = t - tiles.phase_start(p, window, nb, n1, n2, ops)
+            l1n = n1 * tiles.window_blocks(p, window, nb, ops)
+            gemm = Int32(cutlass.select_(local < l1n, Int32(0), Int32(1)))
+            n_tiles = Int32(cutlass.select_(gemm == 0, n1, n2))
+            local = local - gemm * l1n
+            w0 = (p - gemm) * window
+            e = Int32(tiles.expert_of_block(tiles.window_block(local, n_tiles, w0), firsts, self.ep_all.num_local, ops))
+            block, n_tile = tiles.window_tile(local, n_tiles, w0, cutlass.min(w0 + window, nb), firsts, e, ops)
+            valid = p <= last
+            f0 = Int32(firsts[e])
+            start = Int32(offs[e])
+            row0 = tiles.ring_row(block, f0, start, period, self.tile_tokens, ops)
+            row_end = row0 + tiles.block_rows(block, f0, Int32(offs[e + 1]) - start, self.tile_tokens, ops)
+            return gemm, e, valid, row0, row_end, n_tile, block
 
         # ------------------------------------------------------------------------------------------
 
@@ -588,21 +671,35 @@ def _build_kernel_class():
 
             total_rows = Int32(tA.shape[0])
             call = Int32(0)
+            flag = None
             if cutlass.const_expr(self.comm is not None):
                 # Mega MoE dispatch steps 1-3 on every thread (ep_comm): the expert offsets come from the counts in
-                # shared memory (they replace mGroupA); the pull (step 4) overlaps the tiles (warps 2 and 3).
-                offs = storage.sComm.get_tensor(cute.make_layout(self.ep_all.num_local + 1))
-                t_src = cute.make_tensor(offs.iterator + (self.ep_all.num_local + 1), cute.make_layout(2))
+                # shared memory (they replace mGroupA), then the pool-block prefix (replaces mGroupB); the pull
+                # (step 4) overlaps the tiles (warps 2 and 3).
+                num_local = self.ep_all.num_local
+                offs = storage.sComm.get_tensor(cute.make_layout(num_local + 1))
+                t_src = cute.make_tensor(offs.iterator + (num_local + 1), cute.make_layout(2))
+                firsts = cute.make_tensor(offs.iterator + (num_local + 3), cute.make_layout(num_local + 1))
+                flag = cute.make_tensor(offs.iterator + (2 * num_local + 8), cute.make_layout(1))
                 lane = cute.arch.lane_idx()
                 call = self.ep_all.current_call(base)
                 if bidx == 0:
                     self.ep_all.announce(me, num_tokens, peers, call, tidx)
                 self.ep_all.scan(me, base, peers, call, t_src, tidx, bidx, gdim, record, timeout_ns)
-                self.ep_all.grid_barrier(sync + Int64(2 * num_groups + 2) * 4, gdim, 0, ep_comm.SITE_D_BARRIER, tidx, me,
+                self.ep_all.grid_barrier(self.word(sync, num_groups, GRID), gdim, 0, ep_comm.SITE_D_BARRIER, tidx, me,
                                          record, timeout_ns)
                 total = self.ep_all.expert_offsets(offs, base, stats, tidx, lane, bidx, False, me, record)
+                for g in cutlass.range(tidx, num_local, self.threads):
+                    firsts[g] = tiles.token_tiles(offs[g + 1] - offs[g], self.tile_tokens)
+                cute.arch.sync_threads()
+                if tidx < 32:
+                    self.ep_all.warp_exclusive_scan(firsts, lane)
+                cute.arch.sync_threads()
+                if tidx == 0:
+                    self.store_ring_geometry(offs, firsts, total_rows)
                 cute.arch.sync_threads()
                 mGroupA = offs
+                mGroupB = firsts
             # (k_tiles, n_tiles) of each GEMM; the second is the first's unless fused.
             k_tiles = Int32(tA.shape[1]) // K_CHUNK
             n_tiles = Int32(cute.size(tW, mode=[0])) // tn
@@ -624,11 +721,14 @@ def _build_kernel_class():
                         self.signaller(mGroupA, mGroupB, num_groups, max_m, total_rows, dims, sync, bidx, gdim)
                 if cutlass.const_expr(self.comm is not None):
                     if warp_idx >= 2:
-                        # Mega MoE pull: every unit counted on its expert's counter, for the L1 tiles' producers.
-                        # They all finish before combine's grid barrier: every pulled row's expert has L1 tiles,
-                        # each of which waited for all of its expert's units.
-                        self.ep_all.pull(me, base, peers, mGroupA, total, bidx * 2 + (warp_idx - 2), gdim * 2,
-                                         cute.arch.lane_idx(), record, sync + Int64(num_groups + 2) * 4, True)
+                        # Mega MoE pull: every unit counted on its pool block's counter, for the L1 tiles' producers.
+                        # They all finish before combine's grid barrier: every pulled row's block has L1 tiles,
+                        # each of which waited for all of its block's units.
+                        self.ep_all.pull_ring(me, base, peers, mGroupA, mGroupB, total, bidx * 2 + (warp_idx - 2), gdim * 2,
+                                              cute.arch.lane_idx(), record, self.tile_tokens,
+                                              self.ring_geometry(mGroupB)[2], dims[3],
+                                              self.word(sync, num_groups, PULLED), self.word(sync, num_groups, L2_DONE),
+                                              timeout_ns)
             else:
                 if cutlass.const_expr(self.rebalance_registers):
                     cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -641,46 +741,70 @@ def _build_kernel_class():
                     # stored and fenced (sys) by its thread once all CTAs pass this barrier.
                     ctidx = tidx - 128
                     num_warps = self.ep_cons.warps
-                    self.ep_cons.grid_barrier(sync + Int64(2 * num_groups + 2) * 4, 2 * gdim, 1, ep_comm.SITE_C_BARRIER,
+                    self.ep_cons.grid_barrier(self.word(sync, num_groups, GRID), 2 * gdim, 1, ep_comm.SITE_C_BARRIER,
                                               ctidx, me, record, timeout_ns)
                     self.ep_cons.exchange_done(me, base, peers, call, ctidx, bidx, record, timeout_ns)
                     self.ep_cons.sum_tokens(base, num_tokens, y, bidx * num_warps + ctidx // 32, gdim * num_warps,
                                             cute.arch.lane_idx())
             if cutlass.const_expr(self.fused):
-                self.reset_counters(sync, num_groups, warp_idx, gdim, base, call)
+                self.reset_counters(sync, num_groups, tidx, warp_idx, gdim, base, call, mGroupB, flag)
 
         @cute.jit
         def next_tile(self, t: Int32, phase: Int32, e: Int32, base: Int32, t_off: Int32, dims, num_groups: Int32,
                       mGroupA: cute.Tensor, mGroupB: cute.Tensor, max_m: Int32, total_rows: Int32):
             """``find_tile`` over the launch's tiles: those of the first GEMM (``phase`` 0), then, when fused,
-            those of the second (phase 1, tile ids from ``t_off`` = the first GEMM's tile count on).
-            Returns (phase, e, base, t_off, valid, row0, row_end, n_tile); ``t`` must not decrease."""
-            n_tiles = dims[1]
-            if cutlass.const_expr(self.fused):
-                n_tiles = Int32(cutlass.select_(phase == 0, dims[1], dims[3]))
-            e, base, valid, row0, row_end, n_tile = self.find_tile(
-                t - t_off, e, base, n_tiles, num_groups, mGroupA, mGroupB, max_m, total_rows
-            )
-            if cutlass.const_expr(self.fused):
-                if phase == 0:
-                    if e >= num_groups:  # past the first GEMM's tiles; base: their count
-                        phase = Int32(1)
-                        t_off = t_off + base
-                        e, base, valid, row0, row_end, n_tile = self.find_tile(
-                            t - t_off, Int32(0), Int32(0), dims[3], num_groups, mGroupA, mGroupB, max_m, total_rows
-                        )
-            return phase, e, base, t_off, valid, row0, row_end, n_tile
+            those of the second (phase 1, tile ids from ``t_off`` = the first GEMM's tile count on); Mega MoE:
+            ``mega_tile`` (no cursor: e, base and t_off pass through; ``mGroupB``: the block prefix).
+            Returns (phase, e, base, t_off, valid, row0, row_end, n_tile, block); ``t`` must not decrease."""
+            block = Int32(0)
+            if cutlass.const_expr(self.comm is not None):
+                phase, e, valid, row0, row_end, n_tile, block = self.mega_tile(t, dims, num_groups, mGroupA, mGroupB)
+            else:
+                n_tiles = dims[1]
+                if cutlass.const_expr(self.fused):
+                    n_tiles = Int32(cutlass.select_(phase == 0, dims[1], dims[3]))
+                e, base, valid, row0, row_end, n_tile = self.find_tile(
+                    t - t_off, e, base, n_tiles, num_groups, mGroupA, mGroupB, max_m, total_rows
+                )
+                if cutlass.const_expr(self.fused):
+                    if phase == 0:
+                        if e >= num_groups:  # past the first GEMM's tiles; base: their count
+                            phase = Int32(1)
+                            t_off = t_off + base
+                            e, base, valid, row0, row_end, n_tile = self.find_tile(
+                                t - t_off, Int32(0), Int32(0), dims[3], num_groups, mGroupA, mGroupB, max_m, total_rows
+                            )
+            return phase, e, base, t_off, valid, row0, row_end, n_tile, block
+
+        def word(self, sync: Int64, num_groups: Int32, which: int, i=0) -> Int64:
+            """Address of a fused launch's counter in ``sync`` (``sync_words``): ``which`` one of ``L1_DONE`` (of
+            group i; Mega MoE: of pool block i), ``FINISHED`` (CTAs), ``ALL_L1`` (L1 tiles done), and Mega MoE
+            only ``GRID`` (barrier arrivals), ``PULLED`` and ``L2_DONE`` (of pool block i)."""
+            if self.comm is None:
+                index = {L1_DONE: i, FINISHED: num_groups, ALL_L1: num_groups + 1}[which]
+            elif which in (FINISHED, ALL_L1, GRID):
+                index = {FINISHED: 0, ALL_L1: 1, GRID: 2}[which]
+            else:
+                index = MEGA_HEADER + {L1_DONE: 0, PULLED: 1, L2_DONE: 2}[which] * self.max_blocks + i
+            return sync + Int64(index) * 4
 
         @cute.jit
-        def first_gemm_count(self, sync: Int64, e: Int32, dims, mGroupA, mGroupB, max_m, total_rows):
-            """Fused: (address, target) of group e's counter: each first-GEMM tile of the group adds 1 (release)
-            once its rows are stored (``signaller``)."""
-            start, end = self.group_bounds(e, mGroupA, mGroupB, max_m, total_rows)
-            return sync + Int64(e) * 4, tiles.l1_done_target(end - start, self.tile_tokens, dims[1])
+        def first_gemm_count(self, sync: Int64, e: Int32, block: Int32, dims, num_groups, mGroupA, mGroupB, max_m,
+                             total_rows):
+            """Fused: (address, target) of the counter an L2 tile of group e waits on: each first-GEMM tile of the
+            group adds 1 (release) once its rows are stored (``signaller``); Mega MoE: of pool block ``block``."""
+            addr = self.word(sync, num_groups, L1_DONE, e)
+            target = dims[1]
+            if cutlass.const_expr(self.comm is not None):
+                addr = self.word(sync, num_groups, L1_DONE, block)
+            else:
+                start, end = self.group_bounds(e, mGroupA, mGroupB, max_m, total_rows)
+                target = tiles.token_tiles(end - start, self.tile_tokens) * dims[1]
+            return addr, target
 
         @cute.jit
-        def wait_counter(self, addr: Int64, target: Int32, e: Int32, timeout_ns: Int64, what: cutlass.Constexpr):
-            """Fused: spin until group e's counter at ``addr`` (``what`` it counts) reaches ``target`` (acquire),
+        def wait_counter(self, addr: Int64, target: Int32, index: Int32, timeout_ns: Int64, what: cutlass.Constexpr):
+            """Fused: spin until the counter at ``addr`` (``what`` it counts, of group / block ``index``) reaches ``target`` (acquire),
             then order the async proxy (TMA) after it. Debug build: with ``timeout_ns`` > 0, expiry printf's the
             wait and traps."""
             seen = ptx.spin_until(addr, target, False, "gpu", timeout_ns, self.debug)
@@ -688,18 +812,18 @@ def _build_kernel_class():
                 if ptx.behind(seen, target) != 0:
                     cute.printf(
                         "megamoe debug: fused grouped GEMM CTA %d (SM %d) role producer: timed out: waits "
-                        + what + " of group %d: count >= %d, sees %d",
-                        cute.arch.block_idx()[0], ptx.smid(), e, target, seen,
+                        + what + " %d: count >= %d, sees %d",
+                        cute.arch.block_idx()[0], ptx.smid(), index, target, seen,
                     )
                     ptx.trap()
             cute.arch.fence_proxy("async.global")
 
         @cute.jit
         def load_tile(self, ab_pipeline, state, ops, parts, e: Int32, n_tile: Int32, k_tiles: Int32, ahead: Int32,
-                      addr: Int64, target: Int32, timeout_ns: Int64, what: cutlass.Constexpr):
+                      addr: Int64, target: Int32, timeout_ns: Int64, index: Int32, what: cutlass.Constexpr):
             """Fused: the TMA loads of a tile whose token rows other CTAs produce in this launch. The first ``ahead``
             chunks (at most ``stages``: they need no stage of this tile released) load their weights, then the wait
-            for the group's counter (``wait_counter``), then their tokens; the rest load both. ``ahead`` = 0: the
+            for the counter (``wait_counter``; ``index``, ``what``: its name in the debug report), then their tokens; the rest load both. ``ahead`` = 0: the
             rows are known ready (acquired, proxy-fenced). ``ops``: the GEMM's TMA atoms and tensors, ``parts``: its
             (tAg, tAs, tWg, tWs, tSFWg, tSFWs) partitions. Returns the advanced pipeline state."""
             tAg, tAs, tWg, tWs, tSFWg, tSFWs = parts
@@ -710,7 +834,7 @@ def _build_kernel_class():
                 ab_pipeline.producer_commit(state)
                 state.advance()
             if ahead > 0:
-                self.wait_counter(addr, target, e, timeout_ns, what)
+                self.wait_counter(addr, target, index, timeout_ns, what)
             for kt in cutlass.range(ahead, unroll=1):
                 self.load_chunk(ab_pipeline, pending, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile, True, False)
                 pending.advance()
@@ -723,51 +847,76 @@ def _build_kernel_class():
 
         def signal_barrier(self, wg):
             """Named barrier 3 + wg: consumer warpgroup wg (128 threads) and the signal warp (32), once per
-            first-GEMM tile."""
+            signalled tile."""
             return pipeline.NamedBarrier(barrier_id=3 + wg, num_threads=160)
 
         @cute.jit
         def signaller(self, mGroupA, mGroupB, num_groups, max_m, total_rows, dims, sync: Int64, bidx, gdim):
             """Fused, warp 1: for each of this CTA's first-GEMM tiles, meet every consumer warpgroup once its rows
-            are stored (``signal_barrier``), then add 1 to the group's counter and to the all-groups counter
-            ``sync[E + 1]`` (``fence.acq_rel.gpu`` + release add: cumulative over the stores the barrier ordered
-            before). The fence waits here, not in the consumers. Ends at the first second-GEMM tile (the first
-            GEMM's tiles come first)."""
+            are stored (``signal_barrier``), then add 1 to the group's (Mega MoE: pool block's) counter and to the
+            all-tiles counter (``fence.acq_rel.gpu`` + release add: cumulative over the stores the barrier ordered
+            before). The fence waits here, not in the consumers. Ends at the first second-GEMM tile (each CTA's
+            first-GEMM tiles come first), except in Mega MoE with ring blocks reused (``ring_reused``): an L2 tile
+            adds 1 to its block's ``L2_DONE`` once its reads of the ring (tokens, row addresses) are done."""
             t = bidx
-            phase, e, base, t_off, valid, row0, row_end, n_tile = self.next_tile(
+            phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
                 t, Int32(0), Int32(0), Int32(0), Int32(0), dims, num_groups, mGroupA, mGroupB, max_m, total_rows
             )
-            while valid & (phase == 0):
+            more = valid & (phase == 0)
+            if cutlass.const_expr(self.comm is not None):
+                more = valid & ((phase == 0) | self.ring_reused(mGroupB))
+            while more:
                 for wg in cutlass.range_constexpr(self.num_consumer_wg):
                     self.signal_barrier(wg).arrive_and_wait()
                 if cute.arch.lane_idx() == 0:
-                    ptx.arrive(sync + Int64(e) * 4)
-                    ptx.arrive(sync + Int64(num_groups + 1) * 4)
+                    if cutlass.const_expr(self.comm is not None):
+                        if phase == 0:
+                            ptx.arrive(self.word(sync, num_groups, L1_DONE, block))
+                            ptx.arrive(self.word(sync, num_groups, ALL_L1))
+                        else:
+                            ptx.arrive(self.word(sync, num_groups, L2_DONE, block))
+                    else:
+                        ptx.arrive(self.word(sync, num_groups, L1_DONE, e))
+                        ptx.arrive(self.word(sync, num_groups, ALL_L1))
                 t = t + gdim
-                phase, e, base, t_off, valid, row0, row_end, n_tile = self.next_tile(
+                phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
                     t, phase, e, base, t_off, dims, num_groups, mGroupA, mGroupB, max_m, total_rows
                 )
+                more = valid & (phase == 0)
+                if cutlass.const_expr(self.comm is not None):
+                    more = valid & ((phase == 0) | self.ring_reused(mGroupB))
 
         @cute.jit
-        def reset_counters(self, sync: Int64, num_groups: Int32, warp_idx: Int32, gdim: Int32, base: Int64, call: Int32):
+        def reset_counters(self, sync: Int64, num_groups: Int32, tidx: Int32, warp_idx: Int32, gdim: Int32, base: Int64,
+                           call: Int32, firsts, flag):
             """Fused, at the end: the last CTA to finish (all its tiles done, its waits over) zeroes the counters
-            (``sync_words``; ``sync[E]`` counts finished CTAs) for the next launch; Mega MoE: and ends the call
+            (``sync_words``) for the next launch; Mega MoE: every thread of it, the header and this call's blocks'
+            counters (``firsts``: the block prefix; ``flag``: one shared int32), then it ends the call
             (``EpPhases.finish_call``)."""
             cute.arch.sync_threads()
-            if warp_idx == 0:
-                lane = cute.arch.lane_idx()
-                old = Int32(0)
-                if lane == 0:
-                    old = ptx.atom_add(sync + Int64(num_groups) * 4, 1, "acq_rel")
-                old = cute.arch.shuffle_sync(old, 0)
-                if old == gdim - 1:
-                    words = num_groups + 2
-                    if cutlass.const_expr(self.comm is not None):
-                        words = 2 * num_groups + 3
-                    for i in cutlass.range(lane, words, 32, unroll=1):
-                        ptx.st_global_u32(sync + Int64(i) * 4, Int32(0))
-                    if cutlass.const_expr(self.comm is not None):
-                        self.ep_all.finish_call(base, call, lane, 32)
+            if cutlass.const_expr(self.comm is not None):
+                if tidx == 0:
+                    flag[0] = ptx.atom_add(self.word(sync, num_groups, FINISHED), 1, "acq_rel")
+                cute.arch.sync_threads()
+                if flag[0] == gdim - 1:
+                    nb = Int32(firsts[self.ep_all.num_local])
+                    per = cutlass.max(nb, 1)
+                    for i in cutlass.range(tidx, MEGA_HEADER + 3 * nb, self.threads, unroll=1):
+                        j = cutlass.max(i - MEGA_HEADER, 0)
+                        kind = j // per
+                        index = Int32(cutlass.select_(i < MEGA_HEADER, i, MEGA_HEADER + kind * self.max_blocks + j - kind * per))
+                        ptx.st_global_u32(sync + Int64(index) * 4, Int32(0))
+                    self.ep_all.finish_call(base, call, tidx, self.threads)
+            else:
+                if warp_idx == 0:
+                    lane = cute.arch.lane_idx()
+                    old = Int32(0)
+                    if lane == 0:
+                        old = ptx.atom_add(self.word(sync, num_groups, FINISHED), 1, "acq_rel")
+                    old = cute.arch.shuffle_sync(old, 0)
+                    if old == gdim - 1:
+                        for i in cutlass.range(lane, num_groups + 2, 32, unroll=1):
+                            ptx.st_global_u32(sync + Int64(i) * 4, Int32(0))
 
         @cute.jit
         def load_chunk(self, ab_pipeline, state, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile,
@@ -817,7 +966,7 @@ def _build_kernel_class():
                 tWs2, tWg2, tSFWs2, tSFWg2 = self.weight_partitions(second, sW, sSFW)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
             t = bidx
-            phase, e, base, t_off, valid, row0, row_end, n_tile = self.next_tile(
+            phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
                 t, Int32(0), Int32(0), Int32(0), Int32(0), dims, num_groups, mGroupA, mGroupB, max_m, total_rows
             )
             all_done = Int32(0)  # fused: every first-GEMM tile seen done (acquired + proxy fence): no more checks
@@ -825,17 +974,16 @@ def _build_kernel_class():
                 if phase == 0:
                     tAs, tAg = self.token_partitions(first, row0, sA)
                     if cutlass.const_expr(self.comm is not None):
-                        # Mega MoE: the tile's rows are this launch's pulls (``EpPhases.pull`` counts units).
-                        start, end = self.group_bounds(e, mGroupA, mGroupB, max_m, total_rows)
-                        addr = sync + Int64(num_groups + 2 + e) * 4
-                        target = tiles.pulled_target(end - start, self.ep_all.row_units)
+                        # Mega MoE: the tile's rows are this launch's pulls (``EpPhases.pull_ring`` counts units).
+                        addr = self.word(sync, num_groups, PULLED, block)
+                        target = tiles.pulled_target(row_end - row0, self.ep_all.row_units)
                         ahead = Int32(0)
                         if ptx.behind(ptx.ld_acquire(addr, False, "gpu"), target) != 0:
                             ahead = cutlass.min(dims[0], Int32(self.stages))
                         else:
                             cute.arch.fence_proxy("async.global")
                         state = self.load_tile(ab_pipeline, state, first, (tAg, tAs, tWg, tWs, tSFWg, tSFWs), e, n_tile,
-                                               dims[0], ahead, addr, target, timeout_ns, "pulled row units")
+                                               dims[0], ahead, addr, target, timeout_ns, block, "pulled row units of pool block")
                     else:
                         tSFAs, tSFAg = None, None
                         if cutlass.const_expr(not self.bf16):
@@ -855,12 +1003,16 @@ def _build_kernel_class():
                 else:
                     if cutlass.const_expr(self.fused):
                         tAs2, tAg2 = self.token_partitions(second, row0, sA)
-                        addr, target = self.first_gemm_count(sync, e, dims, mGroupA, mGroupB, max_m, total_rows)
-                        # Rows ready (always once all first-GEMM tiles are seen done, t_off of them): load chunks as
-                        # the first GEMM does. Else the weights of the first chunks are loaded before the wait.
+                        addr, target = self.first_gemm_count(sync, e, block, dims, num_groups, mGroupA, mGroupB, max_m,
+                                                             total_rows)
+                        l1_tiles = t_off  # all first-GEMM tiles (Mega MoE: n_l1 per pool block)
+                        if cutlass.const_expr(self.comm is not None):
+                            l1_tiles = dims[1] * Int32(mGroupB[self.ep_all.num_local])
+                        # Rows ready (always once all first-GEMM tiles are seen done): load chunks as the first GEMM
+                        # does. Else the weights of the first chunks are loaded before the wait.
                         ahead = Int32(0)
                         if all_done == 0:
-                            if ptx.behind(ptx.ld_acquire(sync + Int64(num_groups + 1) * 4, False, "gpu"), t_off) == 0:
+                            if ptx.behind(ptx.ld_acquire(self.word(sync, num_groups, ALL_L1), False, "gpu"), l1_tiles) == 0:
                                 all_done = Int32(1)
                                 cute.arch.fence_proxy("async.global")
                             elif ptx.behind(ptx.ld_acquire(addr, False, "gpu"), target) != 0:
@@ -868,9 +1020,12 @@ def _build_kernel_class():
                             else:
                                 cute.arch.fence_proxy("async.global")
                         state = self.load_tile(ab_pipeline, state, second, (tAg2, tAs2, tWg2, tWs2, tSFWg2, tSFWs2), e,
-                                               n_tile, dims[2], ahead, addr, target, timeout_ns, "first-GEMM tiles")
+                                               n_tile, dims[2], ahead, addr, target, timeout_ns,
+                                               block if self.comm is not None else e,
+                                               "first-GEMM tiles of pool block" if self.comm is not None
+                                               else "first-GEMM tiles of group")
                 t = t + gdim
-                phase, e, base, t_off, valid, row0, row_end, n_tile = self.next_tile(
+                phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
                     t, phase, e, base, t_off, dims, num_groups, mGroupA, mGroupB, max_m, total_rows
                 )
             ab_pipeline.producer_tail(state)
@@ -920,7 +1075,7 @@ def _build_kernel_class():
 
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             t = bidx
-            phase, e, base, t_off, valid, row0, row_end, n_tile = self.next_tile(
+            phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
                 t, Int32(0), Int32(0), Int32(0), Int32(0), dims, num_groups, mGroupA, mGroupB, max_m, total_rows
             )
             while valid:
@@ -990,6 +1145,9 @@ def _build_kernel_class():
                         self.signal_barrier(ctidx // 128).arrive_and_wait()
                     else:
                         self.epilogue_scatter(acc, cC, ctidx, sOut, mRowAddr, row0, row_end, n_tile)
+                        if cutlass.const_expr(self.comm is not None):
+                            if self.ring_reused(mGroupB):  # its ring rows are read: the signal warp frees them
+                                self.signal_barrier(ctidx // 128).arrive_and_wait()
                 elif cutlass.const_expr(self.swiglu):
                     self.epilogue_swiglu(acc, cC, ctidx, sAct, mD, mDSF, mRowW, clamp, row0, row_end, n_tile)
                 elif cutlass.const_expr(self.scatter):
@@ -1006,7 +1164,7 @@ def _build_kernel_class():
                                     mD[m, n0 + cC[i][0]] = acc[i].to(cutlass.BFloat16)
 
                 t = t + gdim
-                phase, e, base, t_off, valid, row0, row_end, n_tile = self.next_tile(
+                phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
                     t, phase, e, base, t_off, dims, num_groups, mGroupA, mGroupB, max_m, total_rows
                 )
             if cutlass.const_expr(self.scatter):

@@ -1,41 +1,46 @@
-"""Pure-Python models of the Mega MoE protocol: R ranks x S CTAs under random interleavings.
+"""A pure-Python model of the one-launch Mega MoE kernel (``sm90_grouped_gemm.mega_moe_sm90``): R ranks x C CTAs
+per rank, each CTA's tile loop and its pull warps separate agents, under random interleavings.
 
-Each agent (a CTA, or one of its warps) is a generator that yields at every point where another agent could
-run: before and after each shared-memory action, and at every spin-wait (with a predicate and a
-description). A seeded scheduler resumes a random runnable agent each step. ``OneLaunchSimulator`` models
-the one-launch kernel with ``scheduler.tiles`` (its class docstring); ``Simulator`` models the bounded-ring
-task schedule (``schedule.Schedule``, every task, ring and counter formula from it):
+Each agent is a generator that yields at every point where another agent could run: before and after each
+shared-memory action, and at every spin-wait (with a predicate and a description). A seeded scheduler resumes
+a random runnable agent each step. The schedule -- tile order, pool blocks, ring rows, every wait target --
+is ``scheduler.tiles``, the functions the kernel calls. Per rank and call:
 
-1. announce: CTA 0 publishes ``ready[me] = (call, T)`` into every rank's workspace (release);
-2. scan: CTAs claim (source rank, token chunk) items, wait for that source's ``ready``, read its
-   ``topk_idx`` remotely and append (source, token, slot) to the pool of each local expert hit;
-3. grid barrier; every CTA derives the pool blocks from the expert counts;
-4. tasks: CTAs claim task indices in increasing order (``Schedule.decode``), wait for the task's
-   counter (``Schedule.wait_target``), run it (PULL copies token rows into the ring, L1 writes one
-   N-slice of the SwiGLU output ring, L2 writes one N-slice of every row into the source rank's
-   combine area) and increment its counter (``Schedule.done_counter``, release);
-5. grid barrier; CTA 0 publishes ``done[me] = call`` to every rank (release);
-6. combine: CTAs wait for ``done`` of every rank, then sum each local token's valid slots;
-7. grid barrier; CTA 0 resets the local counters for the next call.
+1. announce: CTA 0 publishes ``ready[me] = (call, T)`` into every rank (release);
+2. scan: CTAs claim (source rank, token chunk) items, wait for that source's ``ready``, read its ``topk_idx``
+   remotely and append (source, token, slot) to the pool of each local expert hit;
+3. grid barrier 0 (the launch's own counter); every CTA derives the row offsets and the pool blocks;
+4. pull warps (``PULL_AGENTS`` per CTA): units of the rows in expert order; a unit of a block that reuses a
+   ring block waits for ``l2_done`` of the block before it there; stores the row part (and with unit 0 the
+   row's routing weight and destination), then adds 1 to ``pulled[block]`` (release);
+5. tile loop (tiles c, c + C, ...): an L1 tile waits for ``pulled[block]``, reads its rows (every part checked)
+   and stores its N-slice of each into the L2 ring, then adds 1 to ``l1_done[block]`` and to the all-L1
+   counter; an L2 tile waits for ``l1_done[block]`` (or every L1 tile done), reads its rows and stores its
+   N-slice of each into the source rank's combine area, then, when ring blocks are reused, adds 1 to
+   ``l2_done[block]``;
+6. grid barrier 1, CTA 0 publishes ``done[me] = call`` to every rank; every CTA waits for every rank's
+   ``done``, then sums its share of the local tokens' valid slots;
+7. the last CTA out (its pull warps done) resets the rank's counters and counts.
 
-Memory model: data stores of a CTA are buffered and become visible to others only at that CTA's next
-release (flag store, counter increment, barrier arrival); flags and atomics are immediate. Host
-writes of the next call's inputs are immediate (adversarial). Every datum carries the call number and
-its (source rank, token, slot) identity, so reading stale, early or misrouted data fails an
-assertion, as does refilling a ring block before its previous occupant was consumed. A state where no
-CTA can run is reported like the kernel's debug mode: rank, CTA, role, counter, expected, seen.
+Memory model: data stores of an agent are buffered and become visible to others only at that agent's next
+release (flag store, counter increment, barrier arrival); flags and atomics are immediate. Host writes of the
+next call's inputs are immediate (adversarial). Every datum carries the call number and its (source rank,
+token, slot) identity, so reading stale, early, overwritten or misrouted data fails an assertion, as does a
+pull into a ring block whose previous occupant's L2 tiles have not all finished. A state where no agent can
+run is reported like the kernel's debug mode: rank, agent, role, counter, expected, seen.
 """
 
 from __future__ import annotations
 
 import random
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from . import tiles
-from .schedule import EMPTY, L1, PULL, Schedule, block_prefix, block_rows, expert_of_block
 
 SCAN_CHUNK = 4  # tokens per scan work item
+PULLED, L1_DONE, L2_DONE = range(3)
 
 
 class ProtocolError(AssertionError):
@@ -43,7 +48,7 @@ class ProtocolError(AssertionError):
 
 
 class Deadlock(ProtocolError):
-    """No CTA can make progress before every call finished."""
+    """No agent can make progress before every call finished."""
 
 
 @dataclass
@@ -63,44 +68,63 @@ class Rank:
     index: int
     calls: list  # per call: topk_idx as a list of T rows of k expert ids (-1 = unused)
     call: int = 0  # calls finished
-    inputs: list = field(default_factory=list)  # topk_idx of the current call, tagged below
+    inputs: list = field(default_factory=list)  # topk_idx of the current call
     inputs_call: int = -1
     ready: dict = field(default_factory=dict)  # src -> (call, T), written by src
     done: dict = field(default_factory=dict)  # dst -> call, written by dst
     counts: list = field(default_factory=list)
     pool: list = field(default_factory=list)
-    counters: list = field(default_factory=list)  # [counter][ring block]
+    counters: list = field(default_factory=list)  # [PULLED / L1_DONE / L2_DONE] -> {pool block: count}
+    all_l1: int = 0  # L1 tiles done
     next_scan: int = 0
-    next_task: int = 0
-    barrier: int = 0
-    ring_l1: dict = field(default_factory=dict)
-    ring_l2: dict = field(default_factory=dict)
-    combine: dict = field(default_factory=dict)  # (slot, token, n2) -> (call, src, token, slot)
+    barrier: int = 0  # the launch's grid-barrier arrivals
+    exits: int = 0  # CTAs finished
+    ring_l1: dict = field(default_factory=dict)  # (ring row, pull unit) -> tag
+    ring_meta: dict = field(default_factory=dict)  # ring row -> tag (routing weight, destination)
+    ring_l2: dict = field(default_factory=dict)  # (ring row, L1 N-slice) -> tag
+    combine: dict = field(default_factory=dict)  # (slot, token, L2 N-slice) -> (call, src, token, slot)
     outputs: list = field(default_factory=list)  # per call: {token: slots combined}
-    exits: int = 0  # one launch: CTAs finished
-    ctas: dict = field(default_factory=dict)  # one launch: CTA -> {"offsets": row starts or None, "pulls_done"}
+    ctas: dict = field(default_factory=dict)  # CTA -> {"plan": offsets, blocks and ring geometry, "pulls_done"}
 
 
 class Simulator:
-    """Run ``calls_per_rank[r]`` calls on every rank r under one schedule; see the module docstring.
+    """Run ``calls_per_rank[r]`` calls on every rank r; see the module docstring.
 
-    ``calls_per_rank[r][c]`` is rank r's ``topk_idx`` for call c (a list of token rows). All ranks must
-    make the same number of calls, except in tests of the hang diagnostic.
+    ``calls_per_rank[r][c]`` is rank r's ``topk_idx`` for call c (a list of token rows). All ranks must make
+    the same number of calls, except in tests of the hang diagnostic. ``ring_rows``: ring size in rows (at
+    least two blocks of ``tile_tokens`` rows); ``n_l1`` / ``n_l2``: weight tiles of L1 / L2; ``row_units``:
+    pull units per row.
     """
 
-    def __init__(self, schedule: Schedule, num_topk: int, ctas_per_rank: int, calls_per_rank: list, seed: int = 0):
-        self.s = schedule
-        self.k = num_topk
-        self.ctas = ctas_per_rank
+    PULL_AGENTS = 2
+
+    def __init__(self, num_local_experts: int, tile_tokens: int, n_l1: int, n_l2: int, row_units: int, ring_rows: int,
+                 num_topk: int, ctas_per_rank: int, calls_per_rank: list, seed: int = 0):
+        if ring_rows < 2 * tile_tokens:
+            raise ValueError(f"ring_rows must hold two blocks of {tile_tokens} rows (a window is half the ring), "
+                             f"got {ring_rows}")
+        self.e_l, self.tile_tokens, self.n_l1, self.n_l2 = num_local_experts, tile_tokens, n_l1, n_l2
+        self.row_units, self.ring_rows, self.k, self.ctas = row_units, ring_rows, num_topk, ctas_per_rank
         self.rng = random.Random(seed)
         self.ranks = [Rank(r, calls) for r, calls in enumerate(calls_per_rank)]
         self.t_max = max([len(c) for calls in calls_per_rank for c in calls] + [1])
         self.pending: dict = {}  # agent -> list of (store dict, key, value)
-        self.finished_l2: dict = {}  # (rank, call, block) -> L2 tasks finished (oracle)
-        self.runs: dict = {}  # (rank, call, task) -> times run (oracle)
+        self.finished_l2: dict = {}  # (rank, call, block) -> L2 tiles finished (oracle)
+        self.runs: dict = {}  # (rank, call, tile) -> times run (oracle)
+        self.reused = 0  # pulls into a reused ring block (the tests check they happened)
         self.steps = 0
         for rk in self.ranks:
             self._reset(rk)
+
+    # Wait targets (``scheduler.tiles``): methods so that tests can break them on purpose.
+    def pulled_target(self, rows: int) -> int:
+        return tiles.pulled_target(rows, self.row_units)
+
+    def l1_done_target(self) -> int:
+        return self.n_l1
+
+    def ring_free_target(self) -> int:
+        return self.n_l2
 
     # -- memory model ------------------------------------------------------------------------------
     def _store(self, agent, store: dict, key, value) -> None:
@@ -111,13 +135,12 @@ class Simulator:
             store[key] = value
 
     def _reset(self, rk: Rank) -> None:
-        s = self.s
-        rk.counts = [0] * s.num_local_experts
-        rk.pool = [[None] * (s.num_ranks * self.t_max) for _ in range(s.num_local_experts)]
-        rk.counters = [[0] * s.ring_blocks for _ in range(3)]
-        rk.next_scan = rk.next_task = 0
+        rk.counts = [0] * self.e_l
+        rk.pool = [[None] * (len(self.ranks) * self.t_max) for _ in range(self.e_l)]
+        rk.counters = [defaultdict(int) for _ in range(3)]
+        rk.all_l1 = rk.next_scan = rk.barrier = rk.exits = 0
 
-    # -- phases both protocols share -------------------------------------------------------------------
+    # -- dispatch and combine phases --------------------------------------------------------------
     def _announce(self, rk: Rank, call: int) -> Iterator:
         """CTA 0 publishes ``ready[me] = (call, T)`` into every rank."""
         for peer in self.ranks:
@@ -175,83 +198,137 @@ class Simulator:
             rk.outputs[call][t] = combined
             yield None
 
-    # -- one CTA ---------------------------------------------------------------------------------
-    def _barrier(self, agent, rk: Rank, call: int, q: int) -> Iterator:
+    # -- the launch ---------------------------------------------------------------------------------
+    def _agents(self, rk: Rank, call: int) -> list:
+        """The call's agents: ``[agent id, generator, current Wait]``: per CTA its tile loop and pull warps."""
+        rk.ctas = {c: {"plan": None, "pulls_done": 0} for c in range(self.ctas)}
+        agents = []
+        for c in range(self.ctas):
+            agents.append([(rk.index, c), self._cta(rk, c, call), None])
+            agents += [[(rk.index, c, "pull", w), self._pull(rk, c, w, call), None] for w in range(self.PULL_AGENTS)]
+        return agents
+
+    def _launch_barrier(self, agent, rk: Rank, q: int) -> Iterator:
+        """Grid barrier q of the launch (its own counter, zeroed at the end of the launch)."""
         self._release(agent)
         rk.barrier += 1
-        target = (call * 3 + q + 1) * self.ctas  # monotonic across calls: never reset
+        target = (q + 1) * self.ctas
         yield Wait("barrier", f"grid barrier {q} count >= {target}", lambda: rk.barrier >= target, lambda: rk.barrier)
 
-    def _cta(self, rk: Rank, cta: int, call: int) -> Iterator:
-        s, agent = self.s, (rk.index, cta)
-        me, e_l = rk.index, s.num_local_experts
-        if cta == 0:  # 1. announce
-            yield from self._announce(rk, call)
-        yield from self._scan(agent, rk, call)  # 2. scan
-        yield from self._barrier(agent, rk, call, 0)
+    def _plan(self, rk: Rank) -> dict:
+        """What every CTA derives after grid barrier 0: row offsets, block prefix, ring geometry."""
+        offsets = [sum(rk.counts[:e]) for e in range(self.e_l + 1)]
+        first = tiles.block_prefix(rk.counts, self.tile_tokens)
+        window, period = tiles.ring_layout(offsets[-1], first[-1], self.ring_rows, self.tile_tokens)
+        return {"offsets": offsets, "first": first, "window": window, "period": period,
+                "reused": window < first[-1]}
 
-        # 3. pool blocks
-        first = block_prefix(rk.counts, s.block_m)
-        num_blocks = first[-1]
+    def _tag(self, rk: Rank, call: int, e: int, entry: int, what: str) -> tuple:
+        row = rk.pool[e][entry]
+        if row is None:
+            raise ProtocolError(f"rank {rk.index} call {call}: {what} reads pool entry {entry} of expert {e} before it "
+                                f"was visible")
+        return (call, *row)
 
-        # 4. tasks
-        while True:
-            task = rk.next_task
-            rk.next_task += 1
+    def _pull(self, rk: Rank, cta: int, w: int, call: int) -> Iterator:
+        agent, me, tt = (rk.index, cta, "pull", w), rk.index, self.tile_tokens
+        yield Wait("pull", "this CTA's expert offsets", lambda: rk.ctas[cta]["plan"] is not None, lambda: None)
+        plan = rk.ctas[cta]["plan"]
+        offsets, first, period = plan["offsets"], plan["first"], plan["period"]
+        num_warps = self.ctas * self.PULL_AGENTS
+        for u in range(cta * self.PULL_AGENTS + w, offsets[-1] * self.row_units, num_warps):
+            row, unit = divmod(u, self.row_units)
+            e = tiles.expert_of_block(row, offsets, self.e_l)
+            entry = row - offsets[e]
+            pool_row = first[e] * tt + entry
+            block = pool_row // tt
+            prior = tiles.prior_block(block, period)
+            if prior >= 0:
+                target = self.ring_free_target()
+                yield Wait("pull", f"l2_done[{prior}] >= {target}", lambda b=prior: rk.counters[L2_DONE][b] >= target,
+                           lambda b=prior: rk.counters[L2_DONE][b])
+                if self.finished_l2.get((me, call, prior), 0) != self.n_l2:
+                    raise ProtocolError(f"rank {me} call {call}: block {block} refills its ring block before block "
+                                        f"{prior}'s L2 tiles all finished")
+                self.reused += 1
+            tag = self._tag(rk, call, e, entry, "a pull")
+            src = tag[1]
+            if self.ranks[src].inputs_call != call:
+                raise ProtocolError(f"rank {me} pulls rank {src}'s token {tag[2]} of call {self.ranks[src].inputs_call} "
+                                    f"in call {call}")
+            ring_row = tiles.ring_row(block, first[e], offsets[e], period, tt) + pool_row - block * tt
+            if not 0 <= ring_row < self.ring_rows:
+                raise ProtocolError(f"rank {me} call {call}: row {row} of block {block} maps to ring row {ring_row}, "
+                                    f"outside the ring's {self.ring_rows}")
+            self._store(agent, rk.ring_l1, (ring_row, unit), tag)
+            if unit == 0:
+                self._store(agent, rk.ring_meta, ring_row, tag)
             yield None
-            if task >= s.num_tasks(num_blocks):
-                break
-            kind, block, n = s.decode(task, num_blocks)
-            if kind == EMPTY:
-                continue
-            key = (me, call, task)
-            self.runs[key] = self.runs.get(key, 0) + 1
-            rb, use = s.ring_slot(block)
-            counter, target = s.wait_target(kind, block)
-            names = ("l2_done", "pulled", "l1_done")
-            yield Wait(("pull", "l1", "l2")[kind], f"{names[counter]}[ring block {rb}] >= {target}",
-                       lambda c=counter, b=rb, tg=target: rk.counters[c][b] >= tg, lambda c=counter, b=rb: rk.counters[c][b])
-            e = expert_of_block(block, first, e_l)
-            start, valid = block_rows(block, e, first, rk.counts, s.block_m)
-            rows = [rk.pool[e][start + i] for i in range(valid)]
-            if None in rows:
-                raise ProtocolError(f"rank {me} call {call}: pool entry of expert {e} read before it was visible")
-            if kind == PULL:
-                if use > 0 and self.finished_l2.get((me, call, block - s.ring_blocks), 0) != s.n_l2:
-                    raise ProtocolError(f"rank {me} call {call}: ring block {rb} refilled with block {block} before "
-                                        f"block {block - s.ring_blocks} was consumed")
-                for i, (src, t, j) in enumerate(rows):
-                    peer = self.ranks[src]
-                    if peer.inputs_call != call:
-                        raise ProtocolError(f"rank {me} pulls rank {src}'s token {t} of call {peer.inputs_call} in call {call}")
-                    self._store(agent, rk.ring_l1, (rb, i), (call, src, t, j))
-                    yield None
-            elif kind == L1:
-                for i, row in enumerate(rows):
-                    if rk.ring_l1.get((rb, i)) != (call, *row):
-                        raise ProtocolError(f"rank {me} call {call}: L1 of block {block} reads ring row {rb}:{i} = "
-                                            f"{rk.ring_l1.get((rb, i))}, expected {(call, *row)}")
-                    self._store(agent, rk.ring_l2, (rb, i, n), (call, *row))
-                    yield None
-            else:
-                for i, row in enumerate(rows):
-                    for n1 in range(s.n_l1):
-                        if rk.ring_l2.get((rb, i, n1)) != (call, *row):
-                            raise ProtocolError(f"rank {me} call {call}: L2 of block {block} reads L2 ring {rb}:{i}:{n1} "
-                                                f"= {rk.ring_l2.get((rb, i, n1))}, expected {(call, *row)}")
-                    src, t, j = row
-                    self._store(agent, self.ranks[src].combine, (j, t, n), (call, me, t, j))
-                    yield None
-                self.finished_l2[(me, call, block)] = self.finished_l2.get((me, call, block), 0) + 1
             self._release(agent)
-            rk.counters[s.done_counter(kind)][rb] += 1
+            rk.counters[PULLED][block] += 1
             yield None
-        yield from self._barrier(agent, rk, call, 1)
+        rk.ctas[cta]["pulls_done"] += 1
 
-        # 5. done, 6. combine
-        yield from self._combine(rk, cta, call, s.n_l2)
-        yield from self._barrier(agent, rk, call, 2)
+    def _tile_rows(self, rk: Rank, call: int, gemm: int, e: int, block: int, plan: dict) -> Iterator:
+        """A tile's wait, then its rows, each checked in every part it reads; returns ``[(ring row, tag)]``."""
+        first, tt = plan["first"], self.tile_tokens
+        rows = tiles.block_rows(block, first[e], rk.counts[e], tt)
+        if gemm == 1:
+            counter, target = PULLED, self.pulled_target(rows)
+            yield Wait("producer", f"pulled[{block}] >= {target}", lambda: rk.counters[PULLED][block] >= target,
+                       lambda: rk.counters[PULLED][block])
+        else:
+            counter, target, every = L1_DONE, self.l1_done_target(), self.n_l1 * first[-1]
+            yield Wait("producer", f"l1_done[{block}] >= {target} or every L1 tile ({every}) done",
+                       lambda: rk.counters[L1_DONE][block] >= target or rk.all_l1 >= every,
+                       lambda: (rk.counters[L1_DONE][block], rk.all_l1))
+        ring, parts = (rk.ring_l1, self.row_units) if gemm == 1 else (rk.ring_l2, self.n_l1)
+        row0 = tiles.ring_row(block, first[e], plan["offsets"][e], plan["period"], tt)
+        out = []
+        for i in range(rows):
+            tag = self._tag(rk, call, e, (block - first[e]) * tt + i, f"an L{gemm} tile")
+            seen = [ring.get((row0 + i, part)) for part in range(parts)] + [rk.ring_meta.get(row0 + i)]
+            if any(x != tag for x in seen):
+                raise ProtocolError(f"rank {rk.index} call {call}: L{gemm} tile of block {block} reads ring row "
+                                    f"{row0 + i} = {seen}, expected {tag}")
+            out.append((row0 + i, tag))
+        return out
+
+    def _cta(self, rk: Rank, cta: int, call: int) -> Iterator:
+        agent, me = (rk.index, cta), rk.index
         if cta == 0:
+            yield from self._announce(rk, call)
+        yield from self._scan(agent, rk, call)
+        yield from self._launch_barrier(agent, rk, 0)
+        plan = rk.ctas[cta]["plan"] = self._plan(rk)
+        order = tiles.launch_tiles(rk.counts, self.tile_tokens, self.n_l1, self.n_l2, self.ring_rows)
+        for ti in range(cta, len(order), self.ctas):
+            gemm, e, block, n = order[ti]
+            key = (me, call, ti)
+            self.runs[key] = self.runs.get(key, 0) + 1
+            rows = yield from self._tile_rows(rk, call, gemm, e, block, plan)
+            for ring_row, tag in rows:
+                if gemm == 1:
+                    self._store(agent, rk.ring_l2, (ring_row, n), tag)
+                else:
+                    _, src, t, j = tag
+                    self._store(agent, self.ranks[src].combine, (j, t, n), (call, me, t, j))
+                yield None
+            if gemm == 1:
+                self._release(agent)
+                rk.counters[L1_DONE][block] += 1
+                rk.all_l1 += 1
+            elif plan["reused"]:
+                self._release(agent)
+                self.finished_l2[(me, call, block)] = self.finished_l2.get((me, call, block), 0) + 1
+                rk.counters[L2_DONE][block] += 1
+            yield None
+        yield from self._launch_barrier(agent, rk, 1)  # releases this CTA's row stores (fence.sys + barrier)
+        yield from self._combine(rk, cta, call, self.n_l2)
+        yield Wait("exit", "this CTA's pull warps", lambda: rk.ctas[cta]["pulls_done"] == self.PULL_AGENTS,
+                   lambda: rk.ctas[cta]["pulls_done"])
+        rk.exits += 1
+        if rk.exits == self.ctas:
             self._reset(rk)
 
     # -- scheduler ----------------------------------------------------------------------------------
@@ -261,10 +338,6 @@ class Simulator:
         rk.inputs_call = call
         rk.outputs.append({})
         return self._agents(rk, call)
-
-    def _agents(self, rk: Rank, call: int) -> list:
-        """The call's agents: ``[agent id (rank, CTA, ...), generator, current Wait]``."""
-        return [[(rk.index, c), self._cta(rk, c, call), None] for c in range(self.ctas)]
 
     def run(self, max_steps: int = 10_000_000) -> None:
         """Run every call to completion; raise ``ProtocolError``/``Deadlock`` on a violation."""
@@ -316,127 +389,3 @@ class Simulator:
         return "\n".join(lines)
 
 
-class OneLaunchSimulator(Simulator):
-    """The one-launch kernel (``sm90_grouped_gemm.mega_moe_sm90``), with ``scheduler.tiles`` for its tile order
-    and wait targets. Per rank and call: every CTA announces (CTA 0), scans and passes grid barrier 0, takes the
-    expert offsets (row starts); then, as separate agents, its ``PULL_AGENTS`` pull warps (units ``gw, gw +
-    C * PULL_AGENTS, ...`` of the ring's rows, each stored then counted on ``pulled[e]``, release) and its
-    tile loop (tiles ``c, c + C, ...``: an L1 tile waits for ``pulled[e]``, stores its N-slice of every row
-    of its token tile into the L2 ring, then adds 1 to ``l1_done[e]`` (release); an L2 tile waits for
-    ``l1_done[e]`` and stores its N-slice of every row into the source rank's combine area). Then grid
-    barrier 1, the done exchange and the sum (``_combine``); the last CTA out, once its pull warps are done,
-    resets the rank's counters and counts. The ring holds every row (no reuse within a call), as the host
-    sizes it. Every datum is tagged (call, source rank, token, slot) and checked where it is read."""
-
-    PULL_AGENTS = 2
-
-    def __init__(self, num_local_experts: int, tile_tokens: int, n_l1: int, n_l2: int, row_units: int, num_topk: int,
-                 ctas_per_rank: int, calls_per_rank: list, seed: int = 0):
-        self.e_l, self.tile_tokens, self.n_l1, self.n_l2, self.row_units = num_local_experts, tile_tokens, n_l1, n_l2, row_units
-        super().__init__(None, num_topk, ctas_per_rank, calls_per_rank, seed)
-
-    # Wait targets (``scheduler.tiles``): methods so that tests can break them on purpose.
-    def pulled_target(self, rows: int) -> int:
-        return tiles.pulled_target(rows, self.row_units)
-
-    def l1_done_target(self, rows: int) -> int:
-        return tiles.l1_done_target(rows, self.tile_tokens, self.n_l1)
-
-    def _reset(self, rk: Rank) -> None:
-        rk.counts = [0] * self.e_l
-        rk.pool = [[None] * (len(self.ranks) * self.t_max) for _ in range(self.e_l)]
-        rk.counters = [[0] * self.e_l for _ in range(2)]  # pulled, l1_done
-        rk.next_scan = rk.barrier = rk.exits = 0
-
-    def _agents(self, rk: Rank, call: int) -> list:
-        rk.ctas = {c: {"offsets": None, "pulls_done": 0} for c in range(self.ctas)}
-        agents = []
-        for c in range(self.ctas):
-            agents.append([(rk.index, c), self._cta(rk, c, call), None])
-            agents += [[(rk.index, c, "pull", w), self._pull(rk, c, w, call), None] for w in range(self.PULL_AGENTS)]
-        return agents
-
-    def _launch_barrier(self, agent, rk: Rank, q: int) -> Iterator:
-        """Grid barrier q of the launch (its own counter, zeroed at the end of the launch)."""
-        self._release(agent)
-        rk.barrier += 1
-        target = (q + 1) * self.ctas
-        yield Wait("barrier", f"grid barrier {q} count >= {target}", lambda: rk.barrier >= target, lambda: rk.barrier)
-
-    def _row(self, rk: Rank, call: int, e: int, row: int, starts: list, what: str) -> tuple:
-        entry = rk.pool[e][row - starts[e]]
-        if entry is None:
-            raise ProtocolError(f"rank {rk.index} call {call}: {what} reads pool row {row} of expert {e} before it was visible")
-        return (call, *entry)
-
-    def _pull(self, rk: Rank, cta: int, w: int, call: int) -> Iterator:
-        agent, me = (rk.index, cta, "pull", w), rk.index
-        yield Wait("pull", "this CTA's expert offsets", lambda: rk.ctas[cta]["offsets"] is not None, lambda: None)
-        starts = rk.ctas[cta]["offsets"]
-        num_warps = self.ctas * self.PULL_AGENTS
-        for u in range(cta * self.PULL_AGENTS + w, starts[-1] * self.row_units, num_warps):
-            row, unit = divmod(u, self.row_units)
-            e = expert_of_block(row, starts, self.e_l)
-            tag = self._row(rk, call, e, row, starts, "a pull")
-            src = tag[1]
-            if self.ranks[src].inputs_call != call:
-                raise ProtocolError(f"rank {me} pulls rank {src}'s token {tag[2]} of call {self.ranks[src].inputs_call} "
-                                    f"in call {call}")
-            self._store(agent, rk.ring_l1, (row, unit), tag)
-            yield None
-            self._release(agent)
-            rk.counters[0][e] += 1
-            yield None
-        rk.ctas[cta]["pulls_done"] += 1
-
-    def _tile_rows(self, rk: Rank, call: int, gemm: int, e: int, rows: range, starts: list) -> Iterator:
-        """A tile's wait (L1: ``pulled[e]``, L2: ``l1_done[e]``), then its input rows, each checked in every part
-        it reads (pull units, or L1 slices); returns ``[(row, tag)]``."""
-        counter, target = (0, self.pulled_target(rk.counts[e])) if gemm == 1 else (1, self.l1_done_target(rk.counts[e]))
-        ring, parts = (rk.ring_l1, self.row_units) if gemm == 1 else (rk.ring_l2, self.n_l1)
-        name = ("pulled", "l1_done")[counter]
-        yield Wait("producer", f"{name}[{e}] >= {target}", lambda: rk.counters[counter][e] >= target,
-                   lambda: rk.counters[counter][e])
-        out = []
-        for row in rows:
-            tag = self._row(rk, call, e, row, starts, f"an L{gemm} tile")
-            for part in range(parts):
-                if ring.get((row, part)) != tag:
-                    raise ProtocolError(f"rank {rk.index} call {call}: L{gemm} tile of expert {e} reads row {row} part "
-                                        f"{part} = {ring.get((row, part))}, expected {tag}")
-            out.append((row, tag))
-        return out
-
-    def _cta(self, rk: Rank, cta: int, call: int) -> Iterator:
-        agent, me = (rk.index, cta), rk.index
-        if cta == 0:
-            yield from self._announce(rk, call)
-        yield from self._scan(agent, rk, call)
-        yield from self._launch_barrier(agent, rk, 0)
-        starts = [sum(rk.counts[:e]) for e in range(self.e_l + 1)]
-        rk.ctas[cta]["offsets"] = starts
-        order = tiles.launch_tiles(rk.counts, self.tile_tokens, self.n_l1, self.n_l2)
-        for ti in range(cta, len(order), self.ctas):
-            gemm, e, row0, n = order[ti]
-            key = (me, call, ti)
-            self.runs[key] = self.runs.get(key, 0) + 1
-            rows = range(row0, min(row0 + self.tile_tokens, starts[e + 1]))
-            tags = yield from self._tile_rows(rk, call, gemm, e, rows, starts)
-            for row, tag in tags:
-                if gemm == 1:
-                    self._store(agent, rk.ring_l2, (row, n), tag)
-                else:
-                    _, src, t, j = tag
-                    self._store(agent, self.ranks[src].combine, (j, t, n), (call, me, t, j))
-                yield None
-            if gemm == 1:
-                self._release(agent)
-                rk.counters[1][e] += 1
-            yield None
-        yield from self._launch_barrier(agent, rk, 1)  # releases this CTA's row stores (fence.sys + barrier)
-        yield from self._combine(rk, cta, call, self.n_l2)
-        yield Wait("exit", "this CTA's pull warps", lambda: rk.ctas[cta]["pulls_done"] == self.PULL_AGENTS,
-                   lambda: rk.ctas[cta]["pulls_done"])
-        rk.exits += 1
-        if rk.exits == self.ctas:
-            self._reset(rk)

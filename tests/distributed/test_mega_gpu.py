@@ -11,8 +11,10 @@ one progress line per rank and call, the contract errors, and any ``megamoe debu
   GEMMs, recv stats equal to the legacy path's. Cases: ragged routing with
   masked slots and uneven T, skewed routing (every token to the first k experts, all on rank 0), a
   rank with 0 tokens, 1 token per rank, T = T_max with a clamp, and ``bf16_mega_moe`` on a BF16 buffer
-  (against its reference and the legacy torch-GEMM path); then a CUDA graph captured once and
-  replayed three times with new inputs copied in between. Four ranks: uneven tokens incl. a rank
+  (against its reference and the legacy torch-GEMM path); two GPUs also T = T_max and skewed on a buffer
+  whose ring (128 rows) is smaller than the call's pool blocks (ring blocks reused within the call; one GPU's
+  default ring is 128 rows already); then a CUDA graph captured once and replayed three times with new inputs
+  copied in between. Four ranks: uneven tokens incl. a rank
   with 0 and one with 1, skewed, full with a clamp, and the graph.
 * ``hang``: rank 1 never calls; rank 0's debug-mode call must trap with the diagnostic naming
   ``ready[src=1]`` (printf and the host-mapped record) instead of hanging.
@@ -36,6 +38,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 H, I, K, E_PER_RANK, T_MAX = 512, 512, 4, 8, 32
 GENERATIONS = 3
+SMALL_RING = 128  # ring rows of the small-ring cases: rank 0 receives more rows, so it reuses ring blocks
 DEBUG_TIMEOUT_S = "5"  # debug-mode spin-wait timeout inside the subprocesses
 CASES = {
     1: [
@@ -53,6 +56,8 @@ CASES = {
         ("one_token_per_rank", dict(tokens=[1, 1])),
         ("full_clamped", dict(tokens=[T_MAX, T_MAX], clamp=0.75, masked=0.1)),
         ("bf16_uneven_clamped", dict(tokens=[13, 5], clamp=0.75, masked=0.2, mma_type="bf16")),
+        ("small_ring_ragged", dict(tokens=[T_MAX, 30], masked=0.1, hot=E_PER_RANK, ring=SMALL_RING)),
+        ("small_ring_skewed", dict(tokens=[24, 17], hot=K, ring=SMALL_RING)),
     ],
     4: [
         ("ragged_masked_uneven", dict(tokens=[13, 0, 32, 1], masked=0.25)),
@@ -118,7 +123,7 @@ def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
     """GENERATIONS calls with fresh inputs and weights; the first in debug mode."""
     from megamoe import LegacyMoE
     from megamoe.inputs import fill_buffer, local_experts
-    from megamoe.mega import MegaMoE
+    from megamoe.mega import MegaMoE, tile_config
 
     num_ranks, clamp = len(case["tokens"]), case.get("clamp")
     fp8 = case.get("mma_type", "fp8xfp4") == "fp8xfp4"
@@ -139,6 +144,11 @@ def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
         # BF16: torch's grouped GEMM over different row counts may tile K differently: no bitwise claim.
         _check(rank, what, y, ref, stats, stats_legacy, y_legacy, bitwise=fp8)
         assert torch.equal(stats_legacy, counts + 7), f"{what}: legacy stats disagree with the routing"
+        if "ring" in case:  # rank 0 receives more rows than its ring holds: it reuses ring blocks
+            tt = tile_config(buf.layout, t).tile_tokens
+            _say(rank, f"{what}: {int(counts.sum())} rows in {int(((counts + tt - 1) // tt).sum())} pool blocks of "
+                 f"{tt} rows, ring of {case['ring']} rows")
+            assert rank != 0 or int(counts.sum()) > case["ring"], f"{what}: rank 0's rows fit the ring"
 
 
 def _run_graph(rank, device, buf, tokens: list[int]) -> None:
@@ -184,12 +194,14 @@ def _suite(rank, group, device, num_ranks: int) -> None:
 
     bufs = {mma: get_symm_buffer_for_mega_moe(group, E_PER_RANK * num_ranks, T_MAX, K, H, I, mma_type=mma,
                                               device=device) for mma in ("fp8xfp4", "bf16")}
+    bufs[SMALL_RING] = get_symm_buffer_for_mega_moe(group, E_PER_RANK * num_ranks, T_MAX, K, H, I,
+                                                    num_ring_tokens=SMALL_RING, device=device)
     buf = bufs["fp8xfp4"]
     _say(rank, f"{num_ranks} GPU(s), {torch.cuda.get_device_name(device)}; ring {buf.layout.num_ring_tokens} rows")
     try:
         for i, (name, case) in enumerate(CASES[num_ranks]):
             start = time.perf_counter()
-            _run_case(rank, device, bufs[case.get("mma_type", "fp8xfp4")], name, case, seed=100 * (i + 1))
+            _run_case(rank, device, bufs[case.get("ring", case.get("mma_type", "fp8xfp4"))], name, case, seed=100 * (i + 1))
             _say(rank, f"{name}: {GENERATIONS} calls in {time.perf_counter() - start:.1f} s")
         _run_graph(rank, device, buf, GRAPH_TOKENS[num_ranks])
     except BaseException:
