@@ -72,9 +72,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--paths", type=lambda s: s.split(","), default=None,
                    help="run only the paths whose name contains one of these comma-separated words (e.g. fused)")
     p.add_argument("--profile", action="store_true", help="print rank 0's torch.profiler summary of one call per point")
+    p.add_argument("--ring-tokens", type=int, default=None,
+                   help="cap the buffers' ring at this many rows (a multiple of 128; default: every row a rank can "
+                   "receive). The fused FP8 x FP4 path then reuses ring blocks within a call; the staged BF16 "
+                   "fused path refuses a ring that small")
     args = p.parse_args(argv)
     if args.routings < 1:
         p.error(f"--routings must be >= 1, got {args.routings}")
+    if args.ring_tokens is not None and (args.ring_tokens < RING_ALIGNMENT or args.ring_tokens % RING_ALIGNMENT):
+        p.error(f"--ring-tokens must be a positive multiple of {RING_ALIGNMENT}, got {args.ring_tokens}")
     return args
 
 
@@ -163,6 +169,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for t in progress(tokens, f"{preset}: tokens/rank", enabled=lead):
         # Buffers sized to the point: the low-latency path moves num_max_tokens_per_rank rows.
         ring = -(-num_ranks * max(t, 1) * min(k, num_local) // RING_ALIGNMENT) * RING_ALIGNMENT  # every row received
+        if args.ring_tokens is not None:
+            ring = min(ring, args.ring_tokens)
         cases = []  # (buffer, top-k ids, reference output), one per routing
         for r in range(args.routings):
             buf = get_symm_buffer_for_mega_moe(group, e, max(t, 1), k, h, i, mma_type=args.mma_type,
@@ -216,6 +224,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 _profile(replay, barrier, lead, f"{t} tokens/rank, {name}, {what}")
             rows.append({
                 "tokens_per_rank": t,
+                "ring_tokens": ring,
                 "routings": len(cases),
                 "path": name,
                 "method": method,
@@ -283,11 +292,11 @@ def _print_table(preset, shape, num_ranks, mma_type, hbm, rows, receipt, method)
              f"CC {receipt.get('compute_capability', '-')} | torch {receipt['torch']} CUDA {receipt['cuda']} "
              f"DSL {receipt['cutlass_dsl']} | HBM read {hbm:.0f} GB/s")
     table = Table(title=title, caption=method)
-    for col in ("tokens/rank", "path", "method", "us", "TFLOP/s", "rows/rank", "experts/rank", "weights GB/s", "FP4 floor us", "a2a GB/s", "verdict"):
+    for col in ("tokens/rank", "ring rows", "path", "method", "us", "TFLOP/s", "rows/rank", "experts/rank", "weights GB/s", "FP4 floor us", "a2a GB/s", "verdict"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
-            str(r["tokens_per_rank"]), r["path"], r["method"], f"{r['us']:.1f}", f"{r['tflops']:.1f}", f"{r['routed_rows_per_rank']:.0f}",
+            str(r["tokens_per_rank"]), str(r["ring_tokens"]), r["path"], r["method"], f"{r['us']:.1f}", f"{r['tflops']:.1f}", f"{r['routed_rows_per_rank']:.0f}",
             f"{r['experts_touched_per_rank']:.1f}", f"{r['weights_gbps']:.0f}",
             "-" if r["fp4_floor_us"] is None else f"{r['fp4_floor_us']:.1f}", f"{r['a2a_gbps']:.1f}",
             f"{'ok' if r['correct'] else 'WRONG'} {r['rel_fro']:.1e}",
