@@ -28,6 +28,15 @@ def test_moe_bench_rejects_no_routings():
         main(["--routings", "0"])
 
 
+def test_moe_bench_ring_cap():
+    """--ring-tokens caps each point's ring (recorded per row); it must be a positive multiple of 128."""
+    rows = main(["--preset", "tiny", "--tokens", "1,40", "--ring-tokens", "128", "--warmup", "1", "--iters", "2"])
+    assert {r["ring_tokens"] for r in rows} == {128} and all(r["correct"] for r in rows)
+    for bad in ("100", "0"):
+        with pytest.raises(SystemExit):
+            main(["--ring-tokens", bad])
+
+
 def test_receipt_names_the_source_it_ran(tmp_path):
     """The digest follows the package's sources: same files, same digest; one changed byte or a renamed file,
     another; the receipt carries the installed package's."""
