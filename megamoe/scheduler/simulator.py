@@ -274,11 +274,11 @@ class Simulator:
         first, tt = plan["first"], self.tile_tokens
         rows = tiles.block_rows(block, first[e], rk.counts[e], tt)
         if gemm == 1:
-            counter, target = PULLED, self.pulled_target(rows)
+            target = self.pulled_target(rows)
             yield Wait("producer", f"pulled[{block}] >= {target}", lambda: rk.counters[PULLED][block] >= target,
                        lambda: rk.counters[PULLED][block])
         else:
-            counter, target, every = L1_DONE, self.l1_done_target(), self.n_l1 * first[-1]
+            target, every = self.l1_done_target(), self.n_l1 * first[-1]
             yield Wait("producer", f"l1_done[{block}] >= {target} or every L1 tile ({every}) done",
                        lambda: rk.counters[L1_DONE][block] >= target or rk.all_l1 >= every,
                        lambda: (rk.counters[L1_DONE][block], rk.all_l1))

@@ -13,7 +13,7 @@ blocks form windows of ``W = ring_rows // tile_tokens // 2`` blocks and block b 
 ``[(b % 2W) * tile_tokens, +tile_tokens)`` (``ring_row``): window w + 2 reuses window w's ring blocks.
 
 Tiles, in one linear order of phases: phase p holds the L1 tiles of window p, then the L2 tiles of window p - 1
-(``phase_tiles``); within a window's L1 (L2) part, experts in order, each expert's blocks in the window times
+(``phase_start``, ``phase_of``); within a window's L1 (L2) part, experts in order, each expert's blocks in the window times
 the ``n_l1`` (``n_l2``) weight tiles, weight tile slowest (``tile_coords``: CTAs working at once share a
 weight tile in L2). CTA c of C runs tiles c, c + C, ... in increasing order. With one window this is every
 L1 tile, then every L2 tile.
@@ -69,11 +69,6 @@ def num_windows(num_blocks, window):
 def window_blocks(w, window, num_blocks, ops=PY_OPS):
     """Blocks of window ``w`` (0 outside ``[0, num_windows)``)."""
     return ops.select(w >= 0, ops.max(ops.min(num_blocks - w * window, window), 0), 0)
-
-
-def phase_tiles(p, window, num_blocks, n_l1: int, n_l2: int, ops=PY_OPS):
-    """``(L1 tiles, L2 tiles)`` of phase ``p``: window p's L1 tiles, then window p - 1's L2 tiles."""
-    return n_l1 * window_blocks(p, window, num_blocks, ops), n_l2 * window_blocks(p - 1, window, num_blocks, ops)
 
 
 def phase_start(p, window, num_blocks, n_l1: int, n_l2: int, ops=PY_OPS):
