@@ -154,17 +154,10 @@ def check_mega_call(y, sym_buffer, stats, activation, activation_clamp, fast_mat
     check_activation_clamp(activation_clamp)
     if not isinstance(fast_math, bool):
         raise TypeError(f"megamoe: `fast_math` must be a bool, got {type(fast_math).__name__}")
-    r, e_l, k, t_max = lay.num_ranks, lay.num_local_experts, lay.num_topk, lay.num_max_tokens_per_rank
-    worst = r * t_max * min(k, e_l)
-    if mma_type == "bf16" and lay.num_ring_tokens < worst:  # staged: no ring reuse
-        fail("sym_buffer", f"ring (num_ring_tokens = {lay.num_ring_tokens} rows of l1_acts / l2_acts) must hold "
-             f"every row a rank can receive for bf16_mega_moe (staged, no ring reuse), R * T_max * min(k, E/R) = "
-             f"{r} * {t_max} * {min(k, e_l)} = {worst}; allocate the buffer with num_ring_tokens >= {worst} or "
-             f"fewer num_max_tokens_per_rank")
     from .kernels.ep_comm import MAX_LOCAL_EXPERTS
 
-    if e_l > MAX_LOCAL_EXPERTS:
-        fail("sym_buffer", f"has {e_l} local experts; the dispatch kernel holds at most {MAX_LOCAL_EXPERTS}")
+    if lay.num_local_experts > MAX_LOCAL_EXPERTS:
+        fail("sym_buffer", f"has {lay.num_local_experts} local experts; the dispatch kernel holds at most {MAX_LOCAL_EXPERTS}")
     sym_buffer.check_call(y, stats)
     if y.numel() and y.data_ptr() % 16:
         fail("y", f"must start at a 16-byte aligned address (16-byte stores), got {y.data_ptr():#x}")
@@ -345,6 +338,11 @@ def bf16_mega_moe(
     stats = cumulative_local_expert_recv_stats
     check_mega_call(y, sym_buffer, stats, activation, activation_clamp, fast_math, "bf16")
     lay, dev = sym_buffer.layout, sym_buffer.device
+    if lay.num_ring_tokens < lay.max_recv_rows:  # the staged dispatch pulls every row into the ring
+        fail("sym_buffer", f"ring (num_ring_tokens = {lay.num_ring_tokens} rows of l1_acts / l2_acts) must hold "
+             f"every row a rank can receive for bf16_mega_moe (staged, no ring reuse), R * T_max * min(k, E/R) = "
+             f"{lay.max_recv_rows}; allocate the buffer with num_ring_tokens >= {lay.max_recv_rows} or fewer "
+             f"num_max_tokens_per_rank")
     e_l, h, i = lay.num_local_experts, lay.hidden, lay.intermediate_hidden
     check_tensor("l1", l1, dtype=torch.bfloat16, shape=(e_l, 2 * i, h), device=dev, contiguous=True)
     check_tensor("l2", l2, dtype=torch.bfloat16, shape=(e_l, h, i), device=dev, contiguous=True)

@@ -93,6 +93,11 @@ class SymmBufferLayout:
     def num_local_experts(self) -> int:
         return self.num_experts // self.num_ranks
 
+    @property
+    def max_recv_rows(self) -> int:
+        """Rows a rank can receive in one call (``max_recv_rows``)."""
+        return max_recv_rows(self.num_ranks, self.num_max_tokens_per_rank, self.num_topk, self.num_local_experts)
+
     def section(self, name: str) -> Section:
         for s in self.sections:
             if s.name == name:
@@ -108,10 +113,14 @@ class SymmBufferLayout:
         return "\n".join(lines)
 
 
+def max_recv_rows(num_ranks: int, num_max_tokens_per_rank: int, num_topk: int, num_local_experts: int) -> int:
+    """Rows a rank can receive in one call: ``R * T_max * min(k, E/R)`` (a token's experts are distinct)."""
+    return num_ranks * num_max_tokens_per_rank * min(num_topk, num_local_experts)
+
+
 def default_num_ring_tokens(num_ranks: int, num_max_tokens_per_rank: int, num_topk: int, num_local_experts: int) -> int:
     """Ring rows: every row a rank can receive, capped at DEFAULT_MAX_RING_TOKENS, 128-aligned."""
-    most = num_ranks * num_max_tokens_per_rank * min(num_topk, num_local_experts)
-    rows = min(most, DEFAULT_MAX_RING_TOKENS)
+    rows = min(max_recv_rows(num_ranks, num_max_tokens_per_rank, num_topk, num_local_experts), DEFAULT_MAX_RING_TOKENS)
     return -(-rows // RING_ALIGNMENT) * RING_ALIGNMENT
 
 

@@ -37,7 +37,7 @@ from ..legacy import LegacyMoE
 from ..mega import MegaMoE
 from ..numerics import max_row_rel_error, moe_tolerances, rel_fro_error
 from ..reference import distributed_reference_moe
-from ..symm_buffer import RING_ALIGNMENT, get_symm_buffer_for_mega_moe
+from ..symm_buffer import RING_ALIGNMENT, get_symm_buffer_for_mega_moe, max_recv_rows
 from .common import (
     capture_graph,
     environment_receipt,
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for t in progress(tokens, f"{preset}: tokens/rank", enabled=lead):
         # Buffers sized to the point: the low-latency path moves num_max_tokens_per_rank rows.
-        ring = -(-num_ranks * max(t, 1) * min(k, num_local) // RING_ALIGNMENT) * RING_ALIGNMENT  # every row received
+        ring = -(-max_recv_rows(num_ranks, max(t, 1), k, num_local) // RING_ALIGNMENT) * RING_ALIGNMENT  # every row
         if args.ring_tokens is not None:
             ring = min(ring, args.ring_tokens)
         cases = []  # (buffer, top-k ids, reference output), one per routing

@@ -249,9 +249,7 @@ class EpPhases:
         self.hidden = lay.hidden
         self.t_max = lay.num_max_tokens_per_rank
         self.ring = lay.num_ring_tokens
-        self.max_rows = lay.num_ranks * lay.num_max_tokens_per_rank * min(lay.num_topk, lay.num_local_experts)
-        """Rows a rank can receive in a call (distinct experts per token)."""
-        self.row_limit = self.max_rows if bounded_ring else self.ring
+        self.row_limit = lay.max_recv_rows if bounded_ring else self.ring
         """Rows a call may route here: a bounded ring (the one-launch kernel reuses ring blocks) takes any
         rank's worth, else the ring holds them all."""
         self.pool_cap = lay.num_ranks * lay.num_max_tokens_per_rank  # rows per expert in ``pool``

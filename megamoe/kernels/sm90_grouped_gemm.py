@@ -247,8 +247,7 @@ def mega_max_blocks(layout, tile_tokens: int) -> int:
     """Most pool blocks of a Mega MoE call on ``layout`` (a ``SymmBufferLayout``) with ``tile_tokens``-row blocks."""
     from ..scheduler import tiles
 
-    max_rows = layout.num_ranks * layout.num_max_tokens_per_rank * min(layout.num_topk, layout.num_local_experts)
-    return tiles.max_blocks(max_rows, tile_tokens, layout.num_local_experts)
+    return tiles.max_blocks(layout.max_recv_rows, tile_tokens, layout.num_local_experts)
 
 
 def sync_words(num_groups: int, layout=None) -> int:
