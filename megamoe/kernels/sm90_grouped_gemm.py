@@ -67,9 +67,11 @@ Design:
   Its tiles follow ``scheduler.tiles`` over a bounded ring: per pool block (token tile) counters of pulled
   units, L1 tiles and (when the call's rows exceed the ring and ring blocks are reused) L2 tiles; an L1 tile
   waits on its block's pulls, an L2 tile on its block's L1 tiles, a pull into a reused ring block on the L2
-  tiles of the block before it there. Every warp finds tile t in closed form (phase arithmetic and a binary
-  search over the block prefix, ``mega_tile``), with no cursor held across the consumers' mainloop (with two
-  CTAs per SM a cursor there costs the registers the wgmmas need: ptxas C7512).
+  tiles of the block before it there. The producer warp finds tile t in closed form (phase arithmetic and a
+  binary search over the block prefix, ``mega_tile``, skipped while tiles stay in one expert) and publishes it
+  to the consumer warpgroups through shared memory (``publish_tile``), so the consumers hold no cursor across
+  their mainloop (with two CTAs per SM that costs the registers the wgmmas need: ptxas C7512) and spend no
+  time between two mainloops on the search.
 
 What bounds small token tiles (H200, ncu, flash L1 EP8, 16 rows/expert, BF16 mode, before the changes
 below): instruction issue and memory together. A consumer warp spent ~217 SASS instructions per 128-K
@@ -230,17 +232,26 @@ class GemmConfig:
         )
 
 
-def mega_smem_bytes(comm) -> int:
-    """Shared memory the Mega MoE kernel adds (``comm``: its ``ep_comm.EpCommConfig``, or None): the expert
+def mega_comm_words(comm) -> int:
+    """int32 words of the Mega MoE kernel's ``sComm`` (``comm``: its ``ep_comm.EpCommConfig``, or None): the expert
     offsets (int32 [E_l + 1]), the scan's two source token counts, the pool-block prefix (int32 [E_l + 1]), the
     ring geometry (``Sm90Fp4GroupedGemm.ring_geometry``: 4 int32) and the last-CTA flag."""
-    return 0 if comm is None else -(-4 * (2 * comm.layout.num_local_experts + 9) // 16) * 16
+    return 0 if comm is None else -(-(2 * comm.layout.num_local_experts + 9) // 4) * 4
+
+
+def mega_smem_bytes(comm) -> int:
+    """Shared memory the Mega MoE kernel adds: ``sComm``, the published tiles and their mbarriers."""
+    return 0 if comm is None else 4 * mega_comm_words(comm) + TILE_SLOTS * (4 * TILE_WORDS + 16)
 
 
 MEGA_HEADER = 3
 """Mega MoE ``sync`` words before the per-block counters: finished CTAs, L1 tiles done, grid-barrier arrivals."""
 L1_DONE, FINISHED, ALL_L1, GRID, PULLED, L2_DONE = range(6)
 """The fused launch's counters (``Sm90Fp4GroupedGemm.word``)."""
+TILE_SLOTS = 4
+"""Mega MoE: tiles the producer warp may publish ahead of the consumer warpgroups (``publish_tile``)."""
+TILE_WORDS = 8
+"""int32 words of a published tile: phase, valid, row0, row_end, n_tile (padded)."""
 
 
 def mega_max_blocks(layout, tile_tokens: int) -> int:
@@ -429,6 +440,8 @@ def _build_kernel_class():
             @cute.struct
             class SharedStorage:
                 mbar: cute.struct.MemRange[cutlass.Int64, st * 2]
+                tile_mbar: cute.struct.MemRange[cutlass.Int64, 2 * TILE_SLOTS if self.comm is not None else 1]
+                sTile: cute.struct.Align[cute.struct.MemRange[Int32, TILE_SLOTS * TILE_WORDS if self.comm is not None else 1], 16]
                 sA: cute.struct.Align[cute.struct.MemRange[a_dtype, cute.cosize(a_layout)], 1024]
                 sW: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(w_layout)], 1024]
                 sSFW: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(sfw_layout)], 128]
@@ -437,7 +450,7 @@ def _build_kernel_class():
                 sOut: cute.struct.Align[  # "l1_l2": shares sAct's bytes (see kernel())
                     cute.struct.MemRange[cutlass.BFloat16, tt * self.out_stride if self.scatter and not self.fused else 8], 16
                 ]
-                sComm: cute.struct.Align[cute.struct.MemRange[Int32, max(mega_smem_bytes(self.comm) // 4, 1)], 16]
+                sComm: cute.struct.Align[cute.struct.MemRange[Int32, max(mega_comm_words(self.comm), 1)], 16]
 
             self.shared_storage = SharedStorage
             self.tx_bytes = tt * K_CHUNK * a_dtype.width // 8 + tn * CHUNK_BYTES + 16 * tn + (0 if self.bf16 else 16 * tt)
@@ -557,12 +570,12 @@ def _build_kernel_class():
             return Int32(geo[1]) < Int32(geo[0])
 
         @cute.jit
-        def mega_tile(self, t: Int32, dims, num_groups: Int32, offs: cute.Tensor, firsts: cute.Tensor):
+        def mega_tile(self, t: Int32, e: Int32, dims, num_groups: Int32, offs: cute.Tensor, firsts: cute.Tensor):
             """Mega MoE: tile ``t`` of the bounded-ring order (``scheduler.tiles``: phase p = window p's L1 tiles,
             then window p - 1's L2 tiles; the phase in closed form). Returns (GEMM 0 / 1, expert e, valid, row0,
-            row_end, n_tile, block): ring rows [row0, row_end) of e's pool block ``block`` (``tiles.window_block``: a
-            binary search over the block prefix in shared memory, ``tiles.window_tile``). No cursor: values held
-            across the consumers' mainloop cost registers they do not have with two CTAs per SM."""
+            row_end, n_tile, block): ring rows [row0, row_end) of e's pool block ``block`` (``tiles.window_tile``). The
+            only cursor is ``e``, the previous tile's expert: values held across the consumers' mainloop cost
+            registers they do not have with two CTAs per SM."""
             ops = ep_comm.DSL_OPS
             n1, n2 = dims[1], dims[3]
             nb, window, period, last = self.ring_geometry(firsts)
@@ -573,7 +586,11 @@ def _build_kernel_class():
             n_tiles = Int32(cutlass.select_(gemm == 0, n1, n2))
             local = local - gemm * l1n
             w0 = (p - gemm) * window
-            e = Int32(tiles.expert_of_block(tiles.window_block(local, n_tiles, w0), firsts, self.ep_all.num_local, ops))
+            # The expert: the previous tile's (``e``, any index < E: a tile loop's tiles mostly stay in one
+            # expert), else a binary search over the block prefix.
+            owned = tiles.window_block(local, n_tiles, w0)
+            if (owned < Int32(firsts[e])) | (owned >= Int32(firsts[e + 1])):
+                e = Int32(tiles.expert_of_block(owned, firsts, self.ep_all.num_local, ops))
             block, n_tile = tiles.window_tile(local, n_tiles, w0, cutlass.min(w0 + window, nb), firsts, e, ops)
             valid = p <= last
             f0 = Int32(firsts[e])
@@ -644,6 +661,17 @@ def _build_kernel_class():
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_consumer_wg),
                 tx_count=self.tx_bytes,
             )
+            tiles_pub = None  # Mega MoE: the tiles the producer warp publishes to the consumer warpgroups
+            if cutlass.const_expr(self.comm is not None):
+                tiles_pub = (
+                    pipeline.PipelineAsync.create(
+                        barrier_storage=storage.tile_mbar.data_ptr(),
+                        num_stages=TILE_SLOTS,
+                        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.num_consumer_wg),
+                    ),
+                    storage.sTile.get_tensor(cute.make_layout((TILE_SLOTS, TILE_WORDS), stride=(TILE_WORDS, 1))),
+                )
 
             sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
             sW = storage.sW.get_tensor(w_layout)
@@ -713,7 +741,7 @@ def _build_kernel_class():
                     self.producer(
                         ab_pipeline, (tma_a, tA, tma_w, tW, tma_sfw, tSFW), (tma_a2, tA2, tma_w2, tW2, tma_sfw2, tSFW2),
                         tma_sfa, tSFA, sA, sW, sSFW, sSFA, mGroupA, mGroupB, num_groups, max_m,
-                        total_rows, dims, sync, timeout_ns, bidx, gdim,
+                        total_rows, dims, sync, timeout_ns, bidx, gdim, tiles_pub,
                     )
                 if cutlass.const_expr(self.fused):
                     if warp_idx == 1:
@@ -733,7 +761,7 @@ def _build_kernel_class():
                     cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consumer(
                     ab_pipeline, tiled_mma, tidx - 128, sA, sW, sSFW, sSFA, sAct, sOut, mD, mDSF, mRowW, mRowAddr,
-                    mGroupA, mGroupB, num_groups, max_m, clamp, total_rows, dims, sync, bidx, gdim,
+                    mGroupA, mGroupB, num_groups, max_m, clamp, total_rows, dims, sync, bidx, gdim, tiles_pub,
                 )
                 if cutlass.const_expr(self.comm is not None):
                     # Mega MoE combine on the consumer warpgroups (ep_comm steps 2-3): every row of every CTA is
@@ -753,11 +781,11 @@ def _build_kernel_class():
                       mGroupA: cute.Tensor, mGroupB: cute.Tensor, max_m: Int32, total_rows: Int32):
             """``find_tile`` over the launch's tiles: those of the first GEMM (``phase`` 0), then, when fused,
             those of the second (phase 1, tile ids from ``t_off`` = the first GEMM's tile count on); Mega MoE:
-            ``mega_tile`` (no cursor: e, base and t_off pass through; ``mGroupB``: the block prefix).
+            ``mega_tile`` (its cursor: e; base and t_off pass through; ``mGroupB``: the block prefix).
             Returns (phase, e, base, t_off, valid, row0, row_end, n_tile, block); ``t`` must not decrease."""
             block = Int32(0)
             if cutlass.const_expr(self.comm is not None):
-                phase, e, valid, row0, row_end, n_tile, block = self.mega_tile(t, dims, num_groups, mGroupA, mGroupB)
+                phase, e, valid, row0, row_end, n_tile, block = self.mega_tile(t, e, dims, num_groups, mGroupA, mGroupB)
             else:
                 n_tiles = dims[1]
                 if cutlass.const_expr(self.fused):
@@ -774,6 +802,33 @@ def _build_kernel_class():
                                 t - t_off, Int32(0), Int32(0), dims[3], num_groups, mGroupA, mGroupB, max_m, total_rows
                             )
             return phase, e, base, t_off, valid, row0, row_end, n_tile, block
+
+        @cute.jit
+        def publish_tile(self, tiles_pub, pub, phase: Int32, valid, row0: Int32, row_end: Int32, n_tile: Int32):
+            """Mega MoE, the producer warp (every lane): publish the next tile (or, ``valid`` false, the end) to the
+            consumer warpgroups in a free slot of ``tiles_pub`` (PipelineAsync, shared words); returns ``pub`` advanced.
+            The consumers then compute nothing per tile: the search over the tile order costs the producer warp
+            time it hides behind the loads in flight, but the consumers time between two mainloops."""
+            tiles_pub[0].producer_acquire(pub)
+            slot = tiles_pub[1]
+            i = pub.index
+            slot[i, 0] = phase
+            slot[i, 1] = Int32(cutlass.select_(valid, Int32(1), Int32(0)))
+            slot[i, 2] = row0
+            slot[i, 3] = row_end
+            slot[i, 4] = n_tile
+            tiles_pub[0].producer_commit(pub)
+            pub.advance()
+            return pub  # the caller assigns it: a state advanced in a callee is loop-carried only when assigned
+
+        @cute.jit
+        def take_tile(self, tiles_pub, taken):
+            """Mega MoE, the consumer warpgroups: wait for the tile published in ``taken``'s slot (released by the
+            caller after the tile) -> (phase, valid, row0, row_end, n_tile)."""
+            tiles_pub[0].consumer_wait(taken)
+            slot = tiles_pub[1]
+            i = taken.index
+            return Int32(slot[i, 0]), Int32(slot[i, 1]) != 0, Int32(slot[i, 2]), Int32(slot[i, 3]), Int32(slot[i, 4])
 
         def word(self, sync: Int64, num_groups: Int32, which: int, i=0) -> Int64:
             """Address of a fused launch's counter in ``sync`` (``sync_words``): ``which`` one of ``L1_DONE`` (of
@@ -953,21 +1008,25 @@ def _build_kernel_class():
 
         @cute.jit
         def producer(self, ab_pipeline, first, second, tma_sfa, tSFA, sA, sW, sSFW, sSFA, mGroupA, mGroupB,
-                     num_groups, max_m, total_rows, dims, sync, timeout_ns, bidx, gdim):
+                     num_groups, max_m, total_rows, dims, sync, timeout_ns, bidx, gdim, tiles_pub):
             """Warp 0: TMA loads of every tile's K chunks. ``first``/``second``: (tma_a, tA, tma_w, tW, tma_sfw,
             tSFW) of the two GEMMs (second: all None unless fused). A second-GEMM tile first loads the weights of
             up to ``stages`` chunks (they do not depend on the first GEMM), then waits for its tokens' rows
-            (``load_tile``); Mega MoE: a first-GEMM tile likewise waits for its rows' pulls."""
+            (``load_tile``); Mega MoE: a first-GEMM tile likewise waits for its rows' pulls, and every tile (then
+            an invalid one, the end) is published to the consumer warpgroups (``publish_tile``) before its loads."""
             tt = self.tile_tokens
             one = cute.make_layout(1)
             tWs, tWg, tSFWs, tSFWg = self.weight_partitions(first, sW, sSFW)
             if cutlass.const_expr(self.fused):
                 tWs2, tWg2, tSFWs2, tSFWg2 = self.weight_partitions(second, sW, sSFW)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+            pub = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_SLOTS)
             t = bidx
             phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
                 t, Int32(0), Int32(0), Int32(0), Int32(0), dims, num_groups, mGroupA, mGroupB, max_m, total_rows
             )
+            if cutlass.const_expr(self.comm is not None):
+                pub = self.publish_tile(tiles_pub, pub, phase, valid, row0, row_end, n_tile)
             all_done = Int32(0)  # fused: every first-GEMM tile seen done (acquired + proxy fence): no more checks
             while valid:
                 if phase == 0:
@@ -1027,11 +1086,15 @@ def _build_kernel_class():
                 phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
                     t, phase, e, base, t_off, dims, num_groups, mGroupA, mGroupB, max_m, total_rows
                 )
+                if cutlass.const_expr(self.comm is not None):
+                    pub = self.publish_tile(tiles_pub, pub, phase, valid, row0, row_end, n_tile)
             ab_pipeline.producer_tail(state)
 
         @cute.jit
         def consumer(self, ab_pipeline, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sAct, sOut, mD, mDSF, mRowW, mRowAddr,
-                     mGroupA, mGroupB, num_groups, max_m, clamp, total_rows, dims, sync, bidx, gdim):
+                     mGroupA, mGroupB, num_groups, max_m, clamp, total_rows, dims, sync, bidx, gdim, tiles_pub):
+            """Consumer warpgroups: every tile's mainloop and epilogue; the tiles come from ``next_tile``, or Mega
+            MoE: from the producer warp (``take_tile``)."""
             tt, tn = self.tile_tokens, self.tile_n
             thr_mma = tiled_mma.get_slice(ctidx)
             # Register A fragment as int32, ((1, 2, 2), 1, k blocks): per (row r, k-half h) of each k block
@@ -1074,9 +1137,17 @@ def _build_kernel_class():
 
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             t = bidx
-            phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
-                t, Int32(0), Int32(0), Int32(0), Int32(0), dims, num_groups, mGroupA, mGroupB, max_m, total_rows
-            )
+            e = Int32(0)
+            base = Int32(0)
+            t_off = Int32(0)
+            block = Int32(0)
+            taken = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_SLOTS)
+            if cutlass.const_expr(self.comm is not None):
+                phase, valid, row0, row_end, n_tile = self.take_tile(tiles_pub, taken)
+            else:
+                phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
+                    t, Int32(0), Int32(0), Int32(0), Int32(0), dims, num_groups, mGroupA, mGroupB, max_m, total_rows
+                )
             while valid:
                 k_tiles = dims[0]
                 if cutlass.const_expr(self.fused):
@@ -1162,10 +1233,15 @@ def _build_kernel_class():
                                     i = c + 2 * r + 4 * j
                                     mD[m, n0 + cC[i][0]] = acc[i].to(cutlass.BFloat16)
 
-                t = t + gdim
-                phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
-                    t, phase, e, base, t_off, dims, num_groups, mGroupA, mGroupB, max_m, total_rows
-                )
+                if cutlass.const_expr(self.comm is not None):
+                    tiles_pub[0].consumer_release(taken)
+                    taken.advance()
+                    phase, valid, row0, row_end, n_tile = self.take_tile(tiles_pub, taken)
+                else:
+                    t = t + gdim
+                    phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
+                        t, phase, e, base, t_off, dims, num_groups, mGroupA, mGroupB, max_m, total_rows
+                    )
             if cutlass.const_expr(self.scatter):
                 ptx.fence_acq_rel_sys()  # rows stored to other GPUs precede any release after this kernel
 

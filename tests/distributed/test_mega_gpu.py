@@ -13,7 +13,9 @@ one progress line per rank and call, the contract errors, and any ``megamoe debu
   rank with 0 tokens, 1 token per rank, T = T_max with a clamp, and ``bf16_mega_moe`` on a BF16 buffer
   (against its reference and the legacy torch-GEMM path); two GPUs also T = T_max and skewed on a buffer
   whose ring (128 rows) is smaller than the call's pool blocks (ring blocks reused within the call; one GPU's
-  default ring is 128 rows already); then a CUDA graph captured once and replayed three times with new inputs
+  default ring is 128 rows already), and the skewed small-ring case again at H = I = 2048, where every CTA runs
+  several tiles (the tile hand-off from the producer warp to the consumers wraps around its slots); then a CUDA
+  graph captured once and replayed three times with new inputs
   copied in between. Four ranks: uneven tokens incl. a rank
   with 0 and one with 1, skewed, full with a clamp, and the graph.
 * ``hang``: rank 1 never calls; rank 0's debug-mode call must trap with the diagnostic naming
@@ -39,6 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 H, I, K, E_PER_RANK, T_MAX = 512, 512, 4, 8, 32
 GENERATIONS = 3
 SMALL_RING = 128  # ring rows of the small-ring cases: rank 0 receives more rows, so it reuses ring blocks
+WIDE = (2048, 2048)  # (H, I) of the case whose CTAs run several tiles each (L1: 32 column tiles per pool block)
 DEBUG_TIMEOUT_S = "5"  # debug-mode spin-wait timeout inside the subprocesses
 CASES = {
     1: [
@@ -58,6 +61,7 @@ CASES = {
         ("bf16_uneven_clamped", dict(tokens=[13, 5], clamp=0.75, masked=0.2, mma_type="bf16")),
         ("small_ring_ragged", dict(tokens=[T_MAX, 30], masked=0.1, hot=E_PER_RANK, ring=SMALL_RING)),
         ("small_ring_skewed", dict(tokens=[24, 17], hot=K, ring=SMALL_RING)),
+        ("wide_small_ring", dict(tokens=[T_MAX, 27], hot=K, ring=SMALL_RING, dims=WIDE)),
     ],
     4: [
         ("ragged_masked_uneven", dict(tokens=[13, 0, 32, 1], masked=0.25)),
@@ -81,7 +85,8 @@ def _say(rank: int, text: str) -> None:
 def _problem(seed: int, tokens: list[int], case: dict) -> dict:
     from megamoe.inputs import global_problem
 
-    return global_problem(seed, tokens, E_PER_RANK * len(tokens), K, H, I, case.get("mma_type", "fp8xfp4"),
+    h, i = case.get("dims", (H, I))
+    return global_problem(seed, tokens, E_PER_RANK * len(tokens), K, h, i, case.get("mma_type", "fp8xfp4"),
                           case.get("masked", 0.0), case.get("hot"))
 
 
@@ -102,10 +107,10 @@ def _expected(p: dict, weights: dict, rank: int, device, clamp) -> tuple[torch.T
     return ref[start : start + p["x"][rank].shape[0]], torch.bincount(mine, minlength=E_PER_RANK).int()
 
 
-def _check(rank: int, what: str, y, ref, stats, want_stats, y_legacy=None, bitwise=True) -> None:
+def _check(rank: int, what: str, y, ref, stats, want_stats, y_legacy=None, bitwise=True, inter=I) -> None:
     from megamoe.numerics import check_moe_output, rel_fro_error
 
-    errs = check_moe_output(y, ref, I, what)
+    errs = check_moe_output(y, ref, inter, what)
     assert not y.isnan().any(), f"{what}: NaN in y (a row was not written or read poisoned data)"
     if not torch.equal(stats, want_stats):
         raise AssertionError(f"{what}: recv stats {stats.tolist()}, want {want_stats.tolist()}")
@@ -126,6 +131,7 @@ def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
     from megamoe.mega import MegaMoE, tile_config
 
     num_ranks, clamp = len(case["tokens"]), case.get("clamp")
+    h, inter = case.get("dims", (H, I))
     fp8 = case.get("mma_type", "fp8xfp4") == "fp8xfp4"
     for gen in range(GENERATIONS):
         debug = gen == 0
@@ -134,15 +140,15 @@ def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
         l1, l2 = local_experts(p["l1"], rank, num_ranks, device), local_experts(p["l2"], rank, num_ranks, device)
         fill_buffer(buf, p["x"][rank].to(device), p["topk_idx"][rank].to(device), p["topk_weights"][rank].to(device))
         t = p["x"][rank].shape[0]
-        y_legacy = torch.full((t, H), float("nan"), dtype=torch.bfloat16, device=device)
+        y_legacy = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=device)
         stats_legacy = torch.full((E_PER_RANK,), 7, dtype=torch.int32, device=device)
         LegacyMoE(l1, l2, "low_latency", "sm90" if fp8 else "torch")(y_legacy, buf, stats_legacy, activation_clamp=clamp)
-        y = torch.full((t, H), float("nan"), dtype=torch.bfloat16, device=device)
+        y = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=device)
         stats = torch.full((E_PER_RANK,), 7, dtype=torch.int32, device=device)
         MegaMoE(l1, l2)(y, buf, stats, activation_clamp=clamp, debug=debug)
         ref, counts = _expected(p, p, rank, device, clamp)
         # BF16: torch's grouped GEMM over different row counts may tile K differently: no bitwise claim.
-        _check(rank, what, y, ref, stats, stats_legacy, y_legacy, bitwise=fp8)
+        _check(rank, what, y, ref, stats, stats_legacy, y_legacy, bitwise=fp8, inter=inter)
         assert torch.equal(stats_legacy, counts + 7), f"{what}: legacy stats disagree with the routing"
         if "ring" in case:  # rank 0 receives more rows than its ring holds: it reuses ring blocks
             tt = tile_config(buf.layout, t).tile_tokens
@@ -192,16 +198,21 @@ def _suite(rank, group, device, num_ranks: int) -> None:
     from megamoe import get_symm_buffer_for_mega_moe
     from megamoe.mega import debug_report
 
-    bufs = {mma: get_symm_buffer_for_mega_moe(group, E_PER_RANK * num_ranks, T_MAX, K, H, I, mma_type=mma,
-                                              device=device) for mma in ("fp8xfp4", "bf16")}
-    bufs[SMALL_RING] = get_symm_buffer_for_mega_moe(group, E_PER_RANK * num_ranks, T_MAX, K, H, I,
-                                                    num_ring_tokens=SMALL_RING, device=device)
-    buf = bufs["fp8xfp4"]
+    def key(case: dict) -> tuple:
+        return case.get("mma_type", "fp8xfp4"), case.get("ring"), case.get("dims", (H, I))
+
+    bufs = {}  # one buffer per (mma_type, ring, (H, I)), made by every rank in the cases' order (collective)
+    for _, case in [("default", {})] + CASES[num_ranks]:
+        if key(case) not in bufs:
+            mma, ring, (h, i) = key(case)
+            bufs[key(case)] = get_symm_buffer_for_mega_moe(group, E_PER_RANK * num_ranks, T_MAX, K, h, i, mma_type=mma,
+                                                           num_ring_tokens=ring, device=device)
+    buf = bufs[key({})]
     _say(rank, f"{num_ranks} GPU(s), {torch.cuda.get_device_name(device)}; ring {buf.layout.num_ring_tokens} rows")
     try:
         for i, (name, case) in enumerate(CASES[num_ranks]):
             start = time.perf_counter()
-            _run_case(rank, device, bufs[case.get("ring", case.get("mma_type", "fp8xfp4"))], name, case, seed=100 * (i + 1))
+            _run_case(rank, device, bufs[key(case)], name, case, seed=100 * (i + 1))
             _say(rank, f"{name}: {GENERATIONS} calls in {time.perf_counter() - start:.1f} s")
         _run_graph(rank, device, buf, GRAPH_TOKENS[num_ranks])
     except BaseException:
