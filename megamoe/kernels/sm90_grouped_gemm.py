@@ -67,11 +67,13 @@ Design:
   Its tiles follow ``scheduler.tiles`` over a bounded ring: per pool block (token tile) counters of pulled
   units, L1 tiles and (when the call's rows exceed the ring and ring blocks are reused) L2 tiles; an L1 tile
   waits on its block's pulls, an L2 tile on its block's L1 tiles, a pull into a reused ring block on the L2
-  tiles of the block before it there. The producer warp finds tile t in closed form (phase arithmetic and a
-  binary search over the block prefix, ``mega_tile``, skipped while tiles stay in one expert) and publishes it
-  to the consumer warpgroups through shared memory (``publish_tile``), so the consumers hold no cursor across
-  their mainloop (with two CTAs per SM that costs the registers the wgmmas need: ptxas C7512) and spend no
-  time between two mainloops on the search.
+  tiles of the block before it there. Tiles are handed out in that order to whichever CTA asks (CTA c starts
+  at tile c, then a shared counter, ``fetch_tile``), so CTAs that run faster take more. The producer warp
+  finds tile t in closed form (phase arithmetic and a binary search over the block prefix, ``mega_tile``,
+  skipped while tiles stay in one expert) and publishes it to the consumer warpgroups and the signal warp
+  through shared memory (``publish_tile``), so the consumers hold no cursor across their mainloop (with two
+  CTAs per SM that costs the registers the wgmmas need: ptxas C7512) and spend no time between two mainloops
+  on the search.
 
 What bounds small token tiles (H200, ncu, flash L1 EP8, 16 rows/expert, BF16 mode, before the changes
 below): instruction issue and memory together. A consumer warp spent ~217 SASS instructions per 128-K
@@ -244,14 +246,15 @@ def mega_smem_bytes(comm) -> int:
     return 0 if comm is None else 4 * mega_comm_words(comm) + TILE_SLOTS * (4 * TILE_WORDS + 16)
 
 
-MEGA_HEADER = 3
-"""Mega MoE ``sync`` words before the per-block counters: finished CTAs, L1 tiles done, grid-barrier arrivals."""
-L1_DONE, FINISHED, ALL_L1, GRID, PULLED, L2_DONE = range(6)
+MEGA_HEADER = 4
+"""Mega MoE ``sync`` words before the per-block counters: finished CTAs, L1 tiles done, grid-barrier arrivals,
+tiles handed out."""
+L1_DONE, FINISHED, ALL_L1, GRID, PULLED, L2_DONE, NEXT_TILE = range(7)
 """The fused launch's counters (``Sm90Fp4GroupedGemm.word``)."""
 TILE_SLOTS = 4
 """Mega MoE: tiles the producer warp may publish ahead of the consumer warpgroups (``publish_tile``)."""
 TILE_WORDS = 8
-"""int32 words of a published tile: phase, valid, row0, row_end, n_tile (padded)."""
+"""int32 words of a published tile: phase, valid, row0, row_end, n_tile, pool block (padded)."""
 
 
 def mega_max_blocks(layout, tile_tokens: int) -> int:
@@ -661,14 +664,14 @@ def _build_kernel_class():
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_consumer_wg),
                 tx_count=self.tx_bytes,
             )
-            tiles_pub = None  # Mega MoE: the tiles the producer warp publishes to the consumer warpgroups
+            tiles_pub = None  # Mega MoE: the tiles the producer warp publishes to the consumer warpgroups and the signal warp
             if cutlass.const_expr(self.comm is not None):
                 tiles_pub = (
                     pipeline.PipelineAsync.create(
                         barrier_storage=storage.tile_mbar.data_ptr(),
                         num_stages=TILE_SLOTS,
                         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-                        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.num_consumer_wg),
+                        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.num_consumer_wg + 32),
                     ),
                     storage.sTile.get_tensor(cute.make_layout((TILE_SLOTS, TILE_WORDS), stride=(TILE_WORDS, 1))),
                 )
@@ -745,7 +748,7 @@ def _build_kernel_class():
                     )
                 if cutlass.const_expr(self.fused):
                     if warp_idx == 1:
-                        self.signaller(mGroupA, mGroupB, num_groups, max_m, total_rows, dims, sync, bidx, gdim)
+                        self.signaller(mGroupA, mGroupB, num_groups, max_m, total_rows, dims, sync, bidx, gdim, tiles_pub)
                 if cutlass.const_expr(self.comm is not None):
                     if warp_idx >= 2:
                         # Mega MoE pull: every unit counted on its pool block's counter, for the L1 tiles' producers.
@@ -804,9 +807,11 @@ def _build_kernel_class():
             return phase, e, base, t_off, valid, row0, row_end, n_tile, block
 
         @cute.jit
-        def publish_tile(self, tiles_pub, pub, phase: Int32, valid, row0: Int32, row_end: Int32, n_tile: Int32):
+        def publish_tile(self, tiles_pub, pub, phase: Int32, valid, row0: Int32, row_end: Int32, n_tile: Int32,
+                         block: Int32):
             """Mega MoE, the producer warp (every lane): publish the next tile (or, ``valid`` false, the end) to the
-            consumer warpgroups in a free slot of ``tiles_pub`` (PipelineAsync, shared words); returns ``pub`` advanced.
+            consumer warpgroups and the signal warp in a free slot of ``tiles_pub`` (PipelineAsync, shared words);
+            returns ``pub`` advanced.
             The consumers then compute nothing per tile: the search over the tile order costs the producer warp
             time it hides behind the loads in flight, but the consumers time between two mainloops."""
             tiles_pub[0].producer_acquire(pub)
@@ -817,27 +822,40 @@ def _build_kernel_class():
             slot[i, 2] = row0
             slot[i, 3] = row_end
             slot[i, 4] = n_tile
+            slot[i, 5] = block
             tiles_pub[0].producer_commit(pub)
             pub.advance()
             return pub  # the caller assigns it: a state advanced in a callee is loop-carried only when assigned
 
         @cute.jit
+        def fetch_tile(self, sync: Int64, num_groups: Int32, gdim: Int32) -> Int32:
+            """Mega MoE, the producer warp (every lane): the CTA's next tile id, handed out in tile order to whichever
+            CTA asks first (CTA c's first tile is c; then ``gdim`` + a relaxed add to ``NEXT_TILE``, zeroed with the
+            other counters): CTAs that run faster take more tiles, so they finish together."""
+            taken = Int32(0)
+            if cute.arch.lane_idx() == 0:
+                taken = ptx.atom_add(self.word(sync, num_groups, NEXT_TILE), 1, "relaxed")
+            return gdim + cute.arch.shuffle_sync(taken, 0)
+
+        @cute.jit
         def take_tile(self, tiles_pub, taken):
-            """Mega MoE, the consumer warpgroups: wait for the tile published in ``taken``'s slot (released by the
-            caller after the tile) -> (phase, valid, row0, row_end, n_tile)."""
+            """Mega MoE, the consumer warpgroups and the signal warp: wait for the tile published in ``taken``'s slot
+            (released by the caller after the tile) -> (phase, valid, row0, row_end, n_tile, block)."""
             tiles_pub[0].consumer_wait(taken)
             slot = tiles_pub[1]
             i = taken.index
-            return Int32(slot[i, 0]), Int32(slot[i, 1]) != 0, Int32(slot[i, 2]), Int32(slot[i, 3]), Int32(slot[i, 4])
+            return (Int32(slot[i, 0]), Int32(slot[i, 1]) != 0, Int32(slot[i, 2]), Int32(slot[i, 3]), Int32(slot[i, 4]),
+                    Int32(slot[i, 5]))
 
         def word(self, sync: Int64, num_groups: Int32, which: int, i=0) -> Int64:
             """Address of a fused launch's counter in ``sync`` (``sync_words``): ``which`` one of ``L1_DONE`` (of
             group i; Mega MoE: of pool block i), ``FINISHED`` (CTAs), ``ALL_L1`` (L1 tiles done), and Mega MoE
-            only ``GRID`` (barrier arrivals), ``PULLED`` and ``L2_DONE`` (of pool block i)."""
+            only ``GRID`` (barrier arrivals), ``NEXT_TILE`` (tiles handed out), ``PULLED`` and ``L2_DONE`` (of pool
+            block i)."""
             if self.comm is None:
                 index = {L1_DONE: i, FINISHED: num_groups, ALL_L1: num_groups + 1}[which]
-            elif which in (FINISHED, ALL_L1, GRID):
-                index = {FINISHED: 0, ALL_L1: 1, GRID: 2}[which]
+            elif which in (FINISHED, ALL_L1, GRID, NEXT_TILE):
+                index = {FINISHED: 0, ALL_L1: 1, GRID: 2, NEXT_TILE: 3}[which]
             else:
                 index = MEGA_HEADER + {L1_DONE: 0, PULLED: 1, L2_DONE: 2}[which] * self.max_blocks + i
             return sync + Int64(index) * 4
@@ -905,40 +923,48 @@ def _build_kernel_class():
             return pipeline.NamedBarrier(barrier_id=3 + wg, num_threads=160)
 
         @cute.jit
-        def signaller(self, mGroupA, mGroupB, num_groups, max_m, total_rows, dims, sync: Int64, bidx, gdim):
+        def signaller(self, mGroupA, mGroupB, num_groups, max_m, total_rows, dims, sync: Int64, bidx, gdim, tiles_pub):
             """Fused, warp 1: for each of this CTA's first-GEMM tiles, meet every consumer warpgroup once its rows
             are stored (``signal_barrier``), then add 1 to the group's (Mega MoE: pool block's) counter and to the
             all-tiles counter (``fence.acq_rel.gpu`` + release add: cumulative over the stores the barrier ordered
             before). The fence waits here, not in the consumers. Ends at the first second-GEMM tile (each CTA's
-            first-GEMM tiles come first), except in Mega MoE with ring blocks reused (``ring_reused``): an L2 tile
-            adds 1 to its block's ``L2_DONE`` once its reads of the ring (tokens, row addresses) are done."""
-            t = bidx
-            phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
-                t, Int32(0), Int32(0), Int32(0), Int32(0), dims, num_groups, mGroupA, mGroupB, max_m, total_rows
-            )
-            more = valid & (phase == 0)
+            first-GEMM tiles come first). Mega MoE: the tiles come from the producer warp (``take_tile``, every one
+            released after its signal), and with ring blocks reused (``ring_reused``) an L2 tile adds 1 to its
+            block's ``L2_DONE`` once its reads of the ring (tokens, row addresses) are done."""
             if cutlass.const_expr(self.comm is not None):
-                more = valid & ((phase == 0) | self.ring_reused(mGroupB))
-            while more:
-                for wg in cutlass.range_constexpr(self.num_consumer_wg):
-                    self.signal_barrier(wg).arrive_and_wait()
-                if cute.arch.lane_idx() == 0:
-                    if cutlass.const_expr(self.comm is not None):
-                        if phase == 0:
-                            ptx.arrive(self.word(sync, num_groups, L1_DONE, block))
-                            ptx.arrive(self.word(sync, num_groups, ALL_L1))
-                        else:
-                            ptx.arrive(self.word(sync, num_groups, L2_DONE, block))
-                    else:
-                        ptx.arrive(self.word(sync, num_groups, L1_DONE, e))
-                        ptx.arrive(self.word(sync, num_groups, ALL_L1))
-                t = t + gdim
+                reused = self.ring_reused(mGroupB)
+                taken = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_SLOTS)
+                phase, valid, row0, row_end, n_tile, block = self.take_tile(tiles_pub, taken)
+                while valid:
+                    if (phase == 0) | reused:
+                        for wg in cutlass.range_constexpr(self.num_consumer_wg):
+                            self.signal_barrier(wg).arrive_and_wait()
+                        if cute.arch.lane_idx() == 0:
+                            if phase == 0:
+                                ptx.arrive(self.word(sync, num_groups, L1_DONE, block))
+                                ptx.arrive(self.word(sync, num_groups, ALL_L1))
+                            else:
+                                ptx.arrive(self.word(sync, num_groups, L2_DONE, block))
+                    tiles_pub[0].consumer_release(taken)
+                    taken.advance()
+                    phase, valid, row0, row_end, n_tile, block = self.take_tile(tiles_pub, taken)
+            else:
+                t = bidx
                 phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
-                    t, phase, e, base, t_off, dims, num_groups, mGroupA, mGroupB, max_m, total_rows
+                    t, Int32(0), Int32(0), Int32(0), Int32(0), dims, num_groups, mGroupA, mGroupB, max_m, total_rows
                 )
                 more = valid & (phase == 0)
-                if cutlass.const_expr(self.comm is not None):
-                    more = valid & ((phase == 0) | self.ring_reused(mGroupB))
+                while more:
+                    for wg in cutlass.range_constexpr(self.num_consumer_wg):
+                        self.signal_barrier(wg).arrive_and_wait()
+                    if cute.arch.lane_idx() == 0:
+                        ptx.arrive(self.word(sync, num_groups, L1_DONE, e))
+                        ptx.arrive(self.word(sync, num_groups, ALL_L1))
+                    t = t + gdim
+                    phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
+                        t, phase, e, base, t_off, dims, num_groups, mGroupA, mGroupB, max_m, total_rows
+                    )
+                    more = valid & (phase == 0)
 
         @cute.jit
         def reset_counters(self, sync: Int64, num_groups: Int32, tidx: Int32, warp_idx: Int32, gdim: Int32, base: Int64,
@@ -1026,7 +1052,7 @@ def _build_kernel_class():
                 t, Int32(0), Int32(0), Int32(0), Int32(0), dims, num_groups, mGroupA, mGroupB, max_m, total_rows
             )
             if cutlass.const_expr(self.comm is not None):
-                pub = self.publish_tile(tiles_pub, pub, phase, valid, row0, row_end, n_tile)
+                pub = self.publish_tile(tiles_pub, pub, phase, valid, row0, row_end, n_tile, block)
             all_done = Int32(0)  # fused: every first-GEMM tile seen done (acquired + proxy fence): no more checks
             while valid:
                 if phase == 0:
@@ -1082,12 +1108,15 @@ def _build_kernel_class():
                                                block if self.comm is not None else e,
                                                "first-GEMM tiles of pool block" if self.comm is not None
                                                else "first-GEMM tiles of group")
-                t = t + gdim
+                if cutlass.const_expr(self.comm is not None):
+                    t = self.fetch_tile(sync, num_groups, gdim)
+                else:
+                    t = t + gdim
                 phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
                     t, phase, e, base, t_off, dims, num_groups, mGroupA, mGroupB, max_m, total_rows
                 )
                 if cutlass.const_expr(self.comm is not None):
-                    pub = self.publish_tile(tiles_pub, pub, phase, valid, row0, row_end, n_tile)
+                    pub = self.publish_tile(tiles_pub, pub, phase, valid, row0, row_end, n_tile, block)
             ab_pipeline.producer_tail(state)
 
         @cute.jit
@@ -1143,7 +1172,7 @@ def _build_kernel_class():
             block = Int32(0)
             taken = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_SLOTS)
             if cutlass.const_expr(self.comm is not None):
-                phase, valid, row0, row_end, n_tile = self.take_tile(tiles_pub, taken)
+                phase, valid, row0, row_end, n_tile, block = self.take_tile(tiles_pub, taken)
             else:
                 phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
                     t, Int32(0), Int32(0), Int32(0), Int32(0), dims, num_groups, mGroupA, mGroupB, max_m, total_rows
@@ -1236,7 +1265,7 @@ def _build_kernel_class():
                 if cutlass.const_expr(self.comm is not None):
                     tiles_pub[0].consumer_release(taken)
                     taken.advance()
-                    phase, valid, row0, row_end, n_tile = self.take_tile(tiles_pub, taken)
+                    phase, valid, row0, row_end, n_tile, block = self.take_tile(tiles_pub, taken)
                 else:
                     t = t + gdim
                     phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(

@@ -13,11 +13,12 @@ is ``scheduler.tiles``, the functions the kernel calls. Per rank and call:
 4. pull warps (``PULL_AGENTS`` per CTA): units of the rows in expert order; a unit of a block that reuses a
    ring block waits for ``l2_done`` of the block before it there; stores the row part (and with unit 0 the
    row's routing weight and destination), then adds 1 to ``pulled[block]`` (release);
-5. tile loop (tiles c, c + C, ...): an L1 tile waits for ``pulled[block]``, reads its rows (every part checked)
-   and stores its N-slice of each into the L2 ring, then adds 1 to ``l1_done[block]`` and to the all-L1
-   counter; an L2 tile waits for ``l1_done[block]`` (or every L1 tile done), reads its rows and stores its
-   N-slice of each into the source rank's combine area, then, when ring blocks are reused, adds 1 to
-   ``l2_done[block]``;
+5. tile loop (tile c, then the next tile not yet handed out, from a shared counter, taken once the current
+   tile's wait is over, as the kernel's producer warp does): an L1 tile waits for ``pulled[block]``, reads its
+   rows (every part checked) and stores its N-slice of each into the L2 ring, then adds 1 to
+   ``l1_done[block]`` and to the all-L1 counter; an L2 tile waits for ``l1_done[block]`` (or every L1 tile
+   done), reads its rows and stores its N-slice of each into the source rank's combine area, then, when ring
+   blocks are reused, adds 1 to ``l2_done[block]``;
 6. grid barrier 1, CTA 0 publishes ``done[me] = call`` to every rank; every CTA waits for every rank's
    ``done``, then sums its share of the local tokens' valid slots;
 7. the last CTA out (its pull warps done) resets the rank's counters and counts.
@@ -76,6 +77,7 @@ class Rank:
     pool: list = field(default_factory=list)
     counters: list = field(default_factory=list)  # [PULLED / L1_DONE / L2_DONE] -> {pool block: count}
     all_l1: int = 0  # L1 tiles done
+    next_tile: int = 0  # tiles handed out after each CTA's first
     next_scan: int = 0
     barrier: int = 0  # the launch's grid-barrier arrivals
     exits: int = 0  # CTAs finished
@@ -138,7 +140,7 @@ class Simulator:
         rk.counts = [0] * self.e_l
         rk.pool = [[None] * (len(self.ranks) * self.t_max) for _ in range(self.e_l)]
         rk.counters = [defaultdict(int) for _ in range(3)]
-        rk.all_l1 = rk.next_scan = rk.barrier = rk.exits = 0
+        rk.all_l1 = rk.next_scan = rk.barrier = rk.exits = rk.next_tile = 0
 
     # -- dispatch and combine phases --------------------------------------------------------------
     def _announce(self, rk: Rank, call: int) -> Iterator:
@@ -302,11 +304,15 @@ class Simulator:
         yield from self._launch_barrier(agent, rk, 0)
         plan = rk.ctas[cta]["plan"] = self._plan(rk)
         order = tiles.launch_tiles(rk.counts, self.tile_tokens, self.n_l1, self.n_l2, self.ring_rows)
-        for ti in range(cta, len(order), self.ctas):
+        ti = cta
+        while ti < len(order):
             gemm, e, block, n = order[ti]
             key = (me, call, ti)
             self.runs[key] = self.runs.get(key, 0) + 1
             rows = yield from self._tile_rows(rk, call, gemm, e, block, plan)
+            nxt = self.ctas + rk.next_tile  # atomic add: the next tile, taken while this one runs
+            rk.next_tile += 1
+            yield None
             for ring_row, tag in rows:
                 if gemm == 1:
                     self._store(agent, rk.ring_l2, (ring_row, n), tag)
@@ -323,6 +329,7 @@ class Simulator:
                 self.finished_l2[(me, call, block)] = self.finished_l2.get((me, call, block), 0) + 1
                 rk.counters[L2_DONE][block] += 1
             yield None
+            ti = nxt
         yield from self._launch_barrier(agent, rk, 1)  # releases this CTA's row stores (fence.sys + barrier)
         yield from self._combine(rk, cta, call, self.n_l2)
         yield Wait("exit", "this CTA's pull warps", lambda: rk.ctas[cta]["pulls_done"] == self.PULL_AGENTS,

@@ -15,8 +15,9 @@ blocks form windows of ``W = ring_rows // tile_tokens // 2`` blocks and block b 
 Tiles, in one linear order of phases: phase p holds the L1 tiles of window p, then the L2 tiles of window p - 1
 (``phase_start``, ``phase_of``); within a window's L1 (L2) part, experts in order, each expert's blocks in the window times
 the ``n_l1`` (``n_l2``) weight tiles, weight tile slowest (``tile_coords``: CTAs working at once share a
-weight tile in L2). CTA c of C runs tiles c, c + C, ... in increasing order. With one window this is every
-L1 tile, then every L2 tile.
+weight tile in L2). Tiles are handed out in this order: CTA c of C first runs tile c, then each CTA, whenever
+it wants another, takes the next tile not yet handed out (a shared counter: faster CTAs take more tiles), so
+each CTA runs its tiles in increasing order. With one window this is every L1 tile, then every L2 tile.
 
 Counters per pool block (zeroed at the end of each launch) and waits:
 
@@ -30,8 +31,9 @@ Counters per pool block (zeroed at the end of each launch) and waits:
 Deadlock freedom (all CTAs resident): order the work by phase, the pulls of window w first in phase w. The
 pulls of window w wait for the L2 tiles of window w - 2 (phase w - 1); an L1 tile of window w for the pulls
 of window w (earlier in phase w); an L2 tile of window w - 1 for the L1 tiles of window w - 1 (phase w - 1).
-Every agent (a CTA's tile loop, a pull warp) runs its work in increasing order, so the earliest unfinished
-piece of work has every dependency finished and its agent at it: it runs. By induction every tile and pull
+Every agent (a CTA's tile loop, a pull warp) runs its work in increasing order, and a CTA takes a tile only
+once the tiles it holds have their loads issued, so the earliest unfinished piece of work has every
+dependency finished and its agent at it: it runs. By induction every tile and pull
 finishes, however small the ring (the model checks it under random interleavings).
 """
 
