@@ -192,6 +192,29 @@ class _EarlyRefill(Simulator):
         return 1
 
 
+class _TileHandedTwice(Simulator):
+    """Broken on purpose: the hand-out's add for tile C + 1 is lost, so two CTAs run that tile."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lost = set()  # (rank, call) whose add was lost
+
+    def hand_out(self, rk):
+        t = super().hand_out(rk)
+        if t == self.ctas + 1 and (rk.index, rk.call) not in self.lost:
+            self.lost.add((rk.index, rk.call))
+            rk.next_tile -= 1
+        return t
+
+
+class _TileSkipped(Simulator):
+    """Broken on purpose: the hand-out skips tile C + 1."""
+
+    def hand_out(self, rk):
+        t = super().hand_out(rk)
+        return super().hand_out(rk) if t == self.ctas + 1 else t
+
+
 def _violations(make_simulator) -> int:
     """Runs (of 12 seeds, 2 ranks, no masked slots) in which a model built by ``make_simulator(calls, seed)``
     raised a ProtocolError."""
@@ -205,9 +228,21 @@ def _violations(make_simulator) -> int:
     return caught
 
 
-@pytest.mark.parametrize("broken", [_EarlyPulls, _EarlyL1Tiles, _EarlyRefill])
-def test_the_model_catches_early_waits(broken):
+@pytest.mark.parametrize("broken", [_EarlyPulls, _EarlyL1Tiles, _EarlyRefill, _TileHandedTwice, _TileSkipped])
+def test_the_model_catches_early_waits_and_a_broken_hand_out(broken):
     assert _violations(lambda calls, seed: broken(2, 2, 3, 3, 2, 4, 2, 4, calls, seed=seed)) > 0
+
+
+def test_tiles_go_in_order_to_whichever_cta_asks():
+    sim, _ = _run(2, 4, 3, 7, ring_rows=6, tokens=(3, 9))
+    per_call = {}
+    for rank, call, _ in sim.runs:
+        per_call[rank, call] = per_call.get((rank, call), 0) + 1
+    static = 0
+    for (rank, call, cta), got in sim.taken.items():
+        assert got[0] == cta and got == sorted(got), (rank, call, cta, got)
+        static += got == list(range(cta, per_call[rank, call], sim.ctas))
+    assert static < len(sim.taken)  # some CTA ran other tiles than c, c + C, ...: the hand-out is dynamic
 
 
 def test_a_ring_of_one_block_is_refused():

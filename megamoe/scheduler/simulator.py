@@ -113,12 +113,13 @@ class Simulator:
         self.pending: dict = {}  # agent -> list of (store dict, key, value)
         self.finished_l2: dict = {}  # (rank, call, block) -> L2 tiles finished (oracle)
         self.runs: dict = {}  # (rank, call, tile) -> times run (oracle)
+        self.taken: dict = {}  # (rank, call, CTA) -> the tiles it ran, in order
         self.reused = 0  # pulls into a reused ring block (the tests check they happened)
         self.steps = 0
         for rk in self.ranks:
             self._reset(rk)
 
-    # Wait targets (``scheduler.tiles``): methods so that tests can break them on purpose.
+    # Wait targets (``scheduler.tiles``) and the tile hand-out: methods so that tests can break them on purpose.
     def pulled_target(self, rows: int) -> int:
         return tiles.pulled_target(rows, self.row_units)
 
@@ -127,6 +128,11 @@ class Simulator:
 
     def ring_free_target(self) -> int:
         return self.n_l2
+
+    def hand_out(self, rk: Rank) -> int:
+        """A CTA's next tile after its first: ``NEXT_TILE``'s atomic add, past the C first tiles."""
+        rk.next_tile += 1
+        return self.ctas + rk.next_tile - 1
 
     # -- memory model ------------------------------------------------------------------------------
     def _store(self, agent, store: dict, key, value) -> None:
@@ -309,9 +315,9 @@ class Simulator:
             gemm, e, block, n = order[ti]
             key = (me, call, ti)
             self.runs[key] = self.runs.get(key, 0) + 1
+            self.taken.setdefault((me, call, cta), []).append(ti)
             rows = yield from self._tile_rows(rk, call, gemm, e, block, plan)
-            nxt = self.ctas + rk.next_tile  # atomic add: the next tile, taken while this one runs
-            rk.next_tile += 1
+            nxt = self.hand_out(rk)  # the next tile, taken while this one runs
             yield None
             for ring_row, tag in rows:
                 if gemm == 1:
