@@ -561,10 +561,10 @@ class EpPhases:
                 ptx.st_global_v4(y + (Int64(t) * hidden + Int64(v) * 8) * 2, out, 1)
 
     @cute.jit
-    def finish_call(self, base: Int64, call: Int32, tid: Int32, num_threads: cutlass.Constexpr):
-        """Step 4 (``num_threads`` threads of one CTA, once every CTA has read ``call`` and the counts): zero
+    def finish_call(self, base: Int64, call: Int32, tid: Int32):
+        """Step 4 (the group's threads in one CTA, once every CTA has read ``call`` and the counts): zero
         ``expert_counts`` and store ``signals[0] = call + 1``."""
-        for e in cutlass.range(tid, self.num_local, num_threads):
+        for e in cutlass.range(tid, self.num_local, self.threads):
             ptx.st_global_u32(base + (self.cfg.offset("expert_counts") + Int64(e) * 4), 0)
         if tid == 0:
             ptx.st_global_u32(base + self.signals, call + 1)
@@ -636,7 +636,7 @@ class Combine(EpPhases):
         self.exchange_done(me, base, peers, call, tid, cta, record, timeout_ns)
         self.sum_tokens(base, num_tokens, y, gw, num_ctas * WARPS, lane)
         if cta == 0:
-            self.finish_call(base, call, tid, THREADS)
+            self.finish_call(base, call, tid)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -573,7 +573,7 @@ def _build_kernel_class():
             return Int32(geo[1]) < Int32(geo[0])
 
         @cute.jit
-        def mega_tile(self, t: Int32, e: Int32, dims, num_groups: Int32, offs: cute.Tensor, firsts: cute.Tensor):
+        def mega_tile(self, t: Int32, e: Int32, dims, offs: cute.Tensor, firsts: cute.Tensor):
             """Mega MoE: tile ``t`` of the bounded-ring order (``scheduler.tiles``: phase p = window p's L1 tiles,
             then window p - 1's L2 tiles; the phase in closed form). Returns (GEMM 0 / 1, expert e, valid, row0,
             row_end, n_tile, block): ring rows [row0, row_end) of e's pool block ``block`` (``tiles.window_tile``). The
@@ -788,7 +788,7 @@ def _build_kernel_class():
             Returns (phase, e, base, t_off, valid, row0, row_end, n_tile, block); ``t`` must not decrease."""
             block = Int32(0)
             if cutlass.const_expr(self.comm is not None):
-                phase, e, valid, row0, row_end, n_tile, block = self.mega_tile(t, e, dims, num_groups, mGroupA, mGroupB)
+                phase, e, valid, row0, row_end, n_tile, block = self.mega_tile(t, e, dims, mGroupA, mGroupB)
             else:
                 n_tiles = dims[1]
                 if cutlass.const_expr(self.fused):
@@ -891,6 +891,18 @@ def _build_kernel_class():
             cute.arch.fence_proxy("async.global")
 
         @cute.jit
+        def chunks_ahead(self, addr: Int64, target: Int32, k_tiles: Int32) -> Int32:
+            """Fused: the chunks a tile whose token rows other CTAs produce loads the weights of before it waits
+            (``load_tile``'s ``ahead``): none if the counter at ``addr`` already reached ``target`` (acquired; the
+            async proxy then ordered after it), else up to ``stages``."""
+            ahead = Int32(0)
+            if ptx.behind(ptx.ld_acquire(addr, False, "gpu"), target) != 0:
+                ahead = cutlass.min(k_tiles, Int32(self.stages))
+            else:
+                cute.arch.fence_proxy("async.global")
+            return ahead
+
+        @cute.jit
         def load_tile(self, ab_pipeline, state, ops, parts, e: Int32, n_tile: Int32, k_tiles: Int32, ahead: Int32,
                       addr: Int64, target: Int32, timeout_ns: Int64, index: Int32, what: cutlass.Constexpr):
             """Fused: the TMA loads of a tile whose token rows other CTAs produce in this launch. The first ``ahead``
@@ -986,7 +998,7 @@ def _build_kernel_class():
                         kind = j // per
                         index = Int32(cutlass.select_(i < MEGA_HEADER, i, MEGA_HEADER + kind * self.max_blocks + j - kind * per))
                         ptx.st_global_u32(sync + Int64(index) * 4, Int32(0))
-                    self.ep_all.finish_call(base, call, tidx, self.threads)
+                    self.ep_all.finish_call(base, call, tidx)
             else:
                 if warp_idx == 0:
                     lane = cute.arch.lane_idx()
@@ -1061,11 +1073,7 @@ def _build_kernel_class():
                         # Mega MoE: the tile's rows are this launch's pulls (``EpPhases.pull_ring`` counts units).
                         addr = self.word(sync, num_groups, PULLED, block)
                         target = tiles.pulled_target(row_end - row0, self.ep_all.row_units)
-                        ahead = Int32(0)
-                        if ptx.behind(ptx.ld_acquire(addr, False, "gpu"), target) != 0:
-                            ahead = cutlass.min(dims[0], Int32(self.stages))
-                        else:
-                            cute.arch.fence_proxy("async.global")
+                        ahead = self.chunks_ahead(addr, target, dims[0])
                         state = self.load_tile(ab_pipeline, state, first, (tAg, tAs, tWg, tWs, tSFWg, tSFWs), e, n_tile,
                                                dims[0], ahead, addr, target, timeout_ns, block, "pulled row units of pool block")
                     else:
@@ -1099,10 +1107,8 @@ def _build_kernel_class():
                             if ptx.behind(ptx.ld_acquire(self.word(sync, num_groups, ALL_L1), False, "gpu"), l1_tiles) == 0:
                                 all_done = Int32(1)
                                 cute.arch.fence_proxy("async.global")
-                            elif ptx.behind(ptx.ld_acquire(addr, False, "gpu"), target) != 0:
-                                ahead = cutlass.min(dims[2], Int32(self.stages))
                             else:
-                                cute.arch.fence_proxy("async.global")
+                                ahead = self.chunks_ahead(addr, target, dims[2])
                         state = self.load_tile(ab_pipeline, state, second, (tAg2, tAs2, tWg2, tWs2, tSFWg2, tSFWs2), e,
                                                n_tile, dims[2], ahead, addr, target, timeout_ns,
                                                block if self.comm is not None else e,
@@ -1903,10 +1909,11 @@ def mega_moe_sm90(comm, a: torch.Tensor, b1: torch.Tensor, b1_sf: torch.Tensor, 
     ``l1_topk_weights``, ``row_ptrs`` = ``ring_dest``, ``act`` = ``l2_acts``; ``offsets`` only fills the
     group-bounds argument: the kernel computes the offsets itself) with the ``ep_comm`` phases around it, on
     every CTA slot (``SMs * config.ctas_per_sm`` CTAs, all resident): dispatch (announce, scan, grid barrier,
-    expert offsets in shared memory, pull; each pulled unit counted per expert in ``sync``), the tiles (an L1
-    tile loads its first weight chunks, then waits for its rows' pulls), then combine on the consumer warpgroups
-    (grid barrier, done exchange, sum into ``y``) and the call's end. ``comm``: the buffer's
-    ``ep_comm.EpCommConfig`` (debug iff ``timeout_ns`` > 0); ``sync``: int32 ``[sync_words(E, mega=True)]`` zeros,
+    expert offsets and pool blocks in shared memory, pull; each pulled unit counted per pool block in ``sync``),
+    the tiles (``scheduler.tiles``' order, handed out dynamically; an L1 tile loads its first weight chunks,
+    then waits for its block's pulls), then combine on the consumer warpgroups (grid barrier, done exchange,
+    sum into ``y``) and the call's end. ``comm``: the buffer's ``ep_comm.EpCommConfig`` (debug iff
+    ``timeout_ns`` > 0); ``sync``: int32 ``[sync_words(E, layout)]`` zeros,
     left zeroed; ``peers``: int64 [R] device array of the ranks' buffer bases; ``record``: host-mapped int64
     ``[CTAs, 8]`` (debug reports)."""
     m, inter = act.shape
