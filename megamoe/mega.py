@@ -20,7 +20,8 @@ warp, a signal warp and one or two consumer warpgroups (BF16-operand wgmma with 
    into their block's rows of the bounded ring (``l1_acts`` as exact BF16, ``l1_topk_weights``, and
    ``ring_dest``: where each row's result goes); each pulled 2 KiB unit adds 1 (release) to its block's
    counter;
-2. L1 and L2 tiles (the tile order and every wait target: ``scheduler.tiles``): an L1 tile of a block loads
+2. L1 and L2 tiles (the tile order and every wait target: ``scheduler.tiles``; CTA c starts at tile c, then
+   takes the next tile in the order from a shared counter): an L1 tile of a block loads
    its first weight chunks, then waits (acquire) until the block's rows are all pulled, then loads them; the
    L1 tiles write ``l2_acts``, the FP8-quantized SwiGLU outputs as their exact BF16 values (steps 1-5); an L2
    tile streams its first weight chunks while it waits for the L1 tiles of its block, and stores each BF16 row (step 6)
@@ -45,7 +46,7 @@ Why no rank overwrites what a peer still reads (all flags only grow, comparisons
   after the rows of c + 1, hence after the receiver's ``ready`` of c + 1, hence after it finished c.
 * ``expert_counts``, ``pool`` and the rings are local and stream-ordered; the counts are zeroed at the
   end of the call (after every CTA read them), with the kernel's own counters (per-block pulls, L1 and
-  L2 tiles, grid barrier); the call counter (``signals[0]``) never resets.
+  L2 tiles, grid barrier, tiles handed out); the call counter (``signals[0]``) never resets.
 * Within a call, the ring may be smaller than the rows received (any ``num_ring_tokens``, the token tile at
   most half of it): when a call's rows do not fit, its blocks go in windows of half the ring and a pull into a
   reused ring block first waits (acquire) until every L2 tile of the block before it there has finished
