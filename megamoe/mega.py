@@ -79,6 +79,9 @@ of an earlier block never finished; ``fused grouped GEMM ... waits pulled row un
 ``... waits first-GEMM tiles of pool block b`` (printf only: no host-mapped record): the pulls or
 the L1 tiles of pool block b never finished (not all CTAs resident, or a counter left dirty by an earlier
 trapped launch).
+
+Timeline: ``trace_fp8_fp4_mega_moe`` runs the same call on the kernel's trace build, which stamps
+``%globaltimer`` at each CTA's phase boundaries (``megamoe.timeline``; ``megamoe.bench --timeline``).
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ from .numerics import check_activation_clamp
 from .kernels.sm90_grouped_gemm import K_MULTIPLE  # H and I must be multiples of it (the GEMM's K granularity)
 from .kernels.sm90_fp4_decode import BF16_WORDS, ROW_BLOCK
 from .symm_buffer import SymmBuffer
+from .timeline import trace_buffer
 
 DEBUG_ENV = "MEGAMOE_DEBUG"
 DEBUG_TIMEOUT_ENV = "MEGAMOE_DEBUG_TIMEOUT_S"
@@ -291,26 +295,59 @@ def fp8_fp4_mega_moe(
     ``debug``: module docstring (None: ``MEGAMOE_DEBUG``). Collective, asynchronous, CUDA-graph capturable
     once a first call has been made outside capture. Returns ``y``.
     """
-    from .kernels import ep_comm, runtime
-    from .kernels import sm90_grouped_gemm as sm90
-
     debug = debug_enabled(debug)
     stats = cumulative_local_expert_recv_stats
     check_mega_call(y, sym_buffer, stats, activation, activation_clamp, fast_math, "fp8xfp4")
     check_fp4_operands(l1, l2, sym_buffer, recipe)
+    _fp8_fp4_launch(y, l1, l2, sym_buffer, stats, activation_clamp, debug, None)
+    if debug:
+        poison_buffer(sym_buffer)
+    return y
+
+
+def trace_fp8_fp4_mega_moe(
+    y: torch.Tensor,
+    l1: tuple,
+    l2: tuple,
+    sym_buffer: SymmBuffer,
+    cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+    activation_clamp: float | None = None,
+    trace: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``fp8_fp4_mega_moe`` (same arguments and outputs, bit for bit) on the kernel's trace build, which stamps
+    its phase times into ``trace`` (``timeline.trace_buffer`` for the launch's CTAs; allocated when None).
+    Returns ``trace``: ``timeline.MegaTimeline.from_buffer(trace)`` reads it once the call is done.
+    Asynchronous, CUDA-graph capturable after a first call. Collective."""
+    from .kernels import runtime
+
+    stats = cumulative_local_expert_recv_stats
+    check_mega_call(y, sym_buffer, stats, "swiglu", activation_clamp, True, "fp8xfp4")
+    check_fp4_operands(l1, l2, sym_buffer, RECIPE)
     runtime.require_sm90(y, "y")
-    buf, lay = sym_buffer, sym_buffer.layout
+    num_ctas = _state(sym_buffer).num_ctas * tile_config(sym_buffer.layout, y.shape[0]).ctas_per_sm
+    if trace is None:
+        trace = trace_buffer(num_ctas, y.device)
+    check_tensor("trace", trace, dtype=torch.int64, shape=tuple(trace_buffer(num_ctas, "meta").shape), device=y.device)
+    _fp8_fp4_launch(y, l1, l2, sym_buffer, stats, activation_clamp, False, trace)
+    return trace
+
+
+def _fp8_fp4_launch(y, l1, l2, buf: SymmBuffer, stats, activation_clamp, debug: bool, trace: torch.Tensor | None) -> None:
+    """Launch the one-launch kernel on checked arguments: the debug build, the trace build (``trace``: its
+    ``timeline.trace_buffer``, passed as the record) or the release build."""
+    from .kernels import ep_comm, runtime
+    from .kernels import sm90_grouped_gemm as sm90
+
+    runtime.require_sm90(y, "y")
+    lay = buf.layout
     st = _state(buf)
     num_tokens = y.shape[0]
-    cfg = tile_config(lay, num_tokens)
     sm90.mega_moe_sm90(
-        ep_comm.EpCommConfig(lay, debug, stats is not None), buf.l1_acts, *l1, buf.l1_topk_weights, *l2,
-        buf.ring_dest, buf.l2_acts, buf.expert_offsets, activation_clamp, cfg, st.gemm_sync, buf.rank, num_tokens,
-        buf.buffer.data_ptr(), st.peers, stats, st.record.data_ptr(), y, debug_timeout_ns() if debug else 0,
+        ep_comm.EpCommConfig(lay, debug, stats is not None, trace is not None), buf.l1_acts, *l1, buf.l1_topk_weights,
+        *l2, buf.ring_dest, buf.l2_acts, buf.expert_offsets, activation_clamp, tile_config(lay, num_tokens),
+        st.gemm_sync, buf.rank, num_tokens, buf.buffer.data_ptr(), st.peers, stats,
+        (st.record if trace is None else trace).data_ptr(), y, debug_timeout_ns() if debug else 0,
     )
-    if debug:
-        poison_buffer(buf)
-    return y
 
 
 def bf16_mega_moe(

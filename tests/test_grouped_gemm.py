@@ -109,7 +109,9 @@ MEGA_CASES = [
 # The fused launch's debug builds (timed waits, printf): their function call serializes the wgmmas, by design.
 DEBUG_CASES = [(GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "l1_l2", None),
                (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "l1_l2", MEGA_CASES[0][1])]
-RELEASE_CASES = [(c, m, e, None) for c, m, e in COMPILE_CASES] + [(c, "offsets", "l1_l2", lay) for c, lay in MEGA_CASES]
+# (config, group mode, epilogue, Mega MoE layout or None, trace build): the trace build is a release build too.
+RELEASE_CASES = ([(c, m, e, None, False) for c, m, e in COMPILE_CASES] + [(c, "offsets", "l1_l2", lay, False) for c, lay in MEGA_CASES]
+                 + [(MEGA_CASES[0][0], "offsets", "l1_l2", MEGA_CASES[0][1], True)])
 
 _COMPILE_CHILD = """
 import json, os, re, shutil, subprocess, sys
@@ -117,9 +119,9 @@ from megamoe import symm_buffer_layout
 from megamoe.kernels.ep_comm import EpCommConfig
 from megamoe.kernels.sm90_grouped_gemm import GemmConfig, compile_grouped_gemm
 ptxas, report = shutil.which("ptxas"), []
-for i, (cfg, mode, epilogue, mega, debug) in enumerate(json.loads(sys.argv[1])):
+for i, (cfg, mode, epilogue, mega, debug, trace) in enumerate(json.loads(sys.argv[1])):
     try:
-        comm = None if mega is None else EpCommConfig(symm_buffer_layout(*mega), debug, True)
+        comm = None if mega is None else EpCommConfig(symm_buffer_layout(*mega), debug, True, trace)
         ptx = compile_grouped_gemm(GemmConfig(**cfg), mode, epilogue, debug, comm).__ptx__  # the PTX text
         ptx = (ptx.decode() if isinstance(ptx, bytes) else ptx).replace("\\0", "")
         build = {"wgmma": "wgmma.mma_async" in ptx, "calls": len(re.findall(r"^\\s*call(\\.uni)?\\s", ptx, re.M))}
@@ -145,8 +147,8 @@ def sm90a_builds(tmp_path_factory):
     import subprocess
     import sys
 
-    cases = [(dataclasses.asdict(c), m, e, lay, False) for c, m, e, lay in RELEASE_CASES]
-    cases += [(dataclasses.asdict(c), m, e, lay, True) for c, m, e, lay in DEBUG_CASES]
+    cases = [(dataclasses.asdict(c), m, e, lay, False, trace) for c, m, e, lay, trace in RELEASE_CASES]
+    cases += [(dataclasses.asdict(c), m, e, lay, True, False) for c, m, e, lay in DEBUG_CASES]
     # No file cache: a kernel loaded from it comes without its PTX.
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DISABLE_FILE_CACHING="1",
                CUTE_DSL_DUMP_DIR=str(tmp_path_factory.mktemp("ptx")))
@@ -159,7 +161,7 @@ def sm90a_builds(tmp_path_factory):
 @pytest.mark.parametrize(
     "case", range(len(RELEASE_CASES)),
     ids=[f"{c.mma}-{c.tile_tokens}x{c.tile_n}x{c.ctas_per_sm}-{m}-{e}" + ("" if lay is None else "-mega-r%d-e%d-h%d" % (lay[0], lay[1], lay[4]))
-         for c, m, e, lay in RELEASE_CASES],
+         + ("-trace" if trace else "") for c, m, e, lay, trace in RELEASE_CASES],
 )
 def test_compiles_for_sm90a_without_wgmma_serialization(sm90a_builds, case):
     """Every release variant compiles, issues wgmma, and calls no function: ptxas serializes every wgmma of a
@@ -183,7 +185,8 @@ def test_ptxas_reports_no_wgmma_serialization(sm90a_builds):
         pytest.skip("no ptxas on PATH")
     advisories = {i: b["ptxas"] for i, b in enumerate(sm90a_builds[: len(RELEASE_CASES)]) if b["ptxas"]}
     assert not advisories, "ptxas advisories: " + "; ".join(
-        f"{RELEASE_CASES[i][0].describe(RELEASE_CASES[i][2])} {RELEASE_CASES[i][1]} mega={RELEASE_CASES[i][3]}: {a}"
+        f"{RELEASE_CASES[i][0].describe(RELEASE_CASES[i][2])} {RELEASE_CASES[i][1]} mega={RELEASE_CASES[i][3]} "
+        f"trace={RELEASE_CASES[i][4]}: {a}"
         for i, a in advisories.items())
     for build in sm90a_builds[len(RELEASE_CASES):]:
         assert any("C7510" in line for line in build["ptxas"])

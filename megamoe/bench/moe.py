@@ -34,10 +34,11 @@ import torch.distributed as dist
 from ..dist import init_from_env, rank_and_size
 from ..inputs import fill_buffer, random_bf16_weights, random_fp4_weights, random_routing, random_tokens
 from ..legacy import LegacyMoE
-from ..mega import MegaMoE
+from ..mega import MegaMoE, trace_fp8_fp4_mega_moe
 from ..numerics import max_row_rel_error, moe_tolerances, rel_fro_error
 from ..reference import distributed_reference_moe
 from ..symm_buffer import RING_ALIGNMENT, get_symm_buffer_for_mega_moe, max_recv_rows
+from ..timeline import MegaTimeline, format_summary
 from .common import (
     capture_graph,
     environment_receipt,
@@ -72,6 +73,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--paths", type=lambda s: s.split(","), default=None,
                    help="run only the paths whose name contains one of these comma-separated words (e.g. fused)")
     p.add_argument("--profile", action="store_true", help="print rank 0's torch.profiler summary of one call per point")
+    p.add_argument("--timeline", action="store_true",
+                   help="fused FP8 x FP4 path: after timing, a CUDA graph of 10 calls of the kernel's trace build (the "
+                   "output checked bit-equal to the release build's); print every rank's phase timeline of the last")
     p.add_argument("--ring-tokens", type=int, default=None,
                    help="cap the buffers' ring at this many rows (a multiple of 128; default: every row a rank can "
                    "receive). The fused FP8 x FP4 path then reuses ring blocks within a call; the staged BF16 "
@@ -154,6 +158,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         paths = {name: path for name, path in paths.items() if any(word in name for word in args.paths)}
         if not paths:
             raise SystemExit(f"megamoe.bench: no path matches --paths {','.join(args.paths)}")
+    if args.timeline and not any(isinstance(path, MegaMoE) and path.fp8 for path in paths.values()):
+        say("--timeline: no fused FP8 x FP4 path runs here (it needs an SM90 GPU): no timeline")
     bf16_bytes_per_expert = 3 * h * i * 2
     fp4_bytes_per_expert = fp4_expert_bytes(h, i)
     dispatch_row_bytes = k * 12 + (h + h // 32 if fp8 else 2 * h)
@@ -217,6 +223,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             else:
                 times = time_events(call, args.warmup, args.iters, before=barrier)
             us = _max_over_ranks(statistics.median(times), group, device)
+            if args.timeline and fused and fp8:
+                timeline = _timeline(path, cases, y, args.clamp, group, barrier, say, f"{t} tokens/rank")
+                ok = ok and timeline["bit_equal"]
             if args.profile:
                 graphed = (fused or path.mode == "low_latency") and device.type == "cuda"
                 replay = capture_graph(call, 1).replay if graphed else call
@@ -239,6 +248,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "rel_fro": fro,
                 "max_row_rel": row_rel,
                 "correct": ok,
+                **({"timeline": timeline} if args.timeline and fused and fp8 else {}),
             })
             if not ok:
                 say(f"INCORRECT: {name} at {t} tokens/rank: rel_fro={fro:.3e} max_row_rel={row_rel:.3e}")
@@ -267,6 +277,43 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not all(r["correct"] for r in rows):
         sys.exit(1)
     return rows
+
+
+def _timeline(path: MegaMoE, cases: list, y: torch.Tensor, clamp, group, barrier, say, label: str) -> dict:
+    """The fused path's phase timeline as the timed loop runs it: a CUDA graph of 10 calls of the kernel's trace
+    build cycling through ``cases``' routings (each call its own trace), replayed after warm-up replays; the
+    summary is the last call's. Its output must be bit-equal to the release build's on the same routing on every
+    rank; rank 0 prints every rank's timeline. Returns ``{"bit_equal", "ranks": summaries}``."""
+    calls = 10
+    last = cases[(calls - 1) % len(cases)][0]
+    y.fill_(float("nan"))
+    path(y, last, None, activation_clamp=clamp)
+    release = y.clone()
+    traces = [None] * calls
+    turn = itertools.count()
+
+    def call():
+        i = next(turn) % calls
+        traces[i] = trace_fp8_fp4_mega_moe(y, path.l1, path.l2, cases[i % len(cases)][0], None, clamp, traces[i])
+
+    graph = capture_graph(call, warmup=calls)  # the warm-up calls allocate the traces the graph then reuses
+    for _ in range(3):
+        barrier()
+        y.fill_(float("nan"))
+        graph.replay()
+    barrier()
+    summary = MegaTimeline.from_buffer(traces[-1]).summary()
+    same = _max_over_ranks(0.0 if torch.equal(y.view(torch.int16), release.view(torch.int16)) else 1.0, group, y.device) == 0.0
+    summaries = [summary]
+    if group is not None:
+        summaries = [None] * dist.get_world_size(group)
+        dist.all_gather_object(summaries, summary, group=group)
+    say(f"timeline at {label}, last of a CUDA graph of {calls} calls (trace build; output "
+        f"{'bit-equal to' if same else 'DIFFERS from'} the release build's), us after the rank's earliest CTA start:")
+    for r, s in enumerate(summaries):
+        for line in format_summary(s):
+            say(f"  rank {r}  {line}")
+    return {"bit_equal": same, "ranks": summaries}
 
 
 def _profile(fn, barrier, lead: bool, label: str) -> None:

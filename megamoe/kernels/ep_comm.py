@@ -69,6 +69,7 @@ import torch
 from cutlass import Float32, Int32, Int64, cute, utils
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from ..checks import fail
 from ..scheduler import tiles
 from ..symm_buffer import SymmBufferLayout
 from . import ptx, runtime
@@ -218,11 +219,17 @@ DSL_OPS = SimpleNamespace(
 @dataclass(frozen=True)
 class EpCommConfig:
     """Static configuration of one dispatch / combine pair: the buffer layout (sizes and section
-    offsets, compile-time constants), the debug variant and whether dispatch updates recv stats."""
+    offsets, compile-time constants), the debug variant and whether dispatch updates recv stats. ``trace``: the
+    one-launch Mega MoE kernel's trace build (release waits, phase timestamps into ``record``: ``megamoe.timeline``)."""
 
     layout: SymmBufferLayout
     debug: bool
     has_stats: bool = False
+    trace: bool = False
+
+    def __post_init__(self):
+        if self.trace and self.debug:
+            fail("trace", "a trace build times the release kernel: it cannot also be the debug build")
 
     def offset(self, name: str) -> int:
         return self.layout.section(name).offset

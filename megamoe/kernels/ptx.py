@@ -91,6 +91,20 @@ def globaltimer(*, loc=None, ip=None) -> Int64:
 
 
 @dsl_user_op
+def stamp_globaltimer(addr, *, loc=None, ip=None) -> None:
+    """Store ``%globaltimer`` (ns) as an int64 at the global address ``addr`` (weak; volatile)."""
+    text = "{\n.reg .b64 t;\nmov.u64 t, %globaltimer;\nst.global.b64 [$0], t;\n}"
+    inline_asm([], [ir_arg(addr, Int64, loc, ip)], text, "l,~{memory}", loc, ip, side_effects=True)
+
+
+@dsl_user_op
+def count_u64(addr, *, loc=None, ip=None) -> None:
+    """``red.relaxed.gpu.global.add.u64 [addr], 1``."""
+    inline_asm([], [ir_arg(addr, Int64, loc, ip)], "red.relaxed.gpu.global.add.u64 [$0], 1;", "l,~{memory}", loc, ip,
+               side_effects=True)
+
+
+@dsl_user_op
 def smid(*, loc=None, ip=None) -> Int32:
     return Int32(inline_asm([T.i32()], [], "mov.u32 $0, %smid;", "=r", loc, ip, side_effects=True)[0])
 

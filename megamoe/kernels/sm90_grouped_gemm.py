@@ -323,6 +323,7 @@ def _build_kernel_class():
     from cutlass import Float32, Int32, Int64
     from cutlass.cute.nvgpu import cpasync, warpgroup
 
+    from .. import timeline
     from ..scheduler import tiles
     from . import ep_comm, ptx
     from .sm90_fp4_decode import device_helpers
@@ -342,6 +343,7 @@ def _build_kernel_class():
                      comm=None):
             self.cfg = config
             self.comm = comm  # "l1_l2" + ep_comm.EpCommConfig: the one-launch Mega MoE kernel (see mega_moe_sm90)
+            self.trace = comm is not None and comm.trace  # phase timestamps into record (megamoe.timeline)
             self.debug = debug
             self.bf16 = config.mma == "bf16"
             self.group_mode = group_mode
@@ -651,6 +653,14 @@ def _build_kernel_class():
             bidx, _, _ = cute.arch.block_idx()
             gdim, _, _ = cute.arch.grid_dim()
 
+            if cutlass.const_expr(self.trace):
+                if tidx == 0:
+                    self.stamp(record, gdim, bidx, "start")
+                    # The words a call may not overwrite (the counts, a CTA without L1 tiles) start at 0 (two
+                    # CTA barriers order these stores before the consumers' updates).
+                    for word in (timeline.EVENT["last l1 tile"], timeline.COUNT["l1 tiles"], timeline.COUNT["l2 tiles"]):
+                        for half in range(2):
+                            ptx.st_global_u32(self.trace_word(record, gdim, bidx, word) + half * 4, 0)
             if warp_idx == 0:
                 for atom in (tma_a, tma_w, tma_sfw) if cutlass.const_expr(self.bf16) else (tma_a, tma_w, tma_sfw, tma_sfa):
                     cpasync.prefetch_descriptor(atom)
@@ -716,6 +726,9 @@ def _build_kernel_class():
                 if bidx == 0:
                     self.ep_all.announce(me, num_tokens, peers, call, tidx)
                 self.ep_all.scan(me, base, peers, call, t_src, tidx, bidx, gdim, record, timeout_ns)
+                if cutlass.const_expr(self.trace):
+                    if tidx == 0:
+                        self.stamp(record, gdim, bidx, "scanned")
                 self.ep_all.grid_barrier(self.word(sync, num_groups, GRID), gdim, 0, ep_comm.SITE_D_BARRIER, tidx, me,
                                          record, timeout_ns)
                 total = self.ep_all.expert_offsets(offs, base, stats, tidx, lane, bidx, False, me, record)
@@ -728,6 +741,9 @@ def _build_kernel_class():
                 if tidx == 0:
                     self.store_ring_geometry(offs, firsts, total_rows)
                 cute.arch.sync_threads()
+                if cutlass.const_expr(self.trace):
+                    if tidx == 0:
+                        self.stamp(record, gdim, bidx, "offsets")
                 mGroupA = offs
                 mGroupB = firsts
             # (k_tiles, n_tiles) of each GEMM; the second is the first's unless fused.
@@ -759,25 +775,48 @@ def _build_kernel_class():
                                               self.ring_geometry(mGroupB)[2], dims[3],
                                               self.word(sync, num_groups, PULLED), self.word(sync, num_groups, L2_DONE),
                                               timeout_ns)
+                        if cutlass.const_expr(self.trace):
+                            if cute.arch.lane_idx() == 0:
+                                ptx.stamp_globaltimer(self.trace_word(record, gdim, bidx, timeline.EVENT["pull warp 0 done"] + warp_idx - 2))
             else:
                 if cutlass.const_expr(self.rebalance_registers):
                     cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consumer(
                     ab_pipeline, tiled_mma, tidx - 128, sA, sW, sSFW, sSFA, sAct, sOut, mD, mDSF, mRowW, mRowAddr,
-                    mGroupA, mGroupB, num_groups, max_m, clamp, total_rows, dims, sync, bidx, gdim, tiles_pub,
+                    mGroupA, mGroupB, num_groups, max_m, clamp, total_rows, dims, sync, bidx, gdim, tiles_pub, record,
                 )
                 if cutlass.const_expr(self.comm is not None):
                     # Mega MoE combine on the consumer warpgroups (ep_comm steps 2-3): every row of every CTA is
                     # stored and fenced (sys) by its thread once all CTAs pass this barrier.
                     ctidx = tidx - 128
                     num_warps = self.ep_cons.warps
+                    self.stamp_first_consumer(record, gdim, bidx, ctidx, "tiles done")
                     self.ep_cons.grid_barrier(self.word(sync, num_groups, GRID), 2 * gdim, 1, ep_comm.SITE_C_BARRIER,
                                               ctidx, me, record, timeout_ns)
+                    self.stamp_first_consumer(record, gdim, bidx, ctidx, "combine barrier")
                     self.ep_cons.exchange_done(me, base, peers, call, ctidx, bidx, record, timeout_ns)
+                    self.stamp_first_consumer(record, gdim, bidx, ctidx, "done exchanged")
                     self.ep_cons.sum_tokens(base, num_tokens, y, bidx * num_warps + ctidx // 32, gdim * num_warps,
                                             cute.arch.lane_idx())
+                    self.stamp_first_consumer(record, gdim, bidx, ctidx, "end")
             if cutlass.const_expr(self.fused):
                 self.reset_counters(sync, num_groups, tidx, warp_idx, gdim, base, call, mGroupB, flag)
+
+        def trace_word(self, record: Int64, gdim: Int32, bidx: Int32, word) -> Int64:
+            """Address of word ``word`` of this CTA's timeline row (after the ``gdim`` debug-record rows)."""
+            return record + (Int64(gdim) * ep_comm.RECORD_WORDS + Int64(bidx) * timeline.TRACE_WORDS + word) * 8
+
+        @cute.jit
+        def stamp(self, record: Int64, gdim: Int32, bidx: Int32, event: cutlass.Constexpr):
+            """Trace build: ``%globaltimer`` into this CTA's timeline row at ``event`` (``timeline.EVENTS``)."""
+            ptx.stamp_globaltimer(self.trace_word(record, gdim, bidx, timeline.EVENT[event]))
+
+        @cute.jit
+        def stamp_first_consumer(self, record: Int64, gdim: Int32, bidx: Int32, ctidx: Int32, event: cutlass.Constexpr):
+            """Trace build: ``stamp`` by the first consumer thread; nothing otherwise."""
+            if cutlass.const_expr(self.trace):
+                if ctidx == 0:
+                    self.stamp(record, gdim, bidx, event)
 
         @cute.jit
         def next_tile(self, t: Int32, phase: Int32, e: Int32, base: Int32, t_off: Int32, dims, num_groups: Int32,
@@ -1127,9 +1166,9 @@ def _build_kernel_class():
 
         @cute.jit
         def consumer(self, ab_pipeline, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sAct, sOut, mD, mDSF, mRowW, mRowAddr,
-                     mGroupA, mGroupB, num_groups, max_m, clamp, total_rows, dims, sync, bidx, gdim, tiles_pub):
+                     mGroupA, mGroupB, num_groups, max_m, clamp, total_rows, dims, sync, bidx, gdim, tiles_pub, record):
             """Consumer warpgroups: every tile's mainloop and epilogue; the tiles come from ``next_tile``, or Mega
-            MoE: from the producer warp (``take_tile``)."""
+            MoE: from the producer warp (``take_tile``). ``record``: the trace build's timeline rows."""
             tt, tn = self.tile_tokens, self.tile_n
             thr_mma = tiled_mma.get_slice(ctidx)
             # Register A fragment as int32, ((1, 2, 2), 1, k blocks): per (row r, k-half h) of each k block
@@ -1179,6 +1218,7 @@ def _build_kernel_class():
             taken = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_SLOTS)
             if cutlass.const_expr(self.comm is not None):
                 phase, valid, row0, row_end, n_tile, block = self.take_tile(tiles_pub, taken)
+                self.stamp_first_consumer(record, gdim, bidx, ctidx, "first tile")
             else:
                 phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
                     t, Int32(0), Int32(0), Int32(0), Int32(0), dims, num_groups, mGroupA, mGroupB, max_m, total_rows
@@ -1268,6 +1308,11 @@ def _build_kernel_class():
                                     i = c + 2 * r + 4 * j
                                     mD[m, n0 + cC[i][0]] = acc[i].to(cutlass.BFloat16)
 
+                if cutlass.const_expr(self.trace):
+                    if ctidx == 0:
+                        if phase == 0:
+                            self.stamp(record, gdim, bidx, "last l1 tile")
+                        ptx.count_u64(self.trace_word(record, gdim, bidx, timeline.COUNT["l1 tiles"] + phase))
                 if cutlass.const_expr(self.comm is not None):
                     tiles_pub[0].consumer_release(taken)
                     taken.advance()
@@ -1915,7 +1960,7 @@ def mega_moe_sm90(comm, a: torch.Tensor, b1: torch.Tensor, b1_sf: torch.Tensor, 
     sum into ``y``) and the call's end. ``comm``: the buffer's ``ep_comm.EpCommConfig`` (debug iff
     ``timeout_ns`` > 0); ``sync``: int32 ``[sync_words(E, layout)]`` zeros,
     left zeroed; ``peers``: int64 [R] device array of the ranks' buffer bases; ``record``: host-mapped int64
-    ``[CTAs, 8]`` (debug reports)."""
+    ``[CTAs, 8]`` (debug reports), or in the trace build (``comm.trace``) a ``timeline.trace_buffer``."""
     m, inter = act.shape
     _launch(config, "offsets", "l1_l2", a, None, b1, b1_sf, act.view(torch.int32).view(m, inter // 2), None,
             row_weights, offsets, offsets, b1.shape[0], 0, _bf16_clamp(clamp), None, second=(act, b2, b2_sf, row_ptrs),

@@ -150,11 +150,39 @@ def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
         # BF16: torch's grouped GEMM over different row counts may tile K differently: no bitwise claim.
         _check(rank, what, y, ref, stats, stats_legacy, y_legacy, bitwise=fp8, inter=inter)
         assert torch.equal(stats_legacy, counts + 7), f"{what}: legacy stats disagree with the routing"
+        if fp8 and gen == GENERATIONS - 1:
+            _check_trace(rank, what, y, MegaMoE(l1, l2), buf, clamp, counts)
         if "ring" in case:  # rank 0 receives more rows than its ring holds: it reuses ring blocks
             tt = tile_config(buf.layout, t).tile_tokens
             _say(rank, f"{what}: {int(counts.sum())} rows in {int(((counts + tt - 1) // tt).sum())} pool blocks of "
                  f"{tt} rows, ring of {case['ring']} rows")
             assert rank != 0 or int(counts.sum()) > case["ring"], f"{what}: rank 0's rows fit the ring"
+
+
+def _check_trace(rank, what: str, y, moe, buf, clamp, counts) -> None:
+    """The same call on the trace build: y bit-equal to the release build's; per CTA the phase stamps in
+    program order; the tiles counted over CTAs = every tile of the call once."""
+    from megamoe.mega import tile_config, trace_fp8_fp4_mega_moe
+    from megamoe.timeline import COUNT, EVENT, MegaTimeline
+
+    y_trace = torch.full_like(y, float("nan"))
+    rows = MegaTimeline.from_buffer(trace_fp8_fp4_mega_moe(y_trace, moe.l1, moe.l2, buf, None, clamp)).rows
+    assert torch.equal(y_trace, y), f"{what}: the trace build's y differs from the release build's"
+    order = ["start", "scanned", "offsets", "first tile", "tiles done", "combine barrier", "done exchanged", "end"]
+    stamps = rows[:, [EVENT[e] for e in order]]
+    assert (stamps > 0).all() and (stamps.diff(dim=1) >= 0).all(), f"{what}: phase stamps out of order:\n{stamps}"
+    l1 = rows[:, EVENT["last l1 tile"]]
+    ran = rows[:, COUNT["l1 tiles"]] > 0
+    assert torch.equal(l1 > 0, ran), f"{what}: 'last l1 tile' stamped by the CTAs that ran L1 tiles"
+    assert ((l1[ran] >= stamps[ran, 3]) & (l1[ran] <= stamps[ran, 4])).all(), f"{what}: L1 tiles outside the tile loop"
+    for w in ("pull warp 0 done", "pull warp 1 done"):
+        assert (rows[:, EVENT[w]] >= stamps[:, 2]).all(), f"{what}: {w} before the offsets"
+    cfg, lay = tile_config(buf.layout, y.shape[0]), buf.layout
+    blocks = int(((counts + cfg.tile_tokens - 1) // cfg.tile_tokens).sum())
+    tiles = (int(rows[:, COUNT["l1 tiles"]].sum()), int(rows[:, COUNT["l2 tiles"]].sum()))
+    want = (blocks * 2 * lay.intermediate_hidden // cfg.tile_n, blocks * lay.hidden // cfg.tile_n)
+    assert tiles == want, f"{what}: (L1, L2) tiles run {tiles}, want {want} ({blocks} pool blocks)"
+    _say(rank, f"{what}: trace build bit-equal, {tiles} tiles on {rows.shape[0]} CTAs, stamps in order")
 
 
 def _run_graph(rank, device, buf, tokens: list[int]) -> None:
