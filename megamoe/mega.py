@@ -11,7 +11,10 @@ describes ``fp8_fp4_mega_moe``.
 collective: every rank of the buffer's group makes the same sequence of calls on the same buffer. One launch
 on the caller's stream, nothing else (no host sync, no host zeroing): ``kernels.sm90_grouped_gemm.mega_moe_sm90``,
 every CTA slot of the GPU (two per SM for token tiles <= 16, else one; all resident), each CTA a TMA producer
-warp, a signal warp and one or two consumer warpgroups (BF16-operand wgmma with in-register FP4 decode):
+warp, a signal warp and one or two consumer warpgroups (BF16-operand wgmma with in-register FP4 decode). It is
+launched as a programmatic dependent (PDL): its threads first wait for the previous grid on the stream
+(``griddepcontrol.wait``), then let the next one launch, so no memory is touched before the stream's earlier
+work is complete and visible, as in plain stream order.
 
 1. dispatch (``ep_comm.EpPhases``), all threads of every CTA: announce ``ready``, scan every rank's routing
    over NVLink, count and pool the rows of local experts, grid barrier, the expert offsets (exclusive prefix

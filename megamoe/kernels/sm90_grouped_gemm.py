@@ -466,7 +466,7 @@ def _build_kernel_class():
                 me, num_tokens, base, peers, stats, record, y,
                 tiled_mma, a_layout, w_layout, sfw_layout, sfa_layout,
             ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=self.cfg.ctas_per_sm,
-                     stream=stream)
+                     stream=stream, use_pdl=self.comm is not None)
 
         def weight_tma(self, g2s, mW: cute.Tensor, w_layout: cute.Layout):
             """TMA atom and coordinate tensor of blocked kernel-layout weights (``mW``: (64 rows, N/64, 64 bytes,
@@ -653,6 +653,11 @@ def _build_kernel_class():
             bidx, _, _ = cute.arch.block_idx()
             gdim, _, _ = cute.arch.grid_dim()
 
+            if cutlass.const_expr(self.comm is not None):
+                # Launched as a programmatic dependent (use_pdl): nothing here touches memory before the previous
+                # grid on the stream has finished; the next one may launch (its CTAs start as these exit).
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
             if cutlass.const_expr(self.trace):
                 if tidx == 0:
                     self.stamp(record, gdim, bidx, "start")
