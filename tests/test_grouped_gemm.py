@@ -40,6 +40,7 @@ from megamoe.kernels.sm90_grouped_gemm import (
     prepare_fp4_weights,
     prepare_fp4_weights_l1,
     select_config,
+    token_widths,
 )
 from megamoe.layouts import (
     contiguous_layout,
@@ -195,6 +196,12 @@ def test_ptxas_reports_no_wgmma_serialization(sm90a_builds):
 def test_debug_build_only_for_the_fused_launch():
     with pytest.raises(ValueError, match="debug"):
         compile_grouped_gemm(GemmConfig(), "offsets", "bf16", debug=True)
+
+
+def test_token_widths():
+    assert token_widths(8) == (8,) and token_widths(32) == (32,)
+    assert token_widths(64) == (32, 64)
+    assert token_widths(128) == (32, 64, 96, 128)
 
 
 def test_select_config():
@@ -953,7 +960,8 @@ def test_bf16_decode_exact_on_device():
 @pytest.mark.parametrize("tile_tokens,tile_n,ctas", [(8, 128, 1), (16, 128, 2), (64, 64, 1), (128, 128, 1)])
 def test_bf16_contiguous_ragged(tile_tokens, tile_n, ctas):
     gen = torch.Generator().manual_seed(2000 + tile_tokens + tile_n)
-    counts, n, k = [0, 1, 37, 5, 0, 130, 64, 1, 9], 256, 1024
+    # Tiles of every token width (token_widths) at 64 and 128 rows: 1-32, 33-64, 65-96, 97-128 rows.
+    counts, n, k = [0, 1, 37, 5, 0, 130, 64, 1, 9, 90, 100], 256, 1024
     a, offsets, _, row_expert, b, b_sf = _bf16_case(counts, n, k, gen)
     bk, bk_sf = prepare_fp4_weights(b, b_sf, mma="bf16")
     out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
