@@ -151,20 +151,10 @@ def _ld_u64(addr: Int64, *, loc=None, ip=None) -> Int64:
     return Int64(_asm([T.i64()], [ptx.ir_arg(addr, Int64, loc, ip)], "ld.global.cg.b64 $0, [$1];", "=l,l,~{memory}", loc, ip)[0])
 
 
-
-@dsl_user_op
-def _st_u64(addr: Int64, value, *, loc=None, ip=None) -> None:
-    _asm([], [ptx.ir_arg(addr, Int64, loc, ip), ptx.ir_arg(value, Int64, loc, ip)], "st.global.b64 [$0], $1;", "l,l,~{memory}", loc, ip)
-
-
-
-
-
 @dsl_user_op
 def _ld_low_word(addr: Int64, *, loc=None, ip=None) -> Int32:
     """Low word of a 64-bit flag already acquired (the token count of ``ready``)."""
     return Int32(_asm([T.i32()], [ptx.ir_arg(addr, Int64, loc, ip)], "ld.global.cg.b32 $0, [$1];", "=r,l,~{memory}", loc, ip)[0])
-
 
 
 @dsl_user_op
@@ -178,8 +168,6 @@ def _st_release_sys(addr: Int64, value, wide: bool, *, loc=None, ip=None) -> Non
              "l,r,~{memory}", loc, ip)
 
 
-
-
 @dsl_user_op
 def _st_record(addr: Int64, words: list, *, loc=None, ip=None) -> None:
     """Store 8 int32 values as int64 words at ``addr`` (host-mapped memory), then ``fence.sc.sys``."""
@@ -189,7 +177,6 @@ def _st_record(addr: Int64, words: list, *, loc=None, ip=None) -> None:
     text = "{\n" + "\n".join(lines) + "\nfence.sc.sys;\n}"
     args = [ptx.ir_arg(addr, Int64, loc, ip)] + [ptx.ir_arg(w, Int32, loc, ip) for w in words]
     _asm([], args, text, "l" + ",r" * RECORD_WORDS + ",~{memory}", loc, ip)
-
 
 
 @dsl_user_op
@@ -464,7 +451,7 @@ class EpPhases:
             ptx.st_global_u32(base + (cfg.offset("l1_topk_weights") + Int64(row) * 4), weight)
             j = q - t * k
             slot = peer + (cfg.offset("combine") + (Int64(j) * self.t_max + Int64(t)) * (hidden * 2))
-            _st_u64(base + (cfg.offset("ring_dest") + Int64(row) * 8), slot)
+            ptx.st_global_u64(base + (cfg.offset("ring_dest") + Int64(row) * 8), slot)
 
     @cute.jit
     def pull(self, me: Int32, base: Int64, peers: Int64, offs: cute.Tensor, total: Int32, gw: Int32, num_warps: Int32,

@@ -51,6 +51,13 @@ def st_global_u32(addr, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def st_global_u64(addr, value, *, loc=None, ip=None) -> None:
+    """Store one int64 at the global address ``addr`` (weak; volatile, clobbers memory)."""
+    args = [ir_arg(addr, Int64, loc, ip), ir_arg(value, Int64, loc, ip)]
+    inline_asm([], args, "st.global.b64 [$0], $1;", "l,l,~{memory}", loc, ip, side_effects=True)
+
+
+@dsl_user_op
 def atom_add(addr, value, sem: str, *, loc=None, ip=None) -> Int32:
     """``atom.<sem>.gpu.global.add.s32`` (``sem``: "relaxed" or "acq_rel"); returns the old value."""
     args = [ir_arg(addr, Int64, loc, ip), ir_arg(value, Int32, loc, ip)]
@@ -88,13 +95,6 @@ def behind(seen, expected, *, loc=None, ip=None) -> Int32:
 def globaltimer(*, loc=None, ip=None) -> Int64:
     """``%globaltimer`` (ns)."""
     return Int64(inline_asm([T.i64()], [], "mov.u64 $0, %globaltimer;", "=l", loc, ip, side_effects=True)[0])
-
-
-@dsl_user_op
-def stamp_globaltimer(addr, *, loc=None, ip=None) -> None:
-    """Store ``%globaltimer`` (ns) as an int64 at the global address ``addr`` (weak; volatile)."""
-    text = "{\n.reg .b64 t;\nmov.u64 t, %globaltimer;\nst.global.b64 [$0], t;\n}"
-    inline_asm([], [ir_arg(addr, Int64, loc, ip)], text, "l,~{memory}", loc, ip, side_effects=True)
 
 
 @dsl_user_op

@@ -447,16 +447,7 @@ def _build_kernel_class():
                     g2s, mSFA, cute.slice_(sfa_layout, (None, None, 0)), (tt, 4)
                 )
 
-            tiled_mma = sm90_utils.make_trivial_tiled_mma(
-                a_dtype,
-                a_dtype,
-                cute.nvgpu.OperandMajorMode.K,
-                cute.nvgpu.OperandMajorMode.K,
-                Float32,
-                (self.num_consumer_wg, 1, 1),
-                (64, tt),
-                a_source=warpgroup.OperandSource.RMEM,
-            )
+            tiled_mma = self.make_tiled_mma(a_dtype, tt)
 
             @cute.struct
             class SharedStorage:
@@ -483,6 +474,14 @@ def _build_kernel_class():
                 tiled_mma, a_layout, w_layout, sfw_layout, sfa_layout,
             ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=self.cfg.ctas_per_sm,
                      stream=stream, use_pdl=self.comm is not None)
+
+        def make_tiled_mma(self, a_dtype, tokens: int):
+            """The consumer warpgroups' RS wgmma: 64 weight rows per warpgroup (A from registers) x ``tokens``
+            token columns (B from shared memory), both K-major, FP32 accumulator."""
+            return sm90_utils.make_trivial_tiled_mma(
+                a_dtype, a_dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
+                (self.num_consumer_wg, 1, 1), (64, tokens), a_source=warpgroup.OperandSource.RMEM,
+            )
 
         def weight_tma(self, g2s, mW: cute.Tensor, w_layout: cute.Layout):
             """TMA atom and coordinate tensor of blocked kernel-layout weights (``mW``: (64 rows, N/64, 64 bytes,
@@ -674,14 +673,7 @@ def _build_kernel_class():
                 # grid on the stream has finished; the next one may launch (its CTAs start as these exit).
                 cute.arch.griddepcontrol_wait()
                 cute.arch.griddepcontrol_launch_dependents()
-            if cutlass.const_expr(self.trace):
-                if tidx == 0:
-                    self.stamp(record, gdim, bidx, "start")
-                    # The words a call may not overwrite (the counts, a CTA without L1 tiles) start at 0 (two
-                    # CTA barriers order these stores before the consumers' updates).
-                    for word in (timeline.EVENT["last l1 tile"], timeline.COUNT["l1 tiles"], timeline.COUNT["l2 tiles"]):
-                        for half in range(2):
-                            ptx.st_global_u32(self.trace_word(record, gdim, bidx, word) + half * 4, 0)
+            self.trace_start(record, gdim, bidx, tidx)
             if warp_idx == 0:
                 for atom in (tma_a, tma_w, tma_sfw) if cutlass.const_expr(self.bf16) else (tma_a, tma_w, tma_sfw, tma_sfa):
                     cpasync.prefetch_descriptor(atom)
@@ -747,9 +739,7 @@ def _build_kernel_class():
                 if bidx == 0:
                     self.ep_all.announce(me, num_tokens, peers, call, tidx)
                 self.ep_all.scan(me, base, peers, call, t_src, tidx, bidx, gdim, record, timeout_ns)
-                if cutlass.const_expr(self.trace):
-                    if tidx == 0:
-                        self.stamp(record, gdim, bidx, "scanned")
+                self.stamp(record, gdim, bidx, tidx, "scanned")
                 self.ep_all.grid_barrier(self.word(sync, num_groups, GRID), gdim, 0, ep_comm.SITE_D_BARRIER, tidx, me,
                                          record, timeout_ns)
                 total = self.ep_all.expert_offsets(offs, base, stats, tidx, lane, bidx, False, me, record)
@@ -762,9 +752,7 @@ def _build_kernel_class():
                 if tidx == 0:
                     self.store_ring_geometry(offs, firsts, total_rows)
                 cute.arch.sync_threads()
-                if cutlass.const_expr(self.trace):
-                    if tidx == 0:
-                        self.stamp(record, gdim, bidx, "offsets")
+                self.stamp(record, gdim, bidx, tidx, "offsets")
                 mGroupA = offs
                 mGroupB = firsts
             # (k_tiles, n_tiles) of each GEMM; the second is the first's unless fused.
@@ -796,9 +784,7 @@ def _build_kernel_class():
                                               self.ring_geometry(mGroupB)[2], dims[3],
                                               self.word(sync, num_groups, PULLED), self.word(sync, num_groups, L2_DONE),
                                               timeout_ns)
-                        if cutlass.const_expr(self.trace):
-                            if cute.arch.lane_idx() == 0:
-                                ptx.stamp_globaltimer(self.trace_word(record, gdim, bidx, timeline.EVENT["pull warp 0 done"] + warp_idx - 2))
+                        self.stamp(record, gdim, bidx, cute.arch.lane_idx(), "pull warp 0 done", warp_idx - 2)
             else:
                 if cutlass.const_expr(self.rebalance_registers):
                     cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -811,15 +797,15 @@ def _build_kernel_class():
                     # stored and fenced (sys) by its thread once all CTAs pass this barrier.
                     ctidx = tidx - 128
                     num_warps = self.ep_cons.warps
-                    self.stamp_first_consumer(record, gdim, bidx, ctidx, "tiles done")
+                    self.stamp(record, gdim, bidx, ctidx, "tiles done")
                     self.ep_cons.grid_barrier(self.word(sync, num_groups, GRID), 2 * gdim, 1, ep_comm.SITE_C_BARRIER,
                                               ctidx, me, record, timeout_ns)
-                    self.stamp_first_consumer(record, gdim, bidx, ctidx, "combine barrier")
+                    self.stamp(record, gdim, bidx, ctidx, "combine barrier")
                     self.ep_cons.exchange_done(me, base, peers, call, ctidx, bidx, record, timeout_ns)
-                    self.stamp_first_consumer(record, gdim, bidx, ctidx, "done exchanged")
+                    self.stamp(record, gdim, bidx, ctidx, "done exchanged")
                     self.ep_cons.sum_tokens(base, num_tokens, y, bidx * num_warps + ctidx // 32, gdim * num_warps,
                                             cute.arch.lane_idx())
-                    self.stamp_first_consumer(record, gdim, bidx, ctidx, "end")
+                    self.stamp(record, gdim, bidx, ctidx, "end")
             if cutlass.const_expr(self.fused):
                 self.reset_counters(sync, num_groups, tidx, warp_idx, gdim, base, call, mGroupB, flag)
 
@@ -828,16 +814,33 @@ def _build_kernel_class():
             return record + (Int64(gdim) * ep_comm.RECORD_WORDS + Int64(bidx) * timeline.TRACE_WORDS + word) * 8
 
         @cute.jit
-        def stamp(self, record: Int64, gdim: Int32, bidx: Int32, event: cutlass.Constexpr):
-            """Trace build: ``%globaltimer`` into this CTA's timeline row at ``event`` (``timeline.EVENTS``)."""
-            ptx.stamp_globaltimer(self.trace_word(record, gdim, bidx, timeline.EVENT[event]))
+        def stamp(self, record: Int64, gdim: Int32, bidx: Int32, who: Int32, event: cutlass.Constexpr, offset=0):
+            """Trace build, the thread whose index ``who`` in its group is 0: ``%globaltimer`` into this CTA's
+            timeline row at ``event`` (``timeline.EVENTS``) + ``offset``; nothing in other builds."""
+            if cutlass.const_expr(self.trace):
+                if who == 0:
+                    ptx.st_global_u64(self.trace_word(record, gdim, bidx, timeline.EVENT[event] + offset), ptx.globaltimer())
 
         @cute.jit
-        def stamp_first_consumer(self, record: Int64, gdim: Int32, bidx: Int32, ctidx: Int32, event: cutlass.Constexpr):
-            """Trace build: ``stamp`` by the first consumer thread; nothing otherwise."""
+        def trace_start(self, record: Int64, gdim: Int32, bidx: Int32, tidx: Int32):
+            """Trace build, thread 0 at the kernel's start: stamp "start" and zero the words a call may leave
+            unwritten (the tile counts; "last l1 tile" of a CTA without L1 tiles); two CTA barriers order these
+            stores before the consumers' updates."""
+            self.stamp(record, gdim, bidx, tidx, "start")
+            if cutlass.const_expr(self.trace):
+                if tidx == 0:
+                    for word in (timeline.EVENT["last l1 tile"], timeline.COUNT["l1 tiles"], timeline.COUNT["l2 tiles"]):
+                        for half in range(2):
+                            ptx.st_global_u32(self.trace_word(record, gdim, bidx, word) + half * 4, 0)
+
+        @cute.jit
+        def trace_tile(self, record: Int64, gdim: Int32, bidx: Int32, ctidx: Int32, phase: Int32):
+            """Trace build, the first consumer thread after each tile: count it (per GEMM), stamp "last l1 tile"."""
             if cutlass.const_expr(self.trace):
                 if ctidx == 0:
-                    self.stamp(record, gdim, bidx, event)
+                    if phase == 0:
+                        self.stamp(record, gdim, bidx, ctidx, "last l1 tile")
+                    ptx.count_u64(self.trace_word(record, gdim, bidx, timeline.COUNT["l1 tiles"] + phase))
 
         @cute.jit
         def next_tile(self, t: Int32, phase: Int32, e: Int32, base: Int32, t_off: Int32, dims, num_groups: Int32,
@@ -1222,16 +1225,16 @@ def _build_kernel_class():
                 release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
                 # Token widths: a tile whose rows fit the first n of its tt rows multiplies only those (wgmma N = n):
                 # per width its MMA, the token fragments of the first n rows of sA, the first n/8 accumulator
-                # column groups (the rest stay 0 and are not stored).
+                # column groups (the rest stay 0 and are not stored); the full width is the tile's own.
                 widths = token_widths(tt)
                 mmas, accs, tCrBs = [], [], []
-                if cutlass.const_expr(len(widths) > 1):
-                    for n in widths:
-                        mma_n = sm90_utils.make_trivial_tiled_mma(
-                            cutlass.BFloat16, cutlass.BFloat16, cute.nvgpu.OperandMajorMode.K,
-                            cute.nvgpu.OperandMajorMode.K, Float32, (self.num_consumer_wg, 1, 1), (64, n),
-                            a_source=warpgroup.OperandSource.RMEM,
-                        )
+                for n in widths:
+                    if cutlass.const_expr(n == tt):
+                        mmas.append(tiled_mma)
+                        accs.append(acc)
+                        tCrBs.append(tCrB)
+                    else:
+                        mma_n = self.make_tiled_mma(cutlass.BFloat16, n)
                         mma_n.set(warpgroup.Field.ACCUMULATE, True)
                         thr_n = mma_n.get_slice(ctidx)
                         sA_n = cute.local_tile(sA, (n, K_CHUNK, self.stages), (0, 0, 0))
@@ -1257,7 +1260,7 @@ def _build_kernel_class():
             taken = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_SLOTS)
             if cutlass.const_expr(self.comm is not None):
                 phase, valid, row0, row_end, n_tile, block = self.take_tile(tiles_pub, taken)
-                self.stamp_first_consumer(record, gdim, bidx, ctidx, "first tile")
+                self.stamp(record, gdim, bidx, ctidx, "first tile")
             else:
                 phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
                     t, Int32(0), Int32(0), Int32(0), Int32(0), dims, num_groups, mGroupA, mGroupB, max_m, total_rows
@@ -1269,8 +1272,9 @@ def _build_kernel_class():
                 acc.fill(0.0)
                 if cutlass.const_expr(self.bf16):
                     if cutlass.const_expr(len(widths) == 1):
-                        state, release = self.bf16_mainloop(ab_pipeline, state, release, k_tiles, tiled_mma, acc, frag, tCrA,
-                                                            tCrB, sW_words, sSFW, q, wrow0, wrow1, wbuf, sfw_words, mult)
+                        state, release = self.bf16_mainloop(ab_pipeline, state, release, k_tiles, mmas[0], accs[0], frag,
+                                                            tCrA, tCrBs[0], sW_words, sSFW, q, wrow0, wrow1, wbuf,
+                                                            sfw_words, mult)
                     else:
                         # The narrowest width holding the tile's rows (every branch runs a whole K loop).
                         rows = cutlass.max(row_end - row0, 1)
@@ -1339,11 +1343,7 @@ def _build_kernel_class():
                                     i = c + 2 * r + 4 * j
                                     mD[m, n0 + cC[i][0]] = acc[i].to(cutlass.BFloat16)
 
-                if cutlass.const_expr(self.trace):
-                    if ctidx == 0:
-                        if phase == 0:
-                            self.stamp(record, gdim, bidx, "last l1 tile")
-                        ptx.count_u64(self.trace_word(record, gdim, bidx, timeline.COUNT["l1 tiles"] + phase))
+                self.trace_tile(record, gdim, bidx, ctidx, phase)
                 if cutlass.const_expr(self.comm is not None):
                     tiles_pub[0].consumer_release(taken)
                     taken.advance()
