@@ -102,7 +102,7 @@ from .numerics import check_activation_clamp
 from .kernels.sm90_grouped_gemm import K_MULTIPLE  # H and I must be multiples of it (the GEMM's K granularity)
 from .kernels.sm90_fp4_decode import BF16_WORDS, ROW_BLOCK
 from .symm_buffer import SymmBuffer
-from .timeline import trace_buffer
+from .timeline import trace_buffer, trace_buffer_words
 
 DEBUG_ENV = "MEGAMOE_DEBUG"
 DEBUG_TIMEOUT_ENV = "MEGAMOE_DEBUG_TIMEOUT_S"
@@ -300,9 +300,8 @@ def fp8_fp4_mega_moe(
     """
     debug = debug_enabled(debug)
     stats = cumulative_local_expert_recv_stats
-    check_mega_call(y, sym_buffer, stats, activation, activation_clamp, fast_math, "fp8xfp4")
-    check_fp4_operands(l1, l2, sym_buffer, recipe)
-    _fp8_fp4_launch(y, l1, l2, sym_buffer, stats, activation_clamp, debug, None)
+    cfg = _check_fp8_fp4_call(y, l1, l2, sym_buffer, stats, activation, activation_clamp, fast_math, recipe)
+    _fp8_fp4_launch(y, l1, l2, sym_buffer, stats, activation_clamp, cfg, debug, None)
     if debug:
         poison_buffer(sym_buffer)
     return y
@@ -321,33 +320,39 @@ def trace_fp8_fp4_mega_moe(
     its phase times into ``trace`` (``timeline.trace_buffer`` for the launch's CTAs; allocated when None).
     Returns ``trace``: ``timeline.MegaTimeline.from_buffer(trace)`` reads it once the call is done.
     Asynchronous, CUDA-graph capturable after a first call. Collective."""
-    from .kernels import runtime
-
     stats = cumulative_local_expert_recv_stats
-    check_mega_call(y, sym_buffer, stats, "swiglu", activation_clamp, True, "fp8xfp4")
-    check_fp4_operands(l1, l2, sym_buffer, RECIPE)
-    runtime.require_sm90(y, "y")
-    num_ctas = _state(sym_buffer).num_ctas * tile_config(sym_buffer.layout, y.shape[0]).ctas_per_sm
+    cfg = _check_fp8_fp4_call(y, l1, l2, sym_buffer, stats, "swiglu", activation_clamp, True, RECIPE)
+    num_ctas = _state(sym_buffer).num_ctas * cfg.ctas_per_sm
     if trace is None:
         trace = trace_buffer(num_ctas, y.device)
-    check_tensor("trace", trace, dtype=torch.int64, shape=tuple(trace_buffer(num_ctas, "meta").shape), device=y.device)
-    _fp8_fp4_launch(y, l1, l2, sym_buffer, stats, activation_clamp, False, trace)
+    check_tensor("trace", trace, dtype=torch.int64, shape=(trace_buffer_words(num_ctas),), device=y.device)
+    _fp8_fp4_launch(y, l1, l2, sym_buffer, stats, activation_clamp, cfg, False, trace)
     return trace
 
 
-def _fp8_fp4_launch(y, l1, l2, buf: SymmBuffer, stats, activation_clamp, debug: bool, trace: torch.Tensor | None) -> None:
-    """Launch the one-launch kernel on checked arguments: the debug build, the trace build (``trace``: its
-    ``timeline.trace_buffer``, passed as the record) or the release build."""
-    from .kernels import ep_comm, runtime
+def _check_fp8_fp4_call(y, l1, l2, buf: SymmBuffer, stats, activation, activation_clamp, fast_math, recipe):
+    """Every check of an FP8 x FP4 call, before any device work; returns the launch's ``tile_config``."""
+    from .kernels import runtime
+
+    check_mega_call(y, buf, stats, activation, activation_clamp, fast_math, "fp8xfp4")
+    check_fp4_operands(l1, l2, buf, recipe)
+    runtime.require_sm90(y, "y")
+    return tile_config(buf.layout, y.shape[0])
+
+
+def _fp8_fp4_launch(y, l1, l2, buf: SymmBuffer, stats, activation_clamp, cfg, debug: bool,
+                    trace: torch.Tensor | None) -> None:
+    """Launch the one-launch kernel (``cfg``: its tile config) on checked arguments: the debug build, the trace
+    build (``trace``: its ``timeline.trace_buffer``, passed as the record) or the release build."""
+    from .kernels import ep_comm
     from .kernels import sm90_grouped_gemm as sm90
 
-    runtime.require_sm90(y, "y")
     lay = buf.layout
     st = _state(buf)
     num_tokens = y.shape[0]
     sm90.mega_moe_sm90(
         ep_comm.EpCommConfig(lay, debug, stats is not None, trace is not None), buf.l1_acts, *l1, buf.l1_topk_weights,
-        *l2, buf.ring_dest, buf.l2_acts, buf.expert_offsets, activation_clamp, tile_config(lay, num_tokens),
+        *l2, buf.ring_dest, buf.l2_acts, buf.expert_offsets, activation_clamp, cfg,
         st.gemm_sync, buf.rank, num_tokens, buf.buffer.data_ptr(), st.peers, stats,
         (st.record if trace is None else trace).data_ptr(), y, debug_timeout_ns() if debug else 0,
     )

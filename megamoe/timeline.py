@@ -43,10 +43,15 @@ def _record_words() -> int:
     return RECORD_WORDS
 
 
+def trace_buffer_words(num_ctas: int) -> int:
+    """int64 words of a launch's ``trace_buffer``: the kernel's debug ``record`` rows (untouched outside debug
+    builds), then the trace rows, at ``record + num_ctas * RECORD_WORDS`` words."""
+    return num_ctas * (_record_words() + TRACE_WORDS)
+
+
 def trace_buffer(num_ctas: int, device) -> torch.Tensor:
-    """Zeroed int64 ``[num_ctas * (RECORD_WORDS + TRACE_WORDS)]``: the kernel's debug ``record`` rows (untouched
-    outside debug builds), then the trace rows, at ``record + num_ctas * RECORD_WORDS`` words."""
-    return torch.zeros(num_ctas * (_record_words() + TRACE_WORDS), dtype=torch.int64, device=device)
+    """Zeroed int64 ``[trace_buffer_words(num_ctas)]``."""
+    return torch.zeros(trace_buffer_words(num_ctas), dtype=torch.int64, device=device)
 
 
 @dataclass

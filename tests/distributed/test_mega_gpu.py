@@ -145,13 +145,14 @@ def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
         LegacyMoE(l1, l2, "low_latency", "sm90" if fp8 else "torch")(y_legacy, buf, stats_legacy, activation_clamp=clamp)
         y = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=device)
         stats = torch.full((E_PER_RANK,), 7, dtype=torch.int32, device=device)
-        MegaMoE(l1, l2)(y, buf, stats, activation_clamp=clamp, debug=debug)
+        moe = MegaMoE(l1, l2)
+        moe(y, buf, stats, activation_clamp=clamp, debug=debug)
         ref, counts = _expected(p, p, rank, device, clamp)
         # BF16: torch's grouped GEMM over different row counts may tile K differently: no bitwise claim.
         _check(rank, what, y, ref, stats, stats_legacy, y_legacy, bitwise=fp8, inter=inter)
         assert torch.equal(stats_legacy, counts + 7), f"{what}: legacy stats disagree with the routing"
         if fp8 and gen == GENERATIONS - 1:
-            _check_trace(rank, what, y, MegaMoE(l1, l2), buf, clamp, counts)
+            _check_trace(rank, what, y, moe, buf, clamp, counts)
         if "ring" in case:  # rank 0 receives more rows than its ring holds: it reuses ring blocks
             tt = tile_config(buf.layout, t).tile_tokens
             _say(rank, f"{what}: {int(counts.sum())} rows in {int(((counts + tt - 1) // tt).sum())} pool blocks of "
