@@ -72,6 +72,10 @@ class MegaTimeline:
         col = self.rows[:, EVENT[event]]
         return [(int(v) - t0) / 1e3 for v in col.tolist() if v]
 
+    def span_ns(self) -> tuple[int, int]:
+        """(earliest CTA start, latest CTA end): the call's span in ``%globaltimer`` ns."""
+        return int(self.rows[:, EVENT["start"]].min()), int(self.rows[:, EVENT["end"]].max())
+
     def counts(self, name: str) -> list[int]:
         return self.rows[:, COUNT[name]].tolist()
 
@@ -86,6 +90,14 @@ class MegaTimeline:
             c = self.counts(name)
             out[name] = {"min": min(c), "max": max(c), "total": sum(c)}
         return out
+
+
+def call_spans(timelines: list["MegaTimeline"]) -> list[dict]:
+    """Consecutive traced calls on one rank (in launch order) -> per call its span (``us``: earliest CTA start to
+    latest CTA end) and ``gap_us``, the time from the previous call's end to its start (None for the first)."""
+    spans = [t.span_ns() for t in timelines]
+    return [{"us": (end - start) / 1e3, "gap_us": (start - spans[i - 1][1]) / 1e3 if i else None}
+            for i, (start, end) in enumerate(spans)]
 
 
 def format_summary(summary: dict) -> list[str]:

@@ -13,7 +13,7 @@ from megamoe import get_symm_buffer_for_mega_moe, symm_buffer_layout
 from megamoe.inputs import random_fp4_weights
 from megamoe.kernels.ep_comm import RECORD_WORDS, EpCommConfig
 from megamoe.mega import trace_fp8_fp4_mega_moe, transform_weights_for_mega_moe
-from megamoe.timeline import COUNT, COUNTS, EVENT, EVENTS, TRACE_WORDS, MegaTimeline, format_summary, trace_buffer
+from megamoe.timeline import COUNT, COUNTS, EVENT, EVENTS, TRACE_WORDS, MegaTimeline, call_spans, format_summary, trace_buffer
 
 
 def _rows(num_ctas: int, gen: torch.Generator) -> torch.Tensor:
@@ -54,6 +54,26 @@ def test_trace_buffer_layout_and_summary():
     lines = format_summary(s)
     assert len(lines) == 1 + len(EVENTS) + len(COUNTS)
     assert all(line.startswith(event) for line, event in zip(lines[1:], EVENTS))
+
+
+def test_call_spans_of_consecutive_calls():
+    """Each call's span runs from its earliest CTA start to its latest CTA end; the gap from the previous call's
+    latest end to this call's earliest start (calls shifted by a random offset after the previous one)."""
+    gen = torch.Generator().manual_seed(5)
+    timelines, offset = [], 0
+    for _ in range(4):
+        rows = _rows(9, gen)
+        rows[:, : len(EVENTS)] += offset
+        timelines.append(MegaTimeline(rows))
+        offset = int(rows[:, EVENT["end"]].max()) - 10**12 + int(torch.randint(1, 9000, (1,), generator=gen))
+    spans = call_spans(timelines)
+    assert spans[0]["gap_us"] is None
+    for i, (call, tl) in enumerate(zip(spans, timelines)):
+        start, end = int(tl.rows[:, EVENT["start"]].min()), int(tl.rows[:, EVENT["end"]].max())
+        assert call["us"] == pytest.approx((end - start) / 1e3)
+        if i:
+            prev_end = int(timelines[i - 1].rows[:, EVENT["end"]].max())
+            assert call["gap_us"] == pytest.approx((start - prev_end) / 1e3)
 
 
 def test_an_event_no_cta_stamped_is_reported_empty():

@@ -38,7 +38,7 @@ from ..mega import MegaMoE, trace_fp8_fp4_mega_moe
 from ..numerics import max_row_rel_error, moe_tolerances, rel_fro_error
 from ..reference import distributed_reference_moe
 from ..symm_buffer import RING_ALIGNMENT, get_symm_buffer_for_mega_moe, max_recv_rows
-from ..timeline import MegaTimeline, format_summary
+from ..timeline import MegaTimeline, call_spans, format_summary
 from .common import (
     capture_graph,
     environment_receipt,
@@ -302,7 +302,8 @@ def _timeline(path: MegaMoE, cases: list, y: torch.Tensor, clamp, group, barrier
         y.fill_(float("nan"))
         graph.replay()
     barrier()
-    summary = MegaTimeline.from_buffer(traces[-1]).summary()
+    timelines = [MegaTimeline.from_buffer(t) for t in traces]
+    summary = {**timelines[-1].summary(), "calls": call_spans(timelines)}
     same = _max_over_ranks(0.0 if torch.equal(y.view(torch.int16), release.view(torch.int16)) else 1.0, group, y.device) == 0.0
     summaries = [summary]
     if group is not None:
@@ -313,6 +314,9 @@ def _timeline(path: MegaMoE, cases: list, y: torch.Tensor, clamp, group, barrier
     for r, s in enumerate(summaries):
         for line in format_summary(s):
             say(f"  rank {r}  {line}")
+        spans, gaps = [c["us"] for c in s["calls"]], [c["gap_us"] for c in s["calls"][1:]]
+        say(f"  rank {r}  the graph's {calls} calls: span {min(spans):.1f}-{max(spans):.1f} us (median "
+            f"{statistics.median(spans):.1f}), gaps between calls {min(gaps):.1f}-{max(gaps):.1f} us")
     return {"bit_equal": same, "ranks": summaries}
 
 
