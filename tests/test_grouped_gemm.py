@@ -104,6 +104,7 @@ MEGA_CASES = [
     (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), (2, 256, 64, 8, 4096, 2048)),
     (GemmConfig(tile_tokens=64, tile_n=128), (8, 256, 128, 8, 7168, 2048)),
     (GemmConfig(tile_tokens=16, tile_n=64, ctas_per_sm=2), (1, 8, 33, 3, 512, 1024)),
+    (GemmConfig(tile_tokens=16, tile_n=128, ctas_per_sm=2), (2, 256, 128, 6, 4096, 2048)),
 ]
 
 
@@ -199,7 +200,7 @@ def test_debug_build_only_for_the_fused_launch():
 
 
 def test_token_widths():
-    assert token_widths(8) == (8,) and token_widths(32) == (32,)
+    assert token_widths(8) == (8,) and token_widths(16) == (8, 16) and token_widths(32) == (32,)
     assert token_widths(64) == (32, 64)
     assert token_widths(128) == (32, 64, 96, 128)
 
@@ -210,6 +211,9 @@ def test_select_config():
     assert select_config(1, 4096, 4096, mma="fp8") == GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, **FP8)
     assert select_config(33, 4096, 4096, mma="fp8").ctas_per_sm == 1
     assert select_config(12, 4096, 4096).tile_tokens == 16
+    # 8 rows expected at most 4 (+ 2 sd of a Poisson count <= 8), 16 beyond in BF16 mode (8-wide K loops for <= 8 rows)
+    assert select_config(4, 4096, 4096).tile_tokens == 8 and select_config(4.5, 4096, 4096).tile_tokens == 16
+    assert select_config(6, 4096, 4096, mma="fp8").tile_tokens == 8
     assert select_config(4096, 4096, 4096).tile_tokens == 128
     assert select_config(4096, 4096, 4096, mma="fp8").tile_tokens == 64
     assert select_config(64, 192, 512).tile_n == 64
@@ -960,7 +964,8 @@ def test_bf16_decode_exact_on_device():
 @pytest.mark.parametrize("tile_tokens,tile_n,ctas", [(8, 128, 1), (16, 128, 2), (64, 64, 1), (128, 128, 1)])
 def test_bf16_contiguous_ragged(tile_tokens, tile_n, ctas):
     gen = torch.Generator().manual_seed(2000 + tile_tokens + tile_n)
-    # Tiles of every token width (token_widths) at 64 and 128 rows: 1-32, 33-64, 65-96, 97-128 rows.
+    # Tiles of every token width (token_widths): at 16 rows 1-8 and 9-16 rows, at 64 and 128 rows 1-32, 33-64,
+    # 65-96, 97-128 rows.
     counts, n, k = [0, 1, 37, 5, 0, 130, 64, 1, 9, 90, 100], 256, 1024
     a, offsets, _, row_expert, b, b_sf = _bf16_case(counts, n, k, gen)
     bk, bk_sf = prepare_fp4_weights(b, b_sf, mma="bf16")
@@ -1040,7 +1045,8 @@ def test_bf16_counts_masked_graph_and_empty():
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize("tile_tokens,tile_n,ctas,clamp", [(8, 128, 2, None), (32, 64, 1, 5.0), (128, 128, 1, None)])
+@pytest.mark.parametrize("tile_tokens,tile_n,ctas,clamp",
+                         [(8, 128, 2, None), (16, 128, 2, None), (32, 64, 1, 5.0), (128, 128, 1, None)])
 def test_bf16_l1_l2_one_launch_equals_two(tile_tokens, tile_n, ctas, clamp):
     """The fused L1/L2 launch stores bit for bit what the SwiGLU launch then the scatter launch store (rows of
     no group untouched), its L2 rows also pass the FP64 check against its own L1 output, and it leaves its
