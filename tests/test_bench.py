@@ -23,9 +23,10 @@ def test_moe_bench_paths_filter():
         main(["--preset", "tiny", "--tokens", "2", "--paths", "no-such-path"])
 
 
-def test_moe_bench_rejects_no_routings():
-    with pytest.raises(SystemExit):
-        main(["--routings", "0"])
+def test_moe_bench_rejects_no_routings_and_empty_graphs():
+    for bad in (["--routings", "0"], ["--calls-per-graph", "0"]):
+        with pytest.raises(SystemExit):
+            main(bad)
 
 
 def test_moe_bench_ring_cap():

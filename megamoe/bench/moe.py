@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--routings", type=int, default=1, help="buffers with distinct random routings per point; "
                    "timed calls cycle through them (see the module docstring)")
+    p.add_argument("--calls-per-graph", type=int, default=10,
+                   help="calls in each timed CUDA graph (replayed after a cross-rank barrier); more calls time a longer "
+                   "sustained run (the GPU may then lower its clocks to stay within its power limit)")
     p.add_argument("--json", default=None, help="write a JSON receipt here (rank 0)")
     p.add_argument("--paths", type=lambda s: s.split(","), default=None,
                    help="run only the paths whose name contains one of these comma-separated words (e.g. fused)")
@@ -83,6 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.routings < 1:
         p.error(f"--routings must be >= 1, got {args.routings}")
+    if args.calls_per_graph < 1:
+        p.error(f"--calls-per-graph must be >= 1, got {args.calls_per_graph}")
     if args.ring_tokens is not None and (args.ring_tokens < RING_ALIGNMENT or args.ring_tokens % RING_ALIGNMENT):
         p.error(f"--ring-tokens must be a positive multiple of {RING_ALIGNMENT}, got {args.ring_tokens}")
     return args
@@ -218,8 +223,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
             method = f"{clock}, one call"
             if (fused or path.mode == "low_latency") and device.type == "cuda":
-                times = time_graph(call, args.warmup, args.iters, before=barrier)
-                method = "CUDA graph of 10 calls"
+                times = time_graph(call, args.warmup, args.iters, args.calls_per_graph, before=barrier)
+                method = f"CUDA graph of {args.calls_per_graph} calls"
             else:
                 times = time_events(call, args.warmup, args.iters, before=barrier)
             us = _max_over_ranks(statistics.median(times), group, device)
