@@ -51,3 +51,18 @@ def test_receipt_names_the_source_it_ran(tmp_path):
     (tmp_path / "sub" / "b.py").rename(tmp_path / "sub" / "c.py")
     assert len({first, changed, source_digest(tmp_path)}) == 3
     assert environment_receipt(torch.device("cpu"), 1)["megamoe_source"] == source_digest()
+
+
+def test_gemm_bench_alternative_configs_differ_from_the_choice():
+    """bench.gemm's BF16-mode alternative row is another config than select_config's (1 CTA/SM where it picks 2,
+    64-row token tiles where it picks 128), never a repeat; FP8 mode and the other tiles get none."""
+    from megamoe.bench.gemm import Point, kernel_configs
+    from megamoe.kernels.sm90_grouped_gemm import select_config
+
+    for rows in (1, 4, 16, 64, 4096):
+        p = Point("flash", "l1", 8, 32, rows, 4096, 4096)
+        for mma in ("bf16", "fp8"):
+            configs = kernel_configs(p, mma, True)
+            assert configs[0] == select_config(rows, 4096, 4096, mma)
+            assert len(set(configs)) == len(configs) == (2 if mma == "bf16" and rows != 64 else 1), (rows, mma, configs)
+            assert kernel_configs(p, mma, False) == configs[:1]
