@@ -5,8 +5,8 @@ on sampled experts and rows against an FP64 reference, then times it (CUDA-graph
 events, after warm-up, median of repeats) and reports microseconds, TFLOP/s and weight bytes/s next to the
 HBM read bandwidth measured in the same run. Kernel rows: each ``--mma`` mode with ``select_config``'s
 choice, and in BF16 mode one alternative config (1 CTA/SM instead of select_config's 2 for token tiles
-<= 16, tile_tokens=64 instead of 128; ``--no-alt`` skips it). Both modes read the same FP4 weights and FP8 tokens; BF16 mode gets them
-dequantized to BF16 outside the timing (exact). Baselines, timed and checked the same way:
+<= 16, tile_tokens=64 instead of 128; ``--no-alt`` skips it). Both modes read the same FP4 weights and FP8
+tokens; BF16 mode gets them dequantized to BF16 outside the timing (exact). Baselines, timed and checked the same way:
 ``torch._scaled_grouped_mm`` (FP8 x FP8, rowwise scales) and ``torch._grouped_mm`` (BF16). A time is
 never printed without its run's verdict.
 

@@ -300,9 +300,10 @@ def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "b
     Token tile: the smallest tile_tokens choice covering the expected group (the largest beyond); in BF16 mode 16
     rather than 8 rows where the expected group plus two standard deviations of a Poisson count exceeds 8 (the
     16-row tile runs 8-wide K loops for groups of up to 8 rows, ``token_widths``, and reads the weights of a
-    larger group once instead of twice). Weight tile 128 rows (two consumer warpgroups) when N allows it, else 64. Two CTAs per SM for token tiles <= 16 in both
-    modes: measured on an H200 (flash L1/L2, EP8, 2026-11-29), 1 and 16 rows per expert ran 8-16% faster in
-    BF16 mode (e.g. L1 1 row/expert 91.9 vs 106.9 us) and faster in FP8 mode (hiding per-k32 promotion waits)."""
+    larger group once instead of twice). Weight tile 128 rows (two consumer warpgroups) when N allows it, else
+    64. Two CTAs per SM for token tiles <= 16 in both modes: measured on an H200 (flash L1/L2, EP8, 2026-11-29),
+    1 and 16 rows per expert ran 8-16% faster in BF16 mode (e.g. L1 1 row/expert 91.9 vs 106.9 us) and faster in
+    FP8 mode (hiding per-k32 promotion waits)."""
     del k  # the stage count is chosen from shared memory alone
     if mma not in MMA_MODES:
         fail("mma", f"must be one of {MMA_MODES}, got {mma!r}")
