@@ -77,8 +77,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="run only the paths whose name contains one of these comma-separated words (e.g. fused)")
     p.add_argument("--profile", action="store_true", help="print rank 0's torch.profiler summary of one call per point")
     p.add_argument("--timeline", action="store_true",
-                   help="fused FP8 x FP4 path: after timing, a CUDA graph of 10 calls of the kernel's trace build (the "
-                   "output checked bit-equal to the release build's); print every rank's phase timeline of the last")
+                   help="fused FP8 x FP4 path: after timing, a CUDA graph of --calls-per-graph calls of the kernel's trace "
+                   "build (the output checked bit-equal to the release build's); print every rank's phase timeline of "
+                   "the last call and every call's span")
     p.add_argument("--ring-tokens", type=int, default=None,
                    help="cap the buffers' ring at this many rows (a multiple of 128; default: every row a rank can "
                    "receive). The fused FP8 x FP4 path then reuses ring blocks within a call; the staged BF16 "
@@ -229,7 +230,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 times = time_events(call, args.warmup, args.iters, before=barrier)
             us = _max_over_ranks(statistics.median(times), group, device)
             if args.timeline and fused and fp8:
-                timeline = _timeline(path, cases, y, args.clamp, group, barrier, say, f"{t} tokens/rank")
+                timeline = _timeline(path, cases, y, args.clamp, group, barrier, say, f"{t} tokens/rank",
+                                     args.calls_per_graph)
                 ok = ok and timeline["bit_equal"]
             if args.profile:
                 graphed = (fused or path.mode == "low_latency") and device.type == "cuda"
@@ -284,12 +286,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
-def _timeline(path: MegaMoE, cases: list, y: torch.Tensor, clamp, group, barrier, say, label: str) -> dict:
-    """The fused path's phase timeline as the timed loop runs it: a CUDA graph of 10 calls of the kernel's trace
-    build cycling through ``cases``' routings (each call its own trace), replayed after warm-up replays; the
-    summary is the last call's. Its output must be bit-equal to the release build's on the same routing on every
-    rank; rank 0 prints every rank's timeline. Returns ``{"bit_equal", "ranks": summaries}``."""
-    calls = 10
+def _timeline(path: MegaMoE, cases: list, y: torch.Tensor, clamp, group, barrier, say, label: str,
+              calls: int) -> dict:
+    """The fused path's phase timeline as the timed loop runs it: a CUDA graph of ``calls`` calls of the kernel's
+    trace build cycling through ``cases``' routings (each call its own trace), replayed after warm-up replays; the
+    summary is the last call's, plus every call's span. Its output must be bit-equal to the release build's on the
+    same routing on every rank; rank 0 prints every rank's timeline. Returns ``{"bit_equal", "ranks": summaries}``."""
     last = cases[(calls - 1) % len(cases)][0]
     y.fill_(float("nan"))
     path(y, last, None, activation_clamp=clamp)
@@ -301,7 +303,7 @@ def _timeline(path: MegaMoE, cases: list, y: torch.Tensor, clamp, group, barrier
         i = next(turn) % calls
         traces[i] = trace_fp8_fp4_mega_moe(y, path.l1, path.l2, cases[i % len(cases)][0], None, clamp, traces[i])
 
-    graph = capture_graph(call, warmup=calls)  # the warm-up calls allocate the traces the graph then reuses
+    graph = capture_graph(call, warmup=calls, calls_per_graph=calls)  # the warm-up calls allocate the traces
     for _ in range(3):
         barrier()
         y.fill_(float("nan"))
@@ -320,8 +322,8 @@ def _timeline(path: MegaMoE, cases: list, y: torch.Tensor, clamp, group, barrier
         for line in format_summary(s):
             say(f"  rank {r}  {line}")
         spans, gaps = [c["us"] for c in s["calls"]], [c["gap_us"] for c in s["calls"][1:]]
-        say(f"  rank {r}  the graph's {calls} calls: span {min(spans):.1f}-{max(spans):.1f} us (median "
-            f"{statistics.median(spans):.1f}), gaps between calls {min(gaps):.1f}-{max(gaps):.1f} us")
+        say(f"  rank {r}  the graph's {calls} call(s): span {min(spans):.1f}-{max(spans):.1f} us (median "
+            f"{statistics.median(spans):.1f})" + (f", gaps between calls {min(gaps):.1f}-{max(gaps):.1f} us" if gaps else ""))
     return {"bit_equal": same, "ranks": summaries}
 
 
