@@ -173,7 +173,8 @@ class GemmConfig:
 
     tile_tokens: tokens per CTA tile (wgmma N): 8, 16, 32, 64, or 128 in BF16 mode.
     tile_n: weight rows per CTA tile, 64 per consumer warpgroup (64 or 128).
-    stages: TMA pipeline depth (stages of 128 K); ``None`` = as many as shared memory holds (max 16).
+    stages: TMA pipeline depth (stages of ``chunks_per_stage(epilogue)`` x 128 K); ``None`` = as many as shared memory holds
+        (max 16).
     ctas_per_sm: 1, or 2 for token tiles <= 16 (two co-resident CTAs, each with half the shared memory and
         no register rebalancing, hide each other's waits).
     mma: "bf16" (BF16 tokens, weights from ``prepare_fp4_weights(..., mma="bf16")``) or "fp8" (FP8 tokens +
@@ -204,10 +205,19 @@ class GemmConfig:
     def consumer_warpgroups(self) -> int:
         return self.tile_n // 64
 
-    def stage_bytes(self) -> int:
-        """Shared memory of one pipeline stage: tokens, packed weights, the packed-scale boxes."""
+    def chunks_per_stage(self, epilogue: str = "bf16") -> int:
+        """128-K chunks per pipeline stage: 2 for the one-launch L1/L2 kernels ("l1_l2") in BF16 mode with token
+        tiles of up to 32 rows (one barrier wait and release, one loop step per 256 K: 172.5 instead of 183-186
+        SASS instructions per chunk and warp at 8-16 rows), else 1 (the separate launches' two-CTA variants would
+        run out of registers for their wgmmas, ptxas C7512)."""
+        return 2 if self.mma == "bf16" and self.tile_tokens <= 32 and epilogue == "l1_l2" else 1
+
+    def stage_bytes(self, epilogue: str = "bf16") -> int:
+        """Shared memory of one pipeline stage: tokens and packed weights of each chunk, one packed-scale box
+        (4 chunks' words)."""
         if self.mma == "bf16":
-            return self.tile_tokens * K_CHUNK * 2 + self.tile_n * CHUNK_BYTES + 16 * self.tile_n
+            return (self.chunks_per_stage(epilogue) * (self.tile_tokens * K_CHUNK * 2 + self.tile_n * CHUNK_BYTES)
+                    + 16 * self.tile_n)
         return self.tile_tokens * K_CHUNK + self.tile_n * CHUNK_BYTES + 16 * (self.tile_n + self.tile_tokens)
 
     def epilogue_bytes(self, epilogue: str = "bf16") -> int:
@@ -224,7 +234,7 @@ class GemmConfig:
     def max_stages(self, epilogue: str = "bf16", extra_bytes: int = 0) -> int:
         """Stages that fit beside the epilogue's and ``extra_bytes`` of other shared memory."""
         budget = SMEM_CAPACITY // self.ctas_per_sm - 1024 - 4096 - self.epilogue_bytes(epilogue) - extra_bytes
-        return min(16, budget // self.stage_bytes())
+        return min(16, budget // self.stage_bytes(epilogue))
 
     def num_stages(self, epilogue: str = "bf16", extra_bytes: int = 0) -> int:
         if self.stages is None:
@@ -235,7 +245,8 @@ class GemmConfig:
     def describe(self, epilogue: str = "bf16") -> str:
         return (
             f"sm90 fp4 swapAB mma={self.mma} tile_tokens={self.tile_tokens} tile_n={self.tile_n} "
-            f"stages={self.num_stages(epilogue)} ctas/SM={self.ctas_per_sm} epilogue={epilogue}"
+            f"stages={self.num_stages(epilogue)}x{K_CHUNK * self.chunks_per_stage(epilogue)}K ctas/SM={self.ctas_per_sm} "
+            f"epilogue={epilogue}"
         )
 
 
@@ -383,6 +394,7 @@ def _build_kernel_class():
             self.tile_n = config.tile_n
             self.num_consumer_wg = config.consumer_warpgroups
             self.stages = config.num_stages(epilogue, mega_smem_bytes(comm))
+            self.cps = config.chunks_per_stage(epilogue)  # 128-K chunks per stage: chunk c of stage s lies in slot s * cps + c % cps
             self.act_stride = config.tile_n // 2 + 4  # FP32 activations per token row in smem (padded)
             self.threads = 128 * (1 + self.num_consumer_wg)
             # One CTA per SM: move registers from the producer warpgroup to the consumers (setmaxnreg).
@@ -429,13 +441,14 @@ def _build_kernel_class():
             stream,
         ):
             tt, tn, st = self.tile_tokens, self.tile_n, self.stages
+            slots = st * self.cps  # token and weight chunk slots; scale boxes one per stage
             a_dtype = cutlass.BFloat16 if cutlass.const_expr(self.bf16) else cutlass.Float8E4M3FN
             a_layout = cute.tile_to_shape(
                 warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, a_dtype),
-                (tt, K_CHUNK, st),
+                (tt, K_CHUNK, slots),
                 order=(0, 1, 2),
             )
-            w_layout = cute.make_layout((tn, CHUNK_BYTES, st), stride=(CHUNK_BYTES, 1, tn * CHUNK_BYTES))
+            w_layout = cute.make_layout((tn, CHUNK_BYTES, slots), stride=(CHUNK_BYTES, 1, tn * CHUNK_BYTES))
             sfw_layout = cute.make_layout((tn, 4, st), stride=(4, 1, tn * 4))
             sfa_layout = cute.make_layout((tt, 4, st), stride=(4, 1, tt * 4))
 
@@ -475,7 +488,7 @@ def _build_kernel_class():
                 sComm: cute.struct.Align[cute.struct.MemRange[Int32, max(mega_comm_words(self.comm), 1)], 16]
 
             self.shared_storage = SharedStorage
-            self.tx_bytes = tt * K_CHUNK * a_dtype.width // 8 + tn * CHUNK_BYTES + 16 * tn + (0 if self.bf16 else 16 * tt)
+            self.tx_bytes = self.cps * (tt * K_CHUNK * a_dtype.width // 8 + tn * CHUNK_BYTES) + 16 * tn + (0 if self.bf16 else 16 * tt)
 
             self.kernel(
                 tma_a, tA, tma_w, tW, tma_sfw, tSFW, tma_sfa, tSFA, *second,
@@ -963,11 +976,15 @@ def _build_kernel_class():
                     ptx.trap()
             cute.arch.fence_proxy("async.global")
 
+        def k_steps(self, chunks):
+            """K steps (pipeline stages) of a tile of ``chunks`` 128-K chunks (``cps`` divides every K: 512 | K)."""
+            return chunks if cutlass.const_expr(self.cps == 1) else chunks // self.cps
+
         @cute.jit
         def chunks_ahead(self, addr: Int64, target: Int32, k_tiles: Int32) -> Int32:
-            """Fused: the chunks a tile whose token rows other CTAs produce loads the weights of before it waits
-            (``load_tile``'s ``ahead``): none if the counter at ``addr`` already reached ``target`` (acquired; the
-            async proxy then ordered after it), else up to ``stages``."""
+            """Fused: the K steps (``k_tiles`` stages of ``cps`` chunks) a tile whose token rows other CTAs produce
+            loads the weights of before it waits (``load_tile``'s ``ahead``): none if the counter at ``addr`` already
+            reached ``target`` (acquired; the async proxy then ordered after it), else up to ``stages``."""
             ahead = Int32(0)
             if ptx.behind(ptx.ld_acquire(addr, False, "gpu"), target) != 0:
                 ahead = cutlass.min(k_tiles, Int32(self.stages))
@@ -1086,15 +1103,19 @@ def _build_kernel_class():
         @cute.jit
         def load_chunk(self, ab_pipeline, state, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile,
                        tokens: cutlass.Constexpr[bool], weights: cutlass.Constexpr[bool]):
-            """TMA loads of K chunk ``kt`` into ``state``'s stage (acquired by the caller): the token tile and/or
-            the weight tile with its packed scales. ``ops``: the GEMM's (tma_a, tA, tma_w, tW, tma_sfw, tSFW)."""
+            """TMA loads of K step ``kt`` (chunks ``kt * cps`` ..., ``cps`` of them) into ``state``'s stage (acquired
+            by the caller): the token tiles and/or the weight tiles with their packed-scale box (its 4 words
+            cover the step's chunks: cps divides 4). ``ops``: the GEMM's (tma_a, tA, tma_w, tW, tma_sfw, tSFW)."""
             bar = ab_pipeline.producer_get_barrier(state)
             s = state.index
-            if cutlass.const_expr(tokens):
-                cute.copy(ops[0], tAg[(None, kt)], tAs[(None, s)], tma_bar_ptr=bar)
+            for h in cutlass.range_constexpr(self.cps):
+                c = kt * self.cps + h
+                if cutlass.const_expr(tokens):
+                    cute.copy(ops[0], tAg[(None, c)], tAs[(None, s * self.cps + h)], tma_bar_ptr=bar)
+                if cutlass.const_expr(weights):
+                    cute.copy(ops[2], tWg[(None, n_tile, c, e)], tWs[(None, s * self.cps + h)], tma_bar_ptr=bar)
             if cutlass.const_expr(weights):
-                cute.copy(ops[2], tWg[(None, n_tile, kt, e)], tWs[(None, s)], tma_bar_ptr=bar)
-                cute.copy(ops[4], tSFWg[(None, n_tile, kt // 4, e)], tSFWs[(None, s)], tma_bar_ptr=bar)
+                cute.copy(ops[4], tSFWg[(None, n_tile, kt * self.cps // 4, e)], tSFWs[(None, s)], tma_bar_ptr=bar)
 
         def weight_partitions(self, ops, sW, sSFW):
             """Weight and scale TMA partitions of one GEMM (``ops``: tma_a, tA, tma_w, tW, tma_sfw, tSFW); static:
@@ -1146,9 +1167,9 @@ def _build_kernel_class():
                         # Mega MoE: the tile's rows are this launch's pulls (``EpPhases.pull_ring`` counts units).
                         addr = self.word(sync, num_groups, PULLED, block)
                         target = tiles.pulled_target(row_end - row0, self.ep_all.row_units)
-                        ahead = self.chunks_ahead(addr, target, dims[0])
+                        ahead = self.chunks_ahead(addr, target, self.k_steps(dims[0]))
                         state = self.load_tile(ab_pipeline, state, first, (tAg, tAs, tWg, tWs, tSFWg, tSFWs), e, n_tile,
-                                               dims[0], ahead, addr, target, timeout_ns, block, "pulled row units of pool block")
+                                               self.k_steps(dims[0]), ahead, addr, target, timeout_ns, block, "pulled row units of pool block")
                     else:
                         tSFAs, tSFAg = None, None
                         if cutlass.const_expr(not self.bf16):
@@ -1156,7 +1177,7 @@ def _build_kernel_class():
                             tSFAs, tSFAg = cpasync.tma_partition(
                                 tma_sfa, 0, one, cute.group_modes(sSFA, 0, 2), cute.group_modes(gSFA, 0, 2)
                             )
-                        for kt in cutlass.range(dims[0], unroll=1):
+                        for kt in cutlass.range(self.k_steps(dims[0]), unroll=1):
                             ab_pipeline.producer_acquire(state)
                             self.load_chunk(ab_pipeline, state, kt, first, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile,
                                             True, True)
@@ -1181,9 +1202,9 @@ def _build_kernel_class():
                                 all_done = Int32(1)
                                 cute.arch.fence_proxy("async.global")
                             else:
-                                ahead = self.chunks_ahead(addr, target, dims[2])
+                                ahead = self.chunks_ahead(addr, target, self.k_steps(dims[2]))
                         state = self.load_tile(ab_pipeline, state, second, (tAg2, tAs2, tWg2, tWs2, tSFWg2, tSFWs2), e,
-                                               n_tile, dims[2], ahead, addr, target, timeout_ns,
+                                               n_tile, self.k_steps(dims[2]), ahead, addr, target, timeout_ns,
                                                block if self.comm is not None else e,
                                                "first-GEMM tiles of pool block" if self.comm is not None
                                                else "first-GEMM tiles of group")
@@ -1223,9 +1244,9 @@ def _build_kernel_class():
             cC = thr_mma.partition_C(cute.make_identity_tensor((tn, tt)))
             n_cols = tt // 8
 
-            sW_words = cute.make_tensor(
+            sW_words = cute.make_tensor(  # (word, quad, row, slot)
                 cute.recast_ptr(sW.iterator, dtype=Int32),
-                cute.make_layout((4, 4, tn, self.stages), stride=(1, 4, 16, tn * 16)),
+                cute.make_layout((4, 4, tn, self.stages * self.cps), stride=(1, 4, 16, tn * 16)),
             )
             wbuf = cute.make_rmem_tensor((4, 2), Int32)  # (word, r): FP8 k32 block kb / BF16 k16 blocks 2w, 2w+1
             sfw_words = cute.make_rmem_tensor((2,), Int32)
@@ -1247,7 +1268,7 @@ def _build_kernel_class():
                         mma_n = self.make_tiled_mma(cutlass.BFloat16, n)
                         mma_n.set(warpgroup.Field.ACCUMULATE, True)
                         thr_n = mma_n.get_slice(ctidx)
-                        sA_n = cute.local_tile(sA, (n, K_CHUNK, self.stages), (0, 0, 0))
+                        sA_n = cute.local_tile(sA, (n, K_CHUNK, self.stages * self.cps), (0, 0, 0))
                         mmas.append(mma_n)
                         tCrBs.append(thr_n.make_fragment_B(thr_n.partition_B(sA_n)))
                         accs.append(cute.make_tensor(acc.iterator, cute.make_layout(((2, 2, n // 8), 1, 1))))
@@ -1276,9 +1297,9 @@ def _build_kernel_class():
                     t, Int32(0), Int32(0), Int32(0), Int32(0), dims, num_groups, mGroupA, mGroupB, max_m, total_rows
                 )
             while valid:
-                k_tiles = dims[0]
+                k_tiles = self.k_steps(dims[0])
                 if cutlass.const_expr(self.fused):
-                    k_tiles = Int32(cutlass.select_(phase == 0, dims[0], dims[2]))
+                    k_tiles = self.k_steps(Int32(cutlass.select_(phase == 0, dims[0], dims[2])))
                 acc.fill(0.0)
                 if cutlass.const_expr(self.bf16):
                     if cutlass.const_expr(len(widths) == 1):
@@ -1463,25 +1484,29 @@ def _build_kernel_class():
         @cute.jit
         def bf16_mainloop(self, ab_pipeline, state, release, k_tiles, tiled_mma, acc, frag, tCrA, tCrB, sW_words, sSFW, q,
                           wrow0, wrow1, wbuf, sfw_words, mult):
-            """BF16 mode: one tile's K loop into ``acc`` (``tiled_mma``'s token width); returns the advanced
-            pipeline states (waits, then frees every stage it used)."""
-            # The release of chunk kt-1 sits between chunk kt's wgmma groups; a data-dependent branch
-            # there makes ptxas serialize every wgmma, so chunk 0 (nothing to release) is peeled.
-            self.bf16_load(ab_pipeline, state, Int32(0), sW_words, sSFW, q, wrow0, wrow1, wbuf, sfw_words, mult)
-            for kb in cutlass.range_constexpr(4):
-                warpgroup.wait_group(3)
-                self.bf16_block(tiled_mma, acc, frag, tCrA, tCrB, wbuf, mult, state.index, kb)
+            """BF16 mode: one tile's K loop (``k_tiles`` stages of ``cps`` chunks) into ``acc`` (``tiled_mma``'s token
+            width); returns the advanced pipeline states (waits, then frees every stage it used)."""
+            # The release of stage kt-1 sits between stage kt's wgmma groups; a data-dependent branch
+            # there makes ptxas serialize every wgmma, so stage 0 (nothing to release) is peeled.
+            ab_pipeline.consumer_wait(state)
+            for h in cutlass.range_constexpr(self.cps):
+                self.bf16_load(state, Int32(0), h, sW_words, sSFW, q, wrow0, wrow1, wbuf, sfw_words, mult)
+                for kb in cutlass.range_constexpr(4):
+                    warpgroup.wait_group(3)
+                    self.bf16_block(tiled_mma, acc, frag, tCrA, tCrB, wbuf, mult, state.index * self.cps + h, kb)
             state.advance()
             for kt in cutlass.range(1, k_tiles, unroll=1):
-                self.bf16_load(ab_pipeline, state, kt, sW_words, sSFW, q, wrow0, wrow1, wbuf, sfw_words, mult)
-                for kb in cutlass.range_constexpr(4):
-                    # Block kb's registers were last read by the previous chunk's block-kb wgmmas, four
-                    # groups ago: at most three may still be pending.
-                    warpgroup.wait_group(3)
-                    if cutlass.const_expr(kb == 3):  # every group of chunk kt-1 is done: free its stage
-                        ab_pipeline.consumer_release(release)
-                        release.advance()
-                    self.bf16_block(tiled_mma, acc, frag, tCrA, tCrB, wbuf, mult, state.index, kb)
+                ab_pipeline.consumer_wait(state)
+                for h in cutlass.range_constexpr(self.cps):
+                    self.bf16_load(state, kt, h, sW_words, sSFW, q, wrow0, wrow1, wbuf, sfw_words, mult)
+                    for kb in cutlass.range_constexpr(4):
+                        # Block kb's registers were last read by the previous chunk's block-kb wgmmas, four
+                        # groups ago: at most three may still be pending.
+                        warpgroup.wait_group(3)
+                        if cutlass.const_expr(h == 0 and kb == 3):  # every group of stage kt-1 is done: free it
+                            ab_pipeline.consumer_release(release)
+                            release.advance()
+                        self.bf16_block(tiled_mma, acc, frag, tCrA, tCrB, wbuf, mult, state.index * self.cps + h, kb)
                 state.advance()
             warpgroup.wait_group(0)
             ab_pipeline.consumer_release(release)
@@ -1489,14 +1514,14 @@ def _build_kernel_class():
             return state, release
 
         @cute.jit
-        def bf16_load(self, ab_pipeline, state, kt, sW_words, sSFW, q, wrow0, wrow1, wbuf, sfw_words, mult):
-            """BF16 mode: wait for chunk kt's stage; this thread's weight words of rows wrow0/wrow1 (one 16-byte
-            load each) and the BF16 decode multipliers of its four 32-K blocks, two per word."""
-            ab_pipeline.consumer_wait(state)
+        def bf16_load(self, state, kt, h: cutlass.Constexpr[int], sW_words, sSFW, q, wrow0, wrow1, wbuf, sfw_words, mult):
+            """BF16 mode, chunk h of stage ``state`` (K step kt; the caller waited for it): this thread's weight words
+            of rows wrow0/wrow1 (one 16-byte load each) and the BF16 decode multipliers of its four 32-K blocks,
+            two per word."""
             s = state.index
-            cute.autovec_copy(sW_words[None, q, wrow0, s], wbuf[None, 0])
-            cute.autovec_copy(sW_words[None, q, wrow1, s], wbuf[None, 1])
-            w = kt % 4  # packed scale word of this 128-K chunk in each 4-word box row
+            cute.autovec_copy(sW_words[None, q, wrow0, s * self.cps + h], wbuf[None, 0])
+            cute.autovec_copy(sW_words[None, q, wrow1, s * self.cps + h], wbuf[None, 1])
+            w = (kt * self.cps + h) % 4  # packed scale word of this 128-K chunk in each 4-word box row
             sfw_words[0] = sSFW[wrow0, w, s]
             sfw_words[1] = sSFW[wrow1, w, s]
             for r in cutlass.range_constexpr(2):
@@ -1504,9 +1529,9 @@ def _build_kernel_class():
                     mult[p, r] = dev.ue8m0_to_bf16_multiplier_pair(sfw_words[r], p)
 
         @cute.jit
-        def bf16_block(self, tiled_mma, acc, frag, tCrA, tCrB, wbuf, mult, s, kb: cutlass.Constexpr[int]):
+        def bf16_block(self, tiled_mma, acc, frag, tCrA, tCrB, wbuf, mult, slot, kb: cutlass.Constexpr[int]):
             """BF16 mode: decode 32-K block kb (word kb of both rows) into the fragment registers of k16 blocks
-            2kb, 2kb+1 and issue their wgmmas as one group."""
+            2kb, 2kb+1 and issue their wgmmas (tokens of chunk ``slot``) as one group."""
             for r in cutlass.range_constexpr(2):
                 d0, d1, d2, d3 = dev.decode_e2m1x8_bf16(wbuf[kb, r], mult[kb // 2, r], kb % 2)
                 frag[(0, r, 0), 0, 2 * kb] = d0
@@ -1515,7 +1540,7 @@ def _build_kernel_class():
                 frag[(0, r, 1), 0, 2 * kb + 1] = d3
             warpgroup.fence()
             for kk in cutlass.range_constexpr(2 * kb, 2 * kb + 2):
-                cute.gemm(tiled_mma, acc, tCrA[(None, None, kk)], tCrB[(None, None, kk, s)], acc)
+                cute.gemm(tiled_mma, acc, tCrA[(None, None, kk)], tCrB[(None, None, kk, slot)], acc)
             warpgroup.commit_group()
 
         @cute.jit
