@@ -105,6 +105,7 @@ MEGA_CASES = [
     (GemmConfig(tile_tokens=64, tile_n=128), (8, 256, 128, 8, 7168, 2048)),
     (GemmConfig(tile_tokens=16, tile_n=64, ctas_per_sm=2), (1, 8, 33, 3, 512, 1024)),
     (GemmConfig(tile_tokens=16, tile_n=128, ctas_per_sm=2), (2, 256, 128, 6, 4096, 2048)),
+    (GemmConfig(tile_tokens=32, tile_n=128, ctas_per_sm=2), (2, 384, 512, 6, 7168, 3072)),
 ]
 
 
@@ -200,7 +201,7 @@ def test_debug_build_only_for_the_fused_launch():
 
 
 def test_token_widths():
-    assert token_widths(8) == (8,) and token_widths(16) == (8, 16) and token_widths(32) == (32,)
+    assert token_widths(8) == (8,) and token_widths(16) == (8, 16) and token_widths(32) == (16, 32)
     assert token_widths(64) == (32, 64)
     assert token_widths(128) == (32, 64, 96, 128)
 
@@ -208,9 +209,12 @@ def test_token_widths():
 def test_select_config():
     assert select_config(1, 4096, 4096) == GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, mma="bf16")
     assert select_config(33, 4096, 4096).ctas_per_sm == 1
+    assert select_config(16, 4096, 4096) == GemmConfig(tile_tokens=32, tile_n=128, ctas_per_sm=2, mma="bf16")
+    assert select_config(9, 4096, 4096).tile_tokens == 16 and select_config(10, 4096, 4096).tile_tokens == 32
+    assert select_config(24, 4096, 4096).tile_tokens == 32
     assert select_config(1, 4096, 4096, mma="fp8") == GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, **FP8)
     assert select_config(33, 4096, 4096, mma="fp8").ctas_per_sm == 1
-    assert select_config(12, 4096, 4096).tile_tokens == 16
+    assert select_config(12, 4096, 4096, mma="fp8").tile_tokens == 16
     # 8 rows expected at most 4 (+ 2 sd of a Poisson count <= 8), 16 beyond in BF16 mode (8-wide K loops for <= 8 rows)
     assert select_config(4, 4096, 4096).tile_tokens == 8 and select_config(4.5, 4096, 4096).tile_tokens == 16
     assert select_config(6, 4096, 4096, mma="fp8").tile_tokens == 8
@@ -234,7 +238,9 @@ def test_config_validation():
     with pytest.raises(ValueError, match="config.stages"):
         GemmConfig(stages=1)
     with pytest.raises(ValueError, match="config.ctas_per_sm"):
-        GemmConfig(tile_tokens=32, ctas_per_sm=2)
+        GemmConfig(tile_tokens=64, ctas_per_sm=2)
+    with pytest.raises(ValueError, match="config.ctas_per_sm"):
+        GemmConfig(tile_tokens=32, ctas_per_sm=2, mma="fp8")
     with pytest.raises(ValueError, match="config.mma"):
         GemmConfig(mma="int8")
 
@@ -961,7 +967,7 @@ def test_bf16_decode_exact_on_device():
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize("tile_tokens,tile_n,ctas", [(8, 128, 1), (16, 128, 2), (64, 64, 1), (128, 128, 1)])
+@pytest.mark.parametrize("tile_tokens,tile_n,ctas", [(8, 128, 1), (16, 128, 2), (32, 128, 2), (64, 64, 1), (128, 128, 1)])
 def test_bf16_contiguous_ragged(tile_tokens, tile_n, ctas):
     gen = torch.Generator().manual_seed(2000 + tile_tokens + tile_n)
     # Tiles of every token width (token_widths): at 16 rows 1-8 and 9-16 rows, at 64 and 128 rows 1-32, 33-64,
@@ -1046,7 +1052,7 @@ def test_bf16_counts_masked_graph_and_empty():
 @gpu
 @needs_sm90
 @pytest.mark.parametrize("tile_tokens,tile_n,ctas,clamp",
-                         [(8, 128, 2, None), (16, 128, 2, None), (32, 64, 1, 5.0), (128, 128, 1, None)])
+                         [(8, 128, 2, None), (16, 128, 2, None), (32, 64, 1, 5.0), (32, 128, 2, None), (128, 128, 1, None)])
 def test_bf16_l1_l2_one_launch_equals_two(tile_tokens, tile_n, ctas, clamp):
     """The fused L1/L2 launch stores bit for bit what the SwiGLU launch then the scatter launch store (rows of
     no group untouched), its L2 rows also pass the FP64 check against its own L1 output, and it leaves its

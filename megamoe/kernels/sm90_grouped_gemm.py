@@ -156,6 +156,8 @@ N_MULTIPLE = ROW_BLOCK  # weight rows: whole row blocks of the kernel layouts (6
 MMA_MODES = ("bf16", "fp8")
 TILE_TOKENS_CHOICES = {"bf16": (8, 16, 32, 64, 128), "fp8": (8, 16, 32, 64)}
 TILE_N_CHOICES = (64, 128)
+TWO_CTA_TILE_TOKENS = {"bf16": 32, "fp8": 16}
+"""Largest token tile that may run two CTAs per SM (``GemmConfig.ctas_per_sm``), per MMA mode."""
 GROUP_MODES = ("offsets", "offsets_counts", "masked")
 EPILOGUES = ("bf16", "swiglu_fp8", "swiglu_fp8_bf16", "bf16_scatter", "l1_l2")
 SCATTER_PAD = 8
@@ -175,7 +177,7 @@ class GemmConfig:
     tile_n: weight rows per CTA tile, 64 per consumer warpgroup (64 or 128).
     stages: TMA pipeline depth (stages of ``chunks_per_stage(epilogue)`` x 128 K); ``None`` = as many as shared memory holds
         (max 16).
-    ctas_per_sm: 1, or 2 for token tiles <= 16 (two co-resident CTAs, each with half the shared memory and
+    ctas_per_sm: 1, or 2 for token tiles up to ``TWO_CTA_TILE_TOKENS`` (two co-resident CTAs, each with half the shared memory and
         no register rebalancing, hide each other's waits).
     mma: "bf16" (BF16 tokens, weights from ``prepare_fp4_weights(..., mma="bf16")``) or "fp8" (FP8 tokens +
         UE8M0 scales, FP8-mode weights); see the module docstring.
@@ -190,8 +192,9 @@ class GemmConfig:
     def __post_init__(self):
         if self.mma not in MMA_MODES:
             fail("config.mma", f"must be one of {MMA_MODES}, got {self.mma!r}")
-        if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2 and self.tile_tokens > 16):
-            fail("config.ctas_per_sm", f"must be 1, or 2 with tile_tokens <= 16; got {self.ctas_per_sm} "
+        if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2 and self.tile_tokens > TWO_CTA_TILE_TOKENS[self.mma]):
+            fail("config.ctas_per_sm", f"must be 1, or 2 with tile_tokens <= {TWO_CTA_TILE_TOKENS[self.mma]} in "
+                 f"{self.mma} mode; got {self.ctas_per_sm} "
                  f"with tile_tokens={self.tile_tokens}")
         if self.tile_tokens not in TILE_TOKENS_CHOICES[self.mma]:
             fail("config.tile_tokens", f"must be one of {TILE_TOKENS_CHOICES[self.mma]} in {self.mma} mode, "
@@ -296,10 +299,12 @@ wgmmas only that wide (N), not the whole tile. 16-row tiles step by 8 (the wgmma
 
 def token_widths(tile_tokens: int) -> tuple[int, ...]:
     """The wgmma token widths (N) a BF16-mode kernel with ``tile_tokens`` compiles, narrowest first, equal steps
-    (the first width): the multiples of ``TOKEN_WIDTH_STEP`` up to the tile from 64 rows, 8 and 16 for 16 rows,
-    else the tile alone."""
+    (the first width): the multiples of ``TOKEN_WIDTH_STEP`` up to the tile from 64 rows, 8 and 16 for 16 rows, 16
+    and 32 for 32 rows, else the tile alone."""
     if tile_tokens == 16:
         return (8, 16)
+    if tile_tokens == 32:
+        return (16, 32)
     if tile_tokens < 2 * TOKEN_WIDTH_STEP:
         return (tile_tokens,)
     return tuple(range(TOKEN_WIDTH_STEP, tile_tokens + 1, TOKEN_WIDTH_STEP))
@@ -308,22 +313,25 @@ def token_widths(tile_tokens: int) -> tuple[int, ...]:
 def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "bf16") -> GemmConfig:
     """Heuristic config for ``mma`` mode from the expected rows per expert (tokens) and the problem's N, K.
 
-    Token tile: the smallest tile_tokens choice covering the expected group (the largest beyond); in BF16 mode 16
-    rather than 8 rows where the expected group plus two standard deviations of a Poisson count exceeds 8 (the
-    16-row tile runs 8-wide K loops for groups of up to 8 rows, ``token_widths``, and reads the weights of a
-    larger group once instead of twice). Weight tile 128 rows (two consumer warpgroups) when N allows it, else
-    64. Two CTAs per SM for token tiles <= 16 in both modes: measured on an H200 (flash L1/L2, EP8, 2026-11-29),
-    1 and 16 rows per expert ran 8-16% faster in BF16 mode (e.g. L1 1 row/expert 91.9 vs 106.9 us) and faster in
-    FP8 mode (hiding per-k32 promotion waits)."""
+    Token tile: the smallest tile_tokens choice covering the expected group (the largest beyond); in BF16 mode, up
+    to ``TWO_CTA_TILE_TOKENS`` rows, the smallest covering the expected group plus two standard deviations of a
+    Poisson count (16 rather than 8 rows from 4.5 expected, 32 rather than 16 from 10): the wider tile runs narrower
+    K loops for smaller groups (``token_widths``) and reads the weights of a larger group once instead of twice.
+    Weight tile 128 rows (two consumer warpgroups) when N allows it, else 64. Two CTAs per SM up to
+    ``TWO_CTA_TILE_TOKENS``: measured on an H200 (flash L1/L2, EP8, 2026-11-29), 1 and 16 rows per expert ran 8-16%
+    faster in BF16 mode (e.g. L1 1 row/expert 91.9 vs 106.9 us) and faster in FP8 mode (hiding per-k32 promotion
+    waits); 32-row BF16 tiles on two CTAs per SM: pro EP2 Mega MoE at 512 tokens/rank (16 rows/expert) 2623-2626
+    vs 2994-3004 us on 16-row tiles (2026-11-30)."""
     del k  # the stage count is chosen from shared memory alone
     if mma not in MMA_MODES:
         fail("mma", f"must be one of {MMA_MODES}, got {mma!r}")
     tiles = TILE_TOKENS_CHOICES[mma]
     tile_tokens = next((t for t in tiles if t >= expected_rows_per_expert), tiles[-1])
-    if mma == "bf16" and tile_tokens == 8 and expected_rows_per_expert + 2 * math.sqrt(expected_rows_per_expert) > 8:
-        tile_tokens = 16
+    if mma == "bf16" and tile_tokens <= TWO_CTA_TILE_TOKENS["bf16"]:
+        margin = min(expected_rows_per_expert + 2 * math.sqrt(expected_rows_per_expert), TWO_CTA_TILE_TOKENS["bf16"])
+        tile_tokens = next(t for t in tiles if t >= margin)
     tile_n = 128 if n % 128 == 0 else 64
-    ctas = 2 if tile_tokens <= 16 else 1
+    ctas = 2 if tile_tokens <= TWO_CTA_TILE_TOKENS[mma] else 1
     return GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas, mma=mma)
 
 
