@@ -3,12 +3,12 @@
 For every point (preset x layer x expert-parallel degree x rows per expert) it checks the kernel's output
 on sampled experts and rows against an FP64 reference, then times it (CUDA-graph replays timed with
 events, after warm-up, median of repeats) and reports microseconds, TFLOP/s and weight bytes/s next to the
-HBM read bandwidth measured in the same run. Kernel rows: each ``--mma`` mode with ``select_config``'s
-choice, and in BF16 mode one alternative config (1 CTA/SM instead of select_config's 2 for token tiles
-<= 16, tile_tokens=64 instead of 128; ``--no-alt`` skips it). Both modes read the same FP4 weights and FP8
-tokens; BF16 mode gets them dequantized to BF16 outside the timing (exact). Baselines, timed and checked the same way:
-``torch._scaled_grouped_mm`` (FP8 x FP8, rowwise scales) and ``torch._grouped_mm`` (BF16). A time is
-never printed without its run's verdict.
+HBM read bandwidth measured in the same run. Kernel rows: each ``--mma`` mode with ``select_config``'s choice, and
+in BF16 mode one alternative config (1 CTA/SM where select_config picks 2 (token tiles up to
+``TWO_CTA_TILE_TOKENS``), tile_tokens=64 instead of 128; ``--no-alt`` skips it). Both modes read the same FP4
+weights and FP8 tokens; BF16 mode gets them dequantized to BF16 outside the timing (exact). Baselines, timed and
+checked the same way: ``torch._scaled_grouped_mm`` (FP8 x FP8, rowwise scales) and ``torch._grouped_mm`` (BF16). A
+time is never printed without its run's verdict.
 
     python -m megamoe.bench.gemm [--quick] [--mma bf16,fp8] [--no-alt] [--presets flash,pro] [--layers l1,l2]
                                  [--ep 8,2] [--rows 1,4,16,64,256,1024,4096] [--max-gb 100] [--json PATH]
@@ -150,8 +150,8 @@ def _weight_bytes(p: Point, bytes_per_weight: float) -> float:
 
 
 def kernel_configs(p: Point, mma: str, alternatives: bool) -> list:
-    """``select_config``'s choice for ``mma``, plus in BF16 mode one alternative: 1 CTA/SM instead of two for
-    token tiles <= 16, tile_tokens=64 for 128."""
+    """``select_config``'s choice for ``mma``, plus in BF16 mode one alternative: 1 CTA/SM where it picks
+    two, tile_tokens=64 for 128."""
     import dataclasses
 
     from megamoe.kernels.sm90_grouped_gemm import select_config
