@@ -66,3 +66,28 @@ def test_gemm_bench_alternative_configs_differ_from_the_choice():
             assert configs[0] == select_config(rows, 4096, 4096, mma)
             assert len(set(configs)) == len(configs) == (2 if mma == "bf16" and rows != 64 else 1), (rows, mma, configs)
             assert kernel_configs(p, mma, False) == configs[:1]
+
+
+def test_ab_runs_the_builds_in_turn_each_its_own_source(tmp_path):
+    """bench/ab.py: two builds of HEAD run in turn (one torchrun each, tiny preset on CPU) into one receipt and a
+    summary line per point; a build that runs another megamoe than its own (digest) fails the A/B; labels are
+    unique."""
+    import json
+
+    from bench import ab
+
+    d = tmp_path / "ab"
+    builds = ab.prepare(["base=HEAD", "new=HEAD"], d)
+    assert [b["label"] for b in builds] == ["base", "new"] and builds[0]["megamoe_source"] == builds[1]["megamoe_source"]
+    args = ["--preset", "tiny", "--tokens", "1", "--paths", "low_latency", "--warmup", "1", "--iters", "1"]
+    receipt = ab.run(d, args, nproc=1, rounds=1, timeout=300)
+    assert [(r["build"], r["round"]) for r in receipt["runs"]] == [("base", 1), ("new", 1)]
+    assert all(row["correct"] and row["us"] > 0 for r in receipt["runs"] for row in r["results"])
+    lines = ab.summary(receipt)
+    assert len(lines) == 2 and lines[1].startswith("tiny 1 legacy low_latency") and "(1.000x)" in lines[1]
+    builds[1]["megamoe_source"] = "0" * 16
+    (d / ab.BUILDS_FILE).write_text(json.dumps(builds))
+    with pytest.raises(SystemExit, match="new round 1 ran megamoe"):
+        ab.run(d, args, nproc=1, rounds=1, timeout=300)
+    with pytest.raises(SystemExit, match="must be unique"):
+        ab.prepare(["x=HEAD", "x=HEAD"], d)
