@@ -294,20 +294,16 @@ def sync_words(num_groups: int, layout=None) -> int:
 
 TOKEN_WIDTH_STEP = 32
 """BF16 mode, token tiles of 64 rows or more: a tile whose rows fit in fewer multiples of this many rows runs its
-wgmmas only that wide (N), not the whole tile. 16-row tiles step by 8 (the wgmma N granularity)."""
+wgmmas only that wide (N), not the whole tile. 16- and 32-row tiles step by half the tile."""
 
 
 def token_widths(tile_tokens: int) -> tuple[int, ...]:
     """The wgmma token widths (N) a BF16-mode kernel with ``tile_tokens`` compiles, narrowest first, equal steps
-    (the first width): the multiples of ``TOKEN_WIDTH_STEP`` up to the tile from 64 rows, 8 and 16 for 16 rows, 16
-    and 32 for 32 rows, else the tile alone."""
-    if tile_tokens == 16:
-        return (8, 16)
-    if tile_tokens == 32:
-        return (16, 32)
-    if tile_tokens < 2 * TOKEN_WIDTH_STEP:
-        return (tile_tokens,)
-    return tuple(range(TOKEN_WIDTH_STEP, tile_tokens + 1, TOKEN_WIDTH_STEP))
+    (the first width): the multiples of ``TOKEN_WIDTH_STEP`` up to the tile from 64 rows, else half the tile and the
+    tile (8 rows, the wgmma N granularity: the tile alone)."""
+    if tile_tokens >= 2 * TOKEN_WIDTH_STEP:
+        return tuple(range(TOKEN_WIDTH_STEP, tile_tokens + 1, TOKEN_WIDTH_STEP))
+    return (tile_tokens,) if tile_tokens == 8 else (tile_tokens // 2, tile_tokens)
 
 
 def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "bf16") -> GemmConfig:
