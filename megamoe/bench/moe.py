@@ -222,21 +222,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 else:
                     path(y, buf, None, activation_clamp=args.clamp, validate=False)
 
-            method = f"{clock}, one call"
-            if (fused or path.mode == "low_latency") and device.type == "cuda":
+            graphed = (fused or path.mode == "low_latency") and device.type == "cuda"
+            traced = args.timeline and fused and fp8
+            if graphed:
                 times = time_graph(call, args.warmup, args.iters, args.calls_per_graph, before=barrier)
                 method = f"CUDA graph of {args.calls_per_graph} calls"
             else:
                 times = time_events(call, args.warmup, args.iters, before=barrier)
+                method = f"{clock}, one call"
             us = _max_over_ranks(statistics.median(times), group, device)
-            if args.timeline and fused and fp8:
+            if traced:
                 timeline = _timeline(path, cases, y, args.clamp, group, barrier, say, f"{t} tokens/rank",
                                      args.calls_per_graph)
                 ok = ok and timeline["bit_equal"]
             if args.profile:
-                graphed = (fused or path.mode == "low_latency") and device.type == "cuda"
-                replay = capture_graph(call, 1).replay if graphed else call
-                what = "one replay of a CUDA graph of 10 calls" if graphed else "one call"
+                replay = capture_graph(call, 1, args.calls_per_graph).replay if graphed else call
+                what = f"one replay of a {method}" if graphed else "one call"
                 _profile(replay, barrier, lead, f"{t} tokens/rank, {name}, {what}")
             rows.append({
                 "tokens_per_rank": t,
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "rel_fro": fro,
                 "max_row_rel": row_rel,
                 "correct": ok,
-                **({"timeline": timeline} if args.timeline and fused and fp8 else {}),
+                **({"timeline": timeline} if traced else {}),
             })
             if not ok:
                 say(f"INCORRECT: {name} at {t} tokens/rank: rel_fro={fro:.3e} max_row_rel={row_rel:.3e}")
