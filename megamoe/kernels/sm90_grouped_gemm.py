@@ -158,6 +158,8 @@ TILE_TOKENS_CHOICES = {"bf16": (8, 16, 32, 64, 128), "fp8": (8, 16, 32, 64)}
 TILE_N_CHOICES = (64, 128)
 TWO_CTA_TILE_TOKENS = {"bf16": 32, "fp8": 16}
 """Largest token tile that may run two CTAs per SM (``GemmConfig.ctas_per_sm``), per MMA mode."""
+MIN_WIDE_STAGES = 3
+"""One-CTA BF16-mode tiles load two 128-K chunks per stage where at least this many such stages fit."""
 GROUP_MODES = ("offsets", "offsets_counts", "masked")
 EPILOGUES = ("bf16", "swiglu_fp8", "swiglu_fp8_bf16", "bf16_scatter", "l1_l2")
 SCATTER_PAD = 8
@@ -209,18 +211,25 @@ class GemmConfig:
         return self.tile_n // 64
 
     def chunks_per_stage(self, epilogue: str = "bf16") -> int:
-        """128-K chunks per pipeline stage: 2 for the one-launch L1/L2 kernels ("l1_l2") in BF16 mode with token
-        tiles of up to 32 rows (one barrier wait and release, one loop step per 256 K: 172.5 instead of 183-186
-        SASS instructions per chunk and warp at 8-16 rows), else 1 (the separate launches' two-CTA variants would
-        run out of registers for their wgmmas, ptxas C7512)."""
-        return 2 if self.mma == "bf16" and self.tile_tokens <= 32 and epilogue == "l1_l2" else 1
+        """128-K chunks per pipeline stage, in BF16 mode 2 (one barrier wait and release, one loop step per 256 K:
+        172.5 instead of 183-186 SASS instructions per chunk and warp at 8-16 rows) for the one-launch L1/L2
+        kernels ("l1_l2") with token tiles of up to 32 rows, and for one-CTA tiles where ``MIN_WIDE_STAGES`` such
+        stages fit; else 1 (the separate launches' two-CTA variants would run out of registers for their
+        wgmmas, ptxas C7512)."""
+        if self.mma != "bf16":
+            return 1
+        if epilogue == "l1_l2" and self.tile_tokens <= 32:
+            return 2
+        return 2 if self.ctas_per_sm == 1 and self._fitting_stages(epilogue, 0, 2) >= MIN_WIDE_STAGES else 1
 
     def stage_bytes(self, epilogue: str = "bf16") -> int:
         """Shared memory of one pipeline stage: tokens and packed weights of each chunk, one packed-scale box
         (4 chunks' words)."""
+        return self._stage_bytes(self.chunks_per_stage(epilogue))
+
+    def _stage_bytes(self, chunks: int) -> int:
         if self.mma == "bf16":
-            return (self.chunks_per_stage(epilogue) * (self.tile_tokens * K_CHUNK * 2 + self.tile_n * CHUNK_BYTES)
-                    + 16 * self.tile_n)
+            return chunks * (self.tile_tokens * K_CHUNK * 2 + self.tile_n * CHUNK_BYTES) + 16 * self.tile_n
         return self.tile_tokens * K_CHUNK + self.tile_n * CHUNK_BYTES + 16 * (self.tile_n + self.tile_tokens)
 
     def epilogue_bytes(self, epilogue: str = "bf16") -> int:
@@ -236,8 +245,11 @@ class GemmConfig:
 
     def max_stages(self, epilogue: str = "bf16", extra_bytes: int = 0) -> int:
         """Stages that fit beside the epilogue's and ``extra_bytes`` of other shared memory."""
+        return self._fitting_stages(epilogue, extra_bytes, self.chunks_per_stage(epilogue))
+
+    def _fitting_stages(self, epilogue: str, extra_bytes: int, chunks: int) -> int:
         budget = SMEM_CAPACITY // self.ctas_per_sm - 1024 - 4096 - self.epilogue_bytes(epilogue) - extra_bytes
-        return min(16, budget // self.stage_bytes(epilogue))
+        return min(16, budget // self._stage_bytes(chunks))
 
     def num_stages(self, epilogue: str = "bf16", extra_bytes: int = 0) -> int:
         if self.stages is None:
