@@ -117,7 +117,8 @@ def transform_weights_for_mega_moe(l1: tuple, l2: tuple) -> tuple[tuple, tuple]:
     ``l1 = (uint8 [E_l, 2I, H/2], int32 [E_l, 2I, H/128])`` rows [gate; up], ``l2 = (uint8 [E_l, H, I/2],
     int32 [E_l, H, I/128])``; H and I multiples of 512. Returns ``(l1k, l2k)``: L1 rows interleaved for
     the SwiGLU epilogue and both in the SM90 kernel's BF16-operand-mode layout (``int32 [E_l, N/64, K/128,
-    64, 16]``, ``int32 [E_l, N, K/128]``); scale codes outside that mode's exact decode range raise.
+    64, 16]``, chunk-major scales ``int32 [E_l, K/128, N]``); scale codes outside that mode's exact decode range
+    raise.
     """
     from .kernels import sm90_grouped_gemm as sm90
 
@@ -198,7 +199,7 @@ def check_fp4_operands(l1, l2, sym_buffer: SymmBuffer, recipe) -> None:
                  "transform_weights_for_mega_moe(l1, l2), int32 [E/R, N/64, K/128, 64, 16]")
         check_tensor(f"{name}[0]", pair[0], dtype=torch.int32, shape=(e_l, n // ROW_BLOCK, kk // 128, ROW_BLOCK, BF16_WORDS),
                      device=sym_buffer.device, contiguous=True)
-        check_tensor(f"{name}[1]", pair[1], dtype=torch.int32, shape=(e_l, n, kk // 128), device=sym_buffer.device,
+        check_tensor(f"{name}[1]", pair[1], dtype=torch.int32, shape=(e_l, kk // 128, n), device=sym_buffer.device,
                      contiguous=True)
 
 

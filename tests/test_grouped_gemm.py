@@ -249,7 +249,7 @@ def _cpu_inputs(m=40, n=128, k=512, e=3):
     a = torch.zeros(m, k, dtype=torch.float8_e4m3fn)
     a_sf = torch.zeros(m, k // 128, dtype=torch.int32)
     b = torch.zeros(e, n // 64, k // 128, 64, 64, dtype=torch.uint8)
-    b_sf = torch.zeros(e, n, k // 128, dtype=torch.int32)
+    b_sf = torch.zeros(e, k // 128, n, dtype=torch.int32)
     offsets = torch.zeros(e + 1, dtype=torch.int32)
     return dict(a=a, a_sf=a_sf, b=b, b_sf=b_sf, offsets=offsets)
 
@@ -291,7 +291,7 @@ def test_contiguous_validation(name, change, pattern):
 def _cpu_inputs_bf16(m=40, n=128, k=512, e=3):
     return {"a": torch.zeros(m, k, dtype=torch.bfloat16), "a_sf": None,
             "b": torch.zeros(e, n // 64, k // 128, 64, 16, dtype=torch.int32),
-            "b_sf": torch.zeros(e, n, k // 128, dtype=torch.int32), "offsets": torch.zeros(e + 1, dtype=torch.int32)}
+            "b_sf": torch.zeros(e, k // 128, n, dtype=torch.int32), "offsets": torch.zeros(e + 1, dtype=torch.int32)}
 
 
 @pytest.mark.parametrize(
@@ -328,7 +328,7 @@ def test_masked_validation():
     a = torch.zeros(e, max_m, k, dtype=torch.float8_e4m3fn)
     a_sf = torch.zeros(e, max_m, k // 128, dtype=torch.int32)
     b = torch.zeros(e, n // 64, k // 128, 64, 64, dtype=torch.uint8)
-    b_sf = torch.zeros(e, n, k // 128, dtype=torch.int32)
+    b_sf = torch.zeros(e, k // 128, n, dtype=torch.int32)
     mm = torch.zeros(e, dtype=torch.int32)
     with pytest.raises(ValueError, match="`a` must have one slab per expert"):
         grouped_gemm_fp8_fp4_masked(a[:2], a_sf[:2], b, b_sf, mm)
@@ -344,7 +344,7 @@ def test_masked_validation():
 
 def test_swiglu_validation():
     args = _cpu_inputs(n=256)
-    args["b"], args["b_sf"] = args["b"][:, :2].contiguous(), args["b_sf"][:, :128].contiguous()
+    args["b"], args["b_sf"] = args["b"][:, :2].contiguous(), args["b_sf"][:, :, :128].contiguous()
     with pytest.raises(ValueError, match="multiple of 256"):
         grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(40))
     args = _cpu_inputs(n=256)
@@ -375,9 +375,9 @@ def _l1_l2_cpu_inputs(hidden=512, inter=512, m=40, e=3):
     z = torch.zeros
     return dict(
         a=z(m, hidden, dtype=torch.bfloat16),
-        b1=z(e, 2 * inter // 64, hidden // 128, 64, 16, dtype=torch.int32), b1_sf=z(e, 2 * inter, hidden // 128, dtype=torch.int32),
+        b1=z(e, 2 * inter // 64, hidden // 128, 64, 16, dtype=torch.int32), b1_sf=z(e, hidden // 128, 2 * inter, dtype=torch.int32),
         offsets=z(e + 1, dtype=torch.int32), row_weights=z(m),
-        b2=z(e, hidden // 64, inter // 128, 64, 16, dtype=torch.int32), b2_sf=z(e, hidden, inter // 128, dtype=torch.int32),
+        b2=z(e, hidden // 64, inter // 128, 64, 16, dtype=torch.int32), b2_sf=z(e, inter // 128, hidden, dtype=torch.int32),
         out_row_ptrs=z(m, dtype=torch.int64),
     )
 
@@ -581,7 +581,7 @@ def test_bf16_decode_emulation_matches_dequantize():
 def test_bf16_prepare_checks_the_scale_range():
     b, b_sf = _bf16_decode_case(64, 128, seed=1)
     bk, bk_sf = prepare_fp4_weights(b, b_sf, mma="bf16")
-    assert torch.equal(bk, to_sm90_bf16_weight_layout(b)) and torch.equal(bk_sf, b_sf)
+    assert torch.equal(bk, to_sm90_bf16_weight_layout(b)) and torch.equal(bk_sf, b_sf.transpose(1, 2))
     codes = unpack_ue8m0(b_sf).clone()
     codes[0, 3, 1] = BF16_MAX_SCALE_CODE + 1
     with pytest.raises(ValueError, match=r"`b_sf` has UE8M0 codes above .* \[0, 3, 1\]"):

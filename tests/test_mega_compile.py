@@ -69,8 +69,8 @@ def _weights(num_experts=E, hidden=H, inter=I):
 def test_transform_weights_shapes():
     l1, l2 = _weights()
     l1k, l2k = transform_weights_for_mega_moe(l1, l2)
-    assert l1k[0].shape == (E, 2 * I // 64, H // 128, 64, 16) and l1k[0].dtype == torch.int32 and l1k[1].shape == (E, 2 * I, H // 128)
-    assert l2k[0].shape == (E, H // 64, I // 128, 64, 16) and l2k[1].shape == (E, H, I // 128)
+    assert l1k[0].shape == (E, 2 * I // 64, H // 128, 64, 16) and l1k[0].dtype == torch.int32 and l1k[1].shape == (E, H // 128, 2 * I)
+    assert l2k[0].shape == (E, H // 64, I // 128, 64, 16) and l2k[1].shape == (E, I // 128, H)
     with pytest.raises(ValueError, match="hidden"):
         transform_weights_for_mega_moe(*_weights(hidden=256))
     with pytest.raises(ValueError, match="l1"):

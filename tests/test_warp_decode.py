@@ -170,12 +170,14 @@ def _bad_cases():
                                       l2=(w2.view(torch.float8_e4m3fn), s2)), "`l2[0]` must be FP4"),
         "mega l2 alone": (_with(a, l2=(torch.ones(4, 4, 1, 64, 16, dtype=torch.int32), s2)),
                           "`l2[0]` may be in the Mega MoE layout (int32) only when l1 is too"),
-        "mega l2 shape": (_with(a, l1=(torch.ones(4, 4, 2, 64, 16, dtype=torch.int32), s1),
+        "mega l1 canonical scales": (_with(a, l1=(torch.ones(4, 4, 2, 64, 16, dtype=torch.int32), s1)),
+                                     "`l1[1]` must be the chunk-major scales [E, K/128, N] = [4, 2, 256]"),
+        "mega l2 shape": (_with(a, l1=(torch.ones(4, 4, 2, 64, 16, dtype=torch.int32), s1.transpose(1, 2).contiguous()),
                                 l2=(torch.ones(4, 4, 2, 64, 16, dtype=torch.int32), s2)), "`l2[0]` must have shape"),
         "too many experts": (_with(a, l1=(torch.ones(1025, 4, 2, 64, 16, dtype=torch.int32),
-                                          torch.ones(1025, 256, 2, dtype=torch.int32)),
+                                          torch.ones(1025, 2, 256, dtype=torch.int32)),
                                    l2=(torch.ones(1025, 4, 1, 64, 16, dtype=torch.int32),
-                                       torch.ones(1025, 256, 1, dtype=torch.int32))), "experts"),
+                                       torch.ones(1025, 1, 256, dtype=torch.int32))), "experts"),
     }
 
 
@@ -193,9 +195,10 @@ def test_fp8_inputs_pass_shape_checks():
 
     assert check_decode_inputs(**_valid_cpu_inputs("fp8")) == ("fp8", 256, 128)
     assert check_decode_inputs(**_valid_cpu_inputs("fp4")) == ("fp4", 256, 128)
-    mega = _with(_valid_cpu_inputs("fp4"), l1=(torch.ones(4, 4, 2, 64, 16, dtype=torch.int32), _valid_cpu_inputs()["l1"][1]))
+    chunk_major = [s.transpose(1, 2).contiguous() for s in (_valid_cpu_inputs()["l1"][1], _valid_cpu_inputs()["l2"][1])]
+    mega = _with(_valid_cpu_inputs("fp4"), l1=(torch.ones(4, 4, 2, 64, 16, dtype=torch.int32), chunk_major[0]))
     assert check_decode_inputs(**mega) == ("fp4", 256, 128)
-    both = _with(mega, l2=(torch.ones(4, 4, 1, 64, 16, dtype=torch.int32), _valid_cpu_inputs()["l2"][1]))
+    both = _with(mega, l2=(torch.ones(4, 4, 1, 64, 16, dtype=torch.int32), chunk_major[1]))
     assert check_decode_inputs(**both) == ("fp4", 256, 128)
 
 

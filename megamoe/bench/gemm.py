@@ -90,7 +90,7 @@ def _fill_rows(out: torch.Tensor, make) -> torch.Tensor:
 
 
 def make_fp4_weights(experts: int, n: int, k: int, mmas=("bf16", "fp8")) -> dict:
-    """Random FP4 weights (quantized randn) in each mode's kernel layout: ``{mma: (b, b_sf int32 [E, N, K/128])}``
+    """Random FP4 weights (quantized randn) in each mode's kernel layout: ``{mma: (b, b_sf int32 [E, K/128, N])}``
     with b ``int32 [E, N/64, K/128, 64, 16]`` (BF16 mode) or ``uint8 [E, N/64, K/128, 64, 64]`` (FP8 mode), same
     values."""
     from megamoe.kernels.sm90_fp4_decode import BF16_WORDS, CHUNK_BYTES, ROW_BLOCK
@@ -101,7 +101,7 @@ def make_fp4_weights(experts: int, n: int, k: int, mmas=("bf16", "fp8")) -> dict
     for mma in mmas:
         width, dtype = (BF16_WORDS, torch.int32) if mma == "bf16" else (CHUNK_BYTES, torch.uint8)
         out[mma] = (torch.empty(experts, n // ROW_BLOCK, k // 128, ROW_BLOCK, width, dtype=dtype, device="cuda"),
-                    torch.empty(experts, n, k // 128, dtype=torch.int32, device="cuda"))
+                    torch.empty(experts, k // 128, n, dtype=torch.int32, device="cuda"))
     for e in range(experts):
         canonical = quantize_fp4(torch.randn(1, n, k, device="cuda"))
         for mma, (b, b_sf) in out.items():

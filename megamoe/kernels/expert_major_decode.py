@@ -169,12 +169,12 @@ class _ByExpert:
         _mark_routed_experts(idx, experts, bitmap, tidx)
         e = _nth_routed_expert(bitmap, lane, rank)
         if e >= 0:
-            first_row = Int64(e) * self.rows_per_expert + block * 16
+            first_row = Int64(block) * 16
             _, count = _find_routed(idx, e, lane, Int32(-1))
             for start in cutlass.range(0, count, COLUMNS, unroll=1):
                 # Addressed through an opaque copy made in the loop: otherwise the weight loads, invariant
                 # across passes, are hoisted out of it all at once (hundreds of registers, spills).
-                rows = mma_rows(w, sf, _opaque(first_row), self.k, lane)
+                rows = mma_rows(w, sf, e, _opaque(first_row), self.rows_per_expert, self.k, lane)
                 found, _ = _find_routed(idx, e, lane, start + lane % COLUMNS)  # lane c < 8: column c's pair
                 b_pair = cute.arch.shuffle_sync(found, lane // 4)
                 b_lanes = self.b_lanes(b, cutlass.max(b_pair, Int32(0)), topk, idx.shape[0], q)
@@ -305,7 +305,7 @@ def moe_decode_by_expert(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: 
     from .warp_decode import interleave_tokens
 
     tokens, topk = topk_idx.shape
-    hidden, inter = x.shape[1], l1[1].shape[1] // 2  # scales [E, 2I, H/128]
+    hidden, inter = x.shape[1], l1[1].shape[2] // 2  # chunk-major scales [E, H/128, 2I]
     experts = l1[0].shape[0]
     gate_up, down, combine = compile_kernels(hidden, inter, activation_clamp is not None, topk, tuning)
     planes = torch.empty(2, tokens * topk, inter, dtype=torch.bfloat16, device=x.device)

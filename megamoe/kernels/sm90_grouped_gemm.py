@@ -223,14 +223,14 @@ class GemmConfig:
         return 2 if self.ctas_per_sm == 1 and self._fitting_stages(epilogue, 0, 2) >= MIN_WIDE_STAGES else 1
 
     def stage_bytes(self, epilogue: str = "bf16") -> int:
-        """Shared memory of one pipeline stage: tokens and packed weights of each chunk, one packed-scale box
-        (4 chunks' words)."""
+        """Shared memory of one pipeline stage: tokens, packed weights and the weights' packed scale words (4 bytes
+        per row) of each chunk; FP8 mode: plus the tokens' 4-chunk scale box (16 bytes per row)."""
         return self._stage_bytes(self.chunks_per_stage(epilogue))
 
     def _stage_bytes(self, chunks: int) -> int:
         if self.mma == "bf16":
-            return chunks * (self.tile_tokens * K_CHUNK * 2 + self.tile_n * CHUNK_BYTES) + 16 * self.tile_n
-        return self.tile_tokens * K_CHUNK + self.tile_n * CHUNK_BYTES + 16 * (self.tile_n + self.tile_tokens)
+            return chunks * (self.tile_tokens * K_CHUNK * 2 + self.tile_n * (CHUNK_BYTES + 4))
+        return self.tile_tokens * K_CHUNK + self.tile_n * (CHUNK_BYTES + 4) + 16 * self.tile_tokens
 
     def epilogue_bytes(self, epilogue: str = "bf16") -> int:
         """Shared memory the epilogue needs besides the pipeline (SwiGLU: FP32 activations of one tile;
@@ -345,7 +345,8 @@ def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "b
 
 def prepare_fp4_weights(b: torch.Tensor, b_sf: torch.Tensor, mma: str = "fp8") -> tuple[torch.Tensor, torch.Tensor]:
     """Canonical FP4 weights (``uint8 [E, N, K/2]``, ``int32 [E, N, K/128]``) -> the kernel's operands for
-    ``mma`` mode, scales unchanged (made contiguous). Run once at weight-load time.
+    ``mma`` mode; scales chunk-major, ``int32 [E, K/128, N]`` (a 128-K chunk's words of a tile's rows are one
+    contiguous piece: a stage loads whole 32-byte sectors, once). Run once at weight-load time.
 
     "fp8" (default, the layout existing callers pass FP8 tokens with): ``uint8 [E, N/64, K/128, 64, 64]``, nibbles
     reordered into the e4m3 fragment order. "bf16" (recommended; BF16 tokens): ``int32 [E, N/64, K/128, 64, 16]``
@@ -358,8 +359,8 @@ def prepare_fp4_weights(b: torch.Tensor, b_sf: torch.Tensor, mma: str = "fp8") -
     check_tensor("b_sf", b_sf, dtype=torch.int32, shape=(e, n, 2 * half_k // K_CHUNK))
     if mma == "bf16":
         check_bf16_scale_range(b, b_sf)
-        return to_sm90_bf16_weight_layout(b), b_sf.contiguous()
-    return to_sm90_weight_layout(b), b_sf.contiguous()
+        return to_sm90_bf16_weight_layout(b), b_sf.transpose(1, 2).contiguous()
+    return to_sm90_weight_layout(b), b_sf.transpose(1, 2).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -457,7 +458,7 @@ def _build_kernel_class():
             stream,
         ):
             tt, tn, st = self.tile_tokens, self.tile_n, self.stages
-            slots = st * self.cps  # token and weight chunk slots; scale boxes one per stage
+            slots = st * self.cps  # token, weight and weight-scale chunk slots
             a_dtype = cutlass.BFloat16 if cutlass.const_expr(self.bf16) else cutlass.Float8E4M3FN
             a_layout = cute.tile_to_shape(
                 warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, a_dtype),
@@ -465,19 +466,19 @@ def _build_kernel_class():
                 order=(0, 1, 2),
             )
             w_layout = cute.make_layout((tn, CHUNK_BYTES, slots), stride=(CHUNK_BYTES, 1, tn * CHUNK_BYTES))
-            sfw_layout = cute.make_layout((tn, 4, st), stride=(4, 1, tn * 4))
+            sfw_layout = cute.make_layout((tn, self.cps, st), stride=(1, tn, tn * self.cps))  # chunk-major, as in global
             sfa_layout = cute.make_layout((tt, 4, st), stride=(4, 1, tt * 4))
 
             g2s = cpasync.CopyBulkTensorTileG2SOp()
             tma_a, tA = cpasync.make_tiled_tma_atom(g2s, mA, cute.slice_(a_layout, (None, None, 0)), (tt, K_CHUNK))
             tma_w, tW = self.weight_tma(g2s, mW, w_layout)
-            tma_sfw, tSFW = cpasync.make_tiled_tma_atom(g2s, mSFW, cute.slice_(sfw_layout, (None, None, 0)), (tn, 4))
+            tma_sfw, tSFW = cpasync.make_tiled_tma_atom(g2s, mSFW, cute.slice_(sfw_layout, (None, None, 0)), (tn, self.cps))
             second = (None,) * 6
             if cutlass.const_expr(self.fused):
                 tma_a2, tA2 = cpasync.make_tiled_tma_atom(g2s, mA2, cute.slice_(a_layout, (None, None, 0)), (tt, K_CHUNK))
                 tma_w2, tW2 = self.weight_tma(g2s, mW2, w_layout)
                 tma_sfw2, tSFW2 = cpasync.make_tiled_tma_atom(
-                    g2s, mSFW2, cute.slice_(sfw_layout, (None, None, 0)), (tn, 4)
+                    g2s, mSFW2, cute.slice_(sfw_layout, (None, None, 0)), (tn, self.cps)
                 )
                 second = (tma_a2, tA2, tma_w2, tW2, tma_sfw2, tSFW2)
             tma_sfa, tSFA = None, None
@@ -504,7 +505,7 @@ def _build_kernel_class():
                 sComm: cute.struct.Align[cute.struct.MemRange[Int32, max(mega_comm_words(self.comm), 1)], 16]
 
             self.shared_storage = SharedStorage
-            self.tx_bytes = self.cps * (tt * K_CHUNK * a_dtype.width // 8 + tn * CHUNK_BYTES) + 16 * tn + (0 if self.bf16 else 16 * tt)
+            self.tx_bytes = self.cps * (tt * K_CHUNK * a_dtype.width // 8 + tn * (CHUNK_BYTES + 4)) + (0 if self.bf16 else 16 * tt)
 
             self.kernel(
                 tma_a, tA, tma_w, tW, tma_sfw, tSFW, tma_sfa, tSFA, *second,
@@ -1120,8 +1121,8 @@ def _build_kernel_class():
         def load_chunk(self, ab_pipeline, state, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile,
                        tokens: cutlass.Constexpr[bool], weights: cutlass.Constexpr[bool]):
             """TMA loads of K step ``kt`` (chunks ``kt * cps`` ..., ``cps`` of them) into ``state``'s stage (acquired
-            by the caller): the token tiles and/or the weight tiles with their packed-scale box (its 4 words
-            cover the step's chunks: cps divides 4). ``ops``: the GEMM's (tma_a, tA, tma_w, tW, tma_sfw, tSFW)."""
+            by the caller): the token tiles and/or the weight tiles with their packed scale words (one box of the
+            step's chunks, tile_n words each). ``ops``: the GEMM's (tma_a, tA, tma_w, tW, tma_sfw, tSFW)."""
             bar = ab_pipeline.producer_get_barrier(state)
             s = state.index
             for h in cutlass.range_constexpr(self.cps):
@@ -1131,7 +1132,7 @@ def _build_kernel_class():
                 if cutlass.const_expr(weights):
                     cute.copy(ops[2], tWg[(None, n_tile, c, e)], tWs[(None, s * self.cps + h)], tma_bar_ptr=bar)
             if cutlass.const_expr(weights):
-                cute.copy(ops[4], tSFWg[(None, n_tile, kt * self.cps // 4, e)], tSFWs[(None, s)], tma_bar_ptr=bar)
+                cute.copy(ops[4], tSFWg[(None, n_tile, kt, e)], tSFWs[(None, s)], tma_bar_ptr=bar)
 
         def weight_partitions(self, ops, sW, sSFW):
             """Weight and scale TMA partitions of one GEMM (``ops``: tma_a, tA, tma_w, tW, tma_sfw, tSFW); static:
@@ -1143,7 +1144,7 @@ def _build_kernel_class():
             )
             tSFWs, tSFWg = cpasync.tma_partition(
                 ops[4], 0, one, cute.group_modes(sSFW, 0, 2),
-                cute.group_modes(cute.local_tile(ops[5], (self.tile_n, 4), (None, None, None)), 0, 2),
+                cute.group_modes(cute.local_tile(ops[5], (self.tile_n, self.cps), (None, None, None)), 0, 2),
             )
             return tWs, tWg, tSFWs, tSFWg
 
@@ -1346,10 +1347,11 @@ def _build_kernel_class():
                                 lo, hi = dev.decode_e2m1x8(wbuf[kb, r], lut_lo, lut_hi)
                                 frag[(0, r, 0), 0, kb] = lo
                                 frag[(0, r, 1), 0, kb] = hi
-                        # Packed scale words of this 128-K chunk: word (kt % 4) of each 4-word box row.
+                        # Packed scale words of this 128-K chunk: the weights' (one per row), the tokens' word
+                        # (kt % 4) of each 4-word box row.
                         w = kt % 4
-                        sfw_words[0] = sSFW[wrow0, w, s]
-                        sfw_words[1] = sSFW[wrow1, w, s]
+                        sfw_words[0] = sSFW[wrow0, 0, s]
+                        sfw_words[1] = sSFW[wrow1, 0, s]
                         for j in cutlass.range_constexpr(n_cols):
                             for c in cutlass.range_constexpr(2):
                                 sfa_words[c, j] = sSFA[cC[c + 4 * j][1], w, s]
@@ -1537,9 +1539,8 @@ def _build_kernel_class():
             s = state.index
             cute.autovec_copy(sW_words[None, q, wrow0, s * self.cps + h], wbuf[None, 0])
             cute.autovec_copy(sW_words[None, q, wrow1, s * self.cps + h], wbuf[None, 1])
-            w = (kt * self.cps + h) % 4  # packed scale word of this 128-K chunk in each 4-word box row
-            sfw_words[0] = sSFW[wrow0, w, s]
-            sfw_words[1] = sSFW[wrow1, w, s]
+            sfw_words[0] = sSFW[wrow0, h, s]
+            sfw_words[1] = sSFW[wrow1, h, s]
             for r in cutlass.range_constexpr(2):
                 for p in cutlass.range_constexpr(2):
                     mult[p, r] = dev.ue8m0_to_bf16_multiplier_pair(sfw_words[r], p)
@@ -1592,8 +1593,8 @@ def _weight_args(b, b_sf):
     e, blocks, chunks, rows, _ = b.shape
     w = b.view(torch.uint8).view(e, blocks, chunks, rows, CHUNK_BYTES)
     w = w.permute(3, 1, 4, 2, 0)  # (row, block, byte, chunk, E)
-    sfw = b_sf.permute(1, 2, 0)  # (N, K/128, E)
-    return runtime.to_cute(w, leading_dim=2), runtime.to_cute(sfw, leading_dim=1)
+    sfw = b_sf.permute(2, 1, 0)  # (N, K/128, E), N contiguous
+    return runtime.to_cute(w, leading_dim=2), runtime.to_cute(sfw, leading_dim=0)
 
 
 def _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, group_a, group_b, second=None):
@@ -1645,7 +1646,7 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
         else:
             a, a_sf = torch.empty(m, k, dtype=torch.float8_e4m3fn), torch.empty(m, k // 128, dtype=torch.int32)
             b = torch.empty(e, n // ROW_BLOCK, k // 128, ROW_BLOCK, CHUNK_BYTES, dtype=torch.uint8)
-        b_sf = torch.empty(e, n, k // 128, dtype=torch.int32)
+        b_sf = torch.empty(e, k // 128, n, dtype=torch.int32)
         second = None
         if epilogue == "swiglu_fp8":
             out = torch.empty(m, n // 8, dtype=torch.int32)
@@ -1656,7 +1657,7 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
         if epilogue == "l1_l2":  # second GEMM: K = n / 2, N = k
             second = (torch.empty(m, n // 2, dtype=torch.bfloat16),
                       torch.empty(e, k // ROW_BLOCK, n // 2 // 128, ROW_BLOCK, BF16_WORDS, dtype=torch.int32),
-                      torch.empty(e, k, n // 2 // 128, dtype=torch.int32), torch.empty(m, dtype=torch.int64))
+                      torch.empty(e, n // 2 // 128, k, dtype=torch.int32), torch.empty(m, dtype=torch.int64))
         out_sf = torch.empty(m, n // 64, dtype=torch.uint8)
         row_weights = torch.empty(m, dtype=torch.int64 if epilogue == "bf16_scatter" else torch.float32)
         groups = torch.zeros(e + 1, dtype=torch.int32)
@@ -1715,7 +1716,7 @@ def _check_weights(b: torch.Tensor, b_sf: torch.Tensor, k: int, device, mma: str
         fail(names[0], f"must hold K/128 = {k // K_CHUNK} chunks per row block (dim 2) for a.shape[-1] = {k}, "
              f"got {list(b.shape)}")
     n = blocks * ROW_BLOCK
-    check_tensor(names[1], b_sf, dtype=torch.int32, shape=(e, n, k // K_CHUNK), device=device, contiguous=True)
+    check_tensor(names[1], b_sf, dtype=torch.int32, shape=(e, k // K_CHUNK, n), device=device, contiguous=True)
     return e, n
 
 
@@ -1840,7 +1841,7 @@ def grouped_gemm_fp8_fp4_contiguous(
 
     The MMA mode follows the weights (``prepare_fp4_weights(..., mma=)``): BF16 mode, b ``int32 [E, N/64, K/128,
     64, 16]`` with a ``bfloat16 [M, K]`` and a_sf None; FP8 mode, b ``uint8 [E, N/64, K/128, 64, 64]`` with a
-    ``float8_e4m3fn [M, K]`` and a_sf ``int32 [M, K/128]`` (packed UE8M0 per 32). b_sf ``int32 [E, N, K/128]``;
+    ``float8_e4m3fn [M, K]`` and a_sf ``int32 [M, K/128]`` (packed UE8M0 per 32). b_sf ``int32 [E, K/128, N]``;
     ``config.mma``, when a config is given, must match the weights. offsets ``int32 [E+1]``:
     expert e owns rows ``[offsets[e], offsets[e+1])``, or ``[offsets[e], offsets[e] + counts[e])`` when
     ``counts`` (``int32 [E]``, e.g. ``ContiguousLayout.counts``) is given. Any alignment; rows of no group are

@@ -423,7 +423,7 @@ class _GateUpMMA(_GateUpLaunch):
             e = idx[t, j]
             out = Float32(0.0)
             if (e >= 0) & (e < experts):
-                rows = mma_rows(w, sf, Int64(e) * (2 * inter) + block * 16, hidden, lane)
+                rows = mma_rows(w, sf, e, Int64(block) * 16, 2 * inter, hidden, lane)
                 acc = mma_stream(rows, hidden, [x.toint() + Int64(t) * (hidden * 2) + q * 16])
                 gate = (acc[0] + acc[4]) * Float32(2.0**BF16_ACC_SHIFT)
                 up = (acc[2] + acc[6]) * Float32(2.0**BF16_ACC_SHIFT)
@@ -432,24 +432,23 @@ class _GateUpMMA(_GateUpLaunch):
                 a[t, j, self.a_fmt.interleaved_offset(block * 8 + gl, 4)] = out
 
 
-def mma_rows(w: cute.Pointer, sf: cute.Pointer, first_row: Int64, k: int, lane) -> tuple:
+def mma_rows(w: cute.Pointer, sf: cute.Pointer, e, first_row: Int64, n: int, k: int, lane) -> tuple:
     """Lane addresses for the 16 kernel-layout rows ``first_row .. first_row + 15`` (``first_row`` a multiple
-    of 16: one row block) of a BF16-mode SM90 weight tensor with K = ``k`` (``int32 [.., N/64, K/128, 64, 16]``
-    + scales ``int32 [.., N, K/128]``): lane ``(g, q) = (lane / 4, lane % 4)`` reads 16-byte segment q of row
-    ``first_row + g`` (and of the row 8 further) and that row's scale words."""
+    of 16: one row block) of expert ``e`` of a BF16-mode SM90 weight tensor with N = ``n``, K = ``k`` (``int32
+    [E, N/64, K/128, 64, 16]`` + chunk-major scales ``int32 [E, K/128, N]``): lane ``(g, q) = (lane / 4, lane %
+    4)`` reads 16-byte segment q of row ``first_row + g`` (and of the row 8 further) and that row's scale words."""
     row = first_row + lane // 4
     in_block = row % ROW_BLOCK
-    weights = w.toint() + (row - in_block) * (k // 2) + in_block * CHUNK_BYTES + (lane % 4) * 16
-    return weights, sf.toint() + row * (k // K_CHUNK * 4)
+    weights = w.toint() + (Int64(e) * n + row - in_block) * (k // 2) + in_block * CHUNK_BYTES + (lane % 4) * 16
+    return weights, sf.toint() + (Int64(e) * (k // K_CHUNK) * n + row) * 4, n
 
 
 def mma_load(rows: tuple, k: int, c: int) -> tuple:
     """K chunk ``c`` of ``mma_rows``: the lane's 4 words of row g and of row g + 8, and both rows' packed
     scale words."""
     wa = rows[0] + c * (ROW_BLOCK * CHUNK_BYTES)
-    sf_far = rows[1] + 8 * (k // K_CHUNK) * 4
-    return (_ld16(wa, WEIGHT_LOAD), _ld16(wa + 8 * CHUNK_BYTES, WEIGHT_LOAD), _ld_word(rows[1] + c * 4),
-            _ld_word(sf_far + c * 4))
+    sf_c = rows[1] + c * rows[2] * 4
+    return (_ld16(wa, WEIGHT_LOAD), _ld16(wa + 8 * CHUNK_BYTES, WEIGHT_LOAD), _ld_word(sf_c), _ld_word(sf_c + 8 * 4))
 
 
 def mma_chunk(acc: list, loaded: tuple, bs: list) -> list:
@@ -704,6 +703,17 @@ def _check_pair(name: str, pair: object) -> tuple[torch.Tensor, torch.Tensor]:
     return pair[0], pair[1]
 
 
+def _check_scales(name: str, sf: torch.Tensor, experts: int, n: int, k: int, mega: bool) -> None:
+    """Packed UE8M0 scales of ``[E, N, K]`` weights: canonical ``int32 [E, N, K/128]``, or with weights in the Mega MoE
+    layout the chunk-major ``int32 [E, K/128, N]`` of ``prepare_fp4_weights``."""
+    canonical = (experts, n, k // PACKED_BLOCK_K)
+    if mega and tuple(sf.shape) == canonical and n != k // PACKED_BLOCK_K:
+        fail(name, f"must be the chunk-major scales [E, K/128, N] = {[experts, k // PACKED_BLOCK_K, n]} that "
+             f"prepare_fp4_weights makes with the Mega MoE layout, got the canonical {list(sf.shape)}")
+    shape = (experts, k // PACKED_BLOCK_K, n) if mega else canonical
+    check_tensor(name, sf, dtype=torch.int32, shape=shape, contiguous=True)
+
+
 def check_decode_inputs(x, topk_idx, topk_weights, l1, l2, activation_clamp=None, out=None) -> tuple[str, int, int]:
     """Validate ``moe_decode``'s arguments without touching a GPU; returns (weight format, hidden, intermediate)."""
     check_tensor("x", x, dtype=torch.bfloat16, ndim=2, contiguous=True)
@@ -742,7 +752,7 @@ def check_decode_inputs(x, topk_idx, topk_weights, l1, l2, activation_clamp=None
         check_tensor("l1[0]", w1, shape=(experts, two_inter // ROW_BLOCK, hidden // K_CHUNK, ROW_BLOCK, BF16_WORDS))
     else:
         check_tensor("l1[0]", w1, shape=(experts, two_inter, hidden // per_byte))
-    check_tensor("l1[1]", s1, dtype=torch.int32, shape=(experts, two_inter, hidden // PACKED_BLOCK_K), contiguous=True)
+    _check_scales("l1[1]", s1, experts, two_inter, hidden, mega)
     if mega2:
         from .expert_major_decode import MAX_EXPERTS
 
@@ -751,7 +761,7 @@ def check_decode_inputs(x, topk_idx, topk_weights, l1, l2, activation_clamp=None
                      contiguous=True)
     else:
         check_tensor("l2[0]", w2, dtype=_WEIGHT_DTYPES[fmt], shape=(experts, hidden, inter // per_byte), contiguous=True)
-    check_tensor("l2[1]", s2, dtype=torch.int32, shape=(experts, hidden, inter // PACKED_BLOCK_K), contiguous=True)
+    _check_scales("l2[1]", s2, experts, hidden, inter, mega2)
     if tokens * topk * inter >= 2**31:
         fail("topk_idx", f"T * k * intermediate = {tokens * topk * inter} must stay below 2**31 (32-bit warp ids)")
 
