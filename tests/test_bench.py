@@ -16,11 +16,13 @@ def test_moe_bench_cycles_routings_and_checks_each():
 
 
 def test_moe_bench_paths_filter():
-    """--paths runs only the named paths (here the low-latency legacy mode) and refuses a filter matching none."""
+    """--paths runs only the named paths (here the low-latency legacy mode) and refuses any word matching none,
+    also beside one that matches (it would silently drop the paths the user asked for)."""
     rows = main(["--preset", "tiny", "--tokens", "2", "--paths", "low_latency", "--warmup", "1", "--iters", "2"])
     assert rows and all("low_latency" in r["path"] and r["correct"] for r in rows)
-    with pytest.raises(SystemExit, match="no path matches"):
-        main(["--preset", "tiny", "--tokens", "2", "--paths", "no-such-path"])
+    for words in ("no-such-path", "low_latency,legacy-sm90"):
+        with pytest.raises(SystemExit, match=r"--paths \S+ matches none of the paths here: legacy normal"):
+            main(["--preset", "tiny", "--tokens", "2", "--paths", words])
 
 
 def test_moe_bench_rejects_no_routings_and_empty_graphs():

@@ -161,9 +161,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         # FP8 x FP4: one persistent launch (dispatch, SM90 GEMM tiles, combine); BF16: staged, torch grouped GEMMs
         paths["fused (one launch)" if fp8 else "fused (staged)"] = MegaMoE(l1, l2)
     if args.paths:
+        unmatched = [word for word in args.paths if not any(word in name for name in paths)]
+        if unmatched:
+            raise SystemExit(f"megamoe.bench: --paths {','.join(unmatched)} matches none of the paths here: "
+                             + "; ".join(paths))
         paths = {name: path for name, path in paths.items() if any(word in name for word in args.paths)}
-        if not paths:
-            raise SystemExit(f"megamoe.bench: no path matches --paths {','.join(args.paths)}")
     if args.timeline and not any(isinstance(path, MegaMoE) and path.fp8 for path in paths.values()):
         say("--timeline: no fused FP8 x FP4 path runs here (it needs an SM90 GPU): no timeline")
     bf16_bytes_per_expert = 3 * h * i * 2
