@@ -33,18 +33,18 @@ from .layouts.weights import check_fp4_expert_weights
 
 PATHS = ("auto", "warp_decode", "grouped")
 MEASURED_CROSSOVERS: dict[tuple[int, int, int, int], int] = {
-    (4096, 2048, 32, 6): 32,
-    (4096, 2048, 128, 6): 32,
-    (7168, 3072, 48, 6): 32,
-    (7168, 3072, 192, 6): 32,
+    (4096, 2048, 32, 6): 16,
+    (4096, 2048, 128, 6): 16,
+    (7168, 3072, 48, 6): 8,
+    (7168, 3072, 192, 6): 4,
 }
 """(hidden, intermediate, experts, top-k) -> the largest batch where warp decode beat the grouped path:
-H200, 2026-11-30, ``bench/results/2026-11-30_decode_h200.txt`` (batches 1, 4, 8, 16, 32; warp decode as the
-decoder runs it vs grouped, us: flash 32 experts 40.8 vs 89.2 at T=1, 122.3 vs 175.7 at 8, 190.7 vs 222.8 at
-32; flash 128: 450.9 vs 477.3 at 32; pro 48: 341.5 vs 399.5 at 8, 558.6 vs 568.7 at 32; pro 192: 439.8 vs
-497.2 at 8, 1343.7 vs 1419.8 at 32). Warp decode won every measured batch; the grouped path won at 64 in
-every shape in the previous receipt (``2026-11-29_decode_session5_h200.txt``: flash 32 experts 365.4 vs
-233.1 us), so 32 stands for all four until a batch between 32 and 64 is measured."""
+H200, 2026-11-30, ``bench/results/2026-11-30_decode_chunk_major_scales_h200.txt`` (batches 1, 4, 8, 16, 32, 64;
+warp decode as the decoder runs it vs grouped, us: flash 32 experts 138.0 vs 168.2 at 16, 182.0 vs 175.1 at 32;
+flash 128: 288.1 vs 293.9 at 16, 442.7 vs 400.3 at 32; pro 48: 327.6 vs 331.9 at 8, 430.5 vs 411.3 at 16; pro
+192: 242.8 vs 255.5 at 4, 434.5 vs 429.7 at 8). The grouped path got faster since the previous receipt
+(``2026-11-30_decode_h200.txt``, where warp decode won up to 32 everywhere): two-chunk stages, 32-row tiles and
+chunk-major scales."""
 EXPERT_MAJOR_MIN_TOKENS = 4
 """Smallest batch for which warp decode runs the expert-major kernels (else the per-pair SIMT kernels).
 ``bench/results/2026-11-29_decode_expert_major_h200.txt`` (us, SIMT / expert-major): flash 32 experts 40.7 /
