@@ -789,9 +789,10 @@ def moe_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp=None, out=Non
     FP4 (uint8 ``[E, 2I, H/2]`` and ``[E, H, I/2]``) or FP8 (float8_e4m3fn ``[E, 2I, H]`` and
     ``[E, H, I]``) with packed UE8M0 scales int32 ``[E, 2I, H/128]`` and ``[E, H, I/128]``; H and I
     multiples of 128. ``l1`` may instead be FP4 L1 in the Mega MoE layout (``transform_weights_for_mega_moe``'s
-    first result: int32 ``[E, 2I/64, H/128, 64, 16]``, scales in the BF16 decode's exact range), with ``l2`` canonical
+    first result: int32 ``[E, 2I/64, H/128, 64, 16]`` with chunk-major scales int32 ``[E, H/128, 2I]`` in the BF16
+    decode's exact range), with ``l2`` canonical
     FP4: gate_up then runs on tensor cores (``_GateUpMMA``); with ``l2`` in that layout too (the second result,
-    int32 ``[E, H/64, I/128, 64, 16]``; E <= 1024) the expert-major kernels run instead (``expert_major_decode``: each
+    int32 ``[E, H/64, I/128, 64, 16]``, scales ``[E, I/128, H]``; E <= 1024) the expert-major kernels run instead (``expert_major_decode``: each
     routed expert's rows read once per batch). ``activation_clamp`` c: ``gate <= c``, ``|up| <= c``. ``out``:
     optional bfloat16 ``[T, H]`` destination. ``down_rows``: outputs per down warp of the per-pair down kernel
     (tuning; divides H). Numerics: see the module docstring (FP32 throughout, one BF16 rounding of ``y``; the
