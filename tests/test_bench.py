@@ -93,3 +93,23 @@ def test_ab_runs_the_builds_in_turn_each_its_own_source(tmp_path):
         ab.run(d, args, nproc=1, rounds=1, timeout=300)
     with pytest.raises(SystemExit, match="must be unique"):
         ab.prepare(["x=HEAD", "x=HEAD"], d)
+
+
+@pytest.mark.gpu
+def test_decode_bench_receipt(tmp_path):
+    """``megamoe.bench decode --json`` records every printed row with its checks and the crossover per expert set."""
+    import json
+
+    from megamoe.bench.decode import main as decode_main
+
+    path = tmp_path / "decode.json"
+    decode_main(["--shapes", "flash", "--experts", "8", "--batches", "1,4", "--routings", "2", "--warmup", "1",
+                 "--iters", "2", "--hbm-gib", "0.5", "--no-torch", "--json", str(path)])
+    receipt = json.loads(path.read_text())
+    assert receipt["environment"]["megamoe_source"] == source_digest() and receipt["hbm_read_gbps"] > 0
+    assert [(r["experts"], r["tokens"]) for r in receipt["rows"]] == [(8, 1), (8, 4)]
+    for row in receipt["rows"]:
+        assert all(row[f"{n}_check"] == "ok" for n in ("simt", "mma", "expert", "grouped"))
+        assert row["decoder_runs"] in ("simt", "mma", "expert") and row[f"{row['decoder_runs']}_us"] > 0
+    (crossover,) = receipt["crossovers"]
+    assert crossover["experts"] == 8 and crossover["crossover"] in (0, 1, 4)

@@ -1,4 +1,4 @@
-"""Warp-decode MoE on one GPU: ``python -m megamoe.bench decode [--shapes flash,pro] [--batches 1,2,...]``.
+"""Warp-decode MoE on one GPU: ``python -m megamoe.bench decode [--shapes flash,pro] [--batches 1,..] [--json F]``.
 
 For every shape (flash: hidden 4096, intermediate 2048, 32 and 128 experts; pro: 7168, 3072, 48 and
 192 experts), top-k and batch it builds random FP4 weights (random codes, scales around 2**-6) and
@@ -23,6 +23,7 @@ Every time printed carries its run's correctness verdict.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 
 import torch
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--down-rows", type=int, default=None, help="outputs per down warp (tuning)")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch grouped-GEMM baseline")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="write a JSON receipt here: every row and crossover printed")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -153,7 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     def moe_decode(x, idx, wts, l1, l2, out=None):
         return warp_decode.moe_decode(x, idx, wts, l1, l2, out=out, **rows_kw)
 
-    print(environment_receipt(device, 1))
+    receipt = environment_receipt(device, 1)
+    print(receipt)
     hbm = measure_hbm_read_bandwidth(device, args.hbm_gib)
     print(f"measured HBM read bandwidth: {hbm:.0f} GB/s (torch.sum over {args.hbm_gib} GiB)")
     header = (f"{'shape':6} {'E':>4} {'T':>3} {'simt us':>8} {'check':>7} {'mma us':>8} {'check':>7} {'expert us':>8} {'check':>7} {'MB read':>8} "
@@ -161,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     print(header)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     cpu_gen = torch.Generator().manual_seed(args.seed)
+    rows, crossovers = [], []
     for shape in args.shapes.split(","):
         hidden, inter, expert_counts = SHAPES[shape]
         for experts in _ints(args.experts) or expert_counts:
@@ -205,13 +209,21 @@ def main(argv: list[str] | None = None) -> None:
                 if verdict == "ok" and grouped_verdict == "ok" and us < grouped_us:
                     warp_wins.append(tokens)
                 torch_cols = f"{'-':>9} {'-':>11}"
+                row = {"shape": shape, "experts": experts, "topk": args.topk, "tokens": tokens,
+                       **{f"{n}_us": t for n, (t, _) in timed.items()},
+                       **{f"{n}_check": c for n, (_, c) in timed.items()},
+                       "decoder_runs": chosen, "weight_bytes": nbytes, "gbps": gbs, "hbm_fraction": gbs / hbm,
+                       "grouped_us": grouped_us, "grouped_check": grouped_verdict}
                 if baseline is not None:
                     try:
                         prepared = [baseline.prepare(x, i) for i, _ in routes]
-                        torch_verdict = baseline.check(prepared[0])
-                        torch_cols = f"{_time_cycling(baseline, prepared, args):9.1f} {torch_verdict:>11}"
+                        row["torch_check"] = baseline.check(prepared[0])
+                        row["torch_us"] = _time_cycling(baseline, prepared, args)
+                        torch_cols = f"{row['torch_us']:9.1f} {row['torch_check']:>11}"
                     except (RuntimeError, TypeError, ValueError) as exc:  # torch builds without these kernels
                         torch_cols = f"{'n/a':>9} {str(exc).splitlines()[0][:40]}"
+                        row["torch_check"] = f"n/a: {str(exc).splitlines()[0]}"
+                rows.append(row)
                 print(f"{shape:6} {experts:4d} {tokens:3d} {simt_cols} {mma_cols} {nbytes / 1e6:8.1f} {gbs:7.0f} "
                       f"{100 * gbs / hbm:5.1f}%  {grouped_cols}  {torch_cols}", flush=True)
             batches = _ints(args.batches)
@@ -219,8 +231,17 @@ def main(argv: list[str] | None = None) -> None:
             crossover = batches[-1] if crossover is None else max([b for b in batches if b < crossover], default=0)
             print(f"crossover {shape} E={experts} k={args.topk}: warp decode faster (both checked ok) at batches "
                   f"{warp_wins}; largest batch below the first grouped win: {crossover}", flush=True)
+            crossovers.append({"shape": shape, "hidden": hidden, "intermediate": inter, "experts": experts,
+                               "topk": args.topk, "warp_decode_faster_at": warp_wins, "crossover": crossover})
             l1 = l2 = baseline = decoder = None  # free this expert set before the next one is drawn
             torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "megamoe.bench decode", "args": vars(args), "environment": receipt,
+                       "hbm_read_gbps": hbm, "method": f"CUDA graph of one call per routing ({args.routings}), "
+                       f"median of {args.iters} replays after {args.warmup} warm-up", "rows": rows,
+                       "crossovers": crossovers}, f, indent=1)
+        print(f"receipt written to {args.json}")
 
 
 if __name__ == "__main__":
