@@ -42,8 +42,8 @@ Design:
   row blocks of the blocked layout; the packed weight scale words of the stage's chunks, one contiguous
   (tile_n, chunks) box of the chunk-major scales ``[E, K/128, N]``, whole 32-byte sectors; in FP8 mode the
   token scale words, a 4-word box covering K/128 chunks 4j..4j+3) into a ``stages``-deep mbarrier pipeline,
-  one or two 128-K chunks per stage (``GemmConfig.chunks_per_stage``). The consumer warpgroups decode FP4 straight into the register A fragment (weights
-  pre-permuted once per mode) and issue RS wgmma.
+  one or two 128-K chunks per stage (``GemmConfig.chunks_per_stage``). The consumer warpgroups decode FP4
+  straight into the register A fragment (weights pre-permuted once per mode) and issue RS wgmma.
 * BF16 mode pipeline: one wgmma group per 32-K block (two k16 wgmmas), up to three groups in flight while
   the next block is decoded: block kb's fragment registers are rewritten after ``wait_group(3)`` retires the
   previous chunk's block-kb group, and chunk kt-1's stage is released inside chunk kt once its last group
