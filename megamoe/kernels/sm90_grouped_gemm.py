@@ -360,8 +360,8 @@ def prepare_fp4_weights(b: torch.Tensor, b_sf: torch.Tensor, mma: str = "fp8") -
     check_tensor("b_sf", b_sf, dtype=torch.int32, shape=(e, n, 2 * half_k // K_CHUNK))
     if mma == "bf16":
         check_bf16_scale_range(b, b_sf)
-        return to_sm90_bf16_weight_layout(b), b_sf.transpose(1, 2).contiguous()
-    return to_sm90_weight_layout(b), b_sf.transpose(1, 2).contiguous()
+    layout = to_sm90_bf16_weight_layout if mma == "bf16" else to_sm90_weight_layout
+    return layout(b), b_sf.transpose(1, 2).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -436,14 +436,15 @@ def mma_rows(w: cute.Pointer, sf: cute.Pointer, e, first_row: Int64, n: int, k: 
     """Lane addresses for the 16 kernel-layout rows ``first_row .. first_row + 15`` (``first_row`` a multiple
     of 16: one row block) of expert ``e`` of a BF16-mode SM90 weight tensor with N = ``n``, K = ``k`` (``int32
     [E, N/64, K/128, 64, 16]`` + chunk-major scales ``int32 [E, K/128, N]``): lane ``(g, q) = (lane / 4, lane %
-    4)`` reads 16-byte segment q of row ``first_row + g`` (and of the row 8 further) and that row's scale words."""
+    4)`` reads 16-byte segment q of row ``first_row + g`` (and of the row 8 further) and that row's scale words.
+    Returns (weight address, scale address, N): a chunk's scale words lie N words apart."""
     row = first_row + lane // 4
     in_block = row % ROW_BLOCK
     weights = w.toint() + (Int64(e) * n + row - in_block) * (k // 2) + in_block * CHUNK_BYTES + (lane % 4) * 16
     return weights, sf.toint() + (Int64(e) * (k // K_CHUNK) * n + row) * 4, n
 
 
-def mma_load(rows: tuple, k: int, c: int) -> tuple:
+def mma_load(rows: tuple, c: int) -> tuple:
     """K chunk ``c`` of ``mma_rows``: the lane's 4 words of row g and of row g + 8, and both rows' packed
     scale words."""
     wa = rows[0] + c * (ROW_BLOCK * CHUNK_BYTES)
@@ -479,10 +480,10 @@ def mma_stream(rows: tuple, k: int, b_lanes: list, depth: int = GATE_UP_MMA_DEPT
     C fragments, 8 floats per operand (``mma_chunk``), times ``2**-BF16_ACC_SHIFT``."""
     chunks = k // K_CHUNK
     acc = [Float32(0.0)] * (8 * len(b_lanes))
-    loaded = [mma_load(rows, k, c) for c in range(min(depth, chunks))]
+    loaded = [mma_load(rows, c) for c in range(min(depth, chunks))]
     for c in range(chunks):  # unrolled at trace time
         if c + depth < chunks:
-            loaded.append(mma_load(rows, k, c + depth))
+            loaded.append(mma_load(rows, c + depth))
         acc = mma_chunk(acc, loaded[c], [_ld_mma_chunk(b + c * (K_CHUNK * 2)) for b in b_lanes])
     return acc
 
