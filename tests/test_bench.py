@@ -113,3 +113,22 @@ def test_decode_bench_receipt(tmp_path):
         assert row["decoder_runs"] in ("simt", "mma", "expert") and row[f"{row['decoder_runs']}_us"] > 0
     (crossover,) = receipt["crossovers"]
     assert crossover["experts"] == 8 and crossover["crossover"] in (0, 1, 4)
+
+
+@pytest.mark.gpu
+def test_gemm_bench_receipt_checks_every_kernel(tmp_path):
+    """``megamoe.bench gemm --json`` checks each kernel config against a float64 reference from the weights it ran
+    (chunk-major scales included) and records the verdicts."""
+    import json
+
+    from megamoe.bench.gemm import main as gemm_main
+
+    path = tmp_path / "gemm.json"
+    assert gemm_main(["--presets", "flash", "--ep", "8", "--rows", "1,16", "--layers", "l1,l2", "--no-baselines",
+                      "--json", str(path)]) == 0
+    receipt = json.loads(path.read_text())
+    assert [(r["point"]["layer"], r["point"]["rows_per_expert"]) for r in receipt["records"]] == [
+        ("l1", 1), ("l1", 16), ("l2", 1), ("l2", 16)]
+    for record in receipt["records"]:
+        assert {r["impl"] for r in record["results"]} >= {"megamoe bf16 mode", "megamoe fp8 mode"}
+        assert all(r["verdict"].startswith("PASS") and r["us"] > 0 for r in record["results"])
