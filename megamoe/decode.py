@@ -4,10 +4,11 @@
 ``y = MoE(x)`` for ``x`` bfloat16 ``[T, H]`` by one of two paths:
 
 * ``"warp_decode"`` (``megamoe.moe_decode``, ``kernels.warp_decode``): output-centric kernels, BF16
-  activations, FP32 accumulation, one BF16 rounding of ``y``. Below ``EXPERT_MAJOR_MIN_TOKENS`` every
-  (token, slot) pair streams its expert's rows on its own (SIMT kernels over the canonical weights); from
-  there on the expert-major tensor-core kernels (``kernels.expert_major_decode``, both weights in the Mega
-  MoE layout) read each routed expert once per batch.
+  activations, FP32 accumulation, one BF16 rounding of ``y``. With the Mega MoE layout at hand (shapes with
+  the grouped path) gate_up runs on tensor cores over it; from ``EXPERT_MAJOR_MIN_TOKENS`` on down does too
+  (the expert-major kernels, ``kernels.expert_major_decode``, read each routed expert once per batch), below
+  it every (token, slot) pair streams its expert's down rows on SIMT pipes over the canonical L2. Shapes
+  without the grouped path run the per-pair SIMT kernels over the canonical weights.
 * ``"grouped"``: the Mega MoE on one rank (``megamoe.mega``: routing, contiguous expert groups,
   SM90 grouped GEMMs with the SwiGLU-quant epilogue, combine), after quantizing ``x`` to FP8 (the
   numerics contract of ``megamoe.numerics``). Its cost follows the distinct experts' weights.
@@ -45,12 +46,15 @@ flash 128: 288.1 vs 293.9 at 16, 442.7 vs 400.3 at 32; pro 48: 327.6 vs 331.9 at
 192: 242.8 vs 255.5 at 4, 434.5 vs 429.7 at 8). The grouped path got faster since the previous receipt
 (``2026-11-30_decode_h200.txt``, where warp decode won up to 32 everywhere): two-chunk stages, 32-row tiles and
 chunk-major scales."""
-EXPERT_MAJOR_MIN_TOKENS = 4
-"""Smallest batch for which warp decode runs the expert-major kernels (else the per-pair SIMT kernels).
-``bench/results/2026-11-29_decode_expert_major_h200.txt`` (us, SIMT / expert-major): flash 32 experts 40.7 /
-40.4 at T=1, 69.6 / 64.6 at 2, 125.3 / 92.7 at 4; pro 48: 93.6 / 111.2, 165.9 / 176.5, 304.2 / 282.5; pro 192:
-95.9 / 112.7, 166.7 / 188.4, 304.9 / 317.7 (T = 1, 2, 4; at T = 4 SIMT wins pro 192 by 4% and loses the
-other three by 7-35%)."""
+EXPERT_MAJOR_MIN_TOKENS = 2
+"""Smallest batch for which warp decode runs both expert-major kernels; below it gate_up on tensor cores (Mega
+MoE L1) and down on SIMT pipes (canonical L2). ``bench/results/2026-11-30_decode_t1_4_h200.json`` (H200, us at
+T = 1 / 2 / 3 / 4; SIMT = per-pair kernels, MMA = tensor-core gate_up + SIMT down, expert-major): flash 32
+experts SIMT 40.9 / 70.1 / 98.6 / 126.4, MMA 38.0 / 56.2 / 82.7 / 98.9, expert 37.6 / 59.5 / 69.7 / 88.1; flash 128
+41.5 / 71.1 / 100.1 / 128.0, 39.0 / 59.2 / 87.9 / 106.0, 39.0 / 65.9 / 84.3 / 99.8; pro 48 92.4 / 165.6 / 236.8 /
+304.1, 86.2 / 169.3 / 216.9 / 255.9, 89.3 / 134.3 / 174.1 / 209.9; pro 192 95.9 / 167.9 / 237.8 / 305.6, 87.1 /
+173.7 / 230.8 / 266.8, 89.0 / 151.2 / 203.9 / 240.7. SIMT never wins; MMA wins or ties at T = 1 (by up to 3.5%),
+expert-major from T = 3 everywhere and at T = 2 on pro (by 10-19%; MMA wins flash T = 2 by 6-11%)."""
 
 
 def default_crossover(hidden: int, inter: int, experts: int, topk: int) -> int:
@@ -103,11 +107,11 @@ class MoEDecoder:
         return "warp_decode" if tokens <= self.crossover or not self.grouped else "grouped"
 
     def warp_weights(self, tokens: int) -> tuple[tuple, tuple]:
-        """The (l1, l2) warp decode runs on for a batch of ``tokens``: the Mega MoE layout (expert-major
-        kernels) from ``EXPERT_MAJOR_MIN_TOKENS`` on when the decoder holds it, else canonical (per-pair SIMT)."""
-        if self.grouped and tokens >= EXPERT_MAJOR_MIN_TOKENS:
-            return self.mega.l1, self.mega.l2
-        return self.l1, self.l2
+        """The (l1, l2) warp decode runs on for a batch of ``tokens`` (module docstring): the Mega MoE L1 when the
+        decoder holds it, and its L2 too from ``EXPERT_MAJOR_MIN_TOKENS`` on; the canonical weights otherwise."""
+        if not self.grouped:
+            return self.l1, self.l2
+        return self.mega.l1, (self.mega.l2 if tokens >= EXPERT_MAJOR_MIN_TOKENS else self.l2)
 
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  activation_clamp: float | None = None, out: torch.Tensor | None = None,

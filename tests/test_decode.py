@@ -57,15 +57,16 @@ def test_path_choice_and_validation():
 
 
 def test_warp_path_picks_its_kernels_by_batch(monkeypatch):
-    """Warp decode gets both weights in the Mega MoE layout (expert-major kernels) from EXPERT_MAJOR_MIN_TOKENS
-    tokens on, the canonical weights (per-pair SIMT kernels) below, and always the canonical ones without the
-    grouped path."""
+    """With the grouped path, warp decode gets the Mega MoE L1 (tensor-core gate_up) at every batch and the Mega
+    MoE L2 (expert-major down) from EXPERT_MAJOR_MIN_TOKENS tokens on, the canonical L2 (per-pair SIMT down)
+    below; without it always the canonical weights (per-pair SIMT kernels)."""
     from megamoe.kernels import warp_decode
 
     seen = []
     monkeypatch.setattr(warp_decode, "moe_decode",
                         lambda x, idx, wts, l1, l2, *a: seen.append((l1[0].dtype, l2[0].dtype)))
     gen = torch.Generator().manual_seed(4)
+    mega, canonical = torch.int32, torch.uint8
     for hidden, inter, grouped in ((512, 512, True), (384, 256, False)):
         l1, l2 = _weights(8, hidden, inter, 0)
         dec = MoEDecoder(l1, l2, num_topk=2, max_tokens=16, crossover=16)
@@ -73,8 +74,10 @@ def test_warp_path_picks_its_kernels_by_batch(monkeypatch):
         for tokens in (1, decode.EXPERT_MAJOR_MIN_TOKENS - 1, decode.EXPERT_MAJOR_MIN_TOKENS, 16):
             seen.clear()
             dec(random_tokens(tokens, hidden, gen), *random_routing(tokens, 8, 2, gen))
-            mega = grouped and tokens >= decode.EXPERT_MAJOR_MIN_TOKENS
-            assert seen == [(torch.int32, torch.int32) if mega else (torch.uint8, torch.uint8)], (hidden, tokens, seen)
+            expected = canonical, canonical
+            if grouped:
+                expected = mega, (mega if tokens >= decode.EXPERT_MAJOR_MIN_TOKENS else canonical)
+            assert seen == [expected], (hidden, tokens, seen)
 
 
 def test_no_grouped_path_for_unaligned_shapes():

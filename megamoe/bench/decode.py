@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
                 # gate_up on SIMT pipes over canonical L1; on tensor cores over the Mega MoE L1; expert-major
                 runs = {"simt": (decoder.l1, decoder.l2)}
                 if decoder.grouped:
-                    runs["mma"] = (decoder.mega.l1, l2)
+                    runs["mma"] = (decoder.mega.l1, decoder.l2)
                     runs["expert"] = (decoder.mega.l1, decoder.mega.l2)
                 timed = {}
                 for name, (w1, w2) in runs.items():
