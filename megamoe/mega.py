@@ -97,7 +97,7 @@ from dataclasses import dataclass
 import torch
 
 from .checks import check_multiple, check_tensor, fail
-from .layouts.weights import check_fp4_expert_weights
+from .layouts.weights import check_chunk_major_scales, check_fp4_expert_weights
 from .numerics import check_activation_clamp
 from .kernels.sm90_grouped_gemm import K_MULTIPLE  # H and I must be multiples of it (the GEMM's K granularity)
 from .kernels.sm90_fp4_decode import BF16_WORDS, ROW_BLOCK
@@ -199,8 +199,7 @@ def check_fp4_operands(l1, l2, sym_buffer: SymmBuffer, recipe) -> None:
                  "transform_weights_for_mega_moe(l1, l2), int32 [E/R, N/64, K/128, 64, 16]")
         check_tensor(f"{name}[0]", pair[0], dtype=torch.int32, shape=(e_l, n // ROW_BLOCK, kk // 128, ROW_BLOCK, BF16_WORDS),
                      device=sym_buffer.device, contiguous=True)
-        check_tensor(f"{name}[1]", pair[1], dtype=torch.int32, shape=(e_l, kk // 128, n), device=sym_buffer.device,
-                     contiguous=True)
+        check_chunk_major_scales(f"{name}[1]", pair[1], e_l, n, kk, device=sym_buffer.device)
 
 
 @dataclass

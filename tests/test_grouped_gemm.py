@@ -266,6 +266,8 @@ def _cpu_inputs(m=40, n=128, k=512, e=3):
         ("b", lambda d: d.update(b=d["b"][..., :32].contiguous()), "SM90 fp8-mode weight layout"),
         ("b", lambda d: d.update(b=d["b"][:, :, :, :32].contiguous()), "SM90 fp8-mode weight layout"),
         ("b_sf", lambda d: d.update(b_sf=d["b_sf"][:2]), "`b_sf` must have shape"),
+        ("b_sf", lambda d: d.update(b_sf=d["b_sf"].transpose(1, 2).contiguous()),
+         r"`b_sf` must be the chunk-major scales \[E, K/128, N\] = \[3, 4, 128\]"),
         ("offsets", lambda d: d.update(offsets=d["offsets"][:-1]), "`offsets` must have shape"),
         ("offsets", lambda d: d.update(offsets=d["offsets"].long()), "`offsets` must have dtype int32"),
         ("out", lambda d: d.update(out=torch.empty(40, 128, dtype=torch.float32)), "`out` must have dtype bfloat16"),

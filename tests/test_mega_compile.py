@@ -115,6 +115,13 @@ def test_call_validation(cpu_call, name):
         _call(cpu_call, **change)
 
 
+def test_canonical_scales_with_kernel_weights_are_named(cpu_call):
+    """Kernel-layout weights with their scales still canonical [E, N, K/128] get the chunk-major rule."""
+    w1, s1 = cpu_call["l1"]
+    with pytest.raises(ValueError, match=r"`l1\[1\]` must be the chunk-major scales \[E, K/128, N\] = \[8, 4, 1024\]"):
+        _call(cpu_call, l1=(w1, s1.transpose(1, 2).contiguous()))
+
+
 def test_fast_math_and_debug_types(cpu_call):
     with pytest.raises(TypeError, match="fast_math"):
         _call(cpu_call, fast_math=1)

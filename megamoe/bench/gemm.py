@@ -136,7 +136,8 @@ def _check_kernel(p: Point, out, a, a_sf, b, b_sf) -> str:
     for e in _check_experts(p):
         r0 = e * p.rows_per_expert
         rows = slice(r0, r0 + min(p.rows_per_expert, CHECK_ROWS))
-        w = dequantize_fp4(canonical(b[e : e + 1]), b_sf[e : e + 1].transpose(1, 2))[0].double()  # chunk-major -> [E, N, K/128]
+        # the chunk-major scales [E, K/128, N] transposed back to the canonical [E, N, K/128]
+        w = dequantize_fp4(canonical(b[e : e + 1]), b_sf[e : e + 1].transpose(1, 2))[0].double()
         a64 = a[rows].double() if a_sf is None else dequantize_fp8(a[rows], a_sf[rows]).double()
         ref = (a64 @ w.T).to(torch.bfloat16)
         got = out[rows]

@@ -111,6 +111,7 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_multiple, check_range, check_tensor, fail
+from ..layouts.weights import check_chunk_major_scales
 from ..numerics import check_activation_clamp
 from . import runtime
 from .sm90_fp4_decode import (
@@ -1717,7 +1718,7 @@ def _check_weights(b: torch.Tensor, b_sf: torch.Tensor, k: int, device, mma: str
         fail(names[0], f"must hold K/128 = {k // K_CHUNK} chunks per row block (dim 2) for a.shape[-1] = {k}, "
              f"got {list(b.shape)}")
     n = blocks * ROW_BLOCK
-    check_tensor(names[1], b_sf, dtype=torch.int32, shape=(e, k // K_CHUNK, n), device=device, contiguous=True)
+    check_chunk_major_scales(names[1], b_sf, e, n, k, device=device)
     return e, n
 
 

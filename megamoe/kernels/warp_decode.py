@@ -58,6 +58,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..checks import check_multiple, check_range, check_tensor, fail
 from ..layouts import PACKED_BLOCK_K
+from ..layouts.weights import check_chunk_major_scales
 from ..numerics import check_activation_clamp
 from . import ptx, runtime
 from .sm90_fp4_decode import BF16_ACC_SHIFT, BF16_WORDS, CHUNK_BYTES, K_CHUNK, ROW_BLOCK, device_helpers
@@ -706,13 +707,11 @@ def _check_pair(name: str, pair: object) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _check_scales(name: str, sf: torch.Tensor, experts: int, n: int, k: int, mega: bool) -> None:
     """Packed UE8M0 scales of ``[E, N, K]`` weights: canonical ``int32 [E, N, K/128]``, or with weights in the Mega MoE
-    layout the chunk-major ``int32 [E, K/128, N]`` of ``prepare_fp4_weights``."""
-    canonical = (experts, n, k // PACKED_BLOCK_K)
-    if mega and tuple(sf.shape) == canonical and n != k // PACKED_BLOCK_K:
-        fail(name, f"must be the chunk-major scales [E, K/128, N] = {[experts, k // PACKED_BLOCK_K, n]} that "
-             f"prepare_fp4_weights makes with the Mega MoE layout, got the canonical {list(sf.shape)}")
-    shape = (experts, k // PACKED_BLOCK_K, n) if mega else canonical
-    check_tensor(name, sf, dtype=torch.int32, shape=shape, contiguous=True)
+    layout chunk-major (``layouts.weights.check_chunk_major_scales``)."""
+    if mega:
+        check_chunk_major_scales(name, sf, experts, n, k)
+    else:
+        check_tensor(name, sf, dtype=torch.int32, shape=(experts, n, k // PACKED_BLOCK_K), contiguous=True)
 
 
 def check_decode_inputs(x, topk_idx, topk_weights, l1, l2, activation_clamp=None, out=None) -> tuple[str, int, int]:

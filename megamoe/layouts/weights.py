@@ -52,6 +52,17 @@ def check_fp4_expert_weights(
     return e
 
 
+def check_chunk_major_scales(name: str, sf: object, experts: int, n: int, k: int, device=None) -> torch.Tensor:
+    """Packed UE8M0 scales of ``[E, N, K]`` weights in a kernel layout: chunk-major ``int32 [E, K/128, N]`` (a
+    128-K chunk's words of consecutive rows contiguous; ``prepare_fp4_weights`` / ``transform_weights_for_mega_moe``
+    make them). The canonical ``[E, N, K/128]`` gets an error saying so."""
+    chunks = k // 128
+    if isinstance(sf, torch.Tensor) and tuple(sf.shape) == (experts, n, chunks) and n != chunks:
+        fail(name, f"must be the chunk-major scales [E, K/128, N] = {[experts, chunks, n]} that prepare_fp4_weights / "
+             f"transform_weights_for_mega_moe make, got the canonical {list(sf.shape)}")
+    return check_tensor(name, sf, dtype=torch.int32, shape=(experts, chunks, n), device=device, contiguous=True)
+
+
 def check_bf16_expert_weights(l1: torch.Tensor, l2: torch.Tensor, hidden: int, intermediate: int) -> int:
     """Validate canonical BF16 L1/L2 weights; returns E_local."""
     check_tensor("l1", l1, dtype=torch.bfloat16, ndim=3, contiguous=True)
