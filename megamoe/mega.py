@@ -173,14 +173,23 @@ def check_mega_call(y, sym_buffer, stats, activation, activation_clamp, fast_mat
     return y.shape[0]
 
 
-def tile_config(layout, num_tokens: int):
-    """The one-launch kernel's ``GemmConfig`` for a call of ``num_tokens`` tokens on a buffer ``layout``: tiles from
-    the rows an expert gets when every rank routes T tokens uniformly (the ring's size would overstate them: it
-    bounds the worst case), the token tile at most half the ring (a reused ring needs two blocks)."""
+def tile_config(layout, num_tokens: int, num_sms: int):
+    """The one-launch kernel's ``GemmConfig`` for a call of ``num_tokens`` tokens on a buffer ``layout`` on a GPU of
+    ``num_sms`` SMs: tiles from the rows an expert gets when every rank routes T tokens uniformly (the ring's size
+    would overstate them: it bounds the worst case), the token tile at most half the ring (a reused ring needs two
+    blocks). Decode-sized calls whose 128-row L1 tiles (over the local experts expected to get a row) would not
+    occupy every two-CTA slot run 64-row weight tiles on three CTAs per SM instead: flash EP2 at 1 token/rank
+    (~190 such tiles for 264 slots) ran 0.91x the time; pro (~280 tiles) ran 1.04x, 8 tokens/rank 1.02-1.04x,
+    so only the former qualify (2 x H200, 2026-11-30, ``bench/results/2026-11-30_mega_three_cta_ab_h200.json``)."""
     from .kernels import sm90_grouped_gemm as sm90
 
     rows_per_expert = min(layout.num_ranks * num_tokens * layout.num_topk / layout.num_experts, layout.num_ring_tokens // 2)
-    return sm90.select_config(rows_per_expert, math.gcd(2 * layout.intermediate_hidden, layout.hidden), layout.hidden)
+    cfg = sm90.select_config(rows_per_expert, math.gcd(2 * layout.intermediate_hidden, layout.hidden), layout.hidden)
+    touched = layout.num_local_experts * -math.expm1(-rows_per_expert)  # experts with a row (Poisson counts)
+    l1_tiles = touched * 2 * layout.intermediate_hidden / 128
+    if cfg.tile_tokens == sm90.THREE_CTA_TILE_TOKENS and cfg.ctas_per_sm == 2 and l1_tiles <= 2 * num_sms:
+        return sm90.GemmConfig(tile_tokens=sm90.THREE_CTA_TILE_TOKENS, tile_n=64, ctas_per_sm=3)
+    return cfg
 
 
 def check_fp4_operands(l1, l2, sym_buffer: SymmBuffer, recipe) -> None:
@@ -222,11 +231,11 @@ def _state(buf: SymmBuffer) -> _State:
             fail("sym_buffer", "was never used by the Mega MoE path outside CUDA-graph capture: make one call "
                  "before capturing (it compiles the kernels and stores the peer addresses)")
         from .kernels.ep_comm import RECORD_WORDS
-        from .kernels.sm90_grouped_gemm import sync_words
+        from .kernels.sm90_grouped_gemm import MAX_CTAS_PER_SM, sync_words
 
         num_ctas = torch.cuda.get_device_properties(buf.device).multi_processor_count
         peers = torch.tensor(buf.peer_ptrs, dtype=torch.int64).to(buf.device)
-        record = torch.zeros(2 * num_ctas, RECORD_WORDS, dtype=torch.int64, pin_memory=True)  # <= 2 CTAs per SM
+        record = torch.zeros(MAX_CTAS_PER_SM * num_ctas, RECORD_WORDS, dtype=torch.int64, pin_memory=True)
         gemm_sync = torch.zeros(sync_words(buf.layout.num_local_experts, buf.layout), dtype=torch.int32, device=buf.device)
         st = _STATES[buf] = _State(peers, record, num_ctas, gemm_sync)
     return st
@@ -337,7 +346,7 @@ def _check_fp8_fp4_call(y, l1, l2, buf: SymmBuffer, stats, activation, activatio
     check_mega_call(y, buf, stats, activation, activation_clamp, fast_math, "fp8xfp4")
     check_fp4_operands(l1, l2, buf, recipe)
     runtime.require_sm90(y, "y")
-    return tile_config(buf.layout, y.shape[0])
+    return tile_config(buf.layout, y.shape[0], torch.cuda.get_device_properties(y.device).multi_processor_count)
 
 
 def _fp8_fp4_launch(y, l1, l2, buf: SymmBuffer, stats, activation_clamp, cfg, debug: bool,

@@ -99,13 +99,14 @@ COMPILE_CASES = [
     (GemmConfig(tile_tokens=128, tile_n=128), "offsets", "l1_l2"),
 ]
 # The one-launch Mega MoE kernel ("l1_l2" with the ep_comm phases) for SymmBuffer layouts (symm_buffer_layout
-# arguments: ranks, experts, T_max, top-k, H, I): both CTA-per-SM modes, a wide hidden size, 8 ranks.
+# arguments: ranks, experts, T_max, top-k, H, I): every CTA-per-SM mode, a wide hidden size, 8 ranks.
 MEGA_CASES = [
     (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), (2, 256, 64, 8, 4096, 2048)),
     (GemmConfig(tile_tokens=64, tile_n=128), (8, 256, 128, 8, 7168, 2048)),
     (GemmConfig(tile_tokens=16, tile_n=64, ctas_per_sm=2), (1, 8, 33, 3, 512, 1024)),
     (GemmConfig(tile_tokens=16, tile_n=128, ctas_per_sm=2), (2, 256, 128, 6, 4096, 2048)),
     (GemmConfig(tile_tokens=32, tile_n=128, ctas_per_sm=2), (2, 384, 512, 6, 7168, 3072)),
+    (GemmConfig(tile_tokens=8, tile_n=64, ctas_per_sm=3), (2, 256, 64, 6, 4096, 2048)),
 ]
 
 
@@ -241,6 +242,12 @@ def test_config_validation():
         GemmConfig(tile_tokens=64, ctas_per_sm=2)
     with pytest.raises(ValueError, match="config.ctas_per_sm"):
         GemmConfig(tile_tokens=32, ctas_per_sm=2, mma="fp8")
+    with pytest.raises(ValueError, match="config.ctas_per_sm.*or 3 with tile_n=64"):
+        GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=3)
+    with pytest.raises(ValueError, match="config.ctas_per_sm"):
+        GemmConfig(tile_tokens=16, tile_n=64, ctas_per_sm=3)
+    with pytest.raises(ValueError, match="config.ctas_per_sm"):
+        GemmConfig(tile_tokens=8, tile_n=64, ctas_per_sm=3, mma="fp8")
     with pytest.raises(ValueError, match="config.mma"):
         GemmConfig(mma="int8")
 

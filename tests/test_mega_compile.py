@@ -162,3 +162,22 @@ def test_bf16_call_validation(cpu_call):
         bf16_mega_moe(y, l1, l2.float(), buf)
     with pytest.raises(ValueError, match="mma_type='bf16' for bf16_mega_moe, got 'fp8xfp4'"):
         bf16_mega_moe(cpu_call["y"], l1, l2, cpu_call["sym_buffer"])
+
+
+def test_tile_config_three_ctas_only_where_l1_tiles_leave_slots_idle():
+    """Decode-sized calls run 64-row weight tiles on three CTAs per SM only where 128-row L1 tiles would not fill the
+    two-CTA slots: measured faster for flash EP2 at 1 token/rank (about 6 local experts x 32 tiles < 264 slots),
+    slower for pro at 1 token/rank (6 x 48 > 264) and for 8 tokens/rank (bench/results/
+    2026-11-30_mega_three_cta_ab_h200.json)."""
+    from megamoe.mega import tile_config
+
+    def cfg(preset, ranks, tokens, sms=132):
+        e, k, h, i = {"flash": (256, 6, 4096, 2048), "pro": (384, 6, 7168, 3072)}[preset]
+        return tile_config(symm_buffer_layout(ranks, e, 64, k, h, i), tokens, sms)
+
+    three = cfg("flash", 2, 1)
+    assert (three.tile_tokens, three.tile_n, three.ctas_per_sm) == (8, 64, 3)
+    assert "ctas/SM=3" in three.describe("l1_l2") and three.num_stages("l1_l2") >= 3
+    for preset, ranks, tokens in (("pro", 2, 1), ("flash", 2, 8), ("pro", 2, 8), ("flash", 8, 2)):
+        assert cfg(preset, ranks, tokens).ctas_per_sm == 2, (preset, ranks, tokens)
+    assert cfg("flash", 2, 1, sms=64).ctas_per_sm == 2  # fewer slots than the ~190 tiles: no idle CTAs

@@ -149,6 +149,7 @@ __all__ = [
     "K_MULTIPLE",
     "N_MULTIPLE",
     "MMA_MODES",
+    "MAX_CTAS_PER_SM",
 ]
 
 NUM_SMS_H200 = 132
@@ -160,6 +161,10 @@ TILE_TOKENS_CHOICES = {"bf16": (8, 16, 32, 64, 128), "fp8": (8, 16, 32, 64)}
 TILE_N_CHOICES = (64, 128)
 TWO_CTA_TILE_TOKENS = {"bf16": 32, "fp8": 16}
 """Largest token tile that may run two CTAs per SM (``GemmConfig.ctas_per_sm``), per MMA mode."""
+THREE_CTA_TILE_TOKENS = 8
+"""Three CTAs per SM: BF16 mode, 64-row weight tiles (one consumer warpgroup) and token tiles of this many rows
+(80 registers per thread, 256 threads per CTA)."""
+MAX_CTAS_PER_SM = 3
 MIN_WIDE_STAGES = 3
 """One-CTA BF16-mode tiles load two 128-K chunks per stage where at least this many such stages fit."""
 GROUP_MODES = ("offsets", "offsets_counts", "masked")
@@ -182,7 +187,8 @@ class GemmConfig:
     stages: TMA pipeline depth (stages of ``chunks_per_stage(epilogue)`` x 128 K); ``None`` = as many as shared memory holds
         (max 16).
     ctas_per_sm: 1, or 2 for token tiles up to ``TWO_CTA_TILE_TOKENS`` (two co-resident CTAs, each with half the shared memory and
-        no register rebalancing, hide each other's waits).
+        no register rebalancing, hide each other's waits), or 3 for BF16-mode 64-row weight tiles of
+        ``THREE_CTA_TILE_TOKENS`` tokens (finer work for the Mega MoE's decode-sized calls: ``mega.tile_config``).
     mma: "bf16" (BF16 tokens, weights from ``prepare_fp4_weights(..., mma="bf16")``) or "fp8" (FP8 tokens +
         UE8M0 scales, FP8-mode weights); see the module docstring.
     """
@@ -196,10 +202,13 @@ class GemmConfig:
     def __post_init__(self):
         if self.mma not in MMA_MODES:
             fail("config.mma", f"must be one of {MMA_MODES}, got {self.mma!r}")
-        if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2 and self.tile_tokens > TWO_CTA_TILE_TOKENS[self.mma]):
-            fail("config.ctas_per_sm", f"must be 1, or 2 with tile_tokens <= {TWO_CTA_TILE_TOKENS[self.mma]} in "
-                 f"{self.mma} mode; got {self.ctas_per_sm} "
-                 f"with tile_tokens={self.tile_tokens}")
+        three = (self.ctas_per_sm == 3 and self.mma == "bf16" and self.tile_n == 64
+                 and self.tile_tokens == THREE_CTA_TILE_TOKENS)
+        if not three and (self.ctas_per_sm not in (1, 2)
+                          or (self.ctas_per_sm == 2 and self.tile_tokens > TWO_CTA_TILE_TOKENS[self.mma])):
+            fail("config.ctas_per_sm", f"must be 1, 2 with tile_tokens <= {TWO_CTA_TILE_TOKENS[self.mma]} in "
+                 f"{self.mma} mode, or 3 with tile_n=64 and tile_tokens={THREE_CTA_TILE_TOKENS} in bf16 mode; got "
+                 f"{self.ctas_per_sm} with tile_tokens={self.tile_tokens}, tile_n={self.tile_n}, mma={self.mma}")
         if self.tile_tokens not in TILE_TOKENS_CHOICES[self.mma]:
             fail("config.tile_tokens", f"must be one of {TILE_TOKENS_CHOICES[self.mma]} in {self.mma} mode, "
                  f"got {self.tile_tokens}")

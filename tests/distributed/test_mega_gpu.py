@@ -154,7 +154,8 @@ def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
         if fp8 and gen == GENERATIONS - 1:
             _check_trace(rank, what, y, moe, buf, clamp, counts)
         if "ring" in case:  # rank 0 receives more rows than its ring holds: it reuses ring blocks
-            tt = tile_config(buf.layout, t).tile_tokens
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            tt = tile_config(buf.layout, t, sms).tile_tokens
             _say(rank, f"{what}: {int(counts.sum())} rows in {int(((counts + tt - 1) // tt).sum())} pool blocks of "
                  f"{tt} rows, ring of {case['ring']} rows")
             assert rank != 0 or int(counts.sum()) > case["ring"], f"{what}: rank 0's rows fit the ring"
@@ -178,7 +179,8 @@ def _check_trace(rank, what: str, y, moe, buf, clamp, counts) -> None:
     assert ((l1[ran] >= stamps[ran, 3]) & (l1[ran] <= stamps[ran, 4])).all(), f"{what}: L1 tiles outside the tile loop"
     for w in ("pull warp 0 done", "pull warp 1 done"):
         assert (rows[:, EVENT[w]] >= stamps[:, 2]).all(), f"{what}: {w} before the offsets"
-    cfg, lay = tile_config(buf.layout, y.shape[0]), buf.layout
+    sms = torch.cuda.get_device_properties(y.device).multi_processor_count
+    cfg, lay = tile_config(buf.layout, y.shape[0], sms), buf.layout
     blocks = int(((counts + cfg.tile_tokens - 1) // cfg.tile_tokens).sum())
     tiles = (int(rows[:, COUNT["l1 tiles"]].sum()), int(rows[:, COUNT["l2 tiles"]].sum()))
     want = (blocks * 2 * lay.intermediate_hidden // cfg.tile_n, blocks * lay.hidden // cfg.tile_n)
