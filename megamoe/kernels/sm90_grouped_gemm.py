@@ -36,7 +36,8 @@ Design:
   per width, picked per tile); flash EP2 Mega MoE, 96 rows per expert on 128-row tiles, ran 3-7% faster
   (2048 tokens/rank) and 3-4% (8192). Likewise 16-row tiles run 8- or 16-wide: chosen where groups of more than
   8 rows are likely (``select_config``), they read such a group's weights once; flash EP2 Mega MoE at 128
-  tokens/rank (6 rows per expert) ran 4-8% faster than on 8-row tiles.
+  tokens/rank (6 rows per expert) ran 4-8% faster than on 8-row tiles. Mega MoE calls of a few tokens whose
+  128-row L1 tiles would leave CTA slots idle run 64-row tiles on three CTAs per SM (``mega.tile_config``).
 * Persistent, warp-specialized CTA of 1 + tile_n/64 warpgroups: warpgroup 0's first warp issues TMA loads
   (tokens [tile_tokens, 128] 128B-swizzled; packed weights [tile_n, 64 B], one or two contiguous 4 KiB
   row blocks of the blocked layout; the packed weight scale words of the stage's chunks, one contiguous
