@@ -64,7 +64,7 @@ from . import ptx, runtime
 from .sm90_fp4_decode import BF16_ACC_SHIFT, BF16_WORDS, CHUNK_BYTES, K_CHUNK, ROW_BLOCK, device_helpers
 
 WARPS_PER_CTA = 8
-"""Warps per CTA of both kernels (256 threads); every warp works alone."""
+"""Warps per CTA of the kernels (256 threads) but ``_GateUpMMA``; every warp works alone."""
 DOWN_ROWS_PER_WARP = 2
 """Output elements y[t, h:h+R] per down warp; they share each lane's FP32 activation loads."""
 DOWN_LOAD_REGS = 64
@@ -82,8 +82,14 @@ L1_LAYOUTS = ("canonical", "mega")
 GATE_UP_MMA_DEPTH = 4
 """K chunks of weights (10 registers each) ``_GateUpMMA`` keeps in flight per lane (H200 sweep 2026-11-29:
 depth 3-4 with 3 CTAs per SM fastest; depth 6 spills or drops to 2 CTAs per SM)."""
-GATE_UP_MMA_MIN_CTAS_PER_SM = 3
-"""Launch bound of ``_GateUpMMA``: 3 CTAs of 8 warps per SM (80 registers, no spills at depth 4)."""
+GATE_UP_MMA_WARPS_PER_CTA = 4
+"""Warps per CTA of ``_GateUpMMA``: its warps are long (a whole K of 16 rows each) and few (8 neurons of a pair
+each: 1536 at one token of flash, 192 CTAs of 8 warps on 132 SMs left 60 SMs with 16 warps, 72 with 8), so smaller
+CTAs spread them more evenly. MoEDecoder at one token, H200, two alternated rounds (2026-11-30,
+``bench/results/2026-11-30_decode_gate_up_cta_ab_h200.json``): flash 32 / 128 experts 36.9-38.2 vs 37.9-39.2 us,
+pro 48 / 192 86.1-86.8 vs 87.4-87.7 us (1-3% faster, every row checked)."""
+GATE_UP_MMA_MIN_CTAS_PER_SM = 6
+"""Launch bound of ``_GateUpMMA``: 6 CTAs of 4 warps per SM (80 registers, no spills at depth 4)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -301,6 +307,7 @@ class _GateUpLaunch:
     warps_per_pair: int
     a_fmt: _Format
     min_ctas: int
+    warps_per_cta: int = WARPS_PER_CTA
 
     @cute.jit
     def __call__(self, x: cute.Pointer, idx: cute.Pointer, w: cute.Pointer, sf: cute.Pointer, a: cute.Pointer,
@@ -308,9 +315,9 @@ class _GateUpLaunch:
         idx_t = cute.make_tensor(idx, cute.make_layout((tokens, topk), stride=(topk, 1)))
         row = self.a_fmt.interleaved_row(self.inter)
         a_t = cute.make_tensor(a, cute.make_layout((tokens, topk, row), stride=(topk * row, row, 1)))
-        grid = (tokens * topk * self.warps_per_pair + WARPS_PER_CTA - 1) // WARPS_PER_CTA
+        grid = (tokens * topk * self.warps_per_pair + self.warps_per_cta - 1) // self.warps_per_cta
         self.kernel(x, idx_t, w, sf, a_t, experts, clamp).launch(
-            grid=[grid, 1, 1], block=[WARPS_PER_CTA * WARP, 1, 1], stream=stream, smem=0,
+            grid=[grid, 1, 1], block=[self.warps_per_cta * WARP, 1, 1], stream=stream, smem=0,
             min_blocks_per_mp=self.min_ctas)
 
 
@@ -405,6 +412,7 @@ class _GateUpMMA(_GateUpLaunch):
     def __init__(self, hidden: int, inter: int, down_fmt: str, has_clamp: bool):
         self.hidden, self.inter, self.has_clamp = hidden, inter, has_clamp
         self.warps_per_pair, self.a_fmt, self.min_ctas = inter // 8, _FMT[down_fmt], GATE_UP_MMA_MIN_CTAS_PER_SM
+        self.warps_per_cta = GATE_UP_MMA_WARPS_PER_CTA
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, idx: cute.Tensor, w: cute.Pointer, sf: cute.Pointer, a: cute.Tensor,
@@ -415,7 +423,7 @@ class _GateUpMMA(_GateUpLaunch):
         gl, q = lane // 4, lane % 4
         topk = idx.shape[1]
         pairs = idx.shape[0] * topk
-        warp = cute.arch.block_idx()[0] * WARPS_PER_CTA + tidx // WARP
+        warp = cute.arch.block_idx()[0] * self.warps_per_cta + tidx // WARP
         block = warp // pairs
         pair = warp - block * pairs
         if block < inter // 8:
