@@ -179,8 +179,9 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     would overstate them: it bounds the worst case), the token tile at most half the ring (a reused ring needs two
     blocks). Decode-sized calls whose 128-row L1 tiles (over the local experts expected to get a row) would not
     occupy every two-CTA slot run 64-row weight tiles on three CTAs per SM instead: flash EP2 at 1 token/rank
-    (~190 such tiles for 264 slots) ran 0.91x the time; pro (~280 tiles) ran 1.04x, 8 tokens/rank 1.02-1.04x,
-    so only the former qualify (2 x H200, 2026-11-30, ``bench/results/2026-11-30_mega_three_cta_ab_h200.json``)."""
+    (~190 such tiles for 264 slots) ran 0.94x the time over five alternated rounds; pro (~280 tiles) ran 1.04x,
+    8 tokens/rank 1.02-1.04x, so only the former qualify (2 x H200, 2026-11-30,
+    ``bench/results/2026-11-30_mega_three_cta_ab_h200.json``)."""
     from .kernels import sm90_grouped_gemm as sm90
 
     rows_per_expert = min(layout.num_ranks * num_tokens * layout.num_topk / layout.num_experts, layout.num_ring_tokens // 2)

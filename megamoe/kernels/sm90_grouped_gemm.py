@@ -166,6 +166,7 @@ THREE_CTA_TILE_TOKENS = 8
 """Three CTAs per SM: BF16 mode, 64-row weight tiles (one consumer warpgroup) and token tiles of this many rows
 (80 registers per thread, 256 threads per CTA)."""
 MAX_CTAS_PER_SM = 3
+"""Most CTAs per SM any config runs (``GemmConfig.ctas_per_sm``): host buffers with one row per CTA are sized by it."""
 MIN_WIDE_STAGES = 3
 """One-CTA BF16-mode tiles load two 128-K chunks per stage where at least this many such stages fit."""
 GROUP_MODES = ("offsets", "offsets_counts", "masked")
