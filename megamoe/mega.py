@@ -347,7 +347,7 @@ def _check_fp8_fp4_call(y, l1, l2, buf: SymmBuffer, stats, activation, activatio
     check_mega_call(y, buf, stats, activation, activation_clamp, fast_math, "fp8xfp4")
     check_fp4_operands(l1, l2, buf, recipe)
     runtime.require_sm90(y, "y")
-    return tile_config(buf.layout, y.shape[0], torch.cuda.get_device_properties(y.device).multi_processor_count)
+    return tile_config(buf.layout, y.shape[0], _state(buf).num_ctas)  # num_ctas: the GPU's SMs
 
 
 def _fp8_fp4_launch(y, l1, l2, buf: SymmBuffer, stats, activation_clamp, cfg, debug: bool,

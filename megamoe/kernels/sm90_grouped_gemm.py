@@ -204,10 +204,12 @@ class GemmConfig:
     def __post_init__(self):
         if self.mma not in MMA_MODES:
             fail("config.mma", f"must be one of {MMA_MODES}, got {self.mma!r}")
-        three = (self.ctas_per_sm == 3 and self.mma == "bf16" and self.tile_n == 64
-                 and self.tile_tokens == THREE_CTA_TILE_TOKENS)
-        if not three and (self.ctas_per_sm not in (1, 2)
-                          or (self.ctas_per_sm == 2 and self.tile_tokens > TWO_CTA_TILE_TOKENS[self.mma])):
+        allowed = {
+            1: True,
+            2: self.tile_tokens <= TWO_CTA_TILE_TOKENS[self.mma],
+            3: self.mma == "bf16" and self.tile_n == 64 and self.tile_tokens == THREE_CTA_TILE_TOKENS,
+        }
+        if not allowed.get(self.ctas_per_sm, False):
             fail("config.ctas_per_sm", f"must be 1, 2 with tile_tokens <= {TWO_CTA_TILE_TOKENS[self.mma]} in "
                  f"{self.mma} mode, or 3 with tile_n=64 and tile_tokens={THREE_CTA_TILE_TOKENS} in bf16 mode; got "
                  f"{self.ctas_per_sm} with tile_tokens={self.tile_tokens}, tile_n={self.tile_n}, mma={self.mma}")
