@@ -75,18 +75,21 @@ def test_expert_major_kernels_compile_for_sm90(has_clamp):
     assert all(em.compile_kernels(1152, 640, has_clamp, 2, tuning=(2, 3)))
 
 
-def test_mma_order_is_the_inverse_of_the_gather():
-    """The expert-major gate_up stores a[n] at ``mma_position(n)``; the down kernel reads it back as the
-    gathered x rows: the gather must put every element there (a permutation), and each of a lane's 16-byte
-    loads must be one column's 64 contiguous bytes across the 4 lanes q."""
-    from megamoe.kernels.warp_decode import interleave_tokens, mma_position
+def test_mma_order_matches_the_natural_loads():
+    """The expert-major gate_up stores a[n] at ``mma_position(n)`` (a permutation) and the down kernel reads it
+    with ``_ld_mma_chunk``; the gate_ups read x in its natural order with ``_ld_natural_chunk``: both must hand lane
+    q the same elements as word j of a 128-wide chunk (the pair 16 j + 2 q, + 1 of the m16n8k16 B fragment), and
+    each of a lane's 16-byte MMA-order loads must be one column's 64 contiguous bytes across the 4 lanes q."""
+    from megamoe.kernels.warp_decode import mma_position
 
-    gen = torch.Generator().manual_seed(4)
     for hidden in (128, 640, 4096):
         pos = torch.tensor([mma_position(n) for n in range(hidden)])
         assert torch.equal(pos.sort().values, torch.arange(hidden))
-        x = torch.randn(2, hidden, generator=gen).to(torch.bfloat16)
-        assert torch.equal(interleave_tokens(x, "mma")[:, pos], x)
+    for q in range(4):
+        for j in range(16):  # _ld_mma_chunk: byte 64 (j // 4) + 16 q + 4 (j % 4); _ld_natural_chunk: byte 16 j + 4 q
+            mma_elem = (64 * (j // 4) + 16 * q + 4 * (j % 4)) // 2
+            natural_elem = (16 * j + 4 * q) // 2
+            assert [mma_position(natural_elem), mma_position(natural_elem + 1)] == [mma_elem, mma_elem + 1]
     # element k = 16kk + 8h + 2q + i of K block 32w: lane q's load w holds bytes [64w + 16q, 64w + 16q + 16)
     for w in range(4):
         for q in range(4):

@@ -13,7 +13,7 @@ A warp finds its pairs itself: lanes compare 32 routing ids at a time with its e
 no pair returns at once. Warps are numbered row-block fastest within an expert, so a CTA (8 warps) is
 all idle or all busy. Ids outside ``[0, E)`` (-1: masked) match no expert.
 
-Three kernels (plus the gather of ``x`` into MMA order):
+Three kernels (``x`` is read in its natural order: no copy):
 
 * ``gate_up`` over L1 in the Mega MoE layout (``int32 [E, 2I/64, H/128, 64, 16]``, gate/up rows interleaved by
   8): warp = (expert, 8 neurons); lane ``(g, q)`` ends with the gate and up sums of neuron ``8b + g`` for
@@ -144,6 +144,7 @@ class _ByExpert:
 
     k: int
     rows_per_expert: int
+    b_order: str  # of the B rows (``mma_stream``)
     tuning: tuple  # (chunks in flight, CTAs per SM)
 
     @cute.jit
@@ -178,7 +179,7 @@ class _ByExpert:
                 found, _ = _find_routed(idx, e, lane, start + lane % COLUMNS)  # lane c < 8: column c's pair
                 b_pair = cute.arch.shuffle_sync(found, lane // 4)
                 b_lanes = self.b_lanes(b, cutlass.max(b_pair, Int32(0)), topk, idx.shape[0], q)
-                acc = mma_stream(rows, self.k, b_lanes, self.tuning[0])
+                acc = mma_stream(rows, self.k, b_lanes, self.tuning[0], self.b_order)
                 pairs = (cute.arch.shuffle_sync(found, 2 * q), cute.arch.shuffle_sync(found, 2 * q + 1))
                 self.epilogue(acc, pairs, out, idx.shape[0], block, lane, clamp)
 
@@ -188,11 +189,11 @@ class _GateUpByExpert(_ByExpert):
 
     def __init__(self, hidden: int, inter: int, has_clamp: bool, tuning: tuple):
         self.hidden, self.inter, self.has_clamp = hidden, inter, has_clamp
-        self.k, self.rows_per_expert, self.tuning = hidden, 2 * inter, tuning
+        self.k, self.rows_per_expert, self.tuning, self.b_order = hidden, 2 * inter, tuning, "natural"
 
     def b_lanes(self, x: cute.Pointer, pair: Int32, topk: Int32, pairs: Int32, q: Int32) -> list:
-        """The lane's address in its column's token row of the MMA-ordered ``x``."""
-        return [x.toint() + Int64(pair // topk) * (self.hidden * 2) + q * 16]
+        """The lane's address in its column's token row of ``x`` (natural order)."""
+        return [x.toint() + Int64(pair // topk) * (self.hidden * 2) + q * 4]
 
     @cute.jit
     def epilogue(self, acc: list, pairs: tuple, a: cute.Pointer, total_pairs: Int32, block: Int32, lane: Int32,
@@ -217,7 +218,7 @@ class _DownByExpert(_ByExpert):
 
     def __init__(self, hidden: int, inter: int, tuning: tuple):
         self.hidden, self.inter = hidden, inter
-        self.k, self.rows_per_expert, self.tuning = inter, hidden, tuning
+        self.k, self.rows_per_expert, self.tuning, self.b_order = inter, hidden, tuning, "mma"
 
     def b_lanes(self, a: cute.Pointer, pair: Int32, topk: Int32, pairs: Int32, q: Int32) -> list:
         """The lane's addresses in its column's ``hi`` and ``lo`` rows."""
@@ -302,8 +303,6 @@ def moe_decode_by_expert(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: 
     """The expert-major path of ``warp_decode.moe_decode`` (inputs already validated there: ``l1``, ``l2`` in
     the Mega MoE layout, ``y`` bfloat16 ``[T, H]``). Allocates ``a_planes`` ``[2, T*k, I]`` BF16 and
     ``o [T*k, H]`` FP32 (caching allocator, no sync)."""
-    from .warp_decode import interleave_tokens
-
     tokens, topk = topk_idx.shape
     hidden, inter = x.shape[1], l1[1].shape[2] // 2  # chunk-major scales [E, H/128, 2I]
     experts = l1[0].shape[0]
@@ -314,9 +313,8 @@ def moe_decode_by_expert(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: 
     clamp = 0.0 if activation_clamp is None else float(activation_clamp)
     i32, bf16, f32 = cutlass.Int32, cutlass.BFloat16, cutlass.Float32
     idx = _ptr(cutlass.Int64, topk_idx.data_ptr())
-    xi = interleave_tokens(x, "mma")
     planes_ptr = _ptr(bf16, planes.data_ptr())
-    gate_up(_ptr(bf16, xi.data_ptr()), idx, _ptr(i32, l1[0].data_ptr()), _ptr(i32, l1[1].data_ptr()), planes_ptr,
+    gate_up(_ptr(bf16, x.data_ptr()), idx, _ptr(i32, l1[0].data_ptr()), _ptr(i32, l1[1].data_ptr()), planes_ptr,
             tokens, topk, experts, clamp, stream)
     down(planes_ptr, idx, _ptr(i32, l2[0].data_ptr()), _ptr(i32, l2[1].data_ptr()), _ptr(f32, o.data_ptr()),
          tokens, topk, experts, clamp, stream)
