@@ -36,16 +36,15 @@ PATHS = ("auto", "warp_decode", "grouped")
 MEASURED_CROSSOVERS: dict[tuple[int, int, int, int], int] = {
     (4096, 2048, 32, 6): 16,
     (4096, 2048, 128, 6): 16,
-    (7168, 3072, 48, 6): 8,
+    (7168, 3072, 48, 6): 4,
     (7168, 3072, 192, 6): 4,
 }
 """(hidden, intermediate, experts, top-k) -> the largest batch where warp decode beat the grouped path:
-H200, 2026-11-30, ``bench/results/2026-11-30_decode_chunk_major_scales_h200.txt`` (batches 1, 4, 8, 16, 32, 64;
-warp decode as the decoder runs it vs grouped, us: flash 32 experts 138.0 vs 168.2 at 16, 182.0 vs 175.1 at 32;
-flash 128: 288.1 vs 293.9 at 16, 442.7 vs 400.3 at 32; pro 48: 327.6 vs 331.9 at 8, 430.5 vs 411.3 at 16; pro
-192: 242.8 vs 255.5 at 4, 434.5 vs 429.7 at 8). The grouped path got faster since the previous receipt
-(``2026-11-30_decode_h200.txt``, where warp decode won up to 32 everywhere): two-chunk stages, 32-row tiles and
-chunk-major scales."""
+H200, 2026-11-30, ``bench/results/2026-11-30_decode_natural_x_h200.txt`` (batches 1, 2, 4, 8, 16, 32, 64; warp
+decode as the decoder runs it vs grouped, us: flash 32 experts 135.2 vs 162.1 at 16, 180.7 vs 177.8 at 32; flash
+128: 289.6 vs 293.7 at 16, 446.5 vs 421.2 at 32; pro 48: 219.0 vs 239.0 at 4, 338.6 vs 333.3 at 8 (within 2%: the
+previous receipt, ``2026-11-30_decode_chunk_major_scales_h200.txt``, had 327.6 vs 331.9 there); pro 192: 241.9 vs
+257.2 at 4, 449.6 vs 437.1 at 8)."""
 EXPERT_MAJOR_MIN_TOKENS = 2
 """Smallest batch for which warp decode runs both expert-major kernels; below it gate_up on tensor cores (Mega
 MoE L1) and down on SIMT pipes (canonical L2). ``bench/results/2026-11-30_decode_t1_4_h200.json`` (H200, us at

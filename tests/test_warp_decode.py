@@ -59,6 +59,7 @@ def test_kernels_compile_for_sm90(fmt, has_clamp):
     assert gate_up is not None and down is not None
     if fmt == "fp4":  # the tensor-core gate_up on the Mega MoE L1 layout
         assert all(compile_kernels(4096, 2048, fmt, has_clamp, topk=6, l1_layout="mega"))
+        assert all(compile_kernels(4096, 2048, fmt, has_clamp, topk=6, l1_layout="mega", x_order="mma"))
         assert all(compile_kernels(1152, 640, fmt, has_clamp, topk=1, l1_layout="mega"))
     # a shape whose rows end in a partial round of vectors (predicated lanes), one slot, and a top-k
     # deeper than the down kernel's load pipeline
@@ -72,19 +73,24 @@ def test_expert_major_kernels_compile_for_sm90(has_clamp):
 
     for hidden, inter, topk in ((4096, 2048, 6), (7168, 3072, 8), (1152, 640, 1)):
         assert all(em.compile_kernels(hidden, inter, has_clamp, topk))
+    assert all(em.compile_kernels(4096, 2048, has_clamp, 6, x_order="mma"))
     assert all(em.compile_kernels(1152, 640, has_clamp, 2, tuning=(2, 3)))
 
 
 def test_mma_order_matches_the_natural_loads():
-    """The expert-major gate_up stores a[n] at ``mma_position(n)`` (a permutation) and the down kernel reads it
-    with ``_ld_mma_chunk``; the gate_ups read x in its natural order with ``_ld_natural_chunk``: both must hand lane
+    """``a`` (expert-major) and ``x`` above ``NATURAL_X_MAX_TOKENS`` sit in MMA order (``mma_position``: a
+    permutation; ``interleave_tokens(x, "mma")`` puts every element there), read with ``_ld_mma_chunk``; smaller
+    batches' ``x`` is read in its natural order with ``_ld_natural_chunk``: both must hand lane
     q the same elements as word j of a 128-wide chunk (the pair 16 j + 2 q, + 1 of the m16n8k16 B fragment), and
     each of a lane's 16-byte MMA-order loads must be one column's 64 contiguous bytes across the 4 lanes q."""
-    from megamoe.kernels.warp_decode import mma_position
+    from megamoe.kernels.warp_decode import interleave_tokens, mma_position
 
+    gen = torch.Generator().manual_seed(4)
     for hidden in (128, 640, 4096):
         pos = torch.tensor([mma_position(n) for n in range(hidden)])
         assert torch.equal(pos.sort().values, torch.arange(hidden))
+        x = torch.randn(2, hidden, generator=gen).to(torch.bfloat16)
+        assert torch.equal(interleave_tokens(x, "mma")[:, pos], x)
     for q in range(4):
         for j in range(16):  # _ld_mma_chunk: byte 64 (j // 4) + 16 q + 4 (j % 4); _ld_natural_chunk: byte 16 j + 4 q
             mma_elem = (64 * (j // 4) + 16 * q + 4 * (j % 4)) // 2

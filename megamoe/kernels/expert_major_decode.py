@@ -13,7 +13,8 @@ A warp finds its pairs itself: lanes compare 32 routing ids at a time with its e
 no pair returns at once. Warps are numbered row-block fastest within an expert, so a CTA (8 warps) is
 all idle or all busy. Ids outside ``[0, E)`` (-1: masked) match no expert.
 
-Three kernels (``x`` is read in its natural order: no copy):
+Three kernels (up to ``NATURAL_X_MAX_TOKENS`` tokens ``x`` is read in its natural order, above it gathered into MMA
+order first):
 
 * ``gate_up`` over L1 in the Mega MoE layout (``int32 [E, 2I/64, H/128, 64, 16]``, gate/up rows interleaved by
   8): warp = (expert, 8 neurons); lane ``(g, q)`` ends with the gate and up sums of neuron ``8b + g`` for
@@ -187,13 +188,13 @@ class _ByExpert:
 class _GateUpByExpert(_ByExpert):
     """``a_planes`` for every routed pair from L1 in the Mega MoE layout (module docstring)."""
 
-    def __init__(self, hidden: int, inter: int, has_clamp: bool, tuning: tuple):
+    def __init__(self, hidden: int, inter: int, has_clamp: bool, tuning: tuple, x_order: str):
         self.hidden, self.inter, self.has_clamp = hidden, inter, has_clamp
-        self.k, self.rows_per_expert, self.tuning, self.b_order = hidden, 2 * inter, tuning, "natural"
+        self.k, self.rows_per_expert, self.tuning, self.b_order = hidden, 2 * inter, tuning, x_order
 
     def b_lanes(self, x: cute.Pointer, pair: Int32, topk: Int32, pairs: Int32, q: Int32) -> list:
-        """The lane's address in its column's token row of ``x`` (natural order)."""
-        return [x.toint() + Int64(pair // topk) * (self.hidden * 2) + q * 4]
+        """The lane's address in its column's token row of ``x`` (in ``b_order``)."""
+        return [x.toint() + Int64(pair // topk) * (self.hidden * 2) + q * (4 if self.b_order == "natural" else 16)]
 
     @cute.jit
     def epilogue(self, acc: list, pairs: tuple, a: cute.Pointer, total_pairs: Int32, block: Int32, lane: Int32,
@@ -274,10 +275,11 @@ class _Combine:
                 y[t, h + v] = acc[v].to(cutlass.BFloat16)
 
 
-def compile_kernels(hidden: int, inter: int, has_clamp: bool, topk: int, tuning: tuple = (DEPTH, MIN_CTAS_PER_SM)):
+def compile_kernels(hidden: int, inter: int, has_clamp: bool, topk: int, tuning: tuple = (DEPTH, MIN_CTAS_PER_SM),
+                    x_order: str = "natural"):
     """The compiled (gate_up, down, combine) triple for one static configuration (cached; works without a
     GPU under ``CUTE_DSL_ARCH=sm_90a``); token and expert counts stay runtime values. ``tuning``: (chunks in
-    flight, CTAs per SM) of gate_up and down."""
+    flight, CTAs per SM) of gate_up and down; ``x_order``: the order gate_up reads ``x`` in (``x_order_for``)."""
     from cutlass.cute.runtime import make_fake_stream
 
     i32, bf16, f32 = cutlass.Int32, cutlass.BFloat16, cutlass.Float32
@@ -287,8 +289,8 @@ def compile_kernels(hidden: int, inter: int, has_clamp: bool, topk: int, tuning:
         return lambda: cute.compile(kernel, _ptr(b_dtype), _ptr(cutlass.Int64), _ptr(i32), _ptr(i32), _ptr(out_dtype),
                                     *sizes, Float32(0.0), make_fake_stream())
 
-    gate_up = runtime.compiled(("expert_major.gate_up", hidden, inter, has_clamp, tuning),
-                               build(_GateUpByExpert(hidden, inter, has_clamp, tuning), bf16, bf16))
+    gate_up = runtime.compiled(("expert_major.gate_up", hidden, inter, has_clamp, tuning, x_order),
+                               build(_GateUpByExpert(hidden, inter, has_clamp, tuning, x_order), bf16, bf16))
     down = runtime.compiled(("expert_major.down", hidden, inter, tuning),
                             build(_DownByExpert(hidden, inter, tuning), bf16, f32))
     combine = runtime.compiled(("expert_major.combine", hidden, topk), lambda: cute.compile(
@@ -306,7 +308,10 @@ def moe_decode_by_expert(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: 
     tokens, topk = topk_idx.shape
     hidden, inter = x.shape[1], l1[1].shape[2] // 2  # chunk-major scales [E, H/128, 2I]
     experts = l1[0].shape[0]
-    gate_up, down, combine = compile_kernels(hidden, inter, activation_clamp is not None, topk, tuning)
+    from .warp_decode import interleave_tokens, x_order_for
+
+    order = x_order_for(tokens)
+    gate_up, down, combine = compile_kernels(hidden, inter, activation_clamp is not None, topk, tuning, order)
     planes = torch.empty(2, tokens * topk, inter, dtype=torch.bfloat16, device=x.device)
     o = torch.empty(tokens * topk, hidden, dtype=torch.float32, device=x.device)
     stream = runtime.current_stream()
@@ -314,7 +319,8 @@ def moe_decode_by_expert(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: 
     i32, bf16, f32 = cutlass.Int32, cutlass.BFloat16, cutlass.Float32
     idx = _ptr(cutlass.Int64, topk_idx.data_ptr())
     planes_ptr = _ptr(bf16, planes.data_ptr())
-    gate_up(_ptr(bf16, x.data_ptr()), idx, _ptr(i32, l1[0].data_ptr()), _ptr(i32, l1[1].data_ptr()), planes_ptr,
+    xb = x if order == "natural" else interleave_tokens(x, "mma")
+    gate_up(_ptr(bf16, xb.data_ptr()), idx, _ptr(i32, l1[0].data_ptr()), _ptr(i32, l1[1].data_ptr()), planes_ptr,
             tokens, topk, experts, clamp, stream)
     down(planes_ptr, idx, _ptr(i32, l2[0].data_ptr()), _ptr(i32, l2[1].data_ptr()), _ptr(f32, o.data_ptr()),
          tokens, topk, experts, clamp, stream)

@@ -22,7 +22,8 @@ down kernel (ncu, H200: L1 80-86% busy, DRAM 16%).
   products in FP32, reduces across the warp with shuffles, applies the optional clamp and
   ``silu(gate) * up`` and writes ``a[t, j, i]`` (FP32, interleaved position). ``_GateUpMMA`` is the
   same step on tensor cores for FP4 L1 in the Mega MoE layout: a warp owns 8 neurons (16 rows, one
-  ``mma.m16n8k16`` M side), exact BF16 weight decode, FP32 tensor-core sums; it reads ``x`` itself, no gather.
+  ``mma.m16n8k16`` M side), exact BF16 weight decode, FP32 tensor-core sums; up to ``NATURAL_X_MAX_TOKENS``
+  tokens it reads ``x`` itself, above it an MMA-ordered copy.
   Warps are numbered pair-fastest, so the warps that read the same neuron of one expert for
   different tokens run together (their repeated rows hit L1/L2, not HBM).
 * ``down``: a warp owns ``DOWN_ROWS_PER_WARP`` consecutive outputs ``y[t, h:h+R]``: it loops over the
@@ -89,6 +90,14 @@ CTAs spread them more evenly. MoEDecoder at one token, H200, two alternated roun
 ``bench/results/2026-11-30_decode_gate_up_cta_ab_h200.json``): flash 32 / 128 experts 36.9-38.2 vs 37.9-39.2 us,
 pro 48 / 192 86.1-86.8 vs 87.4-87.7 us (1-3% faster, every row checked)."""
 GATE_UP_MMA_MIN_CTAS_PER_SM = 6
+NATURAL_X_MAX_TOKENS = 8
+"""Largest batch for which the tensor-core gate_ups read ``x`` in its natural order (``_ld_natural_chunk``, 16 4-byte
+loads per chunk); larger batches gather it into MMA order first (``interleave_tokens(x, "mma")``, 4 16-byte loads
+per chunk). The gather kernel costs 4.6-4.9 us per call; the natural loads cost instructions and, expert-major, L1
+wavefronts (8 token rows per load). H200, 2026-11-30, all checked (``bench/results/2026-11-30_decode_natural_x_pdl_ab_h200.json``):
+natural vs gathered, one token (MoEDecoder) flash 31.5-31.9 vs 36.6-37.5 us, pro 77.5-81.9 vs 86.3-88.4; expert-major
+T = 2-8 1-4 us faster or equal; at T = 16-64 expert-major 6-40% slower (flash 32 experts 153.4 / 240.5 / 453.9 vs
+135.2 / 180.7 / 323.0 us at 16 / 32 / 64 tokens)."""
 """Launch bound of ``_GateUpMMA``: 6 CTAs of 4 warps per SM (80 registers, no spills at depth 4)."""
 
 
@@ -407,9 +416,8 @@ class _GateUpMMA(_GateUpLaunch):
     the same values and are ignored). Lane ``(g, q) = (lane / 4, lane % 4)`` loads, per 128-wide K chunk,
     its 16-byte segment q of rows g and g + 8 and decodes them (``decode_e2m1x8_bf16``: E2M1 x UE8M0
     scale -> BF16, exact, times ``2**-BF16_ACC_SHIFT``) straight into the A fragment; it reads the
-    activations of its K positions from ``x`` itself (natural order, ``_ld_natural_chunk``: 4-byte loads, 16 per
-    chunk instead of the 4 16-byte loads of an MMA-ordered copy, whose gather kernel cost 4.6-4.9 us per call at one
-    token -- H200, 2026-11-30: dropping it made the one-token layer 14% faster on flash, 11% on pro).
+    activations of its K positions from ``x`` itself up to ``NATURAL_X_MAX_TOKENS`` tokens (``_ld_natural_chunk``:
+    16 4-byte loads per chunk), above it from the MMA-ordered copy ``interleave_tokens(x, "mma")`` (4 16-byte loads).
     Products are exact, sums FP32 (tensor-core accumulation). Lanes with q = 0 end with the gate and up
     sums of neuron ``i0 + g`` and write ``a``. The weight loads of the next ``GATE_UP_MMA_DEPTH`` chunks are
     in flight while one chunk computes. Versus ``_GateUp``, the FMAs and the FP32 widening of the
@@ -419,8 +427,8 @@ class _GateUpMMA(_GateUpLaunch):
     faster at T >= 8. ``MoEDecoder`` now takes the expert-major kernels (``expert_major_decode``) from T = 4 on;
     this kernel stays the gate_up of ``moe_decode`` with Mega MoE L1 and canonical L2."""
 
-    def __init__(self, hidden: int, inter: int, down_fmt: str, has_clamp: bool):
-        self.hidden, self.inter, self.has_clamp = hidden, inter, has_clamp
+    def __init__(self, hidden: int, inter: int, down_fmt: str, has_clamp: bool, x_order: str):
+        self.hidden, self.inter, self.has_clamp, self.x_order = hidden, inter, has_clamp, x_order
         self.warps_per_pair, self.a_fmt, self.min_ctas = inter // 8, _FMT[down_fmt], GATE_UP_MMA_MIN_CTAS_PER_SM
         self.warps_per_cta = GATE_UP_MMA_WARPS_PER_CTA
 
@@ -443,7 +451,8 @@ class _GateUpMMA(_GateUpLaunch):
             out = Float32(0.0)
             if (e >= 0) & (e < experts):
                 rows = mma_rows(w, sf, e, Int64(block) * 16, 2 * inter, hidden, lane)
-                acc = mma_stream(rows, hidden, [x.toint() + Int64(t) * (hidden * 2) + q * 4], b_order="natural")
+                lane_x = x.toint() + Int64(t) * (hidden * 2) + q * (4 if self.x_order == "natural" else 16)
+                acc = mma_stream(rows, hidden, [lane_x], b_order=self.x_order)
                 gate = (acc[0] + acc[4]) * Float32(2.0**BF16_ACC_SHIFT)
                 up = (acc[2] + acc[6]) * Float32(2.0**BF16_ACC_SHIFT)
                 out = _swiglu(gate, up, clamp, self.has_clamp)
@@ -635,11 +644,11 @@ def _ptr(dtype, address: int = 0):
 
 
 def compile_kernels(hidden: int, inter: int, weight_format: str, has_clamp: bool, topk: int,
-                    down_rows: int = DOWN_ROWS_PER_WARP, l1_layout: str = "canonical"):
+                    down_rows: int = DOWN_ROWS_PER_WARP, l1_layout: str = "canonical", x_order: str = "natural"):
     """The compiled (gate_up, down) pair for one static configuration (cached; works without a GPU
     under ``CUTE_DSL_ARCH=sm_90a``). Token and expert counts stay runtime values; top-k is compiled into
     the down kernel (its slot loop is unrolled). ``l1_layout``: ``"canonical"`` (``_GateUp``) or ``"mega"``
-    (FP4 L1 in the Mega MoE layout, ``_GateUpMMA``)."""
+    (FP4 L1 in the Mega MoE layout, ``_GateUpMMA``, reading ``x`` in ``x_order``: ``x_order_for``)."""
     from cutlass.cute.runtime import make_fake_stream
 
     if weight_format not in FORMATS:
@@ -654,7 +663,7 @@ def compile_kernels(hidden: int, inter: int, weight_format: str, has_clamp: bool
     sizes = (Int32(1), Int32(1), Int32(1))  # tokens, top-k, experts: runtime values of gate_up
 
     def build_gate_up():
-        kernel = (_GateUpMMA(hidden, inter, weight_format, has_clamp) if l1_layout == "mega"
+        kernel = (_GateUpMMA(hidden, inter, weight_format, has_clamp, x_order) if l1_layout == "mega"
                   else _GateUp(hidden, inter, weight_format, has_clamp))
         return cute.compile(
             kernel, _ptr(cutlass.BFloat16), _ptr(cutlass.Int64), _ptr(u8),
@@ -667,7 +676,7 @@ def compile_kernels(hidden: int, inter: int, weight_format: str, has_clamp: bool
             _ptr(i32), _ptr(cutlass.BFloat16), Int32(1), Int32(1), make_fake_stream(),
         )
 
-    gate_up = runtime.compiled(("warp_decode.gate_up", hidden, inter, weight_format, has_clamp, l1_layout),
+    gate_up = runtime.compiled(("warp_decode.gate_up", hidden, inter, weight_format, has_clamp, l1_layout, x_order),
                                build_gate_up)
     down = runtime.compiled(("warp_decode.down", hidden, inter, weight_format, down_rows, topk), build_down)
     return gate_up, down
@@ -676,9 +685,14 @@ def compile_kernels(hidden: int, inter: int, weight_format: str, has_clamp: bool
 _GATHER: dict = {}
 
 
+def x_order_for(tokens: int) -> str:
+    """The order the tensor-core gate_ups read a batch of ``tokens``' ``x`` in (``NATURAL_X_MAX_TOKENS``)."""
+    return "natural" if tokens <= NATURAL_X_MAX_TOKENS else "mma"
+
+
 def mma_position(n):
-    """Position of element ``n`` of a row in MMA order (the expert-major gate_up stores ``a`` so, the down kernel
-    reads it with ``_ld_mma_chunk``): element ``128c + 32w + 16kk + 8h + 2q + i`` sits at ``128c + 32w + 8q +
+    """Position of element ``n`` of a row in MMA order (``interleave_tokens(.., "mma")``; the expert-major gate_up
+    stores ``a`` so, the down kernel reads it with ``_ld_mma_chunk``): element ``128c + 32w + 16kk + 8h + 2q + i`` sits at ``128c + 32w + 8q +
     4kk + 2h + i``. Python, torch or DSL integers."""
     r = n & 127
     return (n - r) + (r & 96) + (((r >> 1) & 3) << 3) + (((r >> 4) & 1) << 2) + (((r >> 3) & 1) << 1) + (r & 1)
@@ -687,7 +701,10 @@ def mma_position(n):
 def _token_source(hidden: int, layout: str) -> torch.Tensor:
     """For each position of an interleaved token row, the element of ``x`` it holds (int64 [Hp])."""
     elements = torch.arange(hidden)
-    positions, row = _FMT[layout].interleaved_offset(elements, 8), _FMT[layout].interleaved_row(hidden)
+    if layout == "mma":
+        positions, row = mma_position(elements), hidden
+    else:
+        positions, row = _FMT[layout].interleaved_offset(elements, 8), _FMT[layout].interleaved_row(hidden)
     source = torch.zeros(row, dtype=torch.int64)
     source[positions] = elements
     return source
@@ -696,7 +713,8 @@ def _token_source(hidden: int, layout: str) -> torch.Tensor:
 def interleave_tokens(x: torch.Tensor, layout: str) -> torch.Tensor:
     """``x`` bfloat16 ``[T, H]`` -> ``[T, Hp]`` in the order a gate_up kernel reads: ``"fp4"``/``"fp8"`` the
     lane-interleaved layout of ``_GateUp`` (8-element chunks; ``Hp`` pads the last round of vectors, padding
-    never read). One gather kernel."""
+    never read), ``"mma"`` the fragment order of the tensor-core gate_ups above ``NATURAL_X_MAX_TOKENS`` (``Hp =
+    H``). One gather kernel."""
     key = (x.shape[1], layout, x.device)
     if key not in _GATHER:
         _GATHER[key] = _token_source(x.shape[1], layout).to(x.device)
@@ -826,14 +844,15 @@ def moe_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp=None, out=Non
         from .expert_major_decode import moe_decode_by_expert
 
         return moe_decode_by_expert(x, topk_idx, topk_weights, l1, l2, activation_clamp, y)
-    gate_up, down = compile_kernels(hidden, inter, fmt, activation_clamp is not None, topk, down_rows, layout)
+    order = x_order_for(tokens)
+    gate_up, down = compile_kernels(hidden, inter, fmt, activation_clamp is not None, topk, down_rows, layout, order)
     a = torch.empty(tokens, topk, _FMT[fmt].interleaved_row(inter), dtype=torch.float32, device=x.device)
     experts = l1[0].shape[0]
     stream = runtime.current_stream()
     clamp = 0.0 if activation_clamp is None else float(activation_clamp)
     u8, i32, f32 = cutlass.Uint8, cutlass.Int32, cutlass.Float32
     idx, a_ptr = _ptr(cutlass.Int64, topk_idx.data_ptr()), _ptr(f32, a.data_ptr())
-    xi = x if layout == "mega" else interleave_tokens(x, fmt)  # _GateUpMMA reads x in its natural order
+    xi = interleave_tokens(x, fmt) if layout != "mega" else x if order == "natural" else interleave_tokens(x, "mma")
     gate_up(_ptr(cutlass.BFloat16, xi.data_ptr()), idx, _ptr(u8, l1[0].data_ptr()), _ptr(i32, l1[1].data_ptr()), a_ptr,
             tokens, topk, experts, clamp, stream)
     down(a_ptr, idx, _ptr(f32, topk_weights.data_ptr()), _ptr(u8, l2[0].data_ptr()), _ptr(i32, l2[1].data_ptr()),
