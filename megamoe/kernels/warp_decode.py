@@ -67,7 +67,9 @@ from .sm90_fp4_decode import BF16_ACC_SHIFT, BF16_WORDS, CHUNK_BYTES, K_CHUNK, R
 WARPS_PER_CTA = 8
 """Warps per CTA of the kernels (256 threads) but ``_GateUpMMA``; every warp works alone."""
 DOWN_ROWS_PER_WARP = 2
-"""Output elements y[t, h:h+R] per down warp; they share each lane's FP32 activation loads."""
+"""Output elements y[t, h:h+R] per down warp; they share each lane's FP32 activation loads. Re-checked at one token
+(H200, 2026-11-30, ``bench/results/2026-11-30_decode_down_rows_t1_h200.txt``, MoEDecoder's path): R = 2 flash 31.4-32.4
+us, pro 77.3-79.8; R = 4 42.6-43.5 and 101.7-102.9; R = 8 66.6-71.7 and 192.0-192.2 (fewer, longer warps)."""
 DOWN_LOAD_REGS = 64
 """Registers per lane the down kernel spends on weight words in flight (sets its slot pipeline depth)."""
 DOWN_MIN_CTAS_PER_SM = 2
