@@ -305,11 +305,11 @@ def moe_decode_by_expert(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: 
     """The expert-major path of ``warp_decode.moe_decode`` (inputs already validated there: ``l1``, ``l2`` in
     the Mega MoE layout, ``y`` bfloat16 ``[T, H]``). Allocates ``a_planes`` ``[2, T*k, I]`` BF16 and
     ``o [T*k, H]`` FP32 (caching allocator, no sync)."""
+    from .warp_decode import interleave_tokens, x_order_for
+
     tokens, topk = topk_idx.shape
     hidden, inter = x.shape[1], l1[1].shape[2] // 2  # chunk-major scales [E, H/128, 2I]
     experts = l1[0].shape[0]
-    from .warp_decode import interleave_tokens, x_order_for
-
     order = x_order_for(tokens)
     gate_up, down, combine = compile_kernels(hidden, inter, activation_clamp is not None, topk, tuning, order)
     planes = torch.empty(2, tokens * topk, inter, dtype=torch.bfloat16, device=x.device)

@@ -92,15 +92,16 @@ CTAs spread them more evenly. MoEDecoder at one token, H200, two alternated roun
 ``bench/results/2026-11-30_decode_gate_up_cta_ab_h200.json``): flash 32 / 128 experts 36.9-38.2 vs 37.9-39.2 us,
 pro 48 / 192 86.1-86.8 vs 87.4-87.7 us (1-3% faster, every row checked)."""
 GATE_UP_MMA_MIN_CTAS_PER_SM = 6
+"""Launch bound of ``_GateUpMMA``: 6 CTAs of 4 warps per SM (80 registers, no spills at depth 4)."""
 NATURAL_X_MAX_TOKENS = 8
 """Largest batch for which the tensor-core gate_ups read ``x`` in its natural order (``_ld_natural_chunk``, 16 4-byte
 loads per chunk); larger batches gather it into MMA order first (``interleave_tokens(x, "mma")``, 4 16-byte loads
 per chunk). The gather kernel costs 4.6-4.9 us per call; the natural loads cost instructions and, expert-major, L1
-wavefronts (8 token rows per load). H200, 2026-11-30, all checked (``bench/results/2026-11-30_decode_natural_x_pdl_ab_h200.json``):
-natural vs gathered, one token (MoEDecoder) flash 31.5-31.9 vs 36.6-37.5 us, pro 77.5-81.9 vs 86.3-88.4; expert-major
-T = 2-8 1-4 us faster or equal; at T = 16-64 expert-major 6-40% slower (flash 32 experts 153.4 / 240.5 / 453.9 vs
-135.2 / 180.7 / 323.0 us at 16 / 32 / 64 tokens)."""
-"""Launch bound of ``_GateUpMMA``: 6 CTAs of 4 warps per SM (80 registers, no spills at depth 4)."""
+wavefronts (8 token rows per load). H200, 2026-11-30, all checked
+(``bench/results/2026-11-30_decode_natural_x_pdl_ab_h200.json``): natural vs gathered, one token (MoEDecoder) flash
+31.5-31.9 vs 36.6-37.5 us, pro 77.5-81.9 vs 86.3-88.4; expert-major T = 2-8 1-4 us faster or equal; at T = 16-64
+expert-major 6-40% slower (flash 32 experts 153.4 / 240.5 / 453.9 vs 135.2 / 180.7 / 323.0 us at 16 / 32 / 64
+tokens)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -426,7 +427,7 @@ class _GateUpMMA(_GateUpLaunch):
     weights leave the SIMT pipes (about 2.4 instead of 4 instructions per weight), but a warp streams 16
     rows instead of 2, so there are 8x fewer, longer warps. Whole layer, H200, top-6 (2026-11-29): flash
     1-14% faster than with ``_GateUp`` at every T; pro 4-18% slower at T <= 2, within 2% at T = 4, 1-16%
-    faster at T >= 8. ``MoEDecoder`` now takes the expert-major kernels (``expert_major_decode``) from T = 4 on;
+    faster at T >= 8. ``MoEDecoder`` takes the expert-major kernels (``expert_major_decode``) from T = 2 on;
     this kernel stays the gate_up of ``moe_decode`` with Mega MoE L1 and canonical L2."""
 
     def __init__(self, hidden: int, inter: int, down_fmt: str, has_clamp: bool, x_order: str):
@@ -678,7 +679,8 @@ def compile_kernels(hidden: int, inter: int, weight_format: str, has_clamp: bool
             _ptr(i32), _ptr(cutlass.BFloat16), Int32(1), Int32(1), make_fake_stream(),
         )
 
-    gate_up = runtime.compiled(("warp_decode.gate_up", hidden, inter, weight_format, has_clamp, l1_layout, x_order),
+    mma_x = x_order if l1_layout == "mega" else None  # _GateUp reads its own interleaved copy
+    gate_up = runtime.compiled(("warp_decode.gate_up", hidden, inter, weight_format, has_clamp, l1_layout, mma_x),
                                build_gate_up)
     down = runtime.compiled(("warp_decode.down", hidden, inter, weight_format, down_rows, topk), build_down)
     return gate_up, down
