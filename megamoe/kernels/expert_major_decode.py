@@ -59,9 +59,12 @@ from .warp_decode import (
     _ld16,
     _ptr,
     _swiglu,
+    b_lane,
     mma_position,
     mma_rows,
     mma_stream,
+    mma_tokens,
+    x_order_for,
 )
 from .warp_ops import nth_set_bit, warp_inclusive_sum
 
@@ -194,7 +197,7 @@ class _GateUpByExpert(_ByExpert):
 
     def b_lanes(self, x: cute.Pointer, pair: Int32, topk: Int32, pairs: Int32, q: Int32) -> list:
         """The lane's address in its column's token row of ``x`` (in ``b_order``)."""
-        return [x.toint() + Int64(pair // topk) * (self.hidden * 2) + q * (4 if self.b_order == "natural" else 16)]
+        return [b_lane(x.toint() + Int64(pair // topk) * (self.hidden * 2), q, self.b_order)]
 
     @cute.jit
     def epilogue(self, acc: list, pairs: tuple, a: cute.Pointer, total_pairs: Int32, block: Int32, lane: Int32,
@@ -223,7 +226,7 @@ class _DownByExpert(_ByExpert):
 
     def b_lanes(self, a: cute.Pointer, pair: Int32, topk: Int32, pairs: Int32, q: Int32) -> list:
         """The lane's addresses in its column's ``hi`` and ``lo`` rows."""
-        hi = a.toint() + Int64(pair) * (self.inter * 2) + q * 16
+        hi = b_lane(a.toint() + Int64(pair) * (self.inter * 2), q, self.b_order)
         return [hi, hi + Int64(pairs) * (self.inter * 2)]
 
     @cute.jit
@@ -305,8 +308,6 @@ def moe_decode_by_expert(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: 
     """The expert-major path of ``warp_decode.moe_decode`` (inputs already validated there: ``l1``, ``l2`` in
     the Mega MoE layout, ``y`` bfloat16 ``[T, H]``). Allocates ``a_planes`` ``[2, T*k, I]`` BF16 and
     ``o [T*k, H]`` FP32 (caching allocator, no sync)."""
-    from .warp_decode import interleave_tokens, x_order_for
-
     tokens, topk = topk_idx.shape
     hidden, inter = x.shape[1], l1[1].shape[2] // 2  # chunk-major scales [E, H/128, 2I]
     experts = l1[0].shape[0]
@@ -319,7 +320,7 @@ def moe_decode_by_expert(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: 
     i32, bf16, f32 = cutlass.Int32, cutlass.BFloat16, cutlass.Float32
     idx = _ptr(cutlass.Int64, topk_idx.data_ptr())
     planes_ptr = _ptr(bf16, planes.data_ptr())
-    xb = x if order == "natural" else interleave_tokens(x, "mma")
+    xb = mma_tokens(x, order)
     gate_up(_ptr(bf16, xb.data_ptr()), idx, _ptr(i32, l1[0].data_ptr()), _ptr(i32, l1[1].data_ptr()), planes_ptr,
             tokens, topk, experts, clamp, stream)
     down(planes_ptr, idx, _ptr(i32, l2[0].data_ptr()), _ptr(i32, l2[1].data_ptr()), _ptr(f32, o.data_ptr()),

@@ -454,7 +454,7 @@ class _GateUpMMA(_GateUpLaunch):
             out = Float32(0.0)
             if (e >= 0) & (e < experts):
                 rows = mma_rows(w, sf, e, Int64(block) * 16, 2 * inter, hidden, lane)
-                lane_x = x.toint() + Int64(t) * (hidden * 2) + q * (4 if self.x_order == "natural" else 16)
+                lane_x = b_lane(x.toint() + Int64(t) * (hidden * 2), q, self.x_order)
                 acc = mma_stream(rows, hidden, [lane_x], b_order=self.x_order)
                 gate = (acc[0] + acc[4]) * Float32(2.0**BF16_ACC_SHIFT)
                 up = (acc[2] + acc[6]) * Float32(2.0**BF16_ACC_SHIFT)
@@ -504,10 +504,15 @@ def mma_chunk(acc: list, loaded: tuple, bs: list) -> list:
     return acc
 
 
+def b_lane(row: Int64, q, b_order: str) -> Int64:
+    """Lane ``(g, q)``'s address in the bf16 B row starting at ``row`` for ``mma_stream`` in ``b_order``."""
+    return row + q * (4 if b_order == "natural" else 16)
+
+
 def mma_stream(rows: tuple, k: int, b_lanes: list, depth: int = GATE_UP_MMA_DEPTH, b_order: str = "mma") -> list:
     """The 16 rows of ``mma_rows`` times B operands over the whole K: ``b_lanes`` holds, per operand, the lane's
-    address in a bf16 row, by ``b_order``: ``"mma"``, an MMA-ordered row (``mma_position``; row start + 16 q,
-    ``_ld_mma_chunk``), or ``"natural"``, a row in its natural order (row start + 4 q, ``_ld_natural_chunk``). The
+    address in a bf16 row (``b_lane``), by ``b_order``: ``"mma"``, an MMA-ordered row (``mma_position``,
+    ``_ld_mma_chunk``), or ``"natural"``, a row in its natural order (``_ld_natural_chunk``). The
     weight loads of the next ``depth`` chunks are in flight while one chunk computes. Returns the
     C fragments, 8 floats per operand (``mma_chunk``), times ``2**-BF16_ACC_SHIFT``."""
     chunks = k // K_CHUNK
@@ -694,6 +699,11 @@ def x_order_for(tokens: int) -> str:
     return "natural" if tokens <= NATURAL_X_MAX_TOKENS else "mma"
 
 
+def mma_tokens(x: torch.Tensor, x_order: str) -> torch.Tensor:
+    """``x`` as a tensor-core gate_up reads it in ``x_order``: itself, or its MMA-ordered copy."""
+    return x if x_order == "natural" else interleave_tokens(x, "mma")
+
+
 def mma_position(n):
     """Position of element ``n`` of a row in MMA order (``interleave_tokens(.., "mma")``; the expert-major gate_up
     stores ``a`` so, the down kernel reads it with ``_ld_mma_chunk``): element ``128c + 32w + 16kk + 8h + 2q + i`` sits at ``128c + 32w + 8q +
@@ -856,7 +866,7 @@ def moe_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp=None, out=Non
     clamp = 0.0 if activation_clamp is None else float(activation_clamp)
     u8, i32, f32 = cutlass.Uint8, cutlass.Int32, cutlass.Float32
     idx, a_ptr = _ptr(cutlass.Int64, topk_idx.data_ptr()), _ptr(f32, a.data_ptr())
-    xi = interleave_tokens(x, fmt) if layout != "mega" else x if order == "natural" else interleave_tokens(x, "mma")
+    xi = mma_tokens(x, order) if layout == "mega" else interleave_tokens(x, fmt)
     gate_up(_ptr(cutlass.BFloat16, xi.data_ptr()), idx, _ptr(u8, l1[0].data_ptr()), _ptr(i32, l1[1].data_ptr()), a_ptr,
             tokens, topk, experts, clamp, stream)
     down(a_ptr, idx, _ptr(f32, topk_weights.data_ptr()), _ptr(u8, l2[0].data_ptr()), _ptr(i32, l2[1].data_ptr()),
