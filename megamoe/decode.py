@@ -5,9 +5,9 @@
 
 * ``"warp_decode"`` (``megamoe.moe_decode``, ``kernels.warp_decode``): output-centric kernels, BF16
   activations, FP32 accumulation, one BF16 rounding of ``y``. With the Mega MoE layout at hand (shapes with
-  the grouped path) gate_up runs on tensor cores over it; from ``EXPERT_MAJOR_MIN_TOKENS`` on down does too
-  (the expert-major kernels, ``kernels.expert_major_decode``, read each routed expert once per batch), below
-  it every (token, slot) pair streams its expert's down rows on SIMT pipes over the canonical L2. Shapes
+  the grouped path) both projections run on tensor cores over it: at one token the token-major kernels
+  (``kernels.token_major_decode``: K split over the warps of a CTA, slots combined in shared memory), above it
+  the expert-major ones (``kernels.expert_major_decode``: each routed expert read once per batch). Shapes
   without the grouped path run the per-pair SIMT kernels over the canonical weights.
 * ``"grouped"``: the Mega MoE on one rank (``megamoe.mega``: routing, contiguous expert groups,
   SM90 grouped GEMMs with the SwiGLU-quant epilogue, combine), after quantizing ``x`` to FP8 (the
@@ -20,7 +20,7 @@ use the rule derived from those points (``default_crossover``). The two paths di
 contract's error (the grouped path quantizes activations), never more than ``moe_tolerances``.
 
 The decoder holds the weights in two layouts: canonical (SIMT warp decode) and the Mega MoE layout of
-the grouped path and the expert-major kernels (twice the FP4 bytes), plus a one-rank SymmBuffer of
+the grouped path and the tensor-core warp decode (twice the FP4 bytes), plus a one-rank SymmBuffer of
 ``max_tokens`` rows.
 """
 
@@ -45,15 +45,6 @@ decode as the decoder runs it vs grouped, us: flash 32 experts 135.2 vs 162.1 at
 128: 289.6 vs 293.7 at 16, 446.5 vs 421.2 at 32; pro 48: 219.0 vs 239.0 at 4, 338.6 vs 333.3 at 8 (within 2%: the
 previous receipt, ``2026-11-30_decode_chunk_major_scales_h200.txt``, had 327.6 vs 331.9 there); pro 192: 241.9 vs
 257.2 at 4, 449.6 vs 437.1 at 8)."""
-EXPERT_MAJOR_MIN_TOKENS = 2
-"""Smallest batch for which warp decode runs both expert-major kernels; below it gate_up on tensor cores (Mega
-MoE L1) and down on SIMT pipes (canonical L2). ``bench/results/2026-11-30_decode_t1_4_h200.json`` (H200, us at
-T = 1 / 2 / 3 / 4; SIMT = per-pair kernels, MMA = tensor-core gate_up + SIMT down, expert-major): flash 32
-experts SIMT 40.9 / 70.1 / 98.6 / 126.4, MMA 38.0 / 56.2 / 82.7 / 98.9, expert 37.6 / 59.5 / 69.7 / 88.1; flash 128
-41.5 / 71.1 / 100.1 / 128.0, 39.0 / 59.2 / 87.9 / 106.0, 39.0 / 65.9 / 84.3 / 99.8; pro 48 92.4 / 165.6 / 236.8 /
-304.1, 86.2 / 169.3 / 216.9 / 255.9, 89.3 / 134.3 / 174.1 / 209.9; pro 192 95.9 / 167.9 / 237.8 / 305.6, 87.1 /
-173.7 / 230.8 / 266.8, 89.0 / 151.2 / 203.9 / 240.7. SIMT never wins; MMA wins or ties at T = 1 (by up to 3.5%),
-expert-major from T = 3 everywhere and at T = 2 on pro (by 10-19%; MMA wins flash T = 2 by 6-11%)."""
 
 
 def default_crossover(hidden: int, inter: int, experts: int, topk: int) -> int:
@@ -105,12 +96,12 @@ class MoEDecoder:
         """The path ``auto`` takes for a batch of ``tokens``."""
         return "warp_decode" if tokens <= self.crossover or not self.grouped else "grouped"
 
-    def warp_weights(self, tokens: int) -> tuple[tuple, tuple]:
-        """The (l1, l2) warp decode runs on for a batch of ``tokens`` (module docstring): the Mega MoE L1 when the
-        decoder holds it, and its L2 too from ``EXPERT_MAJOR_MIN_TOKENS`` on; the canonical weights otherwise."""
+    def warp_weights(self) -> tuple[tuple, tuple]:
+        """The (l1, l2) warp decode runs on (module docstring): the Mega MoE layout when the decoder holds it, the
+        canonical weights otherwise."""
         if not self.grouped:
             return self.l1, self.l2
-        return self.mega.l1, (self.mega.l2 if tokens >= EXPERT_MAJOR_MIN_TOKENS else self.l2)
+        return self.mega.l1, self.mega.l2
 
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  activation_clamp: float | None = None, out: torch.Tensor | None = None,
@@ -128,7 +119,7 @@ class MoEDecoder:
         tokens = x.shape[0]
         chosen = self.path_for(tokens) if path == "auto" else path
         if chosen == "warp_decode":
-            return moe_decode(x, topk_idx, topk_weights, *self.warp_weights(tokens), activation_clamp, out)
+            return moe_decode(x, topk_idx, topk_weights, *self.warp_weights(), activation_clamp, out)
         if not self.grouped:
             fail("path", f"'grouped' needs hidden and intermediate multiples of {GROUPED_MULTIPLE}")
         if tokens > self.max_tokens:

@@ -56,10 +56,9 @@ def test_path_choice_and_validation():
         MoEDecoder(l1, l2, num_topk=9, max_tokens=16)
 
 
-def test_warp_path_picks_its_kernels_by_batch(monkeypatch):
-    """With the grouped path, warp decode gets the Mega MoE L1 (tensor-core gate_up) at every batch and the Mega
-    MoE L2 (expert-major down) from EXPERT_MAJOR_MIN_TOKENS tokens on, the canonical L2 (per-pair SIMT down)
-    below; without it always the canonical weights (per-pair SIMT kernels)."""
+def test_warp_path_picks_its_weights(monkeypatch):
+    """With the grouped path, warp decode gets both weights in the Mega MoE layout at every batch (tensor-core
+    kernels); without it the canonical weights (per-pair SIMT kernels)."""
     from megamoe.kernels import warp_decode
 
     seen = []
@@ -71,12 +70,10 @@ def test_warp_path_picks_its_kernels_by_batch(monkeypatch):
         l1, l2 = _weights(8, hidden, inter, 0)
         dec = MoEDecoder(l1, l2, num_topk=2, max_tokens=16, crossover=16)
         assert dec.grouped == grouped
-        for tokens in (1, decode.EXPERT_MAJOR_MIN_TOKENS - 1, decode.EXPERT_MAJOR_MIN_TOKENS, 16):
+        for tokens in (1, 2, 16):
             seen.clear()
             dec(random_tokens(tokens, hidden, gen), *random_routing(tokens, 8, 2, gen))
-            expected = canonical, canonical
-            if grouped:
-                expected = mega, (mega if tokens >= decode.EXPERT_MAJOR_MIN_TOKENS else canonical)
+            expected = (mega, mega) if grouped else (canonical, canonical)
             assert seen == [expected], (hidden, tokens, seen)
 
 

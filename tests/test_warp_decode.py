@@ -77,6 +77,25 @@ def test_expert_major_kernels_compile_for_sm90(has_clamp):
     assert all(em.compile_kernels(1152, 640, has_clamp, 2, tuning=(2, 3)))
 
 
+@pytest.mark.parametrize("has_clamp", [False, True])
+def test_token_major_kernels_compile_for_sm90(has_clamp):
+    from megamoe.kernels import token_major_decode as tm
+
+    for hidden, inter, topk in ((4096, 2048, 6), (7168, 3072, 8), (1152, 640, 1)):
+        assert all(tm.compile_kernels(hidden, inter, has_clamp, topk))
+    assert all(tm.compile_kernels(4096, 2048, has_clamp, 6, tuning=(1, 6, 2, 1)))
+    assert tm.gate_up_split(1152, 4) == 1 and tm.gate_up_split(1280, 4) == 2 and tm.gate_up_split(7168, 4) == 4
+
+
+@pytest.mark.parametrize("tuning,match", [((3, 6, 1, 2), "tuning\\[0\\]"), ((4, 6, 3, 2), "tuning\\[2\\]"),
+                                          ((4, 6, 1, 2), "top-k 33"), ((4, 0, 1, 2), "tuning\\[1\\]")])
+def test_token_major_tuning_is_checked(tuning, match):
+    from megamoe.kernels.token_major_decode import check_tuning
+
+    with pytest.raises(ValueError, match=match):
+        check_tuning(4096, 2048, 33 if "33" in match else 6, tuning)
+
+
 def test_mma_order_matches_the_natural_loads():
     """``a`` (expert-major) and ``x`` above ``NATURAL_X_MAX_TOKENS`` sit in MMA order (``mma_position``: a
     permutation; ``interleave_tokens(x, "mma")`` puts every element there), read with ``_ld_mma_chunk``; smaller
@@ -222,6 +241,9 @@ CASES = {
     "fp8-clamp": (5, 1152, 640, 6, 2, "fp8", 0.25, 0.2, None),
     "flash-shape": (4, 4096, 2048, 32, 6, "fp4", None, 0.0, None),
     "many-experts": (11, 1024, 512, 200, 8, "fp4", None, 0.1, None),  # experts spread over 7 bitmap words
+    "one-token-masked": (1, 1152, 640, 12, 9, "fp4", 0.5, 0.0, None),  # H / 128 = 9: one gate_up K part
+    "one-token-dead": (1, 1024, 512, 8, 3, "fp4", None, 0.0, None),
+    "two-tokens": (2, 1280, 384, 10, 5, "fp4", None, 0.2, None),  # H / 128 = 10: two gate_up K parts
 }
 
 
@@ -235,6 +257,10 @@ def _run_case(name, seed=0, l1_layout="canonical"):
         idx[2] = -1  # a token with every slot masked
         idx[5, 0] = experts + 3  # an id outside [0, E) counts as masked
         idx[3, 1] = idx[3, 0] = 1  # the same expert twice in one token
+    if name == "one-token-masked":
+        idx[0, 2], idx[0, 5], idx[0, 7] = -1, experts + 3, idx[0, 0]  # masked, out of range, a repeated expert
+    if name == "one-token-dead":
+        idx[0] = -1
     out = torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
     l1_kernel = prepare_fp4_weights_l1(*l1, mma="bf16") if l1_layout != "canonical" else l1
     l2_kernel = prepare_fp4_weights(*l2, mma="bf16") if l1_layout == "expert" else l2
@@ -258,6 +284,23 @@ def test_matches_fp32_reference(name, l1_layout):
     assert errs[0] <= BF16_TOL and errs[1] <= ROW_TOL, f"{name}: rel_fro={errs[0]:.3e} max_row_rel={errs[1]:.3e}"
     dead = ~((idx >= 0) & (idx < CASES[name][3])).any(1)
     assert (y[dead] == 0).all(), "tokens without a valid slot must be exactly 0"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["batch1", "one-token-masked"])
+def test_token_major_with_one_part_equals_expert_major(name):
+    """Unsplit, the token-major kernels group every FP32 sum as the expert-major kernels do (gate_up chains, down's
+    four chains per output, slots in order): one token, both weights in the Mega MoE layout, the same bits."""
+    from megamoe.kernels.expert_major_decode import moe_decode_by_expert
+    from megamoe.kernels.sm90_grouped_gemm import prepare_fp4_weights, prepare_fp4_weights_l1
+    from megamoe.kernels.token_major_decode import moe_decode_by_token
+
+    _, _, (x, idx, wts, l1, l2, clamp) = _run_case(name)
+    l1k, l2k = prepare_fp4_weights_l1(*l1, mma="bf16"), prepare_fp4_weights(*l2, mma="bf16")
+    ys = [torch.full_like(x, float("nan")) for _ in range(2)]
+    moe_decode_by_token(x, idx, wts, l1k, l2k, clamp, ys[0], tuning=(1, 6, 1, 2))
+    moe_decode_by_expert(x, idx, wts, l1k, l2k, clamp, ys[1])
+    assert not torch.isnan(ys[0]).any() and torch.equal(ys[0], ys[1])
 
 
 @pytest.mark.gpu

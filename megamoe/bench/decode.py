@@ -6,8 +6,9 @@ For every shape (flash: hidden 4096, intermediate 2048, 32 and 128 experts; pro:
 reference on the first tokens of one routing, then times it in a CUDA graph that cycles through the
 routings (so consecutive calls read different experts and the timing is not an L2-resident replay).
 Warp decode runs three ways, each checked: ``simt us`` (per-pair SIMT kernels, canonical weights), ``mma
-us`` (gate_up on tensor cores over the Mega MoE L1, SIMT down) and ``expert us`` (the expert-major tensor-core
-kernels over both weights in the Mega MoE layout; the last two for shapes with the grouped path); GB/s,
+us`` (gate_up on tensor cores over the Mega MoE L1, SIMT down) and ``tc us`` (both weights in the Mega MoE layout,
+both projections on tensor cores: the token-major kernels at one token, the expert-major ones above; the last two
+for shapes with the grouped path); GB/s,
 %HBM and the crossover use the one ``MoEDecoder`` runs at that batch (``MoEDecoder.warp_weights``). Bandwidth counts the weight
 bytes the routing actually needs: every row (and its scales) of W1 and W2 of each distinct routed
 expert. The HBM ceiling is measured in the same run (``torch.sum`` over ``--hbm-gib`` GiB). Beside it,
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     print(receipt)
     hbm = measure_hbm_read_bandwidth(device, args.hbm_gib)
     print(f"measured HBM read bandwidth: {hbm:.0f} GB/s (torch.sum over {args.hbm_gib} GiB)")
-    header = (f"{'shape':6} {'E':>4} {'T':>3} {'simt us':>8} {'check':>7} {'mma us':>8} {'check':>7} {'expert us':>8} {'check':>7} {'MB read':>8} "
+    header = (f"{'shape':6} {'E':>4} {'T':>3} {'simt us':>8} {'check':>7} {'mma us':>8} {'check':>7} {'tc us':>8} {'check':>7} {'MB read':>8} "
               f"{'GB/s':>7} {'%HBM':>6}  {'grouped us':>10} {'check':>7}  {'torch us':>9} {'torch check':>11}")
     print(header)
     gen = torch.Generator(device=device).manual_seed(args.seed)
@@ -183,22 +184,22 @@ def main(argv: list[str] | None = None) -> None:
                 routes = [random_routing(tokens, experts, args.topk, cpu_gen) for _ in range(args.routings)]
                 routes = [(i.to(device), w.to(device)) for i, w in routes]
                 checked = min(tokens, args.check_tokens)
-                # gate_up on SIMT pipes over canonical L1; on tensor cores over the Mega MoE L1; expert-major
+                # gate_up on SIMT pipes over canonical L1; on tensor cores over the Mega MoE L1; both on tensor cores
                 runs = {"simt": (decoder.l1, decoder.l2)}
                 if decoder.grouped:
                     runs["mma"] = (decoder.mega.l1, decoder.l2)
-                    runs["expert"] = (decoder.mega.l1, decoder.mega.l2)
+                    runs["tc"] = (decoder.mega.l1, decoder.mega.l2)
                 timed = {}
                 for name, (w1, w2) in runs.items():
                     fn = lambda r, x=x, y=None, w1=w1, w2=w2: moe_decode(x, *r, w1, w2, out=y)  # noqa: E731
                     check = _check_decode(lambda x, i, w, y, fn=fn: fn((i, w), x, y), x, *routes[0], l1, l2, checked)
                     timed[name] = (_time_cycling(fn, routes, args), check)
-                w1, w2 = decoder.warp_weights(tokens)
+                w1, w2 = decoder.warp_weights()
                 chosen = next(n for n, ws in runs.items() if ws[0] is w1 and ws[1] is w2)
                 us, verdict = timed[chosen]
                 simt_cols = f"{timed['simt'][0]:8.1f} {timed['simt'][1]:>7}"
                 mma_cols = " ".join(f"{timed[n][0]:8.1f} {timed[n][1]:>7}" if n in timed else f"{'-':>8} {'-':>7}"
-                                    for n in ("mma", "expert"))
+                                    for n in ("mma", "tc"))
                 unique = statistics.mean(int(torch.unique(i[i >= 0]).numel()) for i, _ in routes)
                 nbytes = unique * fp4_expert_bytes(hidden, inter)
                 gbs = nbytes / (us * 1e-6) / 1e9

@@ -427,8 +427,8 @@ class _GateUpMMA(_GateUpLaunch):
     weights leave the SIMT pipes (about 2.4 instead of 4 instructions per weight), but a warp streams 16
     rows instead of 2, so there are 8x fewer, longer warps. Whole layer, H200, top-6 (2026-11-29): flash
     1-14% faster than with ``_GateUp`` at every T; pro 4-18% slower at T <= 2, within 2% at T = 4, 1-16%
-    faster at T >= 8. ``MoEDecoder`` takes the expert-major kernels (``expert_major_decode``) from T = 2 on;
-    this kernel stays the gate_up of ``moe_decode`` with Mega MoE L1 and canonical L2."""
+    faster at T >= 8. ``MoEDecoder`` runs the token- and expert-major kernels (both weights in the Mega MoE
+    layout); this kernel stays the gate_up of ``moe_decode`` with Mega MoE L1 and canonical L2."""
 
     def __init__(self, hidden: int, inter: int, down_fmt: str, has_clamp: bool, x_order: str):
         self.hidden, self.inter, self.has_clamp, self.x_order = hidden, inter, has_clamp, x_order
@@ -841,11 +841,13 @@ def moe_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp=None, out=Non
     first result: int32 ``[E, 2I/64, H/128, 64, 16]`` with chunk-major scales int32 ``[E, H/128, 2I]`` in the BF16
     decode's exact range), with ``l2`` canonical
     FP4: gate_up then runs on tensor cores (``_GateUpMMA``); with ``l2`` in that layout too (the second result,
-    int32 ``[E, H/64, I/128, 64, 16]``, scales ``[E, I/128, H]``; E <= 1024) the expert-major kernels run instead (``expert_major_decode``: each
+    int32 ``[E, H/64, I/128, 64, 16]``, scales ``[E, I/128, H]``; E <= 1024) both projections run on tensor cores:
+    up to ``TOKEN_MAJOR_MAX_TOKENS`` (2) tokens and top-k 32 the token-major kernels (``token_major_decode``: K split
+    over a CTA's warps, slots combined in shared memory), else the expert-major ones (``expert_major_decode``: each
     routed expert's rows read once per batch). ``activation_clamp`` c: ``gate <= c``, ``|up| <= c``. ``out``:
     optional bfloat16 ``[T, H]`` destination. ``down_rows``: outputs per down warp of the per-pair down kernel
     (tuning; divides H). Numerics: see the module docstring (FP32 throughout, one BF16 rounding of ``y``; the
-    expert-major down reads the activations as two BF16 terms, within 2**-17 of them).
+    tensor-core downs read the activations as two BF16 terms, within 2**-17 of them).
     """
     fmt, hidden, inter = check_decode_inputs(x, topk_idx, topk_weights, l1, l2, activation_clamp, out)
     if down_rows not in (1, 2, 4, 8):
@@ -856,7 +858,10 @@ def moe_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp=None, out=Non
     y = out if out is not None else torch.empty(tokens, hidden, dtype=torch.bfloat16, device=x.device)
     if weight_layout_of(l2[0]) == "mega":
         from .expert_major_decode import moe_decode_by_expert
+        from .token_major_decode import MAX_TOPK, TOKEN_MAJOR_MAX_TOKENS, moe_decode_by_token
 
+        if tokens <= TOKEN_MAJOR_MAX_TOKENS and topk <= MAX_TOPK:
+            return moe_decode_by_token(x, topk_idx, topk_weights, l1, l2, activation_clamp, y)
         return moe_decode_by_expert(x, topk_idx, topk_weights, l1, l2, activation_clamp, y)
     order = x_order_for(tokens)
     gate_up, down = compile_kernels(hidden, inter, fmt, activation_clamp is not None, topk, down_rows, layout, order)

@@ -1,0 +1,248 @@
+"""Warp decode for one or two tokens on tensor cores, split over K and slots inside a CTA (sm_90a, CuTe DSL).
+
+At one token every routed expert is read by one (token, slot) pair, so the expert-major kernels
+(``expert_major_decode``) have one real MMA column per pass and too few warps: flash (H 4096, I 2048, top-6)
+gives 1536 warps of 16 rows each, about 12 per SM. Here the same rows are split further and the partial
+sums meet in shared memory, in a fixed order, inside one CTA:
+
+* ``gate_up`` over L1 in the Mega MoE layout (``_GateUpMMA``'s warp: 8 neurons of one pair, 16 kernel-layout rows
+  as the M side of ``mma.m16n8k16``, ``x`` read by ``b_order``) with each warp's K range cut into ``split``
+  consecutive parts streamed by ``split`` warps of one CTA; part 0's lanes add the parts' gate and up sums in part
+  order, apply the optional clamp and ``silu(gate) * up`` (FP32) and store ``a`` as the two BF16 planes the
+  expert-major down reads (``hi = bf16(a)``, ``lo = bf16(a - hi)``, ``[2, T*k, I]``, MMA order).
+* ``down`` over L2 in the Mega MoE layout: a CTA owns 16 outputs ``y[t, h:h+16]`` of one token; its warps are
+  (slot j, K part p), ``k * split`` of them, each streaming rows ``h:h+16`` of ``W2[e_j]`` over its K part
+  against ``hi`` and ``lo`` (two MMAs per weight fragment, exact products). After one barrier warp 0 sums,
+  per output, the parts of each slot in part order and then ``w_tj * o_j`` over the valid slots in slot order
+  (FP32) and stores ``y`` in BF16: no FP32 ``o`` in global memory and no combine launch.
+
+Numerics: those of the expert-major path (exact weight products, FP32 sums, ``a`` read as ``hi + lo`` within
+2**-17, one BF16 rounding of ``y``); with ``split = 1`` the sums are grouped exactly as there, so ``y`` is the
+same bits. Masked slots (ids outside ``[0, E)``) load nothing and add nothing; a token without a valid slot
+gets ``y = 0``.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.utils as utils
+import torch
+from cutlass import Float32, Int32, Int64, cute
+
+from . import runtime
+from .sm90_fp4_decode import BF16_ACC_SHIFT, CHUNK_BYTES, K_CHUNK, ROW_BLOCK
+from .warp_decode import WARP, _fma, _ptr, _swiglu, b_lane, mma_position, mma_rows, mma_stream, mma_tokens, x_order_for
+
+GATE_UP_WARPS_PER_CTA = 4
+"""Warps per gate_up CTA (``GATE_UP_WARPS_PER_CTA / split`` neuron blocks of 8, ``split`` K parts each)."""
+TUNING = (4, 6, 1, 2)
+"""(gate_up K parts at most, gate_up CTAs per SM, down K parts, down CTAs per SM). H200, 2026-11-30, one token,
+top-6, 8 routings cycled in a CUDA graph, two timings each, all checked (``bench/results/2026-11-30_decode_token_major_h200.txt``):
+flash 32 experts 27.3-27.4 us (2, 6, 1, 2: 27.2-27.3; 1, 6, 1, 2: 28.6-28.7; 2, 6, 1, 3: 27.4-27.5; 2, 6, 2, 1:
+28.7-28.9), pro 48 64.5-64.8 (68.8-69.1, 66.1-66.2, 72.8-72.9, 71.9-72.0), against 32.4-32.7 and 78.2-81.5 for
+tensor-core gate_up + SIMT down and 34.4-34.6 and 88.9-89.3 for the expert-major kernels. Down at 2 CTAs of top-k warps
+per SM needs ~141 registers (no spills)."""
+TOKEN_MAJOR_MAX_TOKENS = 2
+"""Largest batch ``warp_decode.moe_decode`` runs these kernels for (both weights in the Mega MoE layout, top-k at
+most ``MAX_TOPK``); larger batches take the expert-major kernels, which read each routed expert once per batch.
+Same receipt, token- vs expert-major, us: flash 32 experts 27.7-27.8 vs 34.1-34.3 at T = 1, 48.4-48.7 vs 57.0-57.1
+at 2, 68.8-69.1 vs 67.0-67.3 at 3; pro 48 64.8-65.3 vs 88.5-89.0, 120.4-120.6 vs 129.1-129.3, 174.2-175.3 vs
+184.7-185.6 (at 3 tokens flash's pairs share experts enough for expert-major to win)."""
+MAX_TOPK = 32
+"""Most slots per token: the down CTA has a warp per slot (and K part), at most 1024 threads."""
+
+
+def _k_part(rows: tuple, b: Int64, part, chunks: int, b_bytes_per_chunk: int) -> tuple:
+    """``mma_rows`` addresses and a B lane address moved to K chunk ``part * chunks``."""
+    return ((rows[0] + Int64(part) * (chunks * ROW_BLOCK * CHUNK_BYTES), rows[1] + Int64(part) * (chunks * rows[2] * 4),
+             rows[2]), b + Int64(part) * (chunks * b_bytes_per_chunk))
+
+
+class _GateUpSplit:
+    """``a`` planes of every valid pair from L1 in the Mega MoE layout (module docstring)."""
+
+    def __init__(self, hidden: int, inter: int, has_clamp: bool, x_order: str, split: int, min_ctas: int):
+        self.hidden, self.inter, self.has_clamp, self.x_order = hidden, inter, has_clamp, x_order
+        self.split, self.min_ctas = split, min_ctas
+
+    @cute.jit
+    def __call__(self, x: cute.Pointer, idx: cute.Pointer, w: cute.Pointer, sf: cute.Pointer, planes: cute.Pointer,
+                 tokens: Int32, topk: Int32, experts: Int32, clamp: Float32, stream):
+        idx_t = cute.make_tensor(idx, cute.make_layout((tokens, topk), stride=(topk, 1)))
+        units = tokens * topk * (self.inter // 8)
+        per_cta = GATE_UP_WARPS_PER_CTA // self.split
+        self.kernel(x, idx_t, w, sf, planes, experts, clamp).launch(
+            grid=[(units + per_cta - 1) // per_cta, 1, 1], block=[GATE_UP_WARPS_PER_CTA * WARP, 1, 1], stream=stream,
+            min_blocks_per_mp=self.min_ctas)
+
+    @cute.kernel
+    def kernel(self, x: cute.Pointer, idx: cute.Tensor, w: cute.Pointer, sf: cute.Pointer, planes_ptr: cute.Pointer,
+               experts: Int32, clamp: Float32):
+        hidden, inter, split = self.hidden, self.inter, self.split
+        chunks = hidden // K_CHUNK // split
+        tidx = cute.arch.thread_idx()[0]
+        lane, wi = tidx % WARP, tidx // WARP
+        gl, q = lane // 4, lane % 4
+        part = wi % split
+        topk = idx.shape[1]
+        pairs = idx.shape[0] * topk
+        unit = cute.arch.block_idx()[0] * (GATE_UP_WARPS_PER_CTA // split) + wi // split
+        block = unit // pairs
+        pair = unit - block * pairs
+        t = pair // topk
+        e = Int64(-1)
+        if block < inter // 8:
+            e = idx[t, pair - t * topk]
+        valid = (e >= 0) & (e < experts)
+        sums = utils.SmemAllocator().allocate_tensor(Float32, cute.make_layout((GATE_UP_WARPS_PER_CTA, 8, 2)),
+                                                     byte_alignment=16)
+        gate = Float32(0.0)
+        up = Float32(0.0)
+        if valid:
+            rows = mma_rows(w, sf, e, Int64(block) * 16, 2 * inter, hidden, lane)
+            rows, lane_x = _k_part(rows, b_lane(x.toint() + Int64(t) * (hidden * 2), q, self.x_order), part, chunks,
+                                   K_CHUNK * 2)
+            acc = mma_stream(rows, chunks * K_CHUNK, [lane_x], b_order=self.x_order)
+            gate = acc[0] + acc[4]
+            up = acc[2] + acc[6]
+        if q == 0:
+            sums[wi, gl, 0] = gate
+            sums[wi, gl, 1] = up
+        cute.arch.sync_threads()
+        if valid & (part == 0) & (q == 0):
+            for p in cutlass.range_constexpr(1, split):
+                gate = gate + sums[wi + p, gl, 0]
+                up = up + sums[wi + p, gl, 1]
+            val = _swiglu(gate * Float32(2.0**BF16_ACC_SHIFT), up * Float32(2.0**BF16_ACC_SHIFT), clamp,
+                          self.has_clamp)
+            out = cute.make_tensor(planes_ptr, cute.make_layout((2 * pairs * inter,)))
+            hi = val.to(cutlass.BFloat16)
+            at = Int64(pair) * inter + mma_position(block * 8 + gl)
+            out[at] = hi
+            out[at + Int64(pairs) * inter] = (val - hi.to(Float32)).to(cutlass.BFloat16)
+
+
+class _DownSplit:
+    """``y`` from the ``a`` planes and L2 in the Mega MoE layout, slots combined in the CTA (module docstring)."""
+
+    def __init__(self, hidden: int, inter: int, topk: int, split: int, min_ctas: int):
+        self.hidden, self.inter, self.topk, self.split, self.min_ctas = hidden, inter, topk, split, min_ctas
+
+    @cute.jit
+    def __call__(self, planes: cute.Pointer, idx: cute.Pointer, wts: cute.Pointer, w: cute.Pointer, sf: cute.Pointer,
+                 y: cute.Pointer, tokens: Int32, experts: Int32, stream):
+        idx_t = cute.make_tensor(idx, cute.make_layout((tokens, self.topk), stride=(self.topk, 1)))
+        wts_t = cute.make_tensor(wts, cute.make_layout((tokens, self.topk), stride=(self.topk, 1)))
+        y_t = cute.make_tensor(y, cute.make_layout((tokens, self.hidden), stride=(self.hidden, 1)))
+        self.kernel(planes, idx_t, wts_t, w, sf, y_t, experts).launch(
+            grid=[tokens * (self.hidden // 16), 1, 1], block=[self.topk * self.split * WARP, 1, 1], stream=stream,
+            min_blocks_per_mp=self.min_ctas)
+
+    @cute.kernel
+    def kernel(self, planes: cute.Pointer, idx: cute.Tensor, wts: cute.Tensor, w: cute.Pointer, sf: cute.Pointer,
+               y: cute.Tensor, experts: Int32):
+        hidden, inter, topk, split = self.hidden, self.inter, self.topk, self.split
+        chunks = inter // K_CHUNK // split
+        tidx = cute.arch.thread_idx()[0]
+        lane, wi = tidx % WARP, tidx // WARP
+        gl, q = lane // 4, lane % 4
+        j, part = wi // split, wi % split
+        blocks = hidden // 16
+        t = cute.arch.block_idx()[0] // blocks
+        block = cute.arch.block_idx()[0] - t * blocks
+        pairs = idx.shape[0] * topk
+        e = idx[t, j]
+        sums = utils.SmemAllocator().allocate_tensor(Float32, cute.make_layout((topk * split, 16)), byte_alignment=16)
+        rows_lo = Float32(0.0)
+        rows_hi = Float32(0.0)
+        if (e >= 0) & (e < experts):
+            rows = mma_rows(w, sf, e, Int64(block) * 16, hidden, inter, lane)
+            hi = b_lane(planes.toint() + (Int64(t) * topk + j) * (inter * 2), q, "mma")
+            rows, hi = _k_part(rows, hi, part, chunks, K_CHUNK * 2)
+            acc = mma_stream(rows, chunks * K_CHUNK, [hi, hi + Int64(pairs) * (inter * 2)])
+            rows_lo = (acc[0] + acc[4]) + (acc[8] + acc[12])
+            rows_hi = (acc[2] + acc[6]) + (acc[10] + acc[14])
+        if q == 0:
+            sums[wi, gl] = rows_lo
+            sums[wi, gl + 8] = rows_hi
+        cute.arch.sync_threads()
+        if wi == 0:
+            if lane < 16:
+                total = Float32(0.0)
+                for s in cutlass.range_constexpr(topk):
+                    v = sums[s * split, lane]
+                    for p in cutlass.range_constexpr(1, split):
+                        v = v + sums[s * split + p, lane]
+                    es = idx[t, s]
+                    if (es >= 0) & (es < experts):
+                        total = _fma(wts[t, s], v * Float32(2.0**BF16_ACC_SHIFT), total)
+                y[t, block * 16 + lane] = total.to(cutlass.BFloat16)
+
+
+def gate_up_split(hidden: int, most: int) -> int:
+    """gate_up's K parts: the largest power of two up to ``most`` that splits H into whole 128-wide chunks."""
+    split = most
+    while (hidden // K_CHUNK) % split:
+        split //= 2
+    return split
+
+
+def compile_kernels(hidden: int, inter: int, has_clamp: bool, topk: int, tuning: tuple = TUNING,
+                    x_order: str = "natural"):
+    """The compiled (gate_up, down) pair for one static configuration (cached; compiles without a GPU under
+    ``CUTE_DSL_ARCH=sm_90a``); token and expert counts stay runtime values, top-k is compiled into down."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    split_gu, ctas_gu, split_dn, ctas_dn = tuning
+    split_gu = gate_up_split(hidden, split_gu)
+    i32, i64, bf16, f32 = cutlass.Int32, cutlass.Int64, cutlass.BFloat16, cutlass.Float32
+    gate_up = runtime.compiled(
+        ("token_major.gate_up", hidden, inter, has_clamp, x_order, split_gu, ctas_gu),
+        lambda: cute.compile(_GateUpSplit(hidden, inter, has_clamp, x_order, split_gu, ctas_gu), _ptr(bf16), _ptr(i64),
+                             _ptr(i32), _ptr(i32), _ptr(bf16), Int32(1), Int32(1), Int32(1), Float32(0.0),
+                             make_fake_stream()))
+    down = runtime.compiled(
+        ("token_major.down", hidden, inter, topk, split_dn, ctas_dn),
+        lambda: cute.compile(_DownSplit(hidden, inter, topk, split_dn, ctas_dn), _ptr(bf16), _ptr(i64), _ptr(f32),
+                             _ptr(i32), _ptr(i32), _ptr(bf16), Int32(1), Int32(1), make_fake_stream()))
+    return gate_up, down
+
+
+def check_tuning(hidden: int, inter: int, topk: int, tuning: tuple) -> None:
+    """``tuning`` = (gate_up K parts at most, CTAs per SM, down K parts, CTAs per SM): gate_up's a power of two up to
+    its CTA's warps (``gate_up_split`` lowers it to divide H / 128), down's dividing I / 128 within 1024 threads."""
+    from ..checks import fail
+
+    split_gu, ctas_gu, split_dn, ctas_dn = tuning
+    if split_gu not in (1, 2, 4):
+        fail("tuning[0]", f"gate_up K parts must be 1, 2 or 4, got {split_gu}")
+    if split_dn < 1 or (inter // K_CHUNK) % split_dn or topk * split_dn * WARP > 1024:
+        fail("tuning[2]", f"down K parts must divide I / 128 = {inter // K_CHUNK} with top-k x parts <= 32 warps, "
+             f"got {split_dn} (top-k {topk})")
+    for name, v in (("tuning[1]", ctas_gu), ("tuning[3]", ctas_dn)):
+        if not 1 <= v <= 16:
+            fail(name, f"CTAs per SM must be 1..16, got {v}")
+
+
+def moe_decode_by_token(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: tuple, l2: tuple,
+                         activation_clamp: float | None, y: torch.Tensor, tuning: tuple = TUNING) -> torch.Tensor:
+    """``warp_decode.moe_decode``'s path up to ``TOKEN_MAJOR_MAX_TOKENS`` tokens with both weights in the Mega MoE layout (inputs
+    validated there; ``y`` bfloat16 ``[T, H]``). Allocates the ``a`` planes ``[2, T*k, I]`` BF16 (caching
+    allocator, no sync). ``tuning``: ``TUNING``'s fields, checked by ``check_tuning``."""
+    tokens, topk = topk_idx.shape
+    hidden, inter = x.shape[1], l1[1].shape[2] // 2  # chunk-major scales [E, H/128, 2I]
+    check_tuning(hidden, inter, topk, tuning)
+    order = x_order_for(tokens)
+    gate_up, down = compile_kernels(hidden, inter, activation_clamp is not None, topk, tuning, order)
+    planes = torch.empty(2, tokens * topk, inter, dtype=torch.bfloat16, device=x.device)
+    stream = runtime.current_stream()
+    clamp = 0.0 if activation_clamp is None else float(activation_clamp)
+    i32, i64, bf16, f32 = cutlass.Int32, cutlass.Int64, cutlass.BFloat16, cutlass.Float32
+    idx, planes_ptr = _ptr(i64, topk_idx.data_ptr()), _ptr(bf16, planes.data_ptr())
+    xb = mma_tokens(x, order)
+    experts = l1[0].shape[0]
+    gate_up(_ptr(bf16, xb.data_ptr()), idx, _ptr(i32, l1[0].data_ptr()), _ptr(i32, l1[1].data_ptr()), planes_ptr,
+            tokens, topk, experts, clamp, stream)
+    down(planes_ptr, idx, _ptr(f32, topk_weights.data_ptr()), _ptr(i32, l2[0].data_ptr()), _ptr(i32, l2[1].data_ptr()),
+         _ptr(bf16, y.data_ptr()), tokens, experts, stream)
+    return y
