@@ -40,11 +40,11 @@ MEASURED_CROSSOVERS: dict[tuple[int, int, int, int], int] = {
     (7168, 3072, 192, 6): 4,
 }
 """(hidden, intermediate, experts, top-k) -> the largest batch where warp decode beat the grouped path:
-H200, 2026-11-30, ``bench/results/2026-11-30_decode_natural_x_h200.txt`` (batches 1, 2, 4, 8, 16, 32, 64; warp
-decode as the decoder runs it vs grouped, us: flash 32 experts 135.2 vs 162.1 at 16, 180.7 vs 177.8 at 32; flash
-128: 289.6 vs 293.7 at 16, 446.5 vs 421.2 at 32; pro 48: 219.0 vs 239.0 at 4, 338.6 vs 333.3 at 8 (within 2%: the
-previous receipt, ``2026-11-30_decode_chunk_major_scales_h200.txt``, had 327.6 vs 331.9 there); pro 192: 241.9 vs
-257.2 at 4, 449.6 vs 437.1 at 8)."""
+H200, 2026-11-30, ``bench/results/2026-11-30_decode_token_major_all_h200.json`` (batches 1, 2, 4, 8, 16, 32, 64; warp
+decode as the decoder runs it vs grouped, us: flash 32 experts 134.4 vs 163.4 at 16, 180.5 vs 178.1 at 32; flash
+128: 288.9 vs 294.4 at 16, 452.3 vs 404.2 at 32; pro 48: 215.7 vs 240.8 at 4, 340.8 vs 332.1 at 8 (within 3%; the
+two receipts before, ``2026-11-30_decode_natural_x_h200.txt`` and ``2026-11-30_decode_chunk_major_scales_h200.txt``,
+had 338.6 vs 333.3 and 327.6 vs 331.9 there); pro 192: 243.8 vs 258.7 at 4, 460.0 vs 443.5 at 8)."""
 
 
 def default_crossover(hidden: int, inter: int, experts: int, topk: int) -> int:

@@ -287,7 +287,7 @@ def test_matches_fp32_reference(name, l1_layout):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["batch1", "one-token-masked"])
+@pytest.mark.parametrize("name", ["batch1", "one-token-masked", "two-tokens"])
 def test_token_major_with_one_part_equals_expert_major(name):
     """Unsplit, the token-major kernels group every FP32 sum as the expert-major kernels do (gate_up chains, down's
     four chains per output, slots in order): one token, both weights in the Mega MoE layout, the same bits."""
