@@ -87,13 +87,26 @@ def test_token_major_kernels_compile_for_sm90(has_clamp):
     assert tm.gate_up_split(1152, 4) == 1 and tm.gate_up_split(1280, 4) == 2 and tm.gate_up_split(7168, 4) == 4
 
 
-@pytest.mark.parametrize("tuning,match", [((3, 6, 1, 2), "tuning\\[0\\]"), ((4, 6, 3, 2), "tuning\\[2\\]"),
-                                          ((4, 6, 1, 2), "top-k 33"), ((4, 0, 1, 2), "tuning\\[1\\]")])
+def test_token_major_default_tuning_and_support():
+    """gate_up parts of >= 14 chunks; down at 24 warps per SM where shared memory allows (module constants)."""
+    from megamoe.kernels import token_major_decode as tm
+
+    assert tm.default_tuning(4096, 2048, 6) == (2, 6, 1, 4)  # flash: 48 KiB of staged rows per down CTA
+    assert tm.default_tuning(7168, 3072, 6) == (4, 6, 2, 2)  # pro: 72 KiB, two CTAs of 12 warps
+    assert tm.default_tuning(1152, 640, 9)[0] == 1
+    for hidden, inter, topk in ((4096, 2048, 6), (7168, 3072, 8), (1152, 640, 9)):
+        tm.check_tuning(hidden, inter, topk, tm.default_tuning(hidden, inter, topk))
+    assert tm.supports(8, 3072) and not tm.supports(16, 4096) and not tm.supports(33, 128)
+
+
+@pytest.mark.parametrize("tuning,match", [((3, 6, 1, 2), "tuning\\[0\\]"), ((4, 6, 5, 2), "tuning\\[2\\]"),
+                                          ((4, 6, 1, 2), "top-k 33"), ((4, 0, 1, 2), "tuning\\[1\\]"),
+                                          ((4, 6, 1, 4), "shared memory")])
 def test_token_major_tuning_is_checked(tuning, match):
     from megamoe.kernels.token_major_decode import check_tuning
 
     with pytest.raises(ValueError, match=match):
-        check_tuning(4096, 2048, 33 if "33" in match else 6, tuning)
+        check_tuning(7168, 3072, 33 if "33" in match else 6, tuning)
 
 
 def test_mma_order_matches_the_natural_loads():
@@ -301,6 +314,24 @@ def test_token_major_with_one_part_equals_expert_major(name):
     moe_decode_by_token(x, idx, wts, l1k, l2k, clamp, ys[0], tuning=(1, 6, 1, 2))
     moe_decode_by_expert(x, idx, wts, l1k, l2k, clamp, ys[1])
     assert not torch.isnan(ys[0]).any() and torch.equal(ys[0], ys[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tuning", [(4, 6, 2, 2), (2, 6, 1, 4), (1, 2, 4, 1)])
+def test_token_major_splits_match_reference(tuning):
+    """gate_up and down split over K parts (the shapes' defaults leave one-part gate_ups here): one token, masked
+    slots, same tolerance as every path."""
+    from megamoe.kernels.sm90_grouped_gemm import prepare_fp4_weights, prepare_fp4_weights_l1
+    from megamoe.kernels.token_major_decode import moe_decode_by_token
+
+    x, idx, wts, l1, l2 = _problem(1, 2048, 1024, 16, 6, "fp4", 5, "cuda")
+    idx[0, 1], idx[0, 4] = -1, 16  # masked, out of range
+    y = torch.full_like(x, float("nan"))
+    moe_decode_by_token(x, idx, wts, prepare_fp4_weights_l1(*l1, mma="bf16"), prepare_fp4_weights(*l2, mma="bf16"),
+                        None, y, tuning=tuning)
+    ref = reference_decode(x, idx, wts, l1, l2)
+    assert not torch.isnan(y).any()
+    assert rel_fro_error(y, ref) <= BF16_TOL and max_row_rel_error(y, ref) <= ROW_TOL
 
 
 @pytest.mark.gpu

@@ -11,8 +11,10 @@ sums meet in shared memory, in a fixed order, inside one CTA:
   order, apply the optional clamp and ``silu(gate) * up`` (FP32) and store ``a`` as the two BF16 planes the
   expert-major down reads (``hi = bf16(a)``, ``lo = bf16(a - hi)``, ``[2, T*k, I]``, MMA order).
 * ``down`` over L2 in the Mega MoE layout: a CTA owns 16 outputs ``y[t, h:h+16]`` of one token; its warps are
-  (slot j, K part p), ``k * split`` of them, each streaming rows ``h:h+16`` of ``W2[e_j]`` over its K part
-  against ``hi`` and ``lo`` (two MMAs per weight fragment, exact products). After one barrier warp 0 sums,
+  (slot j, K part p), ``k * split`` of them, each copying its part of ``hi`` and ``lo`` into shared memory once
+  (``cp.async``; B operands then come from ``ld.shared``: 77-86 registers instead of 141-144, so 24 warps per SM)
+  and streaming rows ``h:h+16`` of ``W2[e_j]`` over its K part against them (two MMAs per weight fragment, exact
+  products). After one barrier warp 0 sums,
   per output, the parts of each slot in part order and then ``w_tj * o_j`` over the valid slots in slot order
   (FP32) and stores ``y`` in BF16: no FP32 ``o`` in global memory and no combine launch.
 
@@ -28,23 +30,27 @@ import cutlass
 import cutlass.utils as utils
 import torch
 from cutlass import Float32, Int32, Int64, cute
+from cutlass.cutlass_dsl import dsl_user_op
 
-from . import runtime
+from ..checks import fail
+from . import ptx, runtime
 from .sm90_fp4_decode import BF16_ACC_SHIFT, CHUNK_BYTES, K_CHUNK, ROW_BLOCK
 from .warp_decode import WARP, _fma, _ptr, _swiglu, b_lane, mma_position, mma_rows, mma_stream, mma_tokens, x_order_for
 
 GATE_UP_WARPS_PER_CTA = 4
 """Warps per gate_up CTA (``GATE_UP_WARPS_PER_CTA / split`` neuron blocks of 8, ``split`` K parts each)."""
-TUNING = (4, 6, 1, 2)
-"""(gate_up K parts at most, gate_up CTAs per SM, down K parts, down CTAs per SM). H200, 2026-11-30, one token,
-top-6, 8 routings cycled in a CUDA graph, two timings each, all checked (``bench/results/2026-11-30_decode_token_major_h200.txt``):
-flash 32 experts 27.3-27.4 us (2, 6, 1, 2: 27.2-27.3; 1, 6, 1, 2: 28.6-28.7; 2, 6, 1, 3: 27.4-27.5; 2, 6, 2, 1:
-28.7-28.9), pro 48 64.5-64.8 (68.8-69.1, 66.1-66.2, 72.8-72.9, 71.9-72.0), against 32.4-32.7 and 78.2-81.5 for
-tensor-core gate_up + SIMT down and 34.4-34.6 and 88.9-89.3 for the expert-major kernels. Down at 2 CTAs of top-k warps
-per SM needs ~141 registers (no spills)."""
+GATE_UP_CTAS_PER_SM = 6
+"""Launch bound of gate_up: 6 CTAs of 4 warps per SM (80 registers)."""
+GATE_UP_MIN_PART_CHUNKS = 14
+"""gate_up splits K into the most parts (4, 2 or 1) that leave each at least this many 128-wide chunks (flash, H 4096:
+2 parts; pro, H 7168: 4). H200, 2026-11-30, one token, all checked (``bench/results/2026-11-30_decode_token_major_h200.txt``,
+``2026-11-30_decode_token_major_smem_h200.txt``), us: flash 32 experts 2 parts 27.2-27.3 vs 4 parts 27.3-27.4 and
+26.5-26.6 vs 26.8-26.9 (staged down); pro 48 4 parts 64.5-64.8 vs 2 parts 68.8-69.1 and 63.3-63.4 vs 67.1-67.5."""
+SMEM_BUDGET = runtime.H100_SMEM_PER_SM - 8 * 1024
+"""Shared memory per SM the down CTAs may take (the SM's, less the 1 KiB the system reserves for each of up to 8)."""
 TOKEN_MAJOR_MAX_TOKENS = 2
-"""Largest batch ``warp_decode.moe_decode`` runs these kernels for (both weights in the Mega MoE layout, top-k at
-most ``MAX_TOPK``); larger batches take the expert-major kernels, which read each routed expert once per batch.
+"""Largest batch ``warp_decode.moe_decode`` runs these kernels for (both weights in the Mega MoE layout, a shape
+``supports`` accepts); larger batches take the expert-major kernels, which read each routed expert once per batch.
 Same receipt, token- vs expert-major, us: flash 32 experts 27.7-27.8 vs 34.1-34.3 at T = 1, 48.4-48.7 vs 57.0-57.1
 at 2, 68.8-69.1 vs 67.0-67.3 at 3; pro 48 64.8-65.3 vs 88.5-89.0, 120.4-120.6 vs 129.1-129.3, 174.2-175.3 vs
 184.7-185.6 (at 3 tokens flash's pairs share experts enough for expert-major to win)."""
@@ -52,10 +58,63 @@ MAX_TOPK = 32
 """Most slots per token: the down CTA has a warp per slot (and K part), at most 1024 threads."""
 
 
+def stage_bytes(topk: int, inter: int, split: int) -> int:
+    """Shared memory of one down CTA of ``split`` K parts: its warps' staged ``a`` rows (hi and lo, BF16, every
+    slot's whole K) and their partial sums."""
+    return 4 * topk * inter + 4 * 16 * topk * split
+
+
+def supports(topk: int, inter: int) -> bool:
+    """Whether a down CTA fits: top-k at most ``MAX_TOPK`` and its staged rows within one SM's shared memory."""
+    return topk <= MAX_TOPK and stage_bytes(topk, inter, 1) <= SMEM_BUDGET
+
+
+def default_tuning(hidden: int, inter: int, topk: int) -> tuple:
+    """(gate_up K parts, gate_up CTAs per SM, down K parts, down CTAs per SM) for a shape: gate_up by
+    ``GATE_UP_MIN_PART_CHUNKS``; down at 24 warps per SM (78-86 registers) where shared memory allows, unsplit on 4
+    CTAs per SM (flash: 26.5-26.6 us at one token vs 27.0 split on 2), else split in two on 2 (pro: 63.3-63.4 vs
+    66.8-67.2 unsplit on 3; receipt ``2026-11-30_decode_token_major_smem_h200.txt``), else as many unsplit CTAs as fit."""
+    chunks = hidden // K_CHUNK
+    gate_up = next(p for p in (4, 2, 1) if p == 1 or (chunks % p == 0 and chunks // p >= GATE_UP_MIN_PART_CHUNKS))
+    if 4 * stage_bytes(topk, inter, 1) <= SMEM_BUDGET:
+        down = (1, 4)
+    elif 2 * stage_bytes(topk, inter, 2) <= SMEM_BUDGET and (inter // K_CHUNK) % 2 == 0 and 2 * topk <= MAX_TOPK:
+        down = (2, 2)
+    else:
+        down = (1, max(SMEM_BUDGET // stage_bytes(topk, inter, 1), 1))
+    return (gate_up, GATE_UP_CTAS_PER_SM) + down
+
+
 def _k_part(rows: tuple, b: Int64, part, chunks: int, b_bytes_per_chunk: int) -> tuple:
     """``mma_rows`` addresses and a B lane address moved to K chunk ``part * chunks``."""
     return ((rows[0] + Int64(part) * (chunks * ROW_BLOCK * CHUNK_BYTES), rows[1] + Int64(part) * (chunks * rows[2] * 4),
              rows[2]), b + Int64(part) * (chunks * b_bytes_per_chunk))
+
+
+@dsl_user_op
+def _cp_async16_if(dst: Int32, src: Int64, on, *, loc=None, ip=None) -> None:
+    """Start copying 16 bytes from global ``src`` to shared ``dst`` (``cp.async.cg``, through L2) when ``on``."""
+    text = "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p cp.async.cg.shared.global [$0], [$1], 16;\n}"
+    args = [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip), Int32(on).ir_value(loc=loc, ip=ip)]
+    ptx.inline_asm([], args, text, "r,l,r,~{memory}", loc, ip, side_effects=True)
+
+
+@dsl_user_op
+def _cp_async_wait_all(*, loc=None, ip=None) -> None:
+    """Wait for this thread's ``cp.async`` copies."""
+    ptx.inline_asm([], [], "cp.async.wait_all;", "~{memory}", loc, ip, side_effects=True)
+
+
+@cute.jit
+def _stage_rows(dst: Int32, src: Int64, nbytes: int, lane: Int32):
+    """The warp copies ``nbytes`` (a multiple of 16) from global ``src`` to shared ``dst`` and waits for them (every
+    copy issued before the wait; visible to the whole warp after it)."""
+    vecs = nbytes // 16
+    for i in cutlass.range_constexpr((vecs + WARP - 1) // WARP):
+        v = lane + i * WARP
+        _cp_async16_if(dst + v * 16, src + Int64(v) * 16, Int32(v < vecs) if (i + 1) * WARP > vecs else Int32(1))
+    _cp_async_wait_all()
+    cute.arch.sync_warp()
 
 
 class _GateUpSplit:
@@ -152,14 +211,23 @@ class _DownSplit:
         block = cute.arch.block_idx()[0] - t * blocks
         pairs = idx.shape[0] * topk
         e = idx[t, j]
-        sums = utils.SmemAllocator().allocate_tensor(Float32, cute.make_layout((topk * split, 16)), byte_alignment=16)
+        smem = utils.SmemAllocator()
+        sums = smem.allocate_tensor(Float32, cute.make_layout((topk * split, 16)), byte_alignment=16)
+        part_bytes = chunks * K_CHUNK * 2
+        stage = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((topk * split * 2 * chunks * K_CHUNK,)),
+                                     byte_alignment=16)
         rows_lo = Float32(0.0)
         rows_hi = Float32(0.0)
         if (e >= 0) & (e < experts):
             rows = mma_rows(w, sf, e, Int64(block) * 16, hidden, inter, lane)
-            hi = b_lane(planes.toint() + (Int64(t) * topk + j) * (inter * 2), q, "mma")
+            hi = planes.toint() + (Int64(t) * topk + j) * (inter * 2)
             rows, hi = _k_part(rows, hi, part, chunks, K_CHUNK * 2)
-            acc = mma_stream(rows, chunks * K_CHUNK, [hi, hi + Int64(pairs) * (inter * 2)])
+            # this warp's hi and lo parts of a, copied to shared memory once: B loads of a few cycles
+            hi_s = stage.iterator.toint() + wi * (2 * part_bytes)
+            _stage_rows(hi_s, hi, part_bytes, lane)
+            _stage_rows(hi_s + part_bytes, hi + Int64(pairs) * (inter * 2), part_bytes, lane)
+            hi_s = b_lane(hi_s, q, "mma")
+            acc = mma_stream(rows, chunks * K_CHUNK, [hi_s, hi_s + part_bytes], b_shared=True)
             rows_lo = (acc[0] + acc[4]) + (acc[8] + acc[12])
             rows_hi = (acc[2] + acc[6]) + (acc[10] + acc[14])
         if q == 0:
@@ -187,12 +255,13 @@ def gate_up_split(hidden: int, most: int) -> int:
     return split
 
 
-def compile_kernels(hidden: int, inter: int, has_clamp: bool, topk: int, tuning: tuple = TUNING,
+def compile_kernels(hidden: int, inter: int, has_clamp: bool, topk: int, tuning: tuple | None = None,
                     x_order: str = "natural"):
     """The compiled (gate_up, down) pair for one static configuration (cached; compiles without a GPU under
     ``CUTE_DSL_ARCH=sm_90a``); token and expert counts stay runtime values, top-k is compiled into down."""
     from cutlass.cute.runtime import make_fake_stream
 
+    tuning = default_tuning(hidden, inter, topk) if tuning is None else tuning
     split_gu, ctas_gu, split_dn, ctas_dn = tuning
     split_gu = gate_up_split(hidden, split_gu)
     i32, i64, bf16, f32 = cutlass.Int32, cutlass.Int64, cutlass.BFloat16, cutlass.Float32
@@ -210,9 +279,8 @@ def compile_kernels(hidden: int, inter: int, has_clamp: bool, topk: int, tuning:
 
 def check_tuning(hidden: int, inter: int, topk: int, tuning: tuple) -> None:
     """``tuning`` = (gate_up K parts at most, CTAs per SM, down K parts, CTAs per SM): gate_up's a power of two up to
-    its CTA's warps (``gate_up_split`` lowers it to divide H / 128), down's dividing I / 128 within 1024 threads."""
-    from ..checks import fail
-
+    its CTA's warps (``gate_up_split`` lowers it to divide H / 128), down's dividing I / 128 within 1024 threads, its
+    CTAs' shared memory within an SM's."""
     split_gu, ctas_gu, split_dn, ctas_dn = tuning
     if split_gu not in (1, 2, 4):
         fail("tuning[0]", f"gate_up K parts must be 1, 2 or 4, got {split_gu}")
@@ -222,15 +290,19 @@ def check_tuning(hidden: int, inter: int, topk: int, tuning: tuple) -> None:
     for name, v in (("tuning[1]", ctas_gu), ("tuning[3]", ctas_dn)):
         if not 1 <= v <= 16:
             fail(name, f"CTAs per SM must be 1..16, got {v}")
+    if ctas_dn * stage_bytes(topk, inter, split_dn) > SMEM_BUDGET:
+        fail("tuning[3]", f"{ctas_dn} down CTAs of {stage_bytes(topk, inter, split_dn)} bytes of shared memory exceed "
+             f"an SM's {SMEM_BUDGET}")
 
 
 def moe_decode_by_token(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: tuple, l2: tuple,
-                         activation_clamp: float | None, y: torch.Tensor, tuning: tuple = TUNING) -> torch.Tensor:
+                         activation_clamp: float | None, y: torch.Tensor, tuning: tuple | None = None) -> torch.Tensor:
     """``warp_decode.moe_decode``'s path up to ``TOKEN_MAJOR_MAX_TOKENS`` tokens with both weights in the Mega MoE layout (inputs
     validated there; ``y`` bfloat16 ``[T, H]``). Allocates the ``a`` planes ``[2, T*k, I]`` BF16 (caching
-    allocator, no sync). ``tuning``: ``TUNING``'s fields, checked by ``check_tuning``."""
+    allocator, no sync). ``tuning``: ``default_tuning``'s fields (its choice when None), checked by ``check_tuning``."""
     tokens, topk = topk_idx.shape
     hidden, inter = x.shape[1], l1[1].shape[2] // 2  # chunk-major scales [E, H/128, 2I]
+    tuning = default_tuning(hidden, inter, topk) if tuning is None else tuning
     check_tuning(hidden, inter, topk, tuning)
     order = x_order_for(tokens)
     gate_up, down = compile_kernels(hidden, inter, activation_clamp is not None, topk, tuning, order)

@@ -154,6 +154,19 @@ def _ld_mma_chunk(addr: Int64) -> list:
     return [word for j in range(4) for word in _ld16(addr + j * 64, ACT_LOAD)]
 
 
+@dsl_user_op
+def _ld16_shared(addr: Int32, *, loc=None, ip=None) -> list:
+    """16 bytes at the shared-memory address ``addr`` as 4 words; volatile, so it stays after the copy's wait."""
+    vals = ptx.inline_asm([T.i32()] * 4, [Int32(addr).ir_value(loc=loc, ip=ip)],
+                          "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", loc, ip, side_effects=True)
+    return [Int32(v) for v in vals]
+
+
+def _ld_mma_chunk_shared(addr: Int32) -> list:
+    """``_ld_mma_chunk`` from a copy of the row in shared memory (``addr`` = chunk start + 16 q)."""
+    return [word for j in range(4) for word in _ld16_shared(addr + j * 64)]
+
+
 def _ld_natural_chunk(addr: Int64) -> list:
     """The lane's 16 words of one 128-wide chunk of a bf16 row in its natural order, in fragment order (those
     ``_ld_mma_chunk`` reads from the MMA-ordered copy): word j (elements ``16 j + 2 q``, ``+ 1`` of the chunk, see
@@ -509,19 +522,21 @@ def b_lane(row: Int64, q, b_order: str) -> Int64:
     return row + q * (4 if b_order == "natural" else 16)
 
 
-def mma_stream(rows: tuple, k: int, b_lanes: list, depth: int = GATE_UP_MMA_DEPTH, b_order: str = "mma") -> list:
+def mma_stream(rows: tuple, k: int, b_lanes: list, depth: int = GATE_UP_MMA_DEPTH, b_order: str = "mma",
+               b_shared: bool = False) -> list:
     """The 16 rows of ``mma_rows`` times B operands over the whole K: ``b_lanes`` holds, per operand, the lane's
     address in a bf16 row (``b_lane``), by ``b_order``: ``"mma"``, an MMA-ordered row (``mma_position``,
     ``_ld_mma_chunk``), or ``"natural"``, a row in its natural order (``_ld_natural_chunk``). The
-    weight loads of the next ``depth`` chunks are in flight while one chunk computes. Returns the
-    C fragments, 8 floats per operand (``mma_chunk``), times ``2**-BF16_ACC_SHIFT``."""
+    weight loads of the next ``depth`` chunks are in flight while one chunk computes. ``b_shared``: the B rows are
+    MMA-ordered copies in shared memory (``b_lanes`` shared addresses). Returns the C fragments, 8 floats per operand
+    (``mma_chunk``), times ``2**-BF16_ACC_SHIFT``."""
     chunks = k // K_CHUNK
     acc = [Float32(0.0)] * (8 * len(b_lanes))
     loaded = [mma_load(rows, c) for c in range(min(depth, chunks))]
     for c in range(chunks):  # unrolled at trace time
         if c + depth < chunks:
             loaded.append(mma_load(rows, c + depth))
-        load_b = _ld_natural_chunk if b_order == "natural" else _ld_mma_chunk
+        load_b = _ld_mma_chunk_shared if b_shared else _ld_natural_chunk if b_order == "natural" else _ld_mma_chunk
         acc = mma_chunk(acc, loaded[c], [load_b(b + c * (K_CHUNK * 2)) for b in b_lanes])
     return acc
 
@@ -842,7 +857,7 @@ def moe_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp=None, out=Non
     decode's exact range), with ``l2`` canonical
     FP4: gate_up then runs on tensor cores (``_GateUpMMA``); with ``l2`` in that layout too (the second result,
     int32 ``[E, H/64, I/128, 64, 16]``, scales ``[E, I/128, H]``; E <= 1024) both projections run on tensor cores:
-    up to ``TOKEN_MAJOR_MAX_TOKENS`` (2) tokens and top-k 32 the token-major kernels (``token_major_decode``: K split
+    up to ``TOKEN_MAJOR_MAX_TOKENS`` (2) tokens (top-k and I within ``token_major_decode.supports``) the token-major kernels (``token_major_decode``: K split
     over a CTA's warps, slots combined in shared memory), else the expert-major ones (``expert_major_decode``: each
     routed expert's rows read once per batch). ``activation_clamp`` c: ``gate <= c``, ``|up| <= c``. ``out``:
     optional bfloat16 ``[T, H]`` destination. ``down_rows``: outputs per down warp of the per-pair down kernel
@@ -858,9 +873,9 @@ def moe_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp=None, out=Non
     y = out if out is not None else torch.empty(tokens, hidden, dtype=torch.bfloat16, device=x.device)
     if weight_layout_of(l2[0]) == "mega":
         from .expert_major_decode import moe_decode_by_expert
-        from .token_major_decode import MAX_TOPK, TOKEN_MAJOR_MAX_TOKENS, moe_decode_by_token
+        from .token_major_decode import TOKEN_MAJOR_MAX_TOKENS, moe_decode_by_token, supports
 
-        if tokens <= TOKEN_MAJOR_MAX_TOKENS and topk <= MAX_TOPK:
+        if tokens <= TOKEN_MAJOR_MAX_TOKENS and supports(topk, inter):
             return moe_decode_by_token(x, topk_idx, topk_weights, l1, l2, activation_clamp, y)
         return moe_decode_by_expert(x, topk_idx, topk_weights, l1, l2, activation_clamp, y)
     order = x_order_for(tokens)
