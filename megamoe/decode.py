@@ -5,7 +5,7 @@
 
 * ``"warp_decode"`` (``megamoe.moe_decode``, ``kernels.warp_decode``): output-centric kernels, BF16
   activations, FP32 accumulation, one BF16 rounding of ``y``. With the Mega MoE layout at hand (shapes with
-  the grouped path) both projections run on tensor cores over it: at one token the token-major kernels
+  the grouped path) both projections run on tensor cores over it: up to 4 tokens the token-major kernels
   (``kernels.token_major_decode``: K split over the warps of a CTA, slots combined in shared memory), above it
   the expert-major ones (``kernels.expert_major_decode``: each routed expert read once per batch). Shapes
   without the grouped path run the per-pair SIMT kernels over the canonical weights.

@@ -318,14 +318,15 @@ def test_token_major_with_one_part_equals_expert_major(name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tuning", [(4, 6, 2, 2), (2, 6, 1, 4), (1, 2, 4, 1)])
-def test_token_major_splits_match_reference(tuning):
-    """gate_up and down split over K parts (the shapes' defaults leave one-part gate_ups here): one token, masked
-    slots, same tolerance as every path."""
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_token_major_splits_match_reference(tuning, tokens):
+    """gate_up and down split over K parts (the shapes' defaults leave one-part gate_ups here), one and four tokens,
+    masked slots: same tolerance as every path."""
     from megamoe.kernels.sm90_grouped_gemm import prepare_fp4_weights, prepare_fp4_weights_l1
     from megamoe.kernels.token_major_decode import moe_decode_by_token
 
-    x, idx, wts, l1, l2 = _problem(1, 2048, 1024, 16, 6, "fp4", 5, "cuda")
-    idx[0, 1], idx[0, 4] = -1, 16  # masked, out of range
+    x, idx, wts, l1, l2 = _problem(tokens, 2048, 1024, 16, 6, "fp4", 5, "cuda")
+    idx[0, 1], idx[-1, 4] = -1, 16  # masked, out of range
     y = torch.full_like(x, float("nan"))
     moe_decode_by_token(x, idx, wts, prepare_fp4_weights_l1(*l1, mma="bf16"), prepare_fp4_weights(*l2, mma="bf16"),
                         None, y, tuning=tuning)

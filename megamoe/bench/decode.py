@@ -7,7 +7,7 @@ reference on the first tokens of one routing, then times it in a CUDA graph that
 routings (so consecutive calls read different experts and the timing is not an L2-resident replay).
 Warp decode runs three ways, each checked: ``simt us`` (per-pair SIMT kernels, canonical weights), ``mma
 us`` (gate_up on tensor cores over the Mega MoE L1, SIMT down) and ``tc us`` (both weights in the Mega MoE layout,
-both projections on tensor cores: the token-major kernels at one token, the expert-major ones above; the last two
+both projections on tensor cores: the token-major kernels up to 4 tokens, the expert-major ones above; the last two
 for shapes with the grouped path); GB/s,
 %HBM and the crossover use the one ``MoEDecoder`` runs at that batch (``MoEDecoder.warp_weights``). Bandwidth counts the weight
 bytes the routing actually needs: every row (and its scales) of W1 and W2 of each distinct routed

@@ -1,4 +1,4 @@
-"""Warp decode for one or two tokens on tensor cores, split over K and slots inside a CTA (sm_90a, CuTe DSL).
+"""Warp decode for a few tokens on tensor cores, split over K and slots inside a CTA (sm_90a, CuTe DSL).
 
 At one token every routed expert is read by one (token, slot) pair, so the expert-major kernels
 (``expert_major_decode``) have one real MMA column per pass and too few warps: flash (H 4096, I 2048, top-6)
@@ -43,17 +43,18 @@ GATE_UP_CTAS_PER_SM = 6
 """Launch bound of gate_up: 6 CTAs of 4 warps per SM (80 registers)."""
 GATE_UP_MIN_PART_CHUNKS = 14
 """gate_up splits K into the most parts (4, 2 or 1) that leave each at least this many 128-wide chunks (flash, H 4096:
-2 parts; pro, H 7168: 4). H200, 2026-11-30, one token, all checked (``bench/results/2026-11-30_decode_token_major_h200.txt``,
-``2026-11-30_decode_token_major_smem_h200.txt``), us: flash 32 experts 2 parts 27.2-27.3 vs 4 parts 27.3-27.4 and
+2 parts; pro, H 7168: 4). H200, 2026-11-30, one token, all checked (``bench/results/``
+``2026-11-30_decode_token_major_h200.txt``, ``2026-11-30_decode_token_major_smem_h200.txt``), us: flash 32 experts 2 parts 27.2-27.3 vs 4 parts 27.3-27.4 and
 26.5-26.6 vs 26.8-26.9 (staged down); pro 48 4 parts 64.5-64.8 vs 2 parts 68.8-69.1 and 63.3-63.4 vs 67.1-67.5."""
 SMEM_BUDGET = runtime.H100_SMEM_PER_SM - 8 * 1024
 """Shared memory per SM the down CTAs may take (the SM's, less the 1 KiB the system reserves for each of up to 8)."""
-TOKEN_MAJOR_MAX_TOKENS = 2
+TOKEN_MAJOR_MAX_TOKENS = 4
 """Largest batch ``warp_decode.moe_decode`` runs these kernels for (both weights in the Mega MoE layout, a shape
 ``supports`` accepts); larger batches take the expert-major kernels, which read each routed expert once per batch.
-Same receipt, token- vs expert-major, us: flash 32 experts 27.7-27.8 vs 34.1-34.3 at T = 1, 48.4-48.7 vs 57.0-57.1
-at 2, 68.8-69.1 vs 67.0-67.3 at 3; pro 48 64.8-65.3 vs 88.5-89.0, 120.4-120.6 vs 129.1-129.3, 174.2-175.3 vs
-184.7-185.6 (at 3 tokens flash's pairs share experts enough for expert-major to win)."""
+H200, 2026-11-30, token- vs expert-major, all checked (``bench/results/2026-11-30_decode_token_major_t2_4_h200.txt``),
+us: 3 tokens flash 32 / 128 experts 63.5 vs 67.6-67.7, 67.5-67.8 vs 86.0-86.3, pro 48 / 192 164.4-164.6 vs
+182.4-183.4, 168.1-168.2 vs 195.4-197.1; 4 tokens 81.7 vs 80.7 (flash 32: 1% slower), 86.6 vs 97.0-97.3, 209.3-223.0
+vs 219.2-221.3, 217.4-222.9 vs 251.8-253.1; 2 tokens 12-24% faster on all four."""
 MAX_TOPK = 32
 """Most slots per token: the down CTA has a warp per slot (and K part), at most 1024 threads."""
 
@@ -71,7 +72,7 @@ def supports(topk: int, inter: int) -> bool:
 
 def default_tuning(hidden: int, inter: int, topk: int) -> tuple:
     """(gate_up K parts, gate_up CTAs per SM, down K parts, down CTAs per SM) for a shape: gate_up by
-    ``GATE_UP_MIN_PART_CHUNKS``; down at 24 warps per SM (78-86 registers) where shared memory allows, unsplit on 4
+    ``GATE_UP_MIN_PART_CHUNKS``; down at 24 warps per SM (77-86 registers) where shared memory allows, unsplit on 4
     CTAs per SM (flash: 26.5-26.6 us at one token vs 27.0 split on 2), else split in two on 2 (pro: 63.3-63.4 vs
     66.8-67.2 unsplit on 3; receipt ``2026-11-30_decode_token_major_smem_h200.txt``), else as many unsplit CTAs as fit."""
     chunks = hidden // K_CHUNK
@@ -95,7 +96,8 @@ def _k_part(rows: tuple, b: Int64, part, chunks: int, b_bytes_per_chunk: int) ->
 def _cp_async16_if(dst: Int32, src: Int64, on, *, loc=None, ip=None) -> None:
     """Start copying 16 bytes from global ``src`` to shared ``dst`` (``cp.async.cg``, through L2) when ``on``."""
     text = "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p cp.async.cg.shared.global [$0], [$1], 16;\n}"
-    args = [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip), Int32(on).ir_value(loc=loc, ip=ip)]
+    args = [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip),
+            Int32(on).ir_value(loc=loc, ip=ip)]
     ptx.inline_asm([], args, text, "r,l,r,~{memory}", loc, ip, side_effects=True)
 
 
@@ -297,9 +299,9 @@ def check_tuning(hidden: int, inter: int, topk: int, tuning: tuple) -> None:
 
 def moe_decode_by_token(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: tuple, l2: tuple,
                          activation_clamp: float | None, y: torch.Tensor, tuning: tuple | None = None) -> torch.Tensor:
-    """``warp_decode.moe_decode``'s path up to ``TOKEN_MAJOR_MAX_TOKENS`` tokens with both weights in the Mega MoE layout (inputs
-    validated there; ``y`` bfloat16 ``[T, H]``). Allocates the ``a`` planes ``[2, T*k, I]`` BF16 (caching
-    allocator, no sync). ``tuning``: ``default_tuning``'s fields (its choice when None), checked by ``check_tuning``."""
+    """``warp_decode.moe_decode``'s path up to ``TOKEN_MAJOR_MAX_TOKENS`` tokens with both weights in the Mega MoE
+    layout (inputs validated there; ``y`` bfloat16 ``[T, H]``). Allocates the ``a`` planes ``[2, T*k, I]`` BF16
+    (caching allocator, no sync). ``tuning``: ``default_tuning``'s fields (its choice when None), checked by ``check_tuning``."""
     tokens, topk = topk_idx.shape
     hidden, inter = x.shape[1], l1[1].shape[2] // 2  # chunk-major scales [E, H/128, 2I]
     tuning = default_tuning(hidden, inter, topk) if tuning is None else tuning

@@ -857,9 +857,9 @@ def moe_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp=None, out=Non
     decode's exact range), with ``l2`` canonical
     FP4: gate_up then runs on tensor cores (``_GateUpMMA``); with ``l2`` in that layout too (the second result,
     int32 ``[E, H/64, I/128, 64, 16]``, scales ``[E, I/128, H]``; E <= 1024) both projections run on tensor cores:
-    up to ``TOKEN_MAJOR_MAX_TOKENS`` (2) tokens (top-k and I within ``token_major_decode.supports``) the token-major kernels (``token_major_decode``: K split
-    over a CTA's warps, slots combined in shared memory), else the expert-major ones (``expert_major_decode``: each
-    routed expert's rows read once per batch). ``activation_clamp`` c: ``gate <= c``, ``|up| <= c``. ``out``:
+    up to ``TOKEN_MAJOR_MAX_TOKENS`` (4) tokens, for shapes ``token_major_decode.supports`` accepts, the token-major
+    kernels (``token_major_decode``: K split over a CTA's warps, slots combined in shared memory), else the
+    expert-major ones (``expert_major_decode``: each routed expert's rows read once per batch). ``activation_clamp`` c: ``gate <= c``, ``|up| <= c``. ``out``:
     optional bfloat16 ``[T, H]`` destination. ``down_rows``: outputs per down warp of the per-pair down kernel
     (tuning; divides H). Numerics: see the module docstring (FP32 throughout, one BF16 rounding of ``y``; the
     tensor-core downs read the activations as two BF16 terms, within 2**-17 of them).
