@@ -84,7 +84,8 @@ def test_token_major_kernels_compile_for_sm90(has_clamp):
     for hidden, inter, topk in ((4096, 2048, 6), (7168, 3072, 8), (1152, 640, 1)):
         assert all(tm.compile_kernels(hidden, inter, has_clamp, topk))
     assert all(tm.compile_kernels(4096, 2048, has_clamp, 6, tuning=(1, 6, 2, 1)))
-    assert tm.gate_up_split(1152, 4) == 1 and tm.gate_up_split(1280, 4) == 2 and tm.gate_up_split(7168, 4) == 4
+    with pytest.raises(ValueError, match="tuning\\[0\\]"):  # H / 128 = 9: no two gate_up parts
+        tm.compile_kernels(1152, 640, has_clamp, 1, tuning=(2, 6, 1, 4))
 
 
 def test_token_major_default_tuning_and_support():

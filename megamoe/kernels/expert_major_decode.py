@@ -64,6 +64,7 @@ from .warp_decode import (
     mma_rows,
     mma_stream,
     mma_tokens,
+    token_rows,
     x_order_for,
 )
 from .warp_ops import nth_set_bit, warp_inclusive_sum
@@ -253,9 +254,7 @@ class _Combine:
     @cute.jit
     def __call__(self, o: cute.Pointer, idx: cute.Pointer, wts: cute.Pointer, y: cute.Pointer, tokens: Int32,
                  experts: Int32, stream):
-        idx_t = cute.make_tensor(idx, cute.make_layout((tokens, self.topk), stride=(self.topk, 1)))
-        wts_t = cute.make_tensor(wts, cute.make_layout((tokens, self.topk), stride=(self.topk, 1)))
-        y_t = cute.make_tensor(y, cute.make_layout((tokens, self.hidden), stride=(self.hidden, 1)))
+        idx_t, wts_t, y_t = token_rows(idx, wts, y, tokens, self.topk, self.hidden)
         threads = tokens * (self.hidden // COMBINE_VEC)
         self.kernel(o, idx_t, wts_t, y_t, experts).launch(
             grid=[(threads + 255) // 256, 1, 1], block=[256, 1, 1], stream=stream, smem=0)

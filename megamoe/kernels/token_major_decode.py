@@ -35,7 +35,19 @@ from cutlass.cutlass_dsl import dsl_user_op
 from ..checks import fail
 from . import ptx, runtime
 from .sm90_fp4_decode import BF16_ACC_SHIFT, CHUNK_BYTES, K_CHUNK, ROW_BLOCK
-from .warp_decode import WARP, _fma, _ptr, _swiglu, b_lane, mma_position, mma_rows, mma_stream, mma_tokens, x_order_for
+from .warp_decode import (
+    WARP,
+    _fma,
+    _ptr,
+    _swiglu,
+    b_lane,
+    mma_position,
+    mma_rows,
+    mma_stream,
+    mma_tokens,
+    token_rows,
+    x_order_for,
+)
 
 GATE_UP_WARPS_PER_CTA = 4
 """Warps per gate_up CTA (``GATE_UP_WARPS_PER_CTA / split`` neuron blocks of 8, ``split`` K parts each)."""
@@ -44,8 +56,9 @@ GATE_UP_CTAS_PER_SM = 6
 GATE_UP_MIN_PART_CHUNKS = 14
 """gate_up splits K into the most parts (4, 2 or 1) that leave each at least this many 128-wide chunks (flash, H 4096:
 2 parts; pro, H 7168: 4). H200, 2026-11-30, one token, all checked (``bench/results/``
-``2026-11-30_decode_token_major_h200.txt``, ``2026-11-30_decode_token_major_smem_h200.txt``), us: flash 32 experts 2 parts 27.2-27.3 vs 4 parts 27.3-27.4 and
-26.5-26.6 vs 26.8-26.9 (staged down); pro 48 4 parts 64.5-64.8 vs 2 parts 68.8-69.1 and 63.3-63.4 vs 67.1-67.5."""
+``2026-11-30_decode_token_major_h200.txt``, ``2026-11-30_decode_token_major_smem_h200.txt``), us: flash 32 experts
+2 parts 27.2-27.3 vs 4 parts 27.3-27.4 and 26.5-26.6 vs 26.8-26.9 (staged down); pro 48 4 parts 64.5-64.8 vs 2
+parts 68.8-69.1 and 63.3-63.4 vs 67.1-67.5."""
 SMEM_BUDGET = runtime.H100_SMEM_PER_SM - 8 * 1024
 """Shared memory per SM the down CTAs may take (the SM's, less the 1 KiB the system reserves for each of up to 8)."""
 TOKEN_MAJOR_MAX_TOKENS = 4
@@ -74,7 +87,8 @@ def default_tuning(hidden: int, inter: int, topk: int) -> tuple:
     """(gate_up K parts, gate_up CTAs per SM, down K parts, down CTAs per SM) for a shape: gate_up by
     ``GATE_UP_MIN_PART_CHUNKS``; down at 24 warps per SM (77-86 registers) where shared memory allows, unsplit on 4
     CTAs per SM (flash: 26.5-26.6 us at one token vs 27.0 split on 2), else split in two on 2 (pro: 63.3-63.4 vs
-    66.8-67.2 unsplit on 3; receipt ``2026-11-30_decode_token_major_smem_h200.txt``), else as many unsplit CTAs as fit."""
+    66.8-67.2 unsplit on 3; receipt ``2026-11-30_decode_token_major_smem_h200.txt``), else as many unsplit CTAs as
+    fit."""
     chunks = hidden // K_CHUNK
     gate_up = next(p for p in (4, 2, 1) if p == 1 or (chunks % p == 0 and chunks // p >= GATE_UP_MIN_PART_CHUNKS))
     if 4 * stage_bytes(topk, inter, 1) <= SMEM_BUDGET:
@@ -192,9 +206,7 @@ class _DownSplit:
     @cute.jit
     def __call__(self, planes: cute.Pointer, idx: cute.Pointer, wts: cute.Pointer, w: cute.Pointer, sf: cute.Pointer,
                  y: cute.Pointer, tokens: Int32, experts: Int32, stream):
-        idx_t = cute.make_tensor(idx, cute.make_layout((tokens, self.topk), stride=(self.topk, 1)))
-        wts_t = cute.make_tensor(wts, cute.make_layout((tokens, self.topk), stride=(self.topk, 1)))
-        y_t = cute.make_tensor(y, cute.make_layout((tokens, self.hidden), stride=(self.hidden, 1)))
+        idx_t, wts_t, y_t = token_rows(idx, wts, y, tokens, self.topk, self.hidden)
         self.kernel(planes, idx_t, wts_t, w, sf, y_t, experts).launch(
             grid=[tokens * (self.hidden // 16), 1, 1], block=[self.topk * self.split * WARP, 1, 1], stream=stream,
             min_blocks_per_mp=self.min_ctas)
@@ -249,23 +261,16 @@ class _DownSplit:
                 y[t, block * 16 + lane] = total.to(cutlass.BFloat16)
 
 
-def gate_up_split(hidden: int, most: int) -> int:
-    """gate_up's K parts: the largest power of two up to ``most`` that splits H into whole 128-wide chunks."""
-    split = most
-    while (hidden // K_CHUNK) % split:
-        split //= 2
-    return split
-
-
 def compile_kernels(hidden: int, inter: int, has_clamp: bool, topk: int, tuning: tuple | None = None,
                     x_order: str = "natural"):
     """The compiled (gate_up, down) pair for one static configuration (cached; compiles without a GPU under
-    ``CUTE_DSL_ARCH=sm_90a``); token and expert counts stay runtime values, top-k is compiled into down."""
+    ``CUTE_DSL_ARCH=sm_90a``); token and expert counts stay runtime values, top-k is compiled into down. ``tuning``:
+    ``default_tuning``'s fields (its choice when None), checked by ``check_tuning``."""
     from cutlass.cute.runtime import make_fake_stream
 
     tuning = default_tuning(hidden, inter, topk) if tuning is None else tuning
+    check_tuning(hidden, inter, topk, tuning)
     split_gu, ctas_gu, split_dn, ctas_dn = tuning
-    split_gu = gate_up_split(hidden, split_gu)
     i32, i64, bf16, f32 = cutlass.Int32, cutlass.Int64, cutlass.BFloat16, cutlass.Float32
     gate_up = runtime.compiled(
         ("token_major.gate_up", hidden, inter, has_clamp, x_order, split_gu, ctas_gu),
@@ -280,12 +285,11 @@ def compile_kernels(hidden: int, inter: int, has_clamp: bool, topk: int, tuning:
 
 
 def check_tuning(hidden: int, inter: int, topk: int, tuning: tuple) -> None:
-    """``tuning`` = (gate_up K parts at most, CTAs per SM, down K parts, CTAs per SM): gate_up's a power of two up to
-    its CTA's warps (``gate_up_split`` lowers it to divide H / 128), down's dividing I / 128 within 1024 threads, its
-    CTAs' shared memory within an SM's."""
+    """``tuning`` = (gate_up K parts, CTAs per SM, down K parts, CTAs per SM): gate_up's 1, 2 or 4 (dividing its CTA's
+    warps) and dividing H / 128, down's dividing I / 128 within 1024 threads, its CTAs' shared memory within an SM's."""
     split_gu, ctas_gu, split_dn, ctas_dn = tuning
-    if split_gu not in (1, 2, 4):
-        fail("tuning[0]", f"gate_up K parts must be 1, 2 or 4, got {split_gu}")
+    if split_gu not in (1, 2, 4) or (hidden // K_CHUNK) % split_gu:
+        fail("tuning[0]", f"gate_up K parts must be 1, 2 or 4 and divide H / 128 = {hidden // K_CHUNK}, got {split_gu}")
     if split_dn < 1 or (inter // K_CHUNK) % split_dn or topk * split_dn * WARP > 1024:
         fail("tuning[2]", f"down K parts must divide I / 128 = {inter // K_CHUNK} with top-k x parts <= 32 warps, "
              f"got {split_dn} (top-k {topk})")
@@ -301,11 +305,9 @@ def moe_decode_by_token(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
                          activation_clamp: float | None, y: torch.Tensor, tuning: tuple | None = None) -> torch.Tensor:
     """``warp_decode.moe_decode``'s path up to ``TOKEN_MAJOR_MAX_TOKENS`` tokens with both weights in the Mega MoE
     layout (inputs validated there; ``y`` bfloat16 ``[T, H]``). Allocates the ``a`` planes ``[2, T*k, I]`` BF16
-    (caching allocator, no sync). ``tuning``: ``default_tuning``'s fields (its choice when None), checked by ``check_tuning``."""
+    (caching allocator, no sync). ``tuning``: as ``compile_kernels`` takes it."""
     tokens, topk = topk_idx.shape
     hidden, inter = x.shape[1], l1[1].shape[2] // 2  # chunk-major scales [E, H/128, 2I]
-    tuning = default_tuning(hidden, inter, topk) if tuning is None else tuning
-    check_tuning(hidden, inter, topk, tuning)
     order = x_order_for(tokens)
     gate_up, down = compile_kernels(hidden, inter, activation_clamp is not None, topk, tuning, order)
     planes = torch.empty(2, tokens * topk, inter, dtype=torch.bfloat16, device=x.device)

@@ -541,6 +541,14 @@ def mma_stream(rows: tuple, k: int, b_lanes: list, depth: int = GATE_UP_MMA_DEPT
     return acc
 
 
+def token_rows(idx: cute.Pointer, wts: cute.Pointer, y: cute.Pointer, tokens, topk: int, hidden: int) -> tuple:
+    """Row-major views for a down or combine launch: ``topk_idx`` ``[T, k]``, ``topk_weights`` ``[T, k]``,
+    ``y`` ``[T, H]``."""
+    return (cute.make_tensor(idx, cute.make_layout((tokens, topk), stride=(topk, 1))),
+            cute.make_tensor(wts, cute.make_layout((tokens, topk), stride=(topk, 1))),
+            cute.make_tensor(y, cute.make_layout((tokens, hidden), stride=(hidden, 1))))
+
+
 class _Slot(NamedTuple):
     """One (token, slot) of the down kernel: its R weight rows' and scale rows' addresses, 1 if the slot
     is valid else 0, and its routing weight times the decode bias (0 when masked)."""
@@ -567,9 +575,7 @@ class _Down:
     @cute.jit
     def __call__(self, a: cute.Pointer, idx: cute.Pointer, wts: cute.Pointer, w: cute.Pointer, sf: cute.Pointer,
                  y: cute.Pointer, tokens: Int32, experts: Int32, stream):
-        idx_t = cute.make_tensor(idx, cute.make_layout((tokens, self.topk), stride=(self.topk, 1)))
-        wts_t = cute.make_tensor(wts, cute.make_layout((tokens, self.topk), stride=(self.topk, 1)))
-        y_t = cute.make_tensor(y, cute.make_layout((tokens, self.hidden), stride=(self.hidden, 1)))
+        idx_t, wts_t, y_t = token_rows(idx, wts, y, tokens, self.topk, self.hidden)
         grid = (tokens * (self.hidden // self.rows) + WARPS_PER_CTA - 1) // WARPS_PER_CTA
         self.kernel(a, idx_t, wts_t, w, sf, y_t, experts).launch(
             grid=[grid, 1, 1], block=[WARPS_PER_CTA * WARP, 1, 1], stream=stream, smem=0,
@@ -859,7 +865,8 @@ def moe_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp=None, out=Non
     int32 ``[E, H/64, I/128, 64, 16]``, scales ``[E, I/128, H]``; E <= 1024) both projections run on tensor cores:
     up to ``TOKEN_MAJOR_MAX_TOKENS`` (4) tokens, for shapes ``token_major_decode.supports`` accepts, the token-major
     kernels (``token_major_decode``: K split over a CTA's warps, slots combined in shared memory), else the
-    expert-major ones (``expert_major_decode``: each routed expert's rows read once per batch). ``activation_clamp`` c: ``gate <= c``, ``|up| <= c``. ``out``:
+    expert-major ones (``expert_major_decode``: each routed expert's rows read once per batch). ``activation_clamp``
+    c: ``gate <= c``, ``|up| <= c``. ``out``:
     optional bfloat16 ``[T, H]`` destination. ``down_rows``: outputs per down warp of the per-pair down kernel
     (tuning; divides H). Numerics: see the module docstring (FP32 throughout, one BF16 rounding of ``y``; the
     tensor-core downs read the activations as two BF16 terms, within 2**-17 of them).
