@@ -122,13 +122,14 @@ def _cp_async_wait_all(*, loc=None, ip=None) -> None:
 
 
 @cute.jit
-def _stage_rows(dst: Int32, src: Int64, nbytes: int, lane: Int32):
-    """The warp copies ``nbytes`` (a multiple of 16) from global ``src`` to shared ``dst`` and waits for them (every
-    copy issued before the wait; visible to the whole warp after it)."""
+def _stage_rows(copies: list, nbytes: int, lane: Int32):
+    """The warp copies ``nbytes`` (a multiple of 16) from global ``src`` to shared ``dst`` for every ``(dst, src)`` of
+    ``copies`` and waits for them once (every copy issued before the wait; visible to the whole warp after it)."""
     vecs = nbytes // 16
-    for i in cutlass.range_constexpr((vecs + WARP - 1) // WARP):
-        v = lane + i * WARP
-        _cp_async16_if(dst + v * 16, src + Int64(v) * 16, Int32(v < vecs) if (i + 1) * WARP > vecs else Int32(1))
+    for dst, src in copies:
+        for i in cutlass.range_constexpr((vecs + WARP - 1) // WARP):
+            v = lane + i * WARP
+            _cp_async16_if(dst + v * 16, src + Int64(v) * 16, Int32(v < vecs) if (i + 1) * WARP > vecs else Int32(1))
     _cp_async_wait_all()
     cute.arch.sync_warp()
 
@@ -238,8 +239,7 @@ class _DownSplit:
             rows, hi = _k_part(rows, hi, part, chunks, K_CHUNK * 2)
             # this warp's hi and lo parts of a, copied to shared memory once: B loads of a few cycles
             hi_s = stage.iterator.toint() + wi * (2 * part_bytes)
-            _stage_rows(hi_s, hi, part_bytes, lane)
-            _stage_rows(hi_s + part_bytes, hi + Int64(pairs) * (inter * 2), part_bytes, lane)
+            _stage_rows([(hi_s, hi), (hi_s + part_bytes, hi + Int64(pairs) * (inter * 2))], part_bytes, lane)
             hi_s = b_lane(hi_s, q, "mma")
             acc = mma_stream(rows, chunks * K_CHUNK, [hi_s, hi_s + part_bytes], b_shared=True)
             rows_lo = (acc[0] + acc[4]) + (acc[8] + acc[12])
