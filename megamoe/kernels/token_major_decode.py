@@ -45,6 +45,7 @@ from .warp_decode import (
     mma_rows,
     mma_stream,
     mma_tokens,
+    slots_view,
     token_rows,
     x_order_for,
 )
@@ -144,7 +145,7 @@ class _GateUpSplit:
     @cute.jit
     def __call__(self, x: cute.Pointer, idx: cute.Pointer, w: cute.Pointer, sf: cute.Pointer, planes: cute.Pointer,
                  tokens: Int32, topk: Int32, experts: Int32, clamp: Float32, stream):
-        idx_t = cute.make_tensor(idx, cute.make_layout((tokens, topk), stride=(topk, 1)))
+        idx_t = slots_view(idx, tokens, topk)
         units = tokens * topk * (self.inter // 8)
         per_cta = GATE_UP_WARPS_PER_CTA // self.split
         self.kernel(x, idx_t, w, sf, planes, experts, clamp).launch(

@@ -345,7 +345,7 @@ class _GateUpLaunch:
     @cute.jit
     def __call__(self, x: cute.Pointer, idx: cute.Pointer, w: cute.Pointer, sf: cute.Pointer, a: cute.Pointer,
                  tokens: Int32, topk: Int32, experts: Int32, clamp: Float32, stream):
-        idx_t = cute.make_tensor(idx, cute.make_layout((tokens, topk), stride=(topk, 1)))
+        idx_t = slots_view(idx, tokens, topk)
         row = self.a_fmt.interleaved_row(self.inter)
         a_t = cute.make_tensor(a, cute.make_layout((tokens, topk, row), stride=(topk * row, row, 1)))
         grid = (tokens * topk * self.warps_per_pair + self.warps_per_cta - 1) // self.warps_per_cta
@@ -532,20 +532,24 @@ def mma_stream(rows: tuple, k: int, b_lanes: list, depth: int = GATE_UP_MMA_DEPT
     (``mma_chunk``), times ``2**-BF16_ACC_SHIFT``."""
     chunks = k // K_CHUNK
     acc = [Float32(0.0)] * (8 * len(b_lanes))
+    load_b = _ld_mma_chunk_shared if b_shared else _ld_natural_chunk if b_order == "natural" else _ld_mma_chunk
     loaded = [mma_load(rows, c) for c in range(min(depth, chunks))]
     for c in range(chunks):  # unrolled at trace time
         if c + depth < chunks:
             loaded.append(mma_load(rows, c + depth))
-        load_b = _ld_mma_chunk_shared if b_shared else _ld_natural_chunk if b_order == "natural" else _ld_mma_chunk
         acc = mma_chunk(acc, loaded[c], [load_b(b + c * (K_CHUNK * 2)) for b in b_lanes])
     return acc
+
+
+def slots_view(ptr: cute.Pointer, tokens, topk) -> cute.Tensor:
+    """A row-major ``[T, k]`` view (``topk_idx``, ``topk_weights``) for a launch."""
+    return cute.make_tensor(ptr, cute.make_layout((tokens, topk), stride=(topk, 1)))
 
 
 def token_rows(idx: cute.Pointer, wts: cute.Pointer, y: cute.Pointer, tokens, topk: int, hidden: int) -> tuple:
     """Row-major views for a down or combine launch: ``topk_idx`` ``[T, k]``, ``topk_weights`` ``[T, k]``,
     ``y`` ``[T, H]``."""
-    return (cute.make_tensor(idx, cute.make_layout((tokens, topk), stride=(topk, 1))),
-            cute.make_tensor(wts, cute.make_layout((tokens, topk), stride=(topk, 1))),
+    return (slots_view(idx, tokens, topk), slots_view(wts, tokens, topk),
             cute.make_tensor(y, cute.make_layout((tokens, hidden), stride=(hidden, 1))))
 
 
