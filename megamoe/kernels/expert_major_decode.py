@@ -63,7 +63,7 @@ from .warp_decode import (
     mma_position,
     mma_rows,
     mma_stream,
-    mma_tokens,
+    run_planes_gate_up,
     token_rows,
     x_order_for,
 )
@@ -312,18 +312,14 @@ def moe_decode_by_expert(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: 
     experts = l1[0].shape[0]
     order = x_order_for(tokens)
     gate_up, down, combine = compile_kernels(hidden, inter, activation_clamp is not None, topk, tuning, order)
-    planes = torch.empty(2, tokens * topk, inter, dtype=torch.bfloat16, device=x.device)
-    o = torch.empty(tokens * topk, hidden, dtype=torch.float32, device=x.device)
     stream = runtime.current_stream()
+    planes = run_planes_gate_up(gate_up, x, topk_idx, l1, activation_clamp, order, stream)
+    o = torch.empty(tokens * topk, hidden, dtype=torch.float32, device=x.device)
     clamp = 0.0 if activation_clamp is None else float(activation_clamp)
     i32, bf16, f32 = cutlass.Int32, cutlass.BFloat16, cutlass.Float32
     idx = _ptr(cutlass.Int64, topk_idx.data_ptr())
-    planes_ptr = _ptr(bf16, planes.data_ptr())
-    xb = mma_tokens(x, order)
-    gate_up(_ptr(bf16, xb.data_ptr()), idx, _ptr(i32, l1[0].data_ptr()), _ptr(i32, l1[1].data_ptr()), planes_ptr,
-            tokens, topk, experts, clamp, stream)
-    down(planes_ptr, idx, _ptr(i32, l2[0].data_ptr()), _ptr(i32, l2[1].data_ptr()), _ptr(f32, o.data_ptr()),
-         tokens, topk, experts, clamp, stream)
+    down(_ptr(bf16, planes.data_ptr()), idx, _ptr(i32, l2[0].data_ptr()), _ptr(i32, l2[1].data_ptr()),
+         _ptr(f32, o.data_ptr()), tokens, topk, experts, clamp, stream)
     combine(_ptr(f32, o.data_ptr()), idx, _ptr(f32, topk_weights.data_ptr()), _ptr(bf16, y.data_ptr()), tokens,
             experts, stream)
     return y

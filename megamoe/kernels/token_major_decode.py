@@ -44,7 +44,7 @@ from .warp_decode import (
     mma_position,
     mma_rows,
     mma_stream,
-    mma_tokens,
+    run_planes_gate_up,
     slots_view,
     token_rows,
     x_order_for,
@@ -311,15 +311,10 @@ def moe_decode_by_token(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
     hidden, inter = x.shape[1], l1[1].shape[2] // 2  # chunk-major scales [E, H/128, 2I]
     order = x_order_for(tokens)
     gate_up, down = compile_kernels(hidden, inter, activation_clamp is not None, topk, tuning, order)
-    planes = torch.empty(2, tokens * topk, inter, dtype=torch.bfloat16, device=x.device)
     stream = runtime.current_stream()
-    clamp = 0.0 if activation_clamp is None else float(activation_clamp)
+    planes = run_planes_gate_up(gate_up, x, topk_idx, l1, activation_clamp, order, stream)
     i32, i64, bf16, f32 = cutlass.Int32, cutlass.Int64, cutlass.BFloat16, cutlass.Float32
-    idx, planes_ptr = _ptr(i64, topk_idx.data_ptr()), _ptr(bf16, planes.data_ptr())
-    xb = mma_tokens(x, order)
-    experts = l1[0].shape[0]
-    gate_up(_ptr(bf16, xb.data_ptr()), idx, _ptr(i32, l1[0].data_ptr()), _ptr(i32, l1[1].data_ptr()), planes_ptr,
-            tokens, topk, experts, clamp, stream)
-    down(planes_ptr, idx, _ptr(f32, topk_weights.data_ptr()), _ptr(i32, l2[0].data_ptr()), _ptr(i32, l2[1].data_ptr()),
-         _ptr(bf16, y.data_ptr()), tokens, experts, stream)
+    down(_ptr(bf16, planes.data_ptr()), _ptr(i64, topk_idx.data_ptr()), _ptr(f32, topk_weights.data_ptr()),
+         _ptr(i32, l2[0].data_ptr()), _ptr(i32, l2[1].data_ptr()), _ptr(bf16, y.data_ptr()), tokens, l1[0].shape[0],
+         stream)
     return y

@@ -729,6 +729,20 @@ def mma_tokens(x: torch.Tensor, x_order: str) -> torch.Tensor:
     return x if x_order == "natural" else interleave_tokens(x, "mma")
 
 
+def run_planes_gate_up(gate_up, x: torch.Tensor, topk_idx: torch.Tensor, l1: tuple, activation_clamp: float | None,
+                       x_order: str, stream) -> torch.Tensor:
+    """Launch the compiled gate_up of the token- or expert-major path (``x`` read in ``x_order``, ``l1`` in the Mega
+    MoE layout) into new ``a`` planes ``[2, T*k, I]`` BF16 (caching allocator, no sync) and return them."""
+    tokens, topk = topk_idx.shape
+    planes = torch.empty(2, tokens * topk, l1[1].shape[2] // 2, dtype=torch.bfloat16, device=x.device)
+    clamp = 0.0 if activation_clamp is None else float(activation_clamp)
+    bf16, i32 = cutlass.BFloat16, cutlass.Int32
+    gate_up(_ptr(bf16, mma_tokens(x, x_order).data_ptr()), _ptr(cutlass.Int64, topk_idx.data_ptr()),
+            _ptr(i32, l1[0].data_ptr()), _ptr(i32, l1[1].data_ptr()), _ptr(bf16, planes.data_ptr()), tokens, topk,
+            l1[0].shape[0], clamp, stream)
+    return planes
+
+
 def mma_position(n):
     """Position of element ``n`` of a row in MMA order (``interleave_tokens(.., "mma")``; the expert-major gate_up
     stores ``a`` so, the down kernel reads it with ``_ld_mma_chunk``): element ``128c + 32w + 16kk + 8h + 2q + i`` sits at ``128c + 32w + 8q +
