@@ -20,7 +20,8 @@ MMA modes (``GemmConfig.mma``), fixed by how the weights were prepared (``prepar
   -> f32 into one FP32 accumulator over the whole K: no promotion, wgmmas back to back.
 * ``"fp8"``: tokens FP8 E4M3 + packed UE8M0 ``a_sf``; weights decoded to E4M3, RS wgmma ``k32`` e4m3 into a
   fresh accumulator per 32-K block, then ``acc += tmp * (2^sb[n, kb] * 2^sa[m, kb])`` in FP32 (two
-  temporaries alternate so the promotion of block kb overlaps the wgmma of kb+1).
+  temporaries alternate so the promotion of block kb overlaps the wgmma of kb+1; 8-row token tiles give each
+  of a chunk's four blocks its own temporary and wait once per chunk: ``DEFERRED_MAX_TILE_TOKENS``).
 
 Both are exact up to FP32 summation order (every product is exact) and the final rounding.
 
@@ -162,6 +163,12 @@ TILE_TOKENS_CHOICES = {"bf16": (8, 16, 32, 64, 128), "fp8": (8, 16, 32, 64)}
 TILE_N_CHOICES = (64, 128)
 TWO_CTA_TILE_TOKENS = {"bf16": 32, "fp8": 16}
 """Largest token tile that may run two CTAs per SM (``GemmConfig.ctas_per_sm``), per MMA mode."""
+DEFERRED_MAX_TILE_TOKENS = 8
+"""FP8 mode: token tiles up to this many rows issue a 128-K chunk's four k32 wgmmas into four temporaries and
+promote them after one wait. H200, 2026-11-30, A/B in turns, all checked (``bench/results/``
+``2026-11-30_gemm_fp8_deferred_promotion_h200.json``): 8-row tiles 2-6% faster on flash / pro L1 / L2 at EP8 and
+EP128 (flash L1 EP8 one row 106.6-106.9 vs 109.9-111.3 us); 16-row tiles (8 registers per temporary, spilling)
+2-3% faster at EP8, 3% slower in one round of tiles (EP128), so they keep the alternating pair."""
 THREE_CTA_TILE_TOKENS = 8
 """Three CTAs per SM: BF16 mode, 64-row weight tiles (one consumer warpgroup) and token tiles of this many rows
 (80 registers per thread, 256 threads per CTA)."""
@@ -415,6 +422,8 @@ def _build_kernel_class():
             self.trace = comm is not None and comm.trace  # phase timestamps into record (megamoe.timeline)
             self.debug = debug
             self.bf16 = config.mma == "bf16"
+            # FP8 mode, 8-row token tiles: a chunk's four k32 wgmmas into four temporaries, one wait, four promotions.
+            self.deferred = not self.bf16 and config.tile_tokens <= DEFERRED_MAX_TILE_TOKENS
             self.group_mode = group_mode
             self.epilogue = epilogue
             self.fused = epilogue == "l1_l2"  # L1 tiles (swiglu_fp8_bf16), then L2 tiles (bf16_scatter)
@@ -1307,6 +1316,8 @@ def _build_kernel_class():
             else:
                 tmp0 = cute.make_rmem_tensor(acc_shape, Float32)
                 tmp1 = cute.make_rmem_tensor(acc_shape, Float32)
+                tmp2 = cute.make_rmem_tensor(acc_shape, Float32)
+                tmp3 = cute.make_rmem_tensor(acc_shape, Float32)
                 sfa_words = cute.make_rmem_tensor((2, n_cols), Int32)  # (c, j)
                 sw = cute.make_rmem_tensor((2,), Float32)
                 sa = cute.make_rmem_tensor((2, n_cols), Float32)
@@ -1370,16 +1381,30 @@ def _build_kernel_class():
                         for j in cutlass.range_constexpr(n_cols):
                             for c in cutlass.range_constexpr(2):
                                 sfa_words[c, j] = sSFA[cC[c + 4 * j][1], w, s]
-                        for kb in cutlass.range_constexpr(4):
-                            tmp = tmp0 if kb % 2 == 0 else tmp1
+                        if cutlass.const_expr(self.deferred):
                             warpgroup.fence()
-                            cute.gemm(tiled_mma, tmp, tCrA[(None, None, kb)], tCrB[(None, None, kb, s)], tmp)
+                            cute.gemm(tiled_mma, tmp0, tCrA[(None, None, 0)], tCrB[(None, None, 0, s)], tmp0)
+                            cute.gemm(tiled_mma, tmp1, tCrA[(None, None, 1)], tCrB[(None, None, 1, s)], tmp1)
+                            cute.gemm(tiled_mma, tmp2, tCrA[(None, None, 2)], tCrB[(None, None, 2, s)], tmp2)
+                            cute.gemm(tiled_mma, tmp3, tCrA[(None, None, 3)], tCrB[(None, None, 3, s)], tmp3)
                             warpgroup.commit_group()
-                            if cutlass.const_expr(kb > 0):
-                                warpgroup.wait_group(1)
-                                self.promote(acc, tmp1 if kb % 2 == 0 else tmp0, kb - 1, sfw_words, sfa_words, sw, sa)
-                        warpgroup.wait_group(0)
-                        self.promote(acc, tmp1, 3, sfw_words, sfa_words, sw, sa)
+                            warpgroup.wait_group(0)
+                            self.promote(acc, tmp0, 0, sfw_words, sfa_words, sw, sa)
+                            self.promote(acc, tmp1, 1, sfw_words, sfa_words, sw, sa)
+                            self.promote(acc, tmp2, 2, sfw_words, sfa_words, sw, sa)
+                            self.promote(acc, tmp3, 3, sfw_words, sfa_words, sw, sa)
+                        else:
+                            for kb in cutlass.range_constexpr(4):
+                                tmp = tmp0 if kb % 2 == 0 else tmp1
+                                warpgroup.fence()
+                                cute.gemm(tiled_mma, tmp, tCrA[(None, None, kb)], tCrB[(None, None, kb, s)], tmp)
+                                warpgroup.commit_group()
+                                if cutlass.const_expr(kb > 0):
+                                    warpgroup.wait_group(1)
+                                    self.promote(acc, tmp1 if kb % 2 == 0 else tmp0, kb - 1, sfw_words, sfa_words,
+                                                 sw, sa)
+                            warpgroup.wait_group(0)
+                            self.promote(acc, tmp1, 3, sfw_words, sfa_words, sw, sa)
                         ab_pipeline.consumer_release(state)
                         state.advance()
 
