@@ -1316,8 +1316,7 @@ def _build_kernel_class():
             else:
                 tmp0 = cute.make_rmem_tensor(acc_shape, Float32)
                 tmp1 = cute.make_rmem_tensor(acc_shape, Float32)
-                tmp2 = cute.make_rmem_tensor(acc_shape, Float32)
-                tmp3 = cute.make_rmem_tensor(acc_shape, Float32)
+                tmps = (tmp0, tmp1, cute.make_rmem_tensor(acc_shape, Float32), cute.make_rmem_tensor(acc_shape, Float32))
                 sfa_words = cute.make_rmem_tensor((2, n_cols), Int32)  # (c, j)
                 sw = cute.make_rmem_tensor((2,), Float32)
                 sa = cute.make_rmem_tensor((2, n_cols), Float32)
@@ -1383,16 +1382,13 @@ def _build_kernel_class():
                                 sfa_words[c, j] = sSFA[cC[c + 4 * j][1], w, s]
                         if cutlass.const_expr(self.deferred):
                             warpgroup.fence()
-                            cute.gemm(tiled_mma, tmp0, tCrA[(None, None, 0)], tCrB[(None, None, 0, s)], tmp0)
-                            cute.gemm(tiled_mma, tmp1, tCrA[(None, None, 1)], tCrB[(None, None, 1, s)], tmp1)
-                            cute.gemm(tiled_mma, tmp2, tCrA[(None, None, 2)], tCrB[(None, None, 2, s)], tmp2)
-                            cute.gemm(tiled_mma, tmp3, tCrA[(None, None, 3)], tCrB[(None, None, 3, s)], tmp3)
+                            for kb in cutlass.range_constexpr(4):
+                                cute.gemm(tiled_mma, tmps[kb], tCrA[(None, None, kb)], tCrB[(None, None, kb, s)],
+                                          tmps[kb])
                             warpgroup.commit_group()
                             warpgroup.wait_group(0)
-                            self.promote(acc, tmp0, 0, sfw_words, sfa_words, sw, sa)
-                            self.promote(acc, tmp1, 1, sfw_words, sfa_words, sw, sa)
-                            self.promote(acc, tmp2, 2, sfw_words, sfa_words, sw, sa)
-                            self.promote(acc, tmp3, 3, sfw_words, sfa_words, sw, sa)
+                            for kb in cutlass.range_constexpr(4):
+                                self.promote(acc, tmps[kb], kb, sfw_words, sfa_words, sw, sa)
                         else:
                             for kb in cutlass.range_constexpr(4):
                                 tmp = tmp0 if kb % 2 == 0 else tmp1
