@@ -884,9 +884,8 @@ def moe_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp=None, out=Non
     up to ``TOKEN_MAJOR_MAX_TOKENS`` (4) tokens, for shapes ``token_major_decode.supports`` accepts, the token-major
     kernels (``token_major_decode``: K split over a CTA's warps, slots combined in shared memory), else the
     expert-major ones (``expert_major_decode``: each routed expert's rows read once per batch). ``activation_clamp``
-    c: ``gate <= c``, ``|up| <= c``. ``out``:
-    optional bfloat16 ``[T, H]`` destination. ``down_rows``: outputs per down warp of the per-pair down kernel
-    (tuning; divides H). Numerics: see the module docstring (FP32 throughout, one BF16 rounding of ``y``; the
+    c: ``gate <= c``, ``|up| <= c``. ``out``: optional bfloat16 ``[T, H]`` destination. ``down_rows``: outputs per
+    down warp of the per-pair down kernel (tuning; divides H). Numerics: see the module docstring (FP32 throughout, one BF16 rounding of ``y``; the
     tensor-core downs read the activations as two BF16 terms, within 2**-17 of them).
     """
     fmt, hidden, inter = check_decode_inputs(x, topk_idx, topk_weights, l1, l2, activation_clamp, out)
