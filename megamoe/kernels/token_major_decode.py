@@ -13,8 +13,8 @@ sums meet in shared memory, in a fixed order, inside one CTA:
 * ``down`` over L2 in the Mega MoE layout: a CTA owns 16 outputs ``y[t, h:h+16]`` of one token; its warps are
   (slot j, K part p), ``k * split`` of them, each copying its part of ``hi`` and ``lo`` into shared memory once
   (``cp.async``; B operands then come from ``ld.shared``: 77-86 registers instead of 141-144, so 24 warps per SM)
-  and streaming rows ``h:h+16`` of ``W2[e_j]`` over its K part against them (two MMAs per weight fragment, exact
-  products). After one barrier warp 0 sums, per output, the parts of each slot in part order and then
+  and streaming rows ``h:h+16`` of ``W2[e_j]`` over its K part against them (one MMA per weight fragment, ``hi`` in
+  the B operand's even columns and ``lo`` in its odd ones; exact products). After one barrier warp 0 sums, per output, the parts of each slot in part order and then
   ``w_tj * o_j`` over the valid slots in slot order (FP32) and stores ``y`` in BF16: no FP32 ``o`` in global
   memory and no combine launch.
 
@@ -241,10 +241,11 @@ class _DownSplit:
             # this warp's hi and lo parts of a, copied to shared memory once: B loads of a few cycles
             hi_s = stage.iterator.toint() + wi * (2 * part_bytes)
             _stage_rows([(hi_s, hi), (hi_s + part_bytes, hi + Int64(pairs) * (inter * 2))], part_bytes, lane)
-            hi_s = b_lane(hi_s, q, "mma")
-            acc = mma_stream(rows, chunks * K_CHUNK, [hi_s, hi_s + part_bytes], b_shared=True)
-            rows_lo = (acc[0] + acc[4]) + (acc[8] + acc[12])
-            rows_hi = (acc[2] + acc[6]) + (acc[10] + acc[14])
+            # one B operand: hi in the even columns, lo in the odd ones; lane q = 0 holds row g's (col 0, col 1) in
+            # acc[0:2] and row g + 8's in acc[2:4] (+ 4: the other K block parity)
+            acc = mma_stream(rows, chunks * K_CHUNK, [b_lane(hi_s + (gl % 2) * part_bytes, q, "mma")], b_shared=True)
+            rows_lo = (acc[0] + acc[4]) + (acc[1] + acc[5])
+            rows_hi = (acc[2] + acc[6]) + (acc[3] + acc[7])
         if q == 0:
             sums[wi, gl] = rows_lo
             sums[wi, gl + 8] = rows_hi
