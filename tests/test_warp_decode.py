@@ -301,10 +301,13 @@ def test_matches_fp32_reference(name, l1_layout):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["batch1", "one-token-masked", "two-tokens"])
+@pytest.mark.parametrize("name", ["batch1", "one-token-masked", "two-tokens", "ragged-hot"])
 def test_token_major_with_one_part_equals_expert_major(name):
     """Unsplit, the token-major kernels group every FP32 sum as the expert-major kernels do (gate_up chains, down's
-    four chains per output, slots in order): one token, both weights in the Mega MoE layout, the same bits."""
+    four chains per output, slots in order): both weights in the Mega MoE layout, the same bits. The expert-major
+    down takes its packed pass (hi and lo of up to 4 pairs as the columns of one operand) where an expert has at
+    most 4 pairs (one and two tokens) and unpacked passes of 8 pairs where it has more ("ragged-hot": 13 tokens on
+    the same 6 experts)."""
     from megamoe.kernels.expert_major_decode import moe_decode_by_expert
     from megamoe.kernels.sm90_grouped_gemm import prepare_fp4_weights, prepare_fp4_weights_l1
     from megamoe.kernels.token_major_decode import moe_decode_by_token

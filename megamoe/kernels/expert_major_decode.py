@@ -151,6 +151,7 @@ class _ByExpert:
     rows_per_expert: int
     b_order: str  # of the B rows (``mma_stream``)
     tuning: tuple  # (chunks in flight, CTAs per SM)
+    packed_pairs = 0  # experts routed by at most this many pairs take one packed pass (``_DownByExpert``)
 
     @cute.jit
     def __call__(self, b: cute.Pointer, idx: cute.Pointer, w: cute.Pointer, sf: cute.Pointer, out: cute.Pointer,
@@ -177,6 +178,10 @@ class _ByExpert:
         if e >= 0:
             first_row = Int64(block) * 16
             _, count = _find_routed(idx, e, lane, Int32(-1))
+            if cutlass.const_expr(self.packed_pairs > 0):
+                if count <= self.packed_pairs:  # one pass, both B planes of each pair in one operand
+                    self.packed_pass(b, idx, w, sf, out, e, first_row, lane)
+                    count = Int32(0)
             for start in cutlass.range(0, count, COLUMNS, unroll=1):
                 # Addressed through an opaque copy made in the loop: otherwise the weight loads, invariant
                 # across passes, are hoisted out of it all at once (hundreds of registers, spills).
@@ -225,10 +230,43 @@ class _DownByExpert(_ByExpert):
         self.hidden, self.inter = hidden, inter
         self.k, self.rows_per_expert, self.tuning, self.b_order = inter, hidden, tuning, "mma"
 
+    packed_pairs = COLUMNS // 2
+
     def b_lanes(self, a: cute.Pointer, pair: Int32, topk: Int32, pairs: Int32, q: Int32) -> list:
         """The lane's addresses in its column's ``hi`` and ``lo`` rows."""
         hi = b_lane(a.toint() + Int64(pair) * (self.inter * 2), q, self.b_order)
         return [hi, hi + Int64(pairs) * (self.inter * 2)]
+
+    def packed_b_lane(self, a: cute.Pointer, pair: Int32, pairs: Int32, lane: Int32) -> Int64:
+        """Packed pass: column ``2p`` is pair p's ``hi`` row, column ``2p + 1`` its ``lo`` row (lane column
+        ``lane / 4``)."""
+        plane = (lane // 4) % 2
+        return b_lane(a.toint() + (Int64(plane) * pairs + pair) * (self.inter * 2), lane % 4, self.b_order)
+
+    @cute.jit
+    def packed_pass(self, a: cute.Pointer, idx: cute.Tensor, w: cute.Pointer, sf: cute.Pointer, o: cute.Pointer,
+                    e: Int32, first_row: Int64, lane: Int32):
+        """The rows times the ``hi`` and ``lo`` rows of expert ``e``'s (at most ``packed_pairs``) pairs in one
+        pass: one MMA per weight fragment instead of two."""
+        rows = mma_rows(w, sf, e, first_row, self.rows_per_expert, self.k, lane)
+        found, _ = _find_routed(idx, e, lane, lane % COLUMNS)  # lane c < 8: pair c
+        b_pair = cute.arch.shuffle_sync(found, lane // 8)
+        acc = mma_stream(rows, self.k, [self.packed_b_lane(a, cutlass.max(b_pair, Int32(0)), idx.shape[0], lane)],
+                         self.tuning[0], self.b_order)
+        self.packed_epilogue(acc, cute.arch.shuffle_sync(found, lane % 4), o, idx.shape[0], Int32(first_row // 16),
+                             lane)
+
+    @cute.jit
+    def packed_epilogue(self, acc: list, pair: Int32, o: cute.Pointer, total_pairs: Int32, block: Int32,
+                        lane: Int32):
+        """Packed pass: lane q's columns ``2q``, ``2q + 1`` are pair q's ``hi`` and ``lo`` sums; added as in
+        ``epilogue`` (hi chains, then lo chains), so the bits are those of an unpacked pass."""
+        out = cute.make_tensor(o, cute.make_layout((total_pairs * self.hidden,)))
+        row = block * 16 + lane // 4
+        if pair >= 0:
+            for r in cutlass.range_constexpr(2):
+                v = (acc[2 * r] + acc[4 + 2 * r]) + (acc[2 * r + 1] + acc[5 + 2 * r])
+                out[Int64(pair) * self.hidden + row + 8 * r] = v * Float32(2.0**BF16_ACC_SHIFT)
 
     @cute.jit
     def epilogue(self, acc: list, pairs: tuple, o: cute.Pointer, total_pairs: Int32, block: Int32, lane: Int32,
