@@ -22,8 +22,11 @@ order first):
   each real pair as two BF16 planes ``hi = bf16(a)``, ``lo = bf16(a - hi)`` (``a_planes`` ``[2, T*k, I]``,
   MMA order), so that ``hi + lo`` carries ``a`` to 2**-17 relative.
 * ``down`` over L2 in the same layout (``int32 [E, H, I/128, 16]``): warp = (expert, 16 outputs); B
-  operands ``hi`` and ``lo`` (two MMAs per weight fragment, exact products, FP32 sums); stores
-  ``o [T*k, H]`` FP32 for each real pair (the routing weight is not applied yet).
+  operands ``hi`` and ``lo`` (two MMAs per weight fragment, exact products, FP32 sums), except for an expert
+  routed by at most ``COLUMNS / 2`` pairs: one packed pass with pair p's ``hi`` and ``lo`` in columns 2p and
+  2p + 1 of one operand (one MMA per fragment, the same sums, the same bits); stores ``o [T*k, H]`` FP32 for
+  each real pair (the routing weight is not applied yet). The packed pass made the calls 2-4% faster at 8-16
+  tokens (H200, ``bench/results/2026-12-01_decode_expert_down_packed_h200.txt``).
 * ``combine``: ``y[t, h] = bf16(sum_j w_tj * o[t*k + j, h])`` in FP32 over the valid slots in slot order
   (masked slots are skipped, whatever ``o`` holds for them).
 
