@@ -229,11 +229,11 @@ class _GateUpByExpert(_ByExpert):
 class _DownByExpert(_ByExpert):
     """``o [T*k, H]`` (FP32, routing weight not applied) for every routed pair from L2 in the Mega MoE layout."""
 
+    packed_pairs = COLUMNS // 2
+
     def __init__(self, hidden: int, inter: int, tuning: tuple):
         self.hidden, self.inter = hidden, inter
         self.k, self.rows_per_expert, self.tuning, self.b_order = inter, hidden, tuning, "mma"
-
-    packed_pairs = COLUMNS // 2
 
     def b_lanes(self, a: cute.Pointer, pair: Int32, topk: Int32, pairs: Int32, q: Int32) -> list:
         """The lane's addresses in its column's ``hi`` and ``lo`` rows."""

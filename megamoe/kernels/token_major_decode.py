@@ -14,9 +14,9 @@ sums meet in shared memory, in a fixed order, inside one CTA:
   (slot j, K part p), ``k * split`` of them, each copying its part of ``hi`` and ``lo`` into shared memory once
   (``cp.async``; B operands then come from ``ld.shared``: 77-86 registers instead of 141-144, so 24 warps per SM)
   and streaming rows ``h:h+16`` of ``W2[e_j]`` over its K part against them (one MMA per weight fragment, ``hi`` in
-  the B operand's even columns and ``lo`` in its odd ones; exact products). After one barrier warp 0 sums, per output, the parts of each slot in part order and then
-  ``w_tj * o_j`` over the valid slots in slot order (FP32) and stores ``y`` in BF16: no FP32 ``o`` in global
-  memory and no combine launch.
+  the B operand's even columns and ``lo`` in its odd ones; exact products). After one barrier warp 0 sums, per
+  output, the parts of each slot in part order and then ``w_tj * o_j`` over the valid slots in slot order (FP32)
+  and stores ``y`` in BF16: no FP32 ``o`` in global memory and no combine launch.
 
 Numerics: those of the expert-major path (exact weight products, FP32 sums, ``a`` read as ``hi + lo`` within
 2**-17, one BF16 rounding of ``y``); with ``split = 1`` the sums are grouped exactly as there, so ``y`` is the
