@@ -63,6 +63,7 @@ from .warp_decode import (
     _ptr,
     _swiglu,
     b_lane,
+    hi_lo_column_sums,
     mma_position,
     mma_rows,
     mma_stream,
@@ -182,8 +183,8 @@ class _ByExpert:
             first_row = Int64(block) * 16
             _, count = _find_routed(idx, e, lane, Int32(-1))
             if cutlass.const_expr(self.packed_pairs > 0):
-                if count <= self.packed_pairs:  # one pass, both B planes of each pair in one operand
-                    self.packed_pass(b, idx, w, sf, out, e, first_row, lane)
+                if count <= self.packed_pairs:  # one packed pass instead of the unpacked ones below
+                    self.packed_pass(b, idx, w, sf, out, e, block, lane)
                     count = Int32(0)
             for start in cutlass.range(0, count, COLUMNS, unroll=1):
                 # Addressed through an opaque copy made in the loop: otherwise the weight loads, invariant
@@ -248,28 +249,27 @@ class _DownByExpert(_ByExpert):
 
     @cute.jit
     def packed_pass(self, a: cute.Pointer, idx: cute.Tensor, w: cute.Pointer, sf: cute.Pointer, o: cute.Pointer,
-                    e: Int32, first_row: Int64, lane: Int32):
-        """The rows times the ``hi`` and ``lo`` rows of expert ``e``'s (at most ``packed_pairs``) pairs in one
-        pass: one MMA per weight fragment instead of two."""
-        rows = mma_rows(w, sf, e, first_row, self.rows_per_expert, self.k, lane)
+                    e: Int32, block: Int32, lane: Int32):
+        """Rows ``16 * block ..`` of expert ``e`` times the ``hi`` and ``lo`` rows of its (at most
+        ``packed_pairs``) pairs in one pass: one MMA per weight fragment instead of two."""
+        rows = mma_rows(w, sf, e, Int64(block) * 16, self.rows_per_expert, self.k, lane)
         found, _ = _find_routed(idx, e, lane, lane % COLUMNS)  # lane c < 8: pair c
         b_pair = cute.arch.shuffle_sync(found, lane // 8)
         acc = mma_stream(rows, self.k, [self.packed_b_lane(a, cutlass.max(b_pair, Int32(0)), idx.shape[0], lane)],
                          self.tuning[0], self.b_order)
-        self.packed_epilogue(acc, cute.arch.shuffle_sync(found, lane % 4), o, idx.shape[0], Int32(first_row // 16),
-                             lane)
+        self.packed_epilogue(acc, cute.arch.shuffle_sync(found, lane % 4), o, idx.shape[0], block, lane)
 
     @cute.jit
     def packed_epilogue(self, acc: list, pair: Int32, o: cute.Pointer, total_pairs: Int32, block: Int32,
                         lane: Int32):
-        """Packed pass: lane q's columns ``2q``, ``2q + 1`` are pair q's ``hi`` and ``lo`` sums; added as in
-        ``epilogue`` (hi chains, then lo chains), so the bits are those of an unpacked pass."""
+        """Packed pass: lane q's columns ``2q``, ``2q + 1`` are pair q's ``hi`` and ``lo`` sums
+        (``hi_lo_column_sums``: the bits of an unpacked pass)."""
         out = cute.make_tensor(o, cute.make_layout((total_pairs * self.hidden,)))
         row = block * 16 + lane // 4
         if pair >= 0:
+            sums = hi_lo_column_sums(acc)
             for r in cutlass.range_constexpr(2):
-                v = (acc[2 * r] + acc[4 + 2 * r]) + (acc[2 * r + 1] + acc[5 + 2 * r])
-                out[Int64(pair) * self.hidden + row + 8 * r] = v * Float32(2.0**BF16_ACC_SHIFT)
+                out[Int64(pair) * self.hidden + row + 8 * r] = sums[r] * Float32(2.0**BF16_ACC_SHIFT)
 
     @cute.jit
     def epilogue(self, acc: list, pairs: tuple, o: cute.Pointer, total_pairs: Int32, block: Int32, lane: Int32,

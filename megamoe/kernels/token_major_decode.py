@@ -41,6 +41,7 @@ from .warp_decode import (
     _ptr,
     _swiglu,
     b_lane,
+    hi_lo_column_sums,
     mma_position,
     mma_rows,
     mma_stream,
@@ -241,11 +242,9 @@ class _DownSplit:
             # this warp's hi and lo parts of a, copied to shared memory once: B loads of a few cycles
             hi_s = stage.iterator.toint() + wi * (2 * part_bytes)
             _stage_rows([(hi_s, hi), (hi_s + part_bytes, hi + Int64(pairs) * (inter * 2))], part_bytes, lane)
-            # one B operand: hi in the even columns, lo in the odd ones; lane q = 0 holds row g's (col 0, col 1) in
-            # acc[0:2] and row g + 8's in acc[2:4] (+ 4: the other K block parity)
+            # one B operand, hi in the even columns and lo in the odd ones (lane q = 0 sums columns 0 and 1)
             acc = mma_stream(rows, chunks * K_CHUNK, [b_lane(hi_s + (gl % 2) * part_bytes, q, "mma")], b_shared=True)
-            rows_lo = (acc[0] + acc[4]) + (acc[1] + acc[5])
-            rows_hi = (acc[2] + acc[6]) + (acc[3] + acc[7])
+            rows_lo, rows_hi = hi_lo_column_sums(acc)
         if q == 0:
             sums[wi, gl] = rows_lo
             sums[wi, gl + 8] = rows_hi

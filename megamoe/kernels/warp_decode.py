@@ -517,6 +517,14 @@ def mma_chunk(acc: list, loaded: tuple, bs: list) -> list:
     return acc
 
 
+def hi_lo_column_sums(acc: list) -> list:
+    """Sums of ``mma_stream``'s C fragments for one B operand whose even columns hold ``hi`` rows and odd columns the
+    matching ``lo`` rows (lane column ``lane / 4``: ``hi`` where it is even): lane ``(g, q)``'s ``hi + lo`` of
+    columns ``(2q, 2q + 1)`` for row g and for row g + 8, the ``hi`` chains then the ``lo`` chains (as two
+    separate operands are summed, so the same bits)."""
+    return [(acc[2 * r] + acc[4 + 2 * r]) + (acc[2 * r + 1] + acc[5 + 2 * r]) for r in range(2)]
+
+
 def b_lane(row: Int64, q, b_order: str) -> Int64:
     """Lane ``(g, q)``'s address in the bf16 B row starting at ``row`` for ``mma_stream`` in ``b_order``."""
     return row + q * (4 if b_order == "natural" else 16)
