@@ -233,8 +233,8 @@ class _DownSplit:
         part_bytes = chunks * K_CHUNK * 2
         stage = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((topk * split * 2 * chunks * K_CHUNK,)),
                                      byte_alignment=16)
-        rows_lo = Float32(0.0)
-        rows_hi = Float32(0.0)
+        row_g = Float32(0.0)
+        row_g8 = Float32(0.0)
         if (e >= 0) & (e < experts):
             rows = mma_rows(w, sf, e, Int64(block) * 16, hidden, inter, lane)
             hi = planes.toint() + (Int64(t) * topk + j) * (inter * 2)
@@ -244,10 +244,10 @@ class _DownSplit:
             _stage_rows([(hi_s, hi), (hi_s + part_bytes, hi + Int64(pairs) * (inter * 2))], part_bytes, lane)
             # one B operand, hi in the even columns and lo in the odd ones (lane q = 0 sums columns 0 and 1)
             acc = mma_stream(rows, chunks * K_CHUNK, [b_lane(hi_s + (gl % 2) * part_bytes, q, "mma")], b_shared=True)
-            rows_lo, rows_hi = hi_lo_column_sums(acc)
+            row_g, row_g8 = hi_lo_column_sums(acc)
         if q == 0:
-            sums[wi, gl] = rows_lo
-            sums[wi, gl + 8] = rows_hi
+            sums[wi, gl] = row_g
+            sums[wi, gl + 8] = row_g8
         cute.arch.sync_threads()
         if wi == 0:
             if lane < 16:
