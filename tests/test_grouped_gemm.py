@@ -24,10 +24,16 @@ from megamoe.kernels.sm90_fp4_decode import (
     BF16_SCALE_FIELD_OFFSET,
     E4M3_LUT_HI,
     E4M3_LUT_LO,
+    FOLD_LUT_HI,
+    FOLD_LUT_LO,
+    FOLD_MAX_SHIFT,
+    FOLD_MIN_SHIFT,
+    fold_fp8_scales,
     from_sm90_bf16_weight_layout,
     from_sm90_weight_layout,
     to_sm90_bf16_weight_layout,
     to_sm90_weight_layout,
+    unfold_fp8_scales,
 )
 from megamoe.kernels.sm90_grouped_gemm import (
     GemmConfig,
@@ -79,6 +85,8 @@ COMPILE_CASES = [
     (GemmConfig(tile_tokens=16, tile_n=128, **FP8), "masked", "swiglu_fp8"),
     (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, **FP8), "offsets", "bf16"),
     (GemmConfig(tile_tokens=16, tile_n=128, ctas_per_sm=2, **FP8), "offsets", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=128, tile_n=64, **FP8), "offsets_counts", "bf16"),
+    (GemmConfig(tile_tokens=128, tile_n=128, **FP8), "masked", "swiglu_fp8"),
     (GemmConfig(tile_tokens=8, tile_n=128), "offsets", "bf16"),
     (GemmConfig(tile_tokens=16, tile_n=128, ctas_per_sm=2), "offsets", "bf16"),
     (GemmConfig(tile_tokens=32, tile_n=128), "offsets_counts", "bf16"),
@@ -98,6 +106,16 @@ COMPILE_CASES = [
     (GemmConfig(tile_tokens=32, tile_n=64), "offsets", "l1_l2"),
     (GemmConfig(tile_tokens=128, tile_n=128), "offsets", "l1_l2"),
 ]
+# FP8 mode with folded weight scales (``fold_fp8_scales``): every FP8 promotion path (8-row deferred, the
+# alternating pair, wide tiles), both epilogues.
+FOLDED_CASES = [
+    (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, **FP8), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=16, tile_n=64, **FP8), "masked", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=64, tile_n=128, **FP8), "offsets_counts", "bf16"),
+    (GemmConfig(tile_tokens=128, tile_n=128, **FP8), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=128, tile_n=128, **FP8), "offsets", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=128, tile_n=64, **FP8), "masked", "bf16"),
+]
 # The one-launch Mega MoE kernel ("l1_l2" with the ep_comm phases) for SymmBuffer layouts (symm_buffer_layout
 # arguments: ranks, experts, T_max, top-k, H, I): every CTA-per-SM mode, a wide hidden size, 8 ranks.
 MEGA_CASES = [
@@ -113,9 +131,12 @@ MEGA_CASES = [
 # The fused launch's debug builds (timed waits, printf): their function call serializes the wgmmas, by design.
 DEBUG_CASES = [(GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "l1_l2", None),
                (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "l1_l2", MEGA_CASES[0][1])]
-# (config, group mode, epilogue, Mega MoE layout or None, trace build): the trace build is a release build too.
-RELEASE_CASES = ([(c, m, e, None, False) for c, m, e in COMPILE_CASES] + [(c, "offsets", "l1_l2", lay, False) for c, lay in MEGA_CASES]
-                 + [(MEGA_CASES[0][0], "offsets", "l1_l2", MEGA_CASES[0][1], True)])
+# (config, group mode, epilogue, Mega MoE layout or None, trace build, folded FP8 scales): the trace build is a
+# release build too.
+RELEASE_CASES = ([(c, m, e, None, False, False) for c, m, e in COMPILE_CASES]
+                 + [(c, m, e, None, False, True) for c, m, e in FOLDED_CASES]
+                 + [(c, "offsets", "l1_l2", lay, False, False) for c, lay in MEGA_CASES]
+                 + [(MEGA_CASES[0][0], "offsets", "l1_l2", MEGA_CASES[0][1], True, False)])
 
 _COMPILE_CHILD = """
 import json, os, re, shutil, subprocess, sys
@@ -123,10 +144,10 @@ from megamoe import symm_buffer_layout
 from megamoe.kernels.ep_comm import EpCommConfig
 from megamoe.kernels.sm90_grouped_gemm import GemmConfig, compile_grouped_gemm
 ptxas, report = shutil.which("ptxas"), []
-for i, (cfg, mode, epilogue, mega, debug, trace) in enumerate(json.loads(sys.argv[1])):
+for i, (cfg, mode, epilogue, mega, debug, trace, folded) in enumerate(json.loads(sys.argv[1])):
     try:
         comm = None if mega is None else EpCommConfig(symm_buffer_layout(*mega), debug, True, trace)
-        ptx = compile_grouped_gemm(GemmConfig(**cfg), mode, epilogue, debug, comm).__ptx__  # the PTX text
+        ptx = compile_grouped_gemm(GemmConfig(**cfg), mode, epilogue, debug, comm, folded).__ptx__  # the PTX text
         ptx = (ptx.decode() if isinstance(ptx, bytes) else ptx).replace("\\0", "")
         build = {"wgmma": "wgmma.mma_async" in ptx, "calls": len(re.findall(r"^\\s*call(\\.uni)?\\s", ptx, re.M))}
         if ptxas:  # its performance advisories (C75xx), e.g. C7510: wgmma serialized, and why
@@ -151,8 +172,8 @@ def sm90a_builds(tmp_path_factory):
     import subprocess
     import sys
 
-    cases = [(dataclasses.asdict(c), m, e, lay, False, trace) for c, m, e, lay, trace in RELEASE_CASES]
-    cases += [(dataclasses.asdict(c), m, e, lay, True, False) for c, m, e, lay in DEBUG_CASES]
+    cases = [(dataclasses.asdict(c), m, e, lay, False, trace, folded) for c, m, e, lay, trace, folded in RELEASE_CASES]
+    cases += [(dataclasses.asdict(c), m, e, lay, True, False, False) for c, m, e, lay in DEBUG_CASES]
     # No file cache: a kernel loaded from it comes without its PTX.
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DISABLE_FILE_CACHING="1",
                CUTE_DSL_DUMP_DIR=str(tmp_path_factory.mktemp("ptx")))
@@ -165,7 +186,7 @@ def sm90a_builds(tmp_path_factory):
 @pytest.mark.parametrize(
     "case", range(len(RELEASE_CASES)),
     ids=[f"{c.mma}-{c.tile_tokens}x{c.tile_n}x{c.ctas_per_sm}-{m}-{e}" + ("" if lay is None else "-mega-r%d-e%d-h%d" % (lay[0], lay[1], lay[4]))
-         + ("-trace" if trace else "") for c, m, e, lay, trace in RELEASE_CASES],
+         + ("-trace" if trace else "") + ("-folded" if folded else "") for c, m, e, lay, trace, folded in RELEASE_CASES],
 )
 def test_compiles_for_sm90a_without_wgmma_serialization(sm90a_builds, case):
     """Every release variant compiles, issues wgmma, and calls no function: ptxas serializes every wgmma of a
@@ -220,7 +241,8 @@ def test_select_config():
     assert select_config(4, 4096, 4096).tile_tokens == 8 and select_config(4.5, 4096, 4096).tile_tokens == 16
     assert select_config(6, 4096, 4096, mma="fp8").tile_tokens == 8
     assert select_config(4096, 4096, 4096).tile_tokens == 128
-    assert select_config(4096, 4096, 4096, mma="fp8").tile_tokens == 64
+    assert select_config(4096, 4096, 4096, mma="fp8").tile_tokens == 128
+    assert select_config(64, 4096, 4096, mma="fp8").tile_tokens == 64
     assert select_config(64, 192, 512).tile_n == 64
     cfg = select_config(33, 4096, 2048)
     assert "tile_tokens=64" in cfg.describe() and "mma=bf16" in cfg.describe() and cfg.num_stages() >= 4
@@ -233,7 +255,7 @@ def test_config_validation():
     with pytest.raises(ValueError, match="config.tile_tokens"):
         GemmConfig(tile_tokens=24)
     with pytest.raises(ValueError, match="config.tile_tokens"):
-        GemmConfig(tile_tokens=128, mma="fp8")
+        GemmConfig(tile_tokens=256, mma="fp8")
     with pytest.raises(ValueError, match="config.tile_n"):
         GemmConfig(tile_n=256)
     with pytest.raises(ValueError, match="config.stages"):
@@ -447,11 +469,11 @@ def _prmt(lo: int, hi: int, sel: int) -> int:
     return int.from_bytes(out, "little")
 
 
-def _decode_word(x: int) -> tuple[int, int]:
+def _decode_word(x: int, lut_lo: int = E4M3_LUT_LO, lut_hi: int = E4M3_LUT_HI) -> tuple[int, int]:
     """Bit-exact Python model of ``decode_e2m1x8`` (same instruction sequence)."""
     mag = x & 0x77777777
-    lo = _prmt(E4M3_LUT_LO, E4M3_LUT_HI, mag)
-    hi = _prmt(E4M3_LUT_LO, E4M3_LUT_HI, mag >> 16)
+    lo = _prmt(lut_lo, lut_hi, mag)
+    hi = _prmt(lut_lo, lut_hi, mag >> 16)
     shifted = (x << 4) & 0xFFFFFFFF
     return lo | (_prmt(shifted, x, 0x5140) & 0x80808080), hi | (_prmt(shifted, x, 0x7362) & 0x80808080)
 
@@ -477,6 +499,77 @@ def test_decode_emulation_matches_e2m1():
                             k0 = chunk * 128 + 32 * kb + 16 * h + 4 * q
                             got[g + 8 * r, k0 : k0 + 4] = vals.view(torch.float8_e4m3fn).float()
     assert torch.equal(got, expect), (got != expect).nonzero()[:10]
+
+
+def _fold_luts(word: int, kb: int) -> tuple[int, int]:
+    """Bit-exact Python model of the device ``fold_luts`` (permute, multiply-add)."""
+    rep_lo = _prmt(word, 0, (kb << 12) | (kb << 8) | (kb << 4) | 4)
+    rep_hi = _prmt(word, 0, kb * 0x1111)
+    return (rep_lo * 8 + FOLD_LUT_LO) & 0xFFFFFFFF, (rep_hi * 8 + FOLD_LUT_HI) & 0xFFFFFFFF
+
+
+def test_folded_decode_emulation_is_exact():
+    """Folded FP8 mode: for every relative exponent d of the window, in every byte of the scale word, every
+    E2M1 code (both signs) decodes to the E4M3 ``v * 2**d`` exactly (torch's E4M3 and E2M1 tables)."""
+    table = e2m1_table().double()
+    words = [0x12345678 & 0x0B0B0B0B]  # a mix of biased codes in the other bytes
+    for d in range(FOLD_MIN_SHIFT, FOLD_MAX_SHIFT + 1):
+        biased = d - FOLD_MIN_SHIFT
+        for kb in range(4):
+            word = (words[0] & ~(0xFF << (8 * kb))) | (biased << (8 * kb))
+            lut_lo, lut_hi = _fold_luts(word, kb)
+            for first in range(0, 16, 8):  # codes 0-7 then 8-15 as the word's 8 nibbles
+                x = sum((first + i) << (4 * i) for i in range(8))
+                regs = _decode_word(x, lut_lo, lut_hi)
+                got = torch.tensor(list(struct.pack("<II", *regs)), dtype=torch.uint8).view(torch.float8_e4m3fn)
+                want = table[first : first + 8] * 2.0**d
+                assert torch.equal(got.double(), want), (d, kb, got, want)
+                assert not torch.isnan(got.float()).any()
+
+
+def _foldable_weights(e: int, n: int, k: int, gen: torch.Generator, device="cpu", spread: int = 11, top: int = 124):
+    """Canonical FP4 weights, every E2M1 code in random blocks, scale codes ``top - spread .. top`` uniformly per
+    32-block (a row then spans up to ``spread`` binades: 11 = the folded window, both ends likely used), some
+    blocks all zero with code 0."""
+    codes = torch.randint(0, 16, (e, n, k), generator=gen, dtype=torch.uint8)
+    scale = torch.randint(top - spread, top + 1, (e, n, k // 32), generator=gen, dtype=torch.uint8)
+    zero = torch.rand(e, n, k // 32, generator=gen) < 0.03
+    codes.view(e, n, k // 32, 32)[zero] = 0
+    scale[zero] = 0
+    return pack_fp4_codes(codes).to(device), pack_ue8m0(scale).to(device)
+
+
+def test_fold_fp8_scales():
+    """Folded scales round-trip on every nonzero block; the row scale is 2**(max - 6 - 127); a spread of 12
+    binades or an all-zero row's default base behave as documented; ``prepare_fp4_weights``'s ``fold``."""
+    gen = torch.Generator().manual_seed(5)
+    b, b_sf = _foldable_weights(2, 64, 512, gen)
+    folded = fold_fp8_scales(b, b_sf)
+    assert folded.shape == (2, 5, 64) and folded.dtype == torch.int32
+    codes = unpack_ue8m0(b_sf).long()
+    nonzero = (unpack_fp4_codes(b) & 7).reshape(2, 64, 16, 32).amax(-1) > 0
+    assert torch.equal(unpack_ue8m0(unfold_fp8_scales(folded))[nonzero].long(), codes[nonzero])
+    top = torch.where(nonzero, codes, -1).amax(-1)
+    assert torch.equal(folded[:, -1].view(torch.float32).double().t(), torch.exp2(top - FOLD_MAX_SHIFT - 127.0).t())
+    biased = unpack_ue8m0(folded[:, :-1].contiguous()).long()
+    assert int(biased.max()) <= FOLD_MAX_SHIFT - FOLD_MIN_SHIFT
+    assert int(biased.min()) == 0 and int(biased.max()) == FOLD_MAX_SHIFT - FOLD_MIN_SHIFT  # both window ends used
+    # An all-zero row folds (scale 1); one block 12 binades below its row's top does not.
+    zero_row = b.clone()
+    zero_row[1, 7] = 0
+    assert fold_fp8_scales(zero_row, b_sf)[1, -1, 7].view(torch.float32) == 1.0
+    wide = codes.clone().to(torch.uint8)
+    row_nonzero = nonzero[0, 3].nonzero().flatten()
+    wide[0, 3, row_nonzero[0]] = int(top[0, 3]) - FOLD_MAX_SHIFT + FOLD_MIN_SHIFT - 1
+    assert fold_fp8_scales(b, pack_ue8m0(wide)) is None
+    bk, bk_sf = prepare_fp4_weights(b, pack_ue8m0(wide))  # fold=None: absolute scales
+    assert torch.equal(bk_sf, pack_ue8m0(wide).transpose(1, 2))
+    with pytest.raises(ValueError, match="`b_sf` cannot be folded"):
+        prepare_fp4_weights(b, pack_ue8m0(wide), fold=True)
+    assert torch.equal(prepare_fp4_weights(b, b_sf)[1], folded)
+    assert torch.equal(prepare_fp4_weights(b, b_sf, fold=False)[1], b_sf.transpose(1, 2))
+    with pytest.raises(ValueError, match="`fold` applies to mma='fp8' only"):
+        prepare_fp4_weights(b, b_sf, mma="bf16", fold=True)
 
 
 def test_bf16_weight_layout_roundtrip():
@@ -709,20 +802,63 @@ def _contiguous_case(counts, n, k, lead_pad, tail_pad, gen, device="cuda", align
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize("tile_tokens,ctas", [(8, 1), (16, 1), (32, 1), (64, 1), (8, 2), (16, 2)])
+@pytest.mark.parametrize("tile_tokens,ctas", [(8, 1), (16, 1), (32, 1), (64, 1), (128, 1), (8, 2), (16, 2)])
 @pytest.mark.parametrize("tile_n", [64, 128])
 def test_contiguous_ragged(tile_tokens, ctas, tile_n):
+    """Absolute weight scales (their rows span more binades than the folded window)."""
     gen = torch.Generator().manual_seed(1000 + tile_tokens + tile_n)
     counts = [0, 1, 37, 5, 0, 130, 64, 1, 9]  # empty, one-row, partial last tiles, exact tiles
     n, k = 256, 1024
     a, a_sf, offsets, _, row_expert = _contiguous_case(counts, n, k, lead_pad=3, tail_pad=11, gen=gen)
     b, b_sf = _random_weights(len(counts), n, k, gen, "cuda")
-    bk, bk_sf = prepare_fp4_weights(b, b_sf)
+    bk, bk_sf = prepare_fp4_weights(b, b_sf, fold=False)
     out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
     cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas, **FP8)
     grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg)
     torch.cuda.synchronize()
     _check_rows(out, a, a_sf, b, b_sf, row_expert, f"contiguous {cfg.describe()}")
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("tile_tokens,tile_n,ctas", [(8, 128, 2), (16, 64, 1), (32, 128, 1), (64, 128, 1), (128, 128, 1),
+                                                     (128, 64, 1)])
+def test_folded_contiguous_ragged(tile_tokens, tile_n, ctas):
+    """Folded weight scales (rows spanning the whole 12-binade window, all-zero blocks), every FP8 promotion
+    path; 128-row tiles: one row, partial and exact tiles, 130 rows over two tiles."""
+    gen = torch.Generator().manual_seed(3000 + tile_tokens + tile_n)
+    counts, n, k = [0, 1, 37, 5, 0, 130, 128, 1, 9], 256, 1024
+    a, a_sf, offsets, _, row_expert = _contiguous_case(counts, n, k, lead_pad=3, tail_pad=11, gen=gen)
+    b, b_sf = _foldable_weights(len(counts), n, k, gen, "cuda")
+    bk, bk_sf = prepare_fp4_weights(b, b_sf, fold=True)
+    out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas, **FP8)
+    grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg)
+    torch.cuda.synchronize()
+    _check_rows(out, a, a_sf, b, b_sf, row_expert, f"folded contiguous {cfg.describe()}")
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("tile_tokens,ctas", [(8, 2), (128, 1)])
+def test_folded_decode_exact_on_device(tile_tokens, ctas):
+    """One-hot FP8 tokens (1.0, scale 2**0) read the folded decode back: out[m, n] = w[n, m] exactly for every
+    E2M1 code, both ends of the window and all-zero blocks."""
+    gen = torch.Generator().manual_seed(8)
+    n, k = 128, 512
+    b, b_sf = _foldable_weights(1, n, k, gen, "cuda")
+    bk, bk_sf = prepare_fp4_weights(b, b_sf, fold=True)
+    a = torch.eye(k, device="cuda").to(torch.float8_e4m3fn)
+    a_sf = torch.full((k, k // 128), 0x7F7F7F7F, dtype=torch.int32, device="cuda")
+    out = torch.full((k, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    offsets = torch.tensor([0, k], dtype=torch.int32, device="cuda")
+    cfg = GemmConfig(tile_tokens=tile_tokens, ctas_per_sm=ctas, **FP8)
+    grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg)
+    torch.cuda.synchronize()
+    got, want = out.T.float().cpu(), dequantize_fp4(b, b_sf)[0].cpu()
+    bad = ~(got == want)
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} decoded weights differ; first (row, k): "
+                           f"{bad.nonzero()[:8].tolist()}")
 
 
 @gpu
@@ -760,7 +896,7 @@ def test_contiguous_aligned_groups_with_counts():
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize("tile_tokens", [8, 64])
+@pytest.mark.parametrize("tile_tokens", [8, 64, 128])
 def test_masked(tile_tokens):
     gen = torch.Generator().manual_seed(99 + tile_tokens)
     masked = [0, 1, 70, 33, 8]
@@ -879,14 +1015,17 @@ def _check_swiglu(out, out_sf, a, a_sf, w1, w1_sf, row_expert, row_weights, clam
 @gpu
 @needs_sm90
 @pytest.mark.parametrize(
-    "tile_tokens,tile_n,clamp,ctas", [(8, 128, None, 1), (64, 128, 7.0, 1), (16, 64, None, 1), (32, 64, 3.0, 1), (16, 128, 2.0, 2)]
+    "tile_tokens,tile_n,clamp,ctas,fold", [(8, 128, None, 1, False), (64, 128, 7.0, 1, False), (16, 64, None, 1, True),
+                                           (32, 64, 3.0, 1, False), (16, 128, 2.0, 2, True), (128, 128, 5.0, 1, True),
+                                           (128, 128, None, 1, False)]
 )
-def test_swiglu_contiguous(tile_tokens, tile_n, clamp, ctas):
+def test_swiglu_contiguous(tile_tokens, tile_n, clamp, ctas, fold):
     gen = torch.Generator().manual_seed(31 + tile_tokens + tile_n)
     counts, inter, k = [0, 1, 37, 5, 0, 130, 64, 1], 256, 1024
     a, a_sf, offsets, _, row_expert = _contiguous_case(counts, 2 * inter, k, lead_pad=2, tail_pad=9, gen=gen)
-    w1, w1_sf = _random_weights(len(counts), 2 * inter, k, gen, "cuda")  # canonical [gate; up] rows
-    bk, bk_sf = prepare_fp4_weights_l1(w1, w1_sf)
+    make = _foldable_weights if fold else _random_weights
+    w1, w1_sf = make(len(counts), 2 * inter, k, gen, "cuda")  # canonical [gate; up] rows
+    bk, bk_sf = prepare_fp4_weights_l1(w1, w1_sf, fold=fold)
     m = a.shape[0]
     row_weights = torch.rand(m, generator=gen).cuda()
     out = torch.full((m, inter), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)

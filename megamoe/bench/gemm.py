@@ -90,9 +90,9 @@ def _fill_rows(out: torch.Tensor, make) -> torch.Tensor:
 
 
 def make_fp4_weights(experts: int, n: int, k: int, mmas=("bf16", "fp8")) -> dict:
-    """Random FP4 weights (quantized randn) in each mode's kernel layout: ``{mma: (b, b_sf int32 [E, K/128, N])}``
-    with b ``int32 [E, N/64, K/128, 64, 16]`` (BF16 mode) or ``uint8 [E, N/64, K/128, 64, 64]`` (FP8 mode), same
-    values."""
+    """Random FP4 weights (quantized randn) in each mode's kernel layout: ``{mma: (b, b_sf)}`` with b ``int32 [E,
+    N/64, K/128, 64, 16]`` and b_sf ``int32 [E, K/128, N]`` (BF16 mode) or ``uint8 [E, N/64, K/128, 64, 64]`` and
+    the folded scales ``int32 [E, K/128 + 1, N]`` (FP8 mode), same values."""
     from megamoe.kernels.sm90_fp4_decode import BF16_WORDS, CHUNK_BYTES, ROW_BLOCK
     from megamoe.kernels.sm90_grouped_gemm import prepare_fp4_weights
     from megamoe.layouts import quantize_fp4
@@ -101,11 +101,11 @@ def make_fp4_weights(experts: int, n: int, k: int, mmas=("bf16", "fp8")) -> dict
     for mma in mmas:
         width, dtype = (BF16_WORDS, torch.int32) if mma == "bf16" else (CHUNK_BYTES, torch.uint8)
         out[mma] = (torch.empty(experts, n // ROW_BLOCK, k // 128, ROW_BLOCK, width, dtype=dtype, device="cuda"),
-                    torch.empty(experts, k // 128, n, dtype=torch.int32, device="cuda"))
+                    torch.empty(experts, k // 128 + (mma == "fp8"), n, dtype=torch.int32, device="cuda"))
     for e in range(experts):
         canonical = quantize_fp4(torch.randn(1, n, k, device="cuda"))
         for mma, (b, b_sf) in out.items():
-            b[e : e + 1], b_sf[e : e + 1] = prepare_fp4_weights(*canonical, mma=mma)
+            b[e : e + 1], b_sf[e : e + 1] = prepare_fp4_weights(*canonical, mma=mma, fold=True if mma == "fp8" else None)
     return out
 
 
@@ -128,7 +128,7 @@ def _check_experts(p: Point) -> list[int]:
 
 
 def _check_kernel(p: Point, out, a, a_sf, b, b_sf) -> str:
-    from megamoe.kernels.sm90_fp4_decode import from_sm90_bf16_weight_layout, from_sm90_weight_layout
+    from megamoe.kernels.sm90_fp4_decode import from_sm90_bf16_weight_layout, from_sm90_weight_layout, unfold_fp8_scales
     from megamoe.layouts import dequantize_fp4, dequantize_fp8
 
     canonical = from_sm90_bf16_weight_layout if b.dtype == torch.int32 else from_sm90_weight_layout
@@ -136,8 +136,9 @@ def _check_kernel(p: Point, out, a, a_sf, b, b_sf) -> str:
     for e in _check_experts(p):
         r0 = e * p.rows_per_expert
         rows = slice(r0, r0 + min(p.rows_per_expert, CHECK_ROWS))
-        # the chunk-major scales [E, K/128, N] transposed back to the canonical [E, N, K/128]
-        w = dequantize_fp4(canonical(b[e : e + 1]), b_sf[e : e + 1].transpose(1, 2))[0].double()
+        # the chunk-major scales [E, K/128, N] transposed back to the canonical [E, N, K/128] (FP8 mode: unfolded)
+        sf = unfold_fp8_scales(b_sf[e : e + 1]) if b.dtype == torch.uint8 else b_sf[e : e + 1].transpose(1, 2)
+        w = dequantize_fp4(canonical(b[e : e + 1]), sf)[0].double()
         a64 = a[rows].double() if a_sf is None else dequantize_fp8(a[rows], a_sf[rows]).double()
         ref = (a64 @ w.T).to(torch.bfloat16)
         got = out[rows]
@@ -151,8 +152,8 @@ def _weight_bytes(p: Point, bytes_per_weight: float) -> float:
 
 
 def kernel_configs(p: Point, mma: str, alternatives: bool) -> list:
-    """``select_config``'s choice for ``mma``, plus in BF16 mode one alternative: 1 CTA/SM where it picks
-    two, tile_tokens=64 for 128."""
+    """``select_config``'s choice for ``mma``, plus one alternative: in BF16 mode 1 CTA/SM where it picks two,
+    tile_tokens=64 for 128 in either mode."""
     import dataclasses
 
     from megamoe.kernels.sm90_grouped_gemm import select_config
@@ -164,6 +165,8 @@ def kernel_configs(p: Point, mma: str, alternatives: bool) -> list:
             configs.append(dataclasses.replace(cfg, ctas_per_sm=1))
         elif cfg.tile_tokens == 128:
             configs.append(dataclasses.replace(cfg, tile_tokens=64))
+    elif alternatives and cfg.tile_tokens == 128:
+        configs.append(dataclasses.replace(cfg, tile_tokens=64))
     return configs
 
 

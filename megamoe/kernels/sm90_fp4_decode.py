@@ -201,6 +201,53 @@ def check_bf16_scale_range(b: torch.Tensor, b_sf: torch.Tensor) -> None:
                  "use mma='fp8' for such weights (the Mega MoE path and MoEDecoder take BF16-mode weights only)")
 
 
+FOLD_MIN_SHIFT = -5
+"""Smallest relative exponent ``d`` a folded FP8-mode decode takes: ``0.5 * 2**d`` stays a normal E4M3 (>= 2**-6)."""
+FOLD_MAX_SHIFT = 6
+"""Largest ``d``: ``6 * 2**d`` = 384 stays a finite E4M3 (max 448)."""
+FOLD_LUT_LO = E4M3_LUT_LO - (-FOLD_MIN_SHIFT) * 0x08080800
+"""``E4M3_LUT_LO`` with every nonzero byte's exponent lowered by ``-FOLD_MIN_SHIFT`` (bytes 1-3 minus 8 each)."""
+FOLD_LUT_HI = E4M3_LUT_HI - (-FOLD_MIN_SHIFT) * 0x08080808
+"""``E4M3_LUT_HI`` likewise (all four bytes)."""
+
+
+def fold_fp8_scales(b: torch.Tensor, b_sf: torch.Tensor) -> torch.Tensor | None:
+    """FP8-mode folded scales of canonical FP4 weights (``uint8 [E, N, K/2]``, ``int32 [E, N, K/128]``), or None
+    where a row's block scales span too many binades.
+
+    Folded, the decode applies each 32-block's scale relative to its row's base: E2M1 ``v`` of a block with UE8M0
+    code ``s`` decodes to the E4M3 ``v * 2**d`` (exact: d = s - base in ``[FOLD_MIN_SHIFT, FOLD_MAX_SHIFT]``; the
+    lookup table's exponents move by d, ``FOLD_LUT_LO/HI``), and the kernel multiplies each FP32 output row by
+    ``2**(base - 127)`` once, after the K loop, instead of every 32-K block's partial sums by the weight scale.
+    base = the row's largest code of a block holding a nonzero value, minus ``FOLD_MAX_SHIFT``; an all-zero
+    block takes any d (clamped). Returns ``int32 [E, K/128 + 1, N]``: chunk-major words of the biased codes
+    ``d - FOLD_MIN_SHIFT`` (byte kb = 32-block kb of the chunk, as the packed scales), then one row of the FP32
+    bits of ``2**(base - 127)``. None if some row has a nonzero block below ``base + FOLD_MIN_SHIFT`` (a spread
+    of more than 11 binades) or a base below code 1 (the row scale would be an FP32 subnormal): such weights
+    keep the absolute scales (``prepare_fp4_weights``). One host sync (weight-load time)."""
+    codes = unpack_ue8m0(b_sf).to(torch.int32)  # [E, N, K/32]
+    nonzero = (unpack_fp4_codes(b) & 7).reshape(*codes.shape, 32).amax(-1) > 0
+    top = torch.where(nonzero, codes, torch.full_like(codes, -1)).amax(-1)  # [E, N]; -1: an all-zero row
+    base = torch.where(top >= 0, top - FOLD_MAX_SHIFT, torch.full_like(top, 127))
+    d = codes - base[..., None]
+    if bool((nonzero & (d < FOLD_MIN_SHIFT)).any()) or bool((base < 1).any()):
+        return None
+    biased = (d.clamp(FOLD_MIN_SHIFT, FOLD_MAX_SHIFT) - FOLD_MIN_SHIFT).to(torch.uint8)
+    words = biased.contiguous().view(torch.int32)  # [E, N, K/128], byte kb = block kb
+    row_scale = (base << 23).view(torch.int32)[:, None, :]  # FP32 bits of 2**(base - 127), [E, 1, N]
+    return torch.cat([words.transpose(1, 2), row_scale], dim=1).contiguous()
+
+
+def unfold_fp8_scales(folded: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``fold_fp8_scales`` for the blocks it encodes: ``int32 [E, K/128 + 1, N]`` -> the canonical
+    packed scales ``int32 [E, N, K/128]`` (an all-zero block's code is its clamped one)."""
+    check_tensor("folded", folded, dtype=torch.int32, ndim=3)
+    words = folded[:, :-1].transpose(1, 2).contiguous()  # [E, N, K/128]
+    base = (folded[:, -1] >> 23) & 0xFF  # [E, N]
+    codes = unpack_ue8m0(words).to(torch.int32) + FOLD_MIN_SHIFT + base[..., None]
+    return codes.to(torch.uint8).view(torch.int32)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Device helpers (CuTe DSL). Imported lazily by the kernel module so that importing this file for the
 # host transform needs no cutlass.
@@ -302,6 +349,16 @@ def _device_helpers():
         sign_mask = Int32(_SIGN_BITS - (1 << 32))
         return lo | (sign_lo & sign_mask), hi | (sign_hi & sign_mask)
 
+    @cutlass.cute.jit
+    def fold_luts(word: Int32, kb: cutlass.Constexpr[int]):
+        """Folded FP8 mode: the decode tables (``decode_e2m1x8``'s ``lut_lo``, ``lut_hi``) of 32-block ``kb`` from
+        its byte of a word of biased codes b = d - ``FOLD_MIN_SHIFT`` (``fold_fp8_scales``): b in the table's
+        nonzero bytes (a byte permute), times 8 (exponent field) plus the lowered tables: two permutes, two
+        multiply-adds. Every byte stays in 0x08..0x7C: no carry between bytes."""
+        rep_lo = prmt(word, Int32(0), Int32((kb << 12) | (kb << 8) | (kb << 4) | 4))
+        rep_hi = prmt(word, Int32(0), Int32(kb * 0x1111))
+        return rep_lo * Int32(8) + Int32(FOLD_LUT_LO), rep_hi * Int32(8) + Int32(FOLD_LUT_HI)
+
     @dsl_user_op
     def decode_e2m1x8_bf16(x, multipliers, half: int, *, loc=None, ip=None):
         """One BF16-mode word (8 E2M1 elements) and its decode multiplier ``2**(126 + s - P)``, the BF16 in half
@@ -351,7 +408,7 @@ def _device_helpers():
 
     return SimpleNamespace(
         prmt=prmt, bits_to_f32=bits_to_f32, f32_bits=f32_bits, decode_e2m1x8=decode_e2m1x8,
-        ue8m0_to_f32=ue8m0_to_f32, f32x4_to_e4m3x4=f32x4_to_e4m3x4, decode_e2m1x8_bf16=decode_e2m1x8_bf16,
+        ue8m0_to_f32=ue8m0_to_f32, fold_luts=fold_luts, f32x4_to_e4m3x4=f32x4_to_e4m3x4, decode_e2m1x8_bf16=decode_e2m1x8_bf16,
         ue8m0_to_bf16_multiplier_pair=ue8m0_to_bf16_multiplier_pair, e4m3x4_to_bf16x4=e4m3x4_to_bf16x4,
         ue8m0_code_to_f32=ue8m0_code_to_f32,
     )

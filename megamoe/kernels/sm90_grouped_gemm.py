@@ -124,8 +124,11 @@ from .sm90_fp4_decode import (
     E4M3_LUT_LO,
     K_CHUNK,
     ROW_BLOCK,
+    FOLD_MAX_SHIFT,
+    FOLD_MIN_SHIFT,
     check_bf16_scale_range,
     check_blocked_layout,
+    fold_fp8_scales,
     from_sm90_bf16_weight_layout,
     from_sm90_weight_layout,
     to_sm90_bf16_weight_layout,
@@ -159,7 +162,7 @@ SMEM_CAPACITY = 232448  # bytes of shared memory one CTA may use on sm_90 (227 K
 K_MULTIPLE = 512
 N_MULTIPLE = ROW_BLOCK  # weight rows: whole row blocks of the kernel layouts (64 per warpgroup tile)
 MMA_MODES = ("bf16", "fp8")
-TILE_TOKENS_CHOICES = {"bf16": (8, 16, 32, 64, 128), "fp8": (8, 16, 32, 64)}
+TILE_TOKENS_CHOICES = {"bf16": (8, 16, 32, 64, 128), "fp8": (8, 16, 32, 64, 128)}
 TILE_N_CHOICES = (64, 128)
 TWO_CTA_TILE_TOKENS = {"bf16": 32, "fp8": 16}
 """Largest token tile that may run two CTAs per SM (``GemmConfig.ctas_per_sm``), per MMA mode."""
@@ -174,6 +177,10 @@ THREE_CTA_TILE_TOKENS = 8
 (80 registers per thread, 256 threads per CTA)."""
 MAX_CTAS_PER_SM = 3
 """Most CTAs per SM any config runs (``GemmConfig.ctas_per_sm``): host buffers with one row per CTA are sized by it."""
+WIDE_FP8_TILE_TOKENS = 128
+"""FP8 mode, token tiles of this many rows (wgmma ``m64 n128 k32``): one FP32 temporary per warpgroup (with the
+accumulator, 128 registers), each k32 wgmma waited for and promoted while the other warpgroup's runs; the tokens'
+scales as FP32 in shared memory, converted once per chunk (``GemmConfig.scale_table_bytes``)."""
 MIN_WIDE_STAGES = 3
 """One-CTA BF16-mode tiles load two 128-K chunks per stage where at least this many such stages fit."""
 GROUP_MODES = ("offsets", "offsets_counts", "masked")
@@ -269,8 +276,20 @@ class GemmConfig:
         """Stages that fit beside the epilogue's and ``extra_bytes`` of other shared memory."""
         return self._fitting_stages(epilogue, extra_bytes, self.chunks_per_stage(epilogue))
 
+    @property
+    def wide_fp8(self) -> bool:
+        """FP8 mode with ``WIDE_FP8_TILE_TOKENS``-row token tiles: one temporary per warpgroup, the tokens' per-32
+        scales converted to FP32 once per chunk into shared memory (``scale_table_bytes``)."""
+        return self.mma == "fp8" and self.tile_tokens >= WIDE_FP8_TILE_TOKENS
+
+    def scale_table_bytes(self) -> int:
+        """Wide FP8 tiles: per consumer warpgroup two chunks' FP32 token scales, 4 blocks x 4 lane quads x
+        (tile_tokens / 4 + 4 padding) floats each."""
+        return self.consumer_warpgroups * 2 * 16 * (self.tile_tokens // 4 + 4) * 4 if self.wide_fp8 else 0
+
     def _fitting_stages(self, epilogue: str, extra_bytes: int, chunks: int) -> int:
-        budget = SMEM_CAPACITY // self.ctas_per_sm - 1024 - 4096 - self.epilogue_bytes(epilogue) - extra_bytes
+        budget = (SMEM_CAPACITY // self.ctas_per_sm - 1024 - 4096 - self.epilogue_bytes(epilogue) - extra_bytes
+                  - self.scale_table_bytes())
         return min(16, budget // self._stage_bytes(chunks))
 
     def num_stages(self, epilogue: str = "bf16", extra_bytes: int = 0) -> int:
@@ -365,24 +384,35 @@ def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "b
     return GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas, mma=mma)
 
 
-def prepare_fp4_weights(b: torch.Tensor, b_sf: torch.Tensor, mma: str = "fp8") -> tuple[torch.Tensor, torch.Tensor]:
+def prepare_fp4_weights(b: torch.Tensor, b_sf: torch.Tensor, mma: str = "fp8",
+                        fold: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Canonical FP4 weights (``uint8 [E, N, K/2]``, ``int32 [E, N, K/128]``) -> the kernel's operands for
     ``mma`` mode; scales chunk-major, ``int32 [E, K/128, N]`` (a 128-K chunk's words of a tile's rows are one
     contiguous piece: a stage loads whole 32-byte sectors, once). Run once at weight-load time.
 
     "fp8" (default, the layout existing callers pass FP8 tokens with): ``uint8 [E, N/64, K/128, 64, 64]``, nibbles
-    reordered into the e4m3 fragment order. "bf16" (recommended; BF16 tokens): ``int32 [E, N/64, K/128, 64, 16]``
-    (``to_sm90_bf16_weight_layout``); raises if a scale code is outside the exact range of the BF16 decode
-    (one host sync)."""
+    reordered into the e4m3 fragment order; scales folded into the decode where every row's fit
+    (``sm90_fp4_decode.fold_fp8_scales``: ``int32 [E, K/128 + 1, N]``, the kernel then multiplies by the token
+    scales alone per 32-K block), else absolute. ``fold``: None = folded where possible, True = folded or raise,
+    False = absolute. "bf16" (recommended; BF16 tokens): ``int32 [E, N/64, K/128, 64, 16]``
+    (``to_sm90_bf16_weight_layout``); raises if a scale code is outside the exact range of the BF16 decode.
+    One host sync either way."""
     if mma not in MMA_MODES:
         fail("mma", f"must be one of {MMA_MODES}, got {mma!r}")
     check_tensor("b", b, dtype=torch.uint8, ndim=3)
     e, n, half_k = b.shape
     check_tensor("b_sf", b_sf, dtype=torch.int32, shape=(e, n, 2 * half_k // K_CHUNK))
     if mma == "bf16":
+        if fold:
+            fail("fold", "applies to mma='fp8' only (BF16 mode always applies the scales in the decode)")
         check_bf16_scale_range(b, b_sf)
-    layout = to_sm90_bf16_weight_layout if mma == "bf16" else to_sm90_weight_layout
-    return layout(b), b_sf.transpose(1, 2).contiguous()
+        return to_sm90_bf16_weight_layout(b), b_sf.transpose(1, 2).contiguous()
+    folded = None if fold is False else fold_fp8_scales(b, b_sf)
+    if folded is None and fold:
+        fail("b_sf", f"cannot be folded (fold=True): a row's nonzero blocks span more than "
+             f"{FOLD_MAX_SHIFT - FOLD_MIN_SHIFT} binades below its largest scale, or its base code is below 1; "
+             "pass fold=None to keep absolute scales for such weights")
+    return to_sm90_weight_layout(b), b_sf.transpose(1, 2).contiguous() if folded is None else folded
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -416,8 +446,13 @@ def _build_kernel_class():
         function call in a kernel makes ptxas serialize all its wgmmas, C7510, so only debug builds have one)."""
 
         def __init__(self, config: GemmConfig, group_mode: str, epilogue: str = "bf16", debug: bool = False,
-                     comm=None):
+                     comm=None, folded: bool = False):
             self.cfg = config
+            # FP8 mode, folded weight scales (``sm90_fp4_decode.fold_fp8_scales``): the decode applies each block's
+            # scale relative to its row's, the promotion multiplies by the token's scale alone, the epilogue by the
+            # row's scale.
+            self.folded = folded
+            self.wide = config.wide_fp8
             self.comm = comm  # "l1_l2" + ep_comm.EpCommConfig: the one-launch Mega MoE kernel (see mega_moe_sm90)
             self.trace = comm is not None and comm.trace  # phase timestamps into record (megamoe.timeline)
             self.debug = debug
@@ -466,6 +501,7 @@ def _build_kernel_class():
             mW2,  # "l1_l2": the second GEMM's weights, as mW; else None
             mSFW2,  # "l1_l2": (H, I/128, E) int32; else None
             mRowAddr,  # "l1_l2": (M,) int64 row addresses of the second GEMM's scatter; else None
+            mRowScale,  # FP8 mode, folded scales: (N, E) float32 weight-row scales; else None
             num_groups: Int32,
             max_m: Int32,  # rows per group slab ("masked"), else unused
             clamp: Float32,  # "swiglu_fp8" with clamp: gate <= clamp, |up| <= clamp; +inf = no clamp
@@ -522,6 +558,7 @@ def _build_kernel_class():
                 sW: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(w_layout)], 1024]
                 sSFW: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(sfw_layout)], 128]
                 sSFA: cute.struct.Align[cute.struct.MemRange[Int32, 1 if self.bf16 else cute.cosize(sfa_layout)], 128]
+                sScale: cute.struct.Align[cute.struct.MemRange[Float32, max(self.cfg.scale_table_bytes() // 4, 1)], 16]
                 sAct: cute.struct.Align[cute.struct.MemRange[Float32, tt * self.act_stride if self.swiglu else 1], 16]
                 sOut: cute.struct.Align[  # "l1_l2": shares sAct's bytes (see kernel())
                     cute.struct.MemRange[cutlass.BFloat16, tt * self.out_stride if self.scatter and not self.fused else 8], 16
@@ -533,7 +570,7 @@ def _build_kernel_class():
 
             self.kernel(
                 tma_a, tA, tma_w, tW, tma_sfw, tSFW, tma_sfa, tSFA, *second,
-                mD, mDSF, mRowW, mRowAddr, mGroupA, mGroupB, num_groups, max_m, clamp, sync, timeout_ns,
+                mD, mDSF, mRowW, mRowAddr, mRowScale, mGroupA, mGroupB, num_groups, max_m, clamp, sync, timeout_ns,
                 me, num_tokens, base, peers, stats, record, y,
                 tiled_mma, a_layout, w_layout, sfw_layout, sfa_layout,
             ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=self.cfg.ctas_per_sm,
@@ -706,6 +743,7 @@ def _build_kernel_class():
             mDSF: cute.Tensor,
             mRowW: cute.Tensor,
             mRowAddr,
+            mRowScale,
             mGroupA: cute.Tensor,
             mGroupB: cute.Tensor,
             num_groups: Int32,
@@ -769,6 +807,16 @@ def _build_kernel_class():
             sSFA = None
             if cutlass.const_expr(not self.bf16):
                 sSFA = storage.sSFA.get_tensor(sfa_layout)
+            sScale = None
+            if cutlass.const_expr(self.wide):
+                # (4 values, column pair jp, lane quad q, 32-K block, chunk parity, warpgroup): the FP32 scales of
+                # token columns 8 * (2 jp + v // 2) + 2 q + v % 2; a quad's row padded by 4 floats (no bank conflicts
+                # between the quads' 16-byte loads).
+                row = self.tile_tokens // 4 + 4
+                sScale = storage.sScale.get_tensor(cute.make_layout(
+                    (4, self.tile_tokens // 16, 4, 4, 2, self.num_consumer_wg),
+                    stride=(1, 4, row, 4 * row, 16 * row, 32 * row),
+                ))
             sAct = None
             if cutlass.const_expr(self.swiglu):
                 sAct = storage.sAct.get_tensor(
@@ -853,8 +901,8 @@ def _build_kernel_class():
                 if cutlass.const_expr(self.rebalance_registers):
                     cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consumer(
-                    ab_pipeline, tiled_mma, tidx - 128, sA, sW, sSFW, sSFA, sAct, sOut, mD, mDSF, mRowW, mRowAddr,
-                    mGroupA, mGroupB, num_groups, max_m, clamp, total_rows, dims, sync, bidx, gdim, tiles_pub, record,
+                    ab_pipeline, tiled_mma, tidx - 128, sA, sW, sSFW, sSFA, sScale, sAct, sOut, mD, mDSF, mRowW, mRowAddr,
+                    mRowScale, mGroupA, mGroupB, num_groups, max_m, clamp, total_rows, dims, sync, bidx, gdim, tiles_pub, record,
                 )
                 if cutlass.const_expr(self.comm is not None):
                     # Mega MoE combine on the consumer warpgroups (ep_comm steps 2-3): every row of every CTA is
@@ -1261,8 +1309,8 @@ def _build_kernel_class():
             ab_pipeline.producer_tail(state)
 
         @cute.jit
-        def consumer(self, ab_pipeline, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sAct, sOut, mD, mDSF, mRowW, mRowAddr,
-                     mGroupA, mGroupB, num_groups, max_m, clamp, total_rows, dims, sync, bidx, gdim, tiles_pub, record):
+        def consumer(self, ab_pipeline, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sScale, sAct, sOut, mD, mDSF, mRowW,
+                     mRowAddr, mRowScale, mGroupA, mGroupB, num_groups, max_m, clamp, total_rows, dims, sync, bidx, gdim, tiles_pub, record):
             """Consumer warpgroups: every tile's mainloop and epilogue; the tiles come from ``next_tile``, or Mega
             MoE: from the producer warp (``take_tile``). ``record``: the trace build's timeline rows."""
             tt, tn = self.tile_tokens, self.tile_n
@@ -1364,45 +1412,70 @@ def _build_kernel_class():
                     for kt in cutlass.range(k_tiles, unroll=1):
                         ab_pipeline.consumer_wait(state)
                         s = state.index
+                        if cutlass.const_expr(self.wide):
+                            self.stage_token_scales(sSFA, sScale, ctidx, kt, s)
+                        # Packed scale words of this 128-K chunk, the weights' (one per row): absolute codes, or
+                        # folded into the decode tables.
+                        sfw_words[0] = sSFW[wrow0, 0, s]
+                        sfw_words[1] = sSFW[wrow1, 0, s]
                         # FP4 -> E4M3 into the A fragment (one 16-byte load per weight row).
                         cute.autovec_copy(sW_words[None, q, wrow0, s], wbuf[None, 0])
                         cute.autovec_copy(sW_words[None, q, wrow1, s], wbuf[None, 1])
                         for kb in cutlass.range_constexpr(4):
                             for r in cutlass.range_constexpr(2):
-                                lo, hi = dev.decode_e2m1x8(wbuf[kb, r], lut_lo, lut_hi)
+                                if cutlass.const_expr(self.folded):
+                                    t_lo, t_hi = dev.fold_luts(sfw_words[r], kb)
+                                    lo, hi = dev.decode_e2m1x8(wbuf[kb, r], t_lo, t_hi)
+                                else:
+                                    lo, hi = dev.decode_e2m1x8(wbuf[kb, r], lut_lo, lut_hi)
                                 frag[(0, r, 0), 0, kb] = lo
                                 frag[(0, r, 1), 0, kb] = hi
-                        # Packed scale words of this 128-K chunk: the weights' (one per row), the tokens' word
-                        # (kt % 4) of each 4-word box row.
-                        w = kt % 4
-                        sfw_words[0] = sSFW[wrow0, 0, s]
-                        sfw_words[1] = sSFW[wrow1, 0, s]
-                        for j in cutlass.range_constexpr(n_cols):
-                            for c in cutlass.range_constexpr(2):
-                                sfa_words[c, j] = sSFA[cC[c + 4 * j][1], w, s]
-                        if cutlass.const_expr(self.deferred):
-                            warpgroup.fence()
+                        if cutlass.const_expr(self.wide):
+                            # This warpgroup's token scales of the chunk are in shared memory; each k32 wgmma is
+                            # waited for and promoted (the other warpgroup's runs meanwhile).
+                            pipeline.NamedBarrier(barrier_id=1 + ctidx // 128, num_threads=128).arrive_and_wait()
                             for kb in cutlass.range_constexpr(4):
-                                cute.gemm(tiled_mma, tmps[kb], tCrA[(None, None, kb)], tCrB[(None, None, kb, s)],
-                                          tmps[kb])
-                            warpgroup.commit_group()
-                            warpgroup.wait_group(0)
-                            for kb in cutlass.range_constexpr(4):
-                                self.promote(acc, tmps[kb], kb, sfw_words, sfa_words, sw, sa)
-                        else:
-                            for kb in cutlass.range_constexpr(4):
-                                tmp = tmp0 if kb % 2 == 0 else tmp1
                                 warpgroup.fence()
-                                cute.gemm(tiled_mma, tmp, tCrA[(None, None, kb)], tCrB[(None, None, kb, s)], tmp)
+                                cute.gemm(tiled_mma, tmp0, tCrA[(None, None, kb)], tCrB[(None, None, kb, s)], tmp0)
                                 warpgroup.commit_group()
-                                if cutlass.const_expr(kb > 0):
-                                    warpgroup.wait_group(1)
-                                    self.promote(acc, tmp1 if kb % 2 == 0 else tmp0, kb - 1, sfw_words, sfa_words,
-                                                 sw, sa)
-                            warpgroup.wait_group(0)
-                            self.promote(acc, tmp1, 3, sfw_words, sfa_words, sw, sa)
+                                warpgroup.wait_group(0)
+                                self.promote_wide(acc, tmp0, kb, sScale, q, kt % 2, ctidx // 128, sfw_words, sw)
+                        else:
+                            # The tokens' packed scale words: word (kt % 4) of each 4-word box row.
+                            w = kt % 4
+                            for j in cutlass.range_constexpr(n_cols):
+                                for c in cutlass.range_constexpr(2):
+                                    sfa_words[c, j] = sSFA[cC[c + 4 * j][1], w, s]
+                            if cutlass.const_expr(self.deferred):
+                                warpgroup.fence()
+                                for kb in cutlass.range_constexpr(4):
+                                    cute.gemm(tiled_mma, tmps[kb], tCrA[(None, None, kb)], tCrB[(None, None, kb, s)],
+                                              tmps[kb])
+                                warpgroup.commit_group()
+                                warpgroup.wait_group(0)
+                                for kb in cutlass.range_constexpr(4):
+                                    self.promote(acc, tmps[kb], kb, sfw_words, sfa_words, sw, sa)
+                            else:
+                                for kb in cutlass.range_constexpr(4):
+                                    tmp = tmp0 if kb % 2 == 0 else tmp1
+                                    warpgroup.fence()
+                                    cute.gemm(tiled_mma, tmp, tCrA[(None, None, kb)], tCrB[(None, None, kb, s)], tmp)
+                                    warpgroup.commit_group()
+                                    if cutlass.const_expr(kb > 0):
+                                        warpgroup.wait_group(1)
+                                        self.promote(acc, tmp1 if kb % 2 == 0 else tmp0, kb - 1, sfw_words, sfa_words,
+                                                     sw, sa)
+                                warpgroup.wait_group(0)
+                                self.promote(acc, tmp1, 3, sfw_words, sfa_words, sw, sa)
                         ab_pipeline.consumer_release(state)
                         state.advance()
+                    if cutlass.const_expr(self.folded):
+                        # The weight rows' scales, left out of the decode (exact power-of-two products).
+                        for r in cutlass.range_constexpr(2):
+                            row_scale = Float32(mRowScale[n_tile * tn + cC[2 * r][0], e])
+                            for j in cutlass.range_constexpr(n_cols):
+                                for c in cutlass.range_constexpr(2):
+                                    acc[c + 2 * r + 4 * j] = acc[c + 2 * r + 4 * j] * row_scale
 
                 if cutlass.const_expr(self.fused):
                     if phase == 0:
@@ -1600,8 +1673,9 @@ def _build_kernel_class():
         def promote(self, acc, tmp, kb: cutlass.Constexpr[int], sfw_words, sfa_words, sw, sa):
             """acc += tmp * 2^(sb[row, kb]) * 2^(sa[token, kb]) (exact power-of-two scaling, one FP32 add)."""
             n_cols = self.tile_tokens // 8
-            for r in cutlass.range_constexpr(2):
-                sw[r] = dev.ue8m0_to_f32(sfw_words[r], kb)
+            if cutlass.const_expr(not self.folded):
+                for r in cutlass.range_constexpr(2):
+                    sw[r] = dev.ue8m0_to_f32(sfw_words[r], kb)
             for j in cutlass.range_constexpr(n_cols):
                 for c in cutlass.range_constexpr(2):
                     sa[c, j] = dev.ue8m0_to_f32(sfa_words[c, j], kb)
@@ -1609,7 +1683,41 @@ def _build_kernel_class():
                 for r in cutlass.range_constexpr(2):
                     for c in cutlass.range_constexpr(2):
                         i = c + 2 * r + 4 * j  # flat index of accumulator value (c, r, j)
-                        acc[i] = acc[i] + tmp[i] * (sw[r] * sa[c, j])
+                        if cutlass.const_expr(self.folded):
+                            acc[i] = acc[i] + tmp[i] * sa[c, j]
+                        else:
+                            acc[i] = acc[i] + tmp[i] * (sw[r] * sa[c, j])
+
+        @cute.jit
+        def stage_token_scales(self, sSFA, sScale, ctidx, kt, s):
+            """Wide FP8 tiles: thread m of each consumer warpgroup converts token m's four UE8M0 codes of chunk
+            ``kt`` (stage ``s``) to FP32 into its warpgroup's table half ``kt % 2`` (``sScale``); a named barrier
+            of the warpgroup follows before any promotion reads them."""
+            m = ctidx % 128
+            word = sSFA[m, kt % 4, s]
+            j = m // 8
+            for kb in cutlass.range_constexpr(4):
+                sScale[(j % 2) * 2 + m % 2, j // 2, (m % 8) // 2, kb, kt % 2, ctidx // 128] = dev.ue8m0_to_f32(word, kb)
+
+        @cute.jit
+        def promote_wide(self, acc, tmp, kb: cutlass.Constexpr[int], sScale, q, half, wg, sfw_words, sw):
+            """``promote`` for wide FP8 tiles: the token scales of block kb from this warpgroup's table (one 16-byte
+            load per two column groups)."""
+            if cutlass.const_expr(not self.folded):
+                for r in cutlass.range_constexpr(2):
+                    sw[r] = dev.ue8m0_to_f32(sfw_words[r], kb)
+            v = cute.make_rmem_tensor((4,), Float32)
+            for jp in cutlass.range_constexpr(self.tile_tokens // 16):
+                cute.autovec_copy(sScale[None, jp, q, kb, half, wg], v)
+                for u in cutlass.range_constexpr(4):
+                    j = 2 * jp + u // 2
+                    c = u % 2
+                    for r in cutlass.range_constexpr(2):
+                        i = c + 2 * r + 4 * j
+                        if cutlass.const_expr(self.folded):
+                            acc[i] = acc[i] + tmp[i] * v[u]
+                        else:
+                            acc[i] = acc[i] + tmp[i] * (sw[r] * v[u])
 
     return Sm90Fp4GroupedGemm
 
@@ -1636,7 +1744,8 @@ def _weight_args(b, b_sf):
 def _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, group_a, group_b, second=None):
     """Torch tensors (2-D token views, 5-D blocked kernel-layout weights of either mode) -> CuTe tensors in kernel mode
     order; ``a_sf`` None (BF16 mode) stays None. ``second``: the "l1_l2" epilogue's ``(a2, b2, b2_sf, row_ptrs)``
-    (its tokens [M, I] bf16, weights, scales, row addresses int64 [M]), else None."""
+    (its tokens [M, I] bf16, weights, scales, row addresses int64 [M]), else None. Folded FP8-mode scales
+    (``b_sf`` with K/128 + 1 chunk rows) add their last row, the weight rows' FP32 scales, as ``(N, E)``."""
     extra = (None,) * 4
     if second is not None:
         a2, b2, b2_sf, row_ptrs = second
@@ -1652,11 +1761,19 @@ def _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, group_a, group_b, sec
         runtime.to_cute(group_a, leading_dim=0, align=4),
         runtime.to_cute(group_b, leading_dim=0, align=4),
         *extra,
+        runtime.to_cute(b_sf[:, -1].view(torch.float32).t(), leading_dim=0) if _folded(b, b_sf) else None,
     )
 
 
-def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "bf16", debug: bool = False, comm=None):
-    """Compile (and cache) the kernel for ``config`` (incl. its MMA mode), ``group_mode``, ``epilogue``,
+def _folded(b: torch.Tensor, b_sf: torch.Tensor) -> bool:
+    """Whether kernel-layout weights carry folded FP8-mode scales (``fold_fp8_scales``: one chunk row more)."""
+    return b.dtype == torch.uint8 and b_sf.shape[1] == b.shape[2] + 1
+
+
+def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "bf16", debug: bool = False, comm=None,
+                         folded: bool = False):
+    """Compile (and cache) the kernel for ``config`` (incl. its MMA mode), ``group_mode``, ``epilogue``, ``folded``
+    (FP8 mode: the weights' scales folded into the decode, ``sm90_fp4_decode.fold_fp8_scales``),
     ``debug`` ("l1_l2" only: the build whose waits can time out and report; its wgmmas run serialized) and
     ``comm`` ("l1_l2" only: an ``ep_comm.EpCommConfig`` makes it the one-launch Mega MoE kernel for that buffer
     layout, ``mega_moe_sm90``); works on a CPU with ``CUTE_DSL_ARCH=sm_90a``. Shapes are dynamic: one compile
@@ -1670,6 +1787,8 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
     if comm is not None and (epilogue != "l1_l2" or group_mode != "offsets" or comm.debug != debug):
         fail("comm", f"needs the 'l1_l2' epilogue, 'offsets' groups and the same debug flag, got {epilogue!r}, "
              f"{group_mode!r}, debug={debug} vs {comm.debug}")
+    if folded and (config.mma != "fp8" or comm is not None or epilogue == "l1_l2"):
+        fail("folded", f"applies to FP8-mode single GEMMs only, got mma={config.mma!r}, epilogue={epilogue!r}")
 
     def build():
         import cutlass
@@ -1682,7 +1801,7 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
         else:
             a, a_sf = torch.empty(m, k, dtype=torch.float8_e4m3fn), torch.empty(m, k // 128, dtype=torch.int32)
             b = torch.empty(e, n // ROW_BLOCK, k // 128, ROW_BLOCK, CHUNK_BYTES, dtype=torch.uint8)
-        b_sf = torch.empty(e, k // 128, n, dtype=torch.int32)
+        b_sf = torch.empty(e, k // 128 + int(folded), n, dtype=torch.int32)
         second = None
         if epilogue == "swiglu_fp8":
             out = torch.empty(m, n // 8, dtype=torch.int32)
@@ -1698,14 +1817,14 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
         row_weights = torch.empty(m, dtype=torch.int64 if epilogue == "bf16_scatter" else torch.float32)
         groups = torch.zeros(e + 1, dtype=torch.int32)
         args = _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, groups, groups, second)
-        kernel = _kernel_class()(config, group_mode, epilogue, debug, comm)
+        kernel = _kernel_class()(config, group_mode, epilogue, debug, comm, folded)
         z32, z64 = cutlass.Int32(0), cutlass.Int64(0)
         return cute.compile(
             kernel, *args, cutlass.Int32(e), cutlass.Int32(m), cutlass.Float32(float("inf")), z64, z64,
             z32, z32, z64, z64, z64, z64, z64, cutlass.Int32(1), runtime.current_stream(),
         )
 
-    return runtime.compiled(("sm90_fp4_grouped_gemm", config, group_mode, epilogue, debug, comm), build)
+    return runtime.compiled(("sm90_fp4_grouped_gemm", config, group_mode, epilogue, debug, comm, folded), build)
 
 
 _DUMMIES: dict = {}
@@ -1752,7 +1871,9 @@ def _check_weights(b: torch.Tensor, b_sf: torch.Tensor, k: int, device, mma: str
         fail(names[0], f"must hold K/128 = {k // K_CHUNK} chunks per row block (dim 2) for a.shape[-1] = {k}, "
              f"got {list(b.shape)}")
     n = blocks * ROW_BLOCK
-    check_chunk_major_scales(names[1], b_sf, e, n, k, device=device)
+    # FP8 mode: absolute scales [E, K/128, N], or folded ones with the row scales after the chunks (fold_fp8_scales).
+    folded = mma == "fp8" and isinstance(b_sf, torch.Tensor) and b_sf.ndim == 3 and b_sf.shape[1] == chunks + 1
+    check_chunk_major_scales(names[1], b_sf, e, n, k + K_CHUNK * folded, device=device)
     return e, n
 
 
@@ -1838,7 +1959,7 @@ def _launch(config, group_mode, epilogue, a2, a_sf2, b, b_sf, out2, out_sf2, row
     import cutlass
 
     comm, *comm_args = (None, 0, 0, 0, None, None, 0, None) if mega is None else mega
-    kernel = compile_grouped_gemm(config, group_mode, epilogue, timeout_ns > 0, comm)
+    kernel = compile_grouped_gemm(config, group_mode, epilogue, timeout_ns > 0, comm, _folded(b, b_sf))
     num_ctas = torch.cuda.get_device_properties(a2.device).multi_processor_count * config.ctas_per_sm
     if mega is None:
         num_ctas = min(num_ctas, max_tiles)
@@ -1947,16 +2068,17 @@ def grouped_gemm_fp8_fp4_masked(
 # ----------------------------------------------------------------------------------------------------
 
 
-def prepare_fp4_weights_l1(w1: torch.Tensor, w1_sf: torch.Tensor, mma: str = "fp8") -> tuple[torch.Tensor, torch.Tensor]:
+def prepare_fp4_weights_l1(w1: torch.Tensor, w1_sf: torch.Tensor, mma: str = "fp8",
+                           fold: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Canonical L1 weights (``uint8 [E, 2I, H/2]`` with rows [gate; up], ``int32 [E, 2I, H/128]``) -> the
     SwiGLU kernel's operands: rows interleaved (``interleave_gate_up``, granularity 8), then the kernel layout
-    of ``mma`` mode (``prepare_fp4_weights``)."""
+    of ``mma`` mode (``prepare_fp4_weights``, ``fold`` as there)."""
     from ..layouts import interleave_gate_up
 
     check_tensor("w1", w1, dtype=torch.uint8, ndim=3)
     check_tensor("w1_sf", w1_sf, dtype=torch.int32, ndim=3)
     return prepare_fp4_weights(
-        interleave_gate_up(w1, SWIGLU_GRANULARITY), interleave_gate_up(w1_sf, SWIGLU_GRANULARITY), mma
+        interleave_gate_up(w1, SWIGLU_GRANULARITY), interleave_gate_up(w1_sf, SWIGLU_GRANULARITY), mma, fold
     )
 
 
