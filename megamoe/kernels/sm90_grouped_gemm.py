@@ -1371,6 +1371,17 @@ def _build_kernel_class():
                 lut_lo = Int32(E4M3_LUT_LO)
                 lut_hi = Int32(E4M3_LUT_HI)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                if cutlass.const_expr(self.wide):
+                    # Wide tiles: each k32 block as two wgmmas of half the tokens (their own temporaries, together
+                    # one tile's worth of registers), so one half's promotion overlaps the other half's wgmma.
+                    half = tt // 2
+                    half_mma = self.make_tiled_mma(cutlass.Float8E4M3FN, half)
+                    half_mma.set(warpgroup.Field.ACCUMULATE, False)
+                    thr_half = half_mma.get_slice(ctidx)
+                    half_B = [thr_half.make_fragment_B(thr_half.partition_B(
+                        cute.local_tile(sA, (half, K_CHUNK, self.stages * self.cps), (h, 0, 0)))) for h in range(2)]
+                    half_shape = ((2, 2, half // 8), 1, 1)
+                    halves = (cute.make_rmem_tensor(half_shape, Float32), cute.make_rmem_tensor(half_shape, Float32))
 
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             t = bidx
@@ -1434,12 +1445,18 @@ def _build_kernel_class():
                             # This warpgroup's token scales of the chunk are in shared memory; each k32 wgmma is
                             # waited for and promoted (the other warpgroup's runs meanwhile).
                             pipeline.NamedBarrier(barrier_id=1 + ctidx // 128, num_threads=128).arrive_and_wait()
-                            for kb in cutlass.range_constexpr(4):
-                                warpgroup.fence()
-                                cute.gemm(tiled_mma, tmp0, tCrA[(None, None, kb)], tCrB[(None, None, kb, s)], tmp0)
-                                warpgroup.commit_group()
-                                warpgroup.wait_group(0)
-                                self.promote_wide(acc, tmp0, kb, sScale, q, kt % 2, ctidx // 128, sfw_words, sw)
+                            # Step u = (block kb, token half h) = divmod(u, 2): issue u, wait for u - 1, promote it
+                            # (its temporary is the one step u + 1 writes).
+                            for u in cutlass.range_constexpr(9):
+                                if cutlass.const_expr(u < 8):
+                                    warpgroup.fence()
+                                    cute.gemm(half_mma, halves[u % 2], tCrA[(None, None, u // 2)],
+                                              half_B[u % 2][(None, None, u // 2, s)], halves[u % 2])
+                                    warpgroup.commit_group()
+                                if cutlass.const_expr(u > 0):
+                                    warpgroup.wait_group(1 if u < 8 else 0)
+                                    self.promote_wide(acc, halves[(u - 1) % 2], (u - 1) // 2, (u - 1) % 2, sScale, q,
+                                                      kt % 2, ctidx // 128, sfw_words, sw)
                         else:
                             # The tokens' packed scale words: word (kt % 4) of each 4-word box row.
                             w = kt % 4
@@ -1700,24 +1717,27 @@ def _build_kernel_class():
                 sScale[(j % 2) * 2 + m % 2, j // 2, (m % 8) // 2, kb, kt % 2, ctidx // 128] = dev.ue8m0_to_f32(word, kb)
 
         @cute.jit
-        def promote_wide(self, acc, tmp, kb: cutlass.Constexpr[int], sScale, q, half, wg, sfw_words, sw):
-            """``promote`` for wide FP8 tiles: the token scales of block kb from this warpgroup's table (one 16-byte
-            load per two column groups)."""
+        def promote_wide(self, acc, tmp, kb: cutlass.Constexpr[int], h: cutlass.Constexpr[int], sScale, q, parity, wg,
+                         sfw_words, sw):
+            """``promote`` for wide FP8 tiles, token half ``h`` (``tmp``: its temporary): the token scales of block kb
+            from this warpgroup's table half ``parity`` (one 16-byte load per two column groups)."""
             if cutlass.const_expr(not self.folded):
                 for r in cutlass.range_constexpr(2):
                     sw[r] = dev.ue8m0_to_f32(sfw_words[r], kb)
             v = cute.make_rmem_tensor((4,), Float32)
-            for jp in cutlass.range_constexpr(self.tile_tokens // 16):
-                cute.autovec_copy(sScale[None, jp, q, kb, half, wg], v)
+            pairs = self.tile_tokens // 32  # column-group pairs per half
+            for jp in cutlass.range_constexpr(pairs):
+                cute.autovec_copy(sScale[None, h * pairs + jp, q, kb, parity, wg], v)
                 for u in cutlass.range_constexpr(4):
-                    j = 2 * jp + u // 2
+                    j = 2 * jp + u // 2  # column group within the half
                     c = u % 2
                     for r in cutlass.range_constexpr(2):
                         i = c + 2 * r + 4 * j
+                        a = i + 4 * self.tile_tokens // 16 * h  # the same value's index in the whole tile
                         if cutlass.const_expr(self.folded):
-                            acc[i] = acc[i] + tmp[i] * v[u]
+                            acc[a] = acc[a] + tmp[i] * v[u]
                         else:
-                            acc[i] = acc[i] + tmp[i] * (sw[r] * v[u])
+                            acc[a] = acc[a] + tmp[i] * (sw[r] * v[u])
 
     return Sm90Fp4GroupedGemm
 
