@@ -13,7 +13,10 @@ Both layouts store rows in blocks of ``ROW_BLOCK`` = 64: ``[E, N/64, K/128, 64, 
 ``sm90_grouped_gemm``).
 
 FP8 mode (``to_sm90_weight_layout``, uint8 ``[E, N/64, K/128, 64, 64]``): E2M1 -> E4M3, exact (every E2M1 value is
-an E4M3 value); the per-32 scales are applied outside the MMA. A thread owns, per 32-wide K block ``kb``,
+an E4M3 value); the per-32 scales are applied outside the MMA, or, folded (``fold_fp8_scales``), relative to their
+row's scale inside the decode: ``v * 2**d`` is exact in E4M3 for d in -5..6, the lookup table's nonzero bytes
+moved by ``8 d`` (``fold_luts``: two byte permutes and two multiply-adds per row and 32-K block), the row's scale
+applied once to the FP32 output. A thread owns, per 32-wide K block ``kb``,
 ``k = kb*32 + 16*h + 4*q + i`` (h in {0, 1}, i in 0..3): the PTX ``wgmma .e4m3`` A fragment, four registers
 of four bytes, ``(row, h)`` major. Segment ``q`` holds words ``kb = 0..3`` whose low half is ``h = 0`` and
 high half ``h = 1``; nibble order inside a byte is unchanged (even element in the low nibble). Decode of one

@@ -19,9 +19,16 @@ MMA modes (``GemmConfig.mma``), fixed by how the weights were prepared (``prepar
   per-32 scale folded in to exact BF16 (``sm90_fp4_decode``), RS wgmma ``m64 x tile_tokens x k16`` bf16 x bf16
   -> f32 into one FP32 accumulator over the whole K: no promotion, wgmmas back to back.
 * ``"fp8"``: tokens FP8 E4M3 + packed UE8M0 ``a_sf``; weights decoded to E4M3, RS wgmma ``k32`` e4m3 into a
-  fresh accumulator per 32-K block, then ``acc += tmp * (2^sb[n, kb] * 2^sa[m, kb])`` in FP32 (two
-  temporaries alternate so the promotion of block kb overlaps the wgmma of kb+1; 8-row token tiles give each
-  of a chunk's four blocks its own temporary and wait once per chunk: ``DEFERRED_MAX_TILE_TOKENS``).
+  fresh accumulator per 32-K block, then promoted in FP32. Folded weight scales (the default where every row's
+  fit, ``sm90_fp4_decode.fold_fp8_scales``): the decode applies each block's scale relative to its row's (a
+  shifted lookup table, exact in E4M3), ``acc += tmp * 2^sa[m, kb]``, and the epilogue multiplies each row by its
+  scale; absolute scales: ``acc += tmp * (2^sb[n, kb] * 2^sa[m, kb])``. Two temporaries alternate so the
+  promotion of block kb overlaps the wgmma of kb+1; 8-row token tiles give each of a chunk's four blocks its own
+  temporary and wait once per chunk (``DEFERRED_MAX_TILE_TOKENS``); 128-row tiles (``WIDE_FP8_TILE_TOKENS``) run
+  each block as two 64-token wgmmas, one promoted while the other runs, with the tokens' scales converted to FP32
+  once per chunk into shared memory. One FP32 multiply-add per accumulator and 32-K block is the floor of any
+  exact per-32 promotion: at the FP8 rate about as many as the SM can issue, so FP8 mode (407-469 TFLOP/s from 256
+  rows per expert, H200) stays below BF16 mode there.
 
 Both are exact up to FP32 summation order (every product is exact) and the final rounding.
 
@@ -31,7 +38,7 @@ Both group layouts run the same kernel: contiguous (``offsets`` [E+1], optional 
 Design:
 
 * Swap-AB: weights are the wgmma M side (64 rows per consumer warpgroup, ``tile_n`` = 64 or 128 rows per
-  CTA) and tokens the N side (``tile_tokens`` = 8..64 rows, 128 in BF16 mode), so a decode-sized group (a
+  CTA) and tokens the N side (``tile_tokens`` = 8..128 rows), so a decode-sized group (a
   few tokens) wastes no tensor-core work on padding beyond the wgmma N granularity of 8. BF16 mode, token tiles
   of 64 and 128 rows: a tile with fewer rows runs wgmmas only 32, 64 or 96 wide (``token_widths``: one K loop
   per width, picked per tile); flash EP2 Mega MoE, 96 rows per expert on 128-row tiles, ran 3-7% faster
@@ -198,7 +205,7 @@ wgmma accumulator, g and g + 8 of each 16-row group, are then gate and up of the
 class GemmConfig:
     """Static kernel configuration (one compiled kernel per config, group mode and epilogue).
 
-    tile_tokens: tokens per CTA tile (wgmma N): 8, 16, 32, 64, or 128 in BF16 mode.
+    tile_tokens: tokens per CTA tile (wgmma N): 8, 16, 32, 64 or 128.
     tile_n: weight rows per CTA tile, 64 per consumer warpgroup (64 or 128).
     stages: TMA pipeline depth (stages of ``chunks_per_stage(epilogue)`` x 128 K); ``None`` = as many as shared memory holds
         (max 16).
@@ -370,7 +377,8 @@ def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "b
     ``TWO_CTA_TILE_TOKENS``: measured on an H200 (flash L1/L2, EP8, 2026-11-29), 1 and 16 rows per expert ran 8-16%
     faster in BF16 mode (e.g. L1 1 row/expert 91.9 vs 106.9 us) and faster in FP8 mode (hiding per-k32 promotion
     waits); 32-row BF16 tiles on two CTAs per SM: pro EP2 Mega MoE at 512 tokens/rank (16 rows/expert) 2623-2626
-    vs 2994-3004 us on 16-row tiles (2026-11-30)."""
+    vs 2994-3004 us on 16-row tiles (2026-11-30). FP8 mode's 128-row tiles (from 65 expected rows) ran 1.87-1.98x
+    faster than main's 64-row tiles at 256 and 1024 rows per expert (flash, pro, L1, L2, EP8; 2026-12-01)."""
     del k  # the stage count is chosen from shared memory alone
     if mma not in MMA_MODES:
         fail("mma", f"must be one of {MMA_MODES}, got {mma!r}")
