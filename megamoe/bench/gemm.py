@@ -4,8 +4,8 @@ For every point (preset x layer x expert-parallel degree x rows per expert) it c
 on sampled experts and rows against an FP64 reference, then times it (CUDA-graph replays timed with
 events, after warm-up, median of repeats) and reports microseconds, TFLOP/s and weight bytes/s next to the
 HBM read bandwidth measured in the same run. Kernel rows: each ``--mma`` mode with ``select_config``'s choice, and
-in BF16 mode one alternative config (1 CTA/SM where select_config picks 2 (token tiles up to
-``TWO_CTA_TILE_TOKENS``), tile_tokens=64 instead of 128; ``--no-alt`` skips it). Both modes read the same FP4
+one alternative config (BF16 mode: 1 CTA/SM where select_config picks 2 (token tiles up to ``TWO_CTA_TILE_TOKENS``);
+either mode: tile_tokens=64 instead of 128; ``--no-alt`` skips it). Both modes read the same FP4
 weights and FP8 tokens; BF16 mode gets them dequantized to BF16 outside the timing (exact). Baselines, timed and
 checked the same way: ``torch._scaled_grouped_mm`` (FP8 x FP8, rowwise scales) and ``torch._grouped_mm`` (BF16). A
 time is never printed without its run's verdict.
@@ -273,7 +273,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ep", default="8,2", help="expert-parallel degrees (experts per rank = total / EP)")
     parser.add_argument("--rows", default=",".join(map(str, ROWS_PER_EXPERT)), help="rows per expert")
     parser.add_argument("--mma", default="bf16,fp8", help="kernel MMA modes to run (bf16, fp8)")
-    parser.add_argument("--no-alt", action="store_true", help="no alternative BF16-mode config rows")
+    parser.add_argument("--no-alt", action="store_true", help="no alternative config rows")
     parser.add_argument("--quick", action="store_true", help="flash only, EP8, rows 1,16,64,1024")
     parser.add_argument("--no-baselines", action="store_true")
     parser.add_argument("--max-gb", type=float, default=100.0, help="skip points needing more device memory")
