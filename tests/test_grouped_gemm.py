@@ -800,42 +800,30 @@ def _contiguous_case(counts, n, k, lead_pad, tail_pad, gen, device="cuda", align
     return a, a_sf, offsets, layout.counts.to(device), row_expert.to(device)
 
 
-@gpu
-@needs_sm90
-@pytest.mark.parametrize("tile_tokens,ctas", [(8, 1), (16, 1), (32, 1), (64, 1), (128, 1), (8, 2), (16, 2)])
-@pytest.mark.parametrize("tile_n", [64, 128])
-def test_contiguous_ragged(tile_tokens, ctas, tile_n):
-    """Absolute weight scales (their rows span more binades than the folded window)."""
-    gen = torch.Generator().manual_seed(1000 + tile_tokens + tile_n)
-    counts = [0, 1, 37, 5, 0, 130, 64, 1, 9]  # empty, one-row, partial last tiles, exact tiles
-    n, k = 256, 1024
-    a, a_sf, offsets, _, row_expert = _contiguous_case(counts, n, k, lead_pad=3, tail_pad=11, gen=gen)
-    b, b_sf = _random_weights(len(counts), n, k, gen, "cuda")
-    bk, bk_sf = prepare_fp4_weights(b, b_sf, fold=False)
-    out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas, **FP8)
-    grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg)
-    torch.cuda.synchronize()
-    _check_rows(out, a, a_sf, b, b_sf, row_expert, f"contiguous {cfg.describe()}")
+# (tile_tokens, tile_n, ctas, fold): absolute scales on every tile config; folded on every FP8 promotion path.
+RAGGED_CASES = ([(t, n, c, False) for t, c in [(8, 1), (16, 1), (32, 1), (64, 1), (128, 1), (8, 2), (16, 2)]
+                 for n in (64, 128)]
+                + [(8, 128, 2, True), (16, 64, 1, True), (32, 128, 1, True), (64, 128, 1, True), (128, 128, 1, True),
+                   (128, 64, 1, True)])
 
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize("tile_tokens,tile_n,ctas", [(8, 128, 2), (16, 64, 1), (32, 128, 1), (64, 128, 1), (128, 128, 1),
-                                                     (128, 64, 1)])
-def test_folded_contiguous_ragged(tile_tokens, tile_n, ctas):
-    """Folded weight scales (rows spanning the whole 12-binade window, all-zero blocks), every FP8 promotion
-    path; 128-row tiles: one row, partial and exact tiles, 130 rows over two tiles."""
-    gen = torch.Generator().manual_seed(3000 + tile_tokens + tile_n)
-    counts, n, k = [0, 1, 37, 5, 0, 130, 128, 1, 9], 256, 1024
+@pytest.mark.parametrize("tile_tokens,tile_n,ctas,fold", RAGGED_CASES)
+def test_contiguous_ragged(tile_tokens, tile_n, ctas, fold):
+    """Empty and one-row groups, partial last tiles, exact 64- and 128-row tiles, 130 rows over two 128-row tiles.
+    Absolute weight scales (rows spanning more binades than the folded window) or folded ones (rows spanning the
+    whole 12-binade window, all-zero blocks)."""
+    gen = torch.Generator().manual_seed(1000 + tile_tokens + tile_n + 2000 * fold)
+    counts, n, k = [0, 1, 37, 5, 0, 130, 64, 1, 9, 128], 256, 1024
     a, a_sf, offsets, _, row_expert = _contiguous_case(counts, n, k, lead_pad=3, tail_pad=11, gen=gen)
-    b, b_sf = _foldable_weights(len(counts), n, k, gen, "cuda")
-    bk, bk_sf = prepare_fp4_weights(b, b_sf, fold=True)
+    b, b_sf = (_foldable_weights if fold else _random_weights)(len(counts), n, k, gen, "cuda")
+    bk, bk_sf = prepare_fp4_weights(b, b_sf, fold=fold)
     out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
     cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas, **FP8)
     grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg)
     torch.cuda.synchronize()
-    _check_rows(out, a, a_sf, b, b_sf, row_expert, f"folded contiguous {cfg.describe()}")
+    _check_rows(out, a, a_sf, b, b_sf, row_expert, f"contiguous fold={fold} {cfg.describe()}")
 
 
 @gpu
