@@ -471,6 +471,9 @@ def _build_kernel_class():
             self.group_mode = group_mode
             self.epilogue = epilogue
             self.fused = epilogue == "l1_l2"  # L1 tiles (swiglu_fp8_bf16), then L2 tiles (bf16_scatter)
+            # Plain launches: tiles handed out by a counter (``fetch_tile``), published to the consumers.
+            self.dynamic = comm is None and not self.fused
+            self.published = comm is not None or self.dynamic
             self.swiglu = epilogue.startswith("swiglu") or self.fused
             self.swiglu_bf16 = epilogue == "swiglu_fp8_bf16" or self.fused
             self.scatter = epilogue == "bf16_scatter" or self.fused
@@ -561,8 +564,8 @@ def _build_kernel_class():
             @cute.struct
             class SharedStorage:
                 mbar: cute.struct.MemRange[cutlass.Int64, st * 2]
-                tile_mbar: cute.struct.MemRange[cutlass.Int64, 2 * TILE_SLOTS if self.comm is not None else 1]
-                sTile: cute.struct.Align[cute.struct.MemRange[Int32, TILE_SLOTS * TILE_WORDS if self.comm is not None else 1], 16]
+                tile_mbar: cute.struct.MemRange[cutlass.Int64, 2 * TILE_SLOTS if self.published else 1]
+                sTile: cute.struct.Align[cute.struct.MemRange[Int32, TILE_SLOTS * TILE_WORDS if self.published else 1], 16]
                 sA: cute.struct.Align[cute.struct.MemRange[a_dtype, cute.cosize(a_layout)], 1024]
                 sW: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(w_layout)], 1024]
                 sSFW: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(sfw_layout)], 128]
@@ -799,13 +802,14 @@ def _build_kernel_class():
                 tx_count=self.tx_bytes,
             )
             tiles_pub = None  # Mega MoE: the tiles the producer warp publishes to the consumer warpgroups and the signal warp
-            if cutlass.const_expr(self.comm is not None):
+            if cutlass.const_expr(self.published):
                 tiles_pub = (
                     pipeline.PipelineAsync.create(
                         barrier_storage=storage.tile_mbar.data_ptr(),
                         num_stages=TILE_SLOTS,
                         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-                        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.num_consumer_wg + 32),
+                        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                                 128 * self.num_consumer_wg + (32 if self.fused else 0)),
                     ),
                     storage.sTile.get_tensor(cute.make_layout((TILE_SLOTS, TILE_WORDS), stride=(TILE_WORDS, 1))),
                 )
@@ -989,6 +993,8 @@ def _build_kernel_class():
                             e, base, valid, row0, row_end, n_tile = self.find_tile(
                                 t - t_off, Int32(0), Int32(0), dims[3], num_groups, mGroupA, mGroupB, max_m, total_rows
                             )
+                if cutlass.const_expr(self.dynamic):
+                    block = e  # published in the block word: the consumers' group (folded row scales)
             return phase, e, base, t_off, valid, row0, row_end, n_tile, block
 
         @cute.jit
@@ -1037,7 +1043,9 @@ def _build_kernel_class():
             group i; Mega MoE: of pool block i), ``FINISHED`` (CTAs), ``ALL_L1`` (L1 tiles done), and Mega MoE
             only ``GRID`` (barrier arrivals), ``NEXT_TILE`` (tiles handed out), ``PULLED`` and ``L2_DONE`` (of pool
             block i)."""
-            if self.comm is None:
+            if self.dynamic:
+                index = {NEXT_TILE: 0, FINISHED: 1}[which]
+            elif self.comm is None:
                 index = {L1_DONE: i, FINISHED: num_groups, ALL_L1: num_groups + 1}[which]
             elif which in (FINISHED, ALL_L1, GRID, NEXT_TILE):
                 index = {FINISHED: 0, ALL_L1: 1, GRID: 2, NEXT_TILE: 3}[which]
@@ -1256,7 +1264,7 @@ def _build_kernel_class():
             phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
                 t, Int32(0), Int32(0), Int32(0), Int32(0), dims, num_groups, mGroupA, mGroupB, max_m, total_rows
             )
-            if cutlass.const_expr(self.comm is not None):
+            if cutlass.const_expr(self.published):
                 pub = self.publish_tile(tiles_pub, pub, phase, valid, row0, row_end, n_tile, block)
             all_done = Int32(0)  # fused: every first-GEMM tile seen done (acquired + proxy fence): no more checks
             while valid:
@@ -1307,15 +1315,23 @@ def _build_kernel_class():
                                                block if self.comm is not None else e,
                                                "first-GEMM tiles of pool block" if self.comm is not None
                                                else "first-GEMM tiles of group")
-                if cutlass.const_expr(self.comm is not None):
+                if cutlass.const_expr(self.published):
                     t = self.fetch_tile(sync, num_groups, gdim)
                 else:
                     t = t + gdim
                 phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
                     t, phase, e, base, t_off, dims, num_groups, mGroupA, mGroupB, max_m, total_rows
                 )
-                if cutlass.const_expr(self.comm is not None):
+                if cutlass.const_expr(self.published):
                     pub = self.publish_tile(tiles_pub, pub, phase, valid, row0, row_end, n_tile, block)
+            if cutlass.const_expr(self.dynamic):
+                # The last CTA to finish taking tiles zeroes the counter (and this count) for the next launch.
+                old = Int32(0)
+                if cute.arch.lane_idx() == 0:
+                    old = ptx.atom_add(self.word(sync, num_groups, FINISHED), 1, "acq_rel")
+                if cute.arch.shuffle_sync(old, 0) == gdim - 1:
+                    if cute.arch.lane_idx() < 2:
+                        ptx.st_global_u32(sync + Int64(cute.arch.lane_idx()) * 4, Int32(0))
             ab_pipeline.producer_tail(state)
 
         @cute.jit
@@ -1401,8 +1417,9 @@ def _build_kernel_class():
             t_off = Int32(0)
             block = Int32(0)
             taken = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_SLOTS)
-            if cutlass.const_expr(self.comm is not None):
+            if cutlass.const_expr(self.published):
                 phase, valid, row0, row_end, n_tile, block = self.take_tile(tiles_pub, taken)
+                e = block
                 self.stamp(record, gdim, bidx, ctidx, "first tile")
             else:
                 phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
@@ -1530,10 +1547,11 @@ def _build_kernel_class():
                                     mD[m, n0 + cC[i][0]] = acc[i].to(cutlass.BFloat16)
 
                 self.trace_tile(record, gdim, bidx, ctidx, phase)
-                if cutlass.const_expr(self.comm is not None):
+                if cutlass.const_expr(self.published):
                     tiles_pub[0].consumer_release(taken)
                     taken.advance()
                     phase, valid, row0, row_end, n_tile, block = self.take_tile(tiles_pub, taken)
+                    e = block
                 else:
                     t = t + gdim
                     phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
@@ -1870,6 +1888,17 @@ def _dummies(device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _DUMMIES[key]
 
 
+_TILE_COUNTERS: dict = {}
+
+
+def _tile_counters(device) -> torch.Tensor:
+    """int32 [2] zeros per (device, stream), left zeroed by every plain launch: its tile counter and finished CTAs."""
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream)
+    if key not in _TILE_COUNTERS:
+        _TILE_COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return _TILE_COUNTERS[key]
+
+
 # ----------------------------------------------------------------------------------------------------
 # Python entry points
 # ----------------------------------------------------------------------------------------------------
@@ -1993,6 +2022,8 @@ def _launch(config, group_mode, epilogue, a2, a_sf2, b, b_sf, out2, out_sf2, row
     num_ctas = torch.cuda.get_device_properties(a2.device).multi_processor_count * config.ctas_per_sm
     if mega is None:
         num_ctas = min(num_ctas, max_tiles)
+    if mega is None and epilogue != "l1_l2":
+        sync = _tile_counters(a2.device)
     if epilogue == "bf16":
         out_sf2, row_weights, _ = _dummies(a2.device)
     elif epilogue == "bf16_scatter":  # row_weights holds the row addresses
