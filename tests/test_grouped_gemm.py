@@ -45,6 +45,7 @@ from megamoe.kernels.sm90_grouped_gemm import (
     grouped_gemm_fp8_fp4_swiglu_masked,
     prepare_fp4_weights,
     prepare_fp4_weights_l1,
+    tile_counters,
     select_config,
     token_widths,
 )
@@ -942,6 +943,51 @@ def test_cuda_graph_reads_sizes_on_device():
     grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg)  # compile outside capture
     _check_graph_replay(lambda: grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg),
                         offsets, out, (a, a_sf, b, b_sf), ([0, 10, 10, 50, 96], [4, 5, 60, 61, 90]))
+
+
+@gpu
+@needs_sm90
+def test_tiles_from_counters_repeated_and_on_two_streams():
+    """Separate launches take their tiles from per-stream counters that every launch leaves zero: many tiles
+    per CTA (768 tiles), repeated launches, a graph replayed three times, and two launches in flight at once on
+    two streams, each output poisoned first and checked."""
+    gen = torch.Generator().manual_seed(21)
+    counts, n, k = [20] * 16, 1024, 512
+    a, a_sf, offsets, _, row_expert = _contiguous_case(counts, n, k, 0, 0, gen)
+    a = dequantize_fp8(a, a_sf, torch.bfloat16)
+    b, b_sf = _random_weights(len(counts), n, k, gen, "cuda")
+    bk, bk_sf = prepare_fp4_weights(b, b_sf, mma="bf16")
+    cfg = GemmConfig(tile_tokens=8, tile_n=64, ctas_per_sm=2)
+    side = torch.cuda.Stream()
+    main_counters = tile_counters(a.device).data_ptr()
+    assert tile_counters(a.device).data_ptr() == main_counters
+    with torch.cuda.stream(side):
+        assert tile_counters(a.device).data_ptr() != main_counters
+    out = torch.empty(a.shape[0], n, dtype=torch.bfloat16, device="cuda")
+    call = lambda o: grouped_gemm_fp8_fp4_contiguous(a, None, bk, bk_sf, offsets, out=o, config=cfg)  # noqa: E731
+    for i in range(3):
+        out.fill_(float("nan"))
+        call(out)
+        torch.cuda.synchronize()
+        _check_rows(out, a, None, b, b_sf, row_expert, f"launch {i}")
+    assert tile_counters(a.device).tolist() == [0, 0]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(out)
+    for i in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_rows(out, a, None, b, b_sf, row_expert, f"graph replay {i}")
+    out2 = torch.full_like(out, float("nan"))
+    out.fill_(float("nan"))
+    side.wait_stream(torch.cuda.current_stream())
+    call(out)
+    with torch.cuda.stream(side):
+        call(out2)
+    torch.cuda.synchronize()
+    _check_rows(out, a, None, b, b_sf, row_expert, "main stream, side stream in flight")
+    _check_rows(out2, a, None, b, b_sf, row_expert, "side stream, main stream in flight")
 
 
 @gpu

@@ -409,6 +409,7 @@ def prepare_fp4_weights(b: torch.Tensor, b_sf: torch.Tensor, mma: str = "fp8",
     if mma not in MMA_MODES:
         fail("mma", f"must be one of {MMA_MODES}, got {mma!r}")
     check_tensor("b", b, dtype=torch.uint8, ndim=3)
+    make_tile_counters(b.device)
     e, n, half_k = b.shape
     check_tensor("b_sf", b_sf, dtype=torch.int32, shape=(e, n, 2 * half_k // K_CHUNK))
     if mma == "bf16":
@@ -471,7 +472,8 @@ def _build_kernel_class():
             self.group_mode = group_mode
             self.epilogue = epilogue
             self.fused = epilogue == "l1_l2"  # L1 tiles (swiglu_fp8_bf16), then L2 tiles (bf16_scatter)
-            # Plain launches: tiles handed out by a counter (``fetch_tile``), published to the consumers.
+            # Separate launches (not "l1_l2", not Mega MoE) take their tiles from a counter (``fetch_tile``; ``sync``:
+            # ``tile_counters``), so CTAs that run faster take more tiles; the producer warp publishes each tile.
             self.dynamic = comm is None and not self.fused
             self.published = comm is not None or self.dynamic
             self.swiglu = epilogue.startswith("swiglu") or self.fused
@@ -517,7 +519,7 @@ def _build_kernel_class():
             num_groups: Int32,
             max_m: Int32,  # rows per group slab ("masked"), else unused
             clamp: Float32,  # "swiglu_fp8" with clamp: gate <= clamp, |up| <= clamp; +inf = no clamp
-            sync: Int64,  # "l1_l2": address of zeroed int32 counters (``sync_words``; left zeroed); else unused
+            sync: Int64,  # zeroed int32 counters, left zeroed: "l1_l2" ``sync_words``, separate launches ``tile_counters``
             timeout_ns: Int64,  # "l1_l2", debug build: spin-wait limit (0: none), then printf + trap
             me: Int32,  # Mega MoE (``comm``): this rank, its tokens, its SymmBuffer base, the peers' bases (int64
             num_tokens: Int32,  # [R] device array), the recv stats (int32 [E], 0: none), the debug record
@@ -801,7 +803,7 @@ def _build_kernel_class():
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_consumer_wg),
                 tx_count=self.tx_bytes,
             )
-            tiles_pub = None  # Mega MoE: the tiles the producer warp publishes to the consumer warpgroups and the signal warp
+            tiles_pub = None  # the tiles the producer warp publishes to the consumer warpgroups (Mega MoE: and the signal warp)
             if cutlass.const_expr(self.published):
                 tiles_pub = (
                     pipeline.PipelineAsync.create(
@@ -1000,9 +1002,10 @@ def _build_kernel_class():
         @cute.jit
         def publish_tile(self, tiles_pub, pub, phase: Int32, valid, row0: Int32, row_end: Int32, n_tile: Int32,
                          block: Int32):
-            """Mega MoE, the producer warp (every lane): publish the next tile (or, ``valid`` false, the end) to the
-            consumer warpgroups and the signal warp in a free slot of ``tiles_pub`` (PipelineAsync, shared words);
-            returns ``pub`` advanced.
+            """Mega MoE and separate launches, the producer warp (every lane): publish the next tile (or, ``valid``
+            false, the end) to the consumer warpgroups (Mega MoE: and the signal warp) in a free slot of ``tiles_pub``
+            (PipelineAsync, shared words; the block word: Mega MoE's pool block, else the group); returns ``pub``
+            advanced.
             The consumers then compute nothing per tile: the search over the tile order costs the producer warp
             time it hides behind the loads in flight, but the consumers time between two mainloops."""
             tiles_pub[0].producer_acquire(pub)
@@ -1020,9 +1023,10 @@ def _build_kernel_class():
 
         @cute.jit
         def fetch_tile(self, sync: Int64, num_groups: Int32, gdim: Int32) -> Int32:
-            """Mega MoE, the producer warp (every lane): the CTA's next tile id, handed out in tile order to whichever
-            CTA asks first (CTA c's first tile is c; then ``gdim`` + a relaxed add to ``NEXT_TILE``, zeroed with the
-            other counters): CTAs that run faster take more tiles, so they finish together."""
+            """Mega MoE and separate launches, the producer warp (every lane): the CTA's next tile id, handed out in
+            tile order to whichever CTA asks first (CTA c's first tile is c; then ``gdim`` + a relaxed add to
+            ``NEXT_TILE``, zeroed at the end of the launch): CTAs that run faster take more tiles, so they finish
+            closer together."""
             taken = Int32(0)
             if cute.arch.lane_idx() == 0:
                 taken = ptx.atom_add(self.word(sync, num_groups, NEXT_TILE), 1, "relaxed")
@@ -1030,7 +1034,7 @@ def _build_kernel_class():
 
         @cute.jit
         def take_tile(self, tiles_pub, taken):
-            """Mega MoE, the consumer warpgroups and the signal warp: wait for the tile published in ``taken``'s slot
+            """Mega MoE and separate launches, the consumer warpgroups (and the signal warp): wait for the tile published in ``taken``'s slot
             (released by the caller after the tile) -> (phase, valid, row0, row_end, n_tile, block)."""
             tiles_pub[0].consumer_wait(taken)
             slot = tiles_pub[1]
@@ -1039,10 +1043,10 @@ def _build_kernel_class():
                     Int32(slot[i, 5]))
 
         def word(self, sync: Int64, num_groups: Int32, which: int, i=0) -> Int64:
-            """Address of a fused launch's counter in ``sync`` (``sync_words``): ``which`` one of ``L1_DONE`` (of
+            """Address of a counter in ``sync``: a fused launch's (``sync_words``), ``which`` one of ``L1_DONE`` (of
             group i; Mega MoE: of pool block i), ``FINISHED`` (CTAs), ``ALL_L1`` (L1 tiles done), and Mega MoE
             only ``GRID`` (barrier arrivals), ``NEXT_TILE`` (tiles handed out), ``PULLED`` and ``L2_DONE`` (of pool
-            block i)."""
+            block i); a separate launch's (``tile_counters``): ``NEXT_TILE`` and ``FINISHED``."""
             if self.dynamic:
                 index = {NEXT_TILE: 0, FINISHED: 1}[which]
             elif self.comm is None:
@@ -1325,7 +1329,8 @@ def _build_kernel_class():
                 if cutlass.const_expr(self.published):
                     pub = self.publish_tile(tiles_pub, pub, phase, valid, row0, row_end, n_tile, block)
             if cutlass.const_expr(self.dynamic):
-                # The last CTA to finish taking tiles zeroes the counter (and this count) for the next launch.
+                # The last CTA to take its last tile zeroes both counters for the next launch (every CTA's adds to
+                # NEXT_TILE precede its acq_rel add to FINISHED).
                 old = Int32(0)
                 if cute.arch.lane_idx() == 0:
                     old = ptx.atom_add(self.word(sync, num_groups, FINISHED), 1, "acq_rel")
@@ -1419,7 +1424,8 @@ def _build_kernel_class():
             taken = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_SLOTS)
             if cutlass.const_expr(self.published):
                 phase, valid, row0, row_end, n_tile, block = self.take_tile(tiles_pub, taken)
-                e = block
+                if cutlass.const_expr(self.dynamic):
+                    e = block
                 self.stamp(record, gdim, bidx, ctidx, "first tile")
             else:
                 phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
@@ -1551,7 +1557,8 @@ def _build_kernel_class():
                     tiles_pub[0].consumer_release(taken)
                     taken.advance()
                     phase, valid, row0, row_end, n_tile, block = self.take_tile(tiles_pub, taken)
-                    e = block
+                    if cutlass.const_expr(self.dynamic):
+                        e = block
                 else:
                     t = t + gdim
                     phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
@@ -1888,15 +1895,34 @@ def _dummies(device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _DUMMIES[key]
 
 
-_TILE_COUNTERS: dict = {}
+TILE_COUNTER_SLOTS = 64
+"""Streams per device that may run separate grouped-GEMM launches (each has its own pair of tile counters)."""
+_TILE_COUNTERS: dict = {}  # device index -> (int32 [TILE_COUNTER_SLOTS, 2] zeros, {stream handle: slot})
 
 
-def _tile_counters(device) -> torch.Tensor:
-    """int32 [2] zeros per (device, stream), left zeroed by every plain launch: its tile counter and finished CTAs."""
-    key = (str(device), torch.cuda.current_stream(device).cuda_stream)
-    if key not in _TILE_COUNTERS:
-        _TILE_COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
-    return _TILE_COUNTERS[key]
+def make_tile_counters(device: torch.device) -> None:
+    """Allocate (zeroed, once per device, outside any graph capture) the separate launches' tile counters:
+    per stream an int32 pair (tiles handed out, CTAs finished), zero before every launch and left zero by it.
+    ``prepare_fp4_weights`` calls this, so launches captured into CUDA graphs find them made."""
+    if device.type == "cuda" and device.index is not None and device.index not in _TILE_COUNTERS:
+        if torch.cuda.is_current_stream_capturing():
+            fail("tile counters", f"are not made yet for {device} and cannot be made during a CUDA graph capture: "
+                 "prepare the weights (prepare_fp4_weights) or run one grouped GEMM on this device before capturing")
+        _TILE_COUNTERS[device.index] = (torch.zeros(TILE_COUNTER_SLOTS, 2, dtype=torch.int32, device=device), {})
+
+
+def tile_counters(device: torch.device) -> torch.Tensor:
+    """The current stream's tile counters on ``device`` (int32 [2]; ``make_tile_counters``): launches in stream
+    order, or in a CUDA graph captured on the stream, share them; launches on other streams have their own."""
+    make_tile_counters(device)
+    pool, slots = _TILE_COUNTERS[device.index]
+    stream = torch.cuda.current_stream(device).cuda_stream
+    if stream not in slots:
+        if len(slots) == TILE_COUNTER_SLOTS:
+            fail("stream", f"is the {TILE_COUNTER_SLOTS + 1}th stream to run grouped GEMMs on {device}; at most "
+                 f"{TILE_COUNTER_SLOTS} have tile counters (TILE_COUNTER_SLOTS)")
+        slots[stream] = len(slots)
+    return pool[slots[stream]]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2023,7 +2049,7 @@ def _launch(config, group_mode, epilogue, a2, a_sf2, b, b_sf, out2, out_sf2, row
     if mega is None:
         num_ctas = min(num_ctas, max_tiles)
     if mega is None and epilogue != "l1_l2":
-        sync = _tile_counters(a2.device)
+        sync = tile_counters(a2.device)
     if epilogue == "bf16":
         out_sf2, row_weights, _ = _dummies(a2.device)
     elif epilogue == "bf16_scatter":  # row_weights holds the row addresses
