@@ -64,6 +64,12 @@ Design:
   shared with the protocol model); group bounds are read on device (no host sync, CUDA-graph safe).
   Token tiles start at the group's first row, any alignment; rows past the group are loaded (TMA zero-fills
   past the tensor) but never stored: the epilogues store with a per-row predicate.
+* Tile handout: separate launches take their tiles in that order from a counter (``tile_counters``: per
+  stream, made with the weights, left zero by every launch; the producer warp claims a tile and publishes it to
+  the consumer warpgroups), so CTAs that run faster take more tiles. Against CTA c taking tiles c, c + grid, ...:
+  1.00-1.13x (median 1.05x) at 1-64 rows/expert in BF16 mode except flash L2 EP8 at 1-4 rows (0.94-0.99x), 1.03-1.10x at every
+  FP8-mode point (``bench/results/2026-12-01_gemm_dynamic_tiles_ab_h200.json``). The one-launch L1/L2 kernel
+  keeps the fixed order (not measured with the counter); the Mega MoE kernel has its own (``fetch_tile``).
 * L1 and L2 in one launch (``grouped_gemm_fp8_fp4_l1_l2_contiguous``, epilogue "l1_l2", BF16 mode): the tile
   list is L1's tiles then L2's, so every CTA finishes its L1 tiles first (deadlock-free with all CTAs
   resident). Warp 1 (idle otherwise) meets each consumer warpgroup on a named barrier after an L1 tile's
