@@ -36,6 +36,7 @@ from megamoe.kernels.sm90_fp4_decode import (
     unfold_fp8_scales,
 )
 from megamoe.kernels.sm90_grouped_gemm import (
+    TILE_COUNTER_SLOTS,
     GemmConfig,
     compile_grouped_gemm,
     grouped_gemm_fp8_fp4_contiguous,
@@ -963,6 +964,15 @@ def test_tiles_from_counters_repeated_and_on_two_streams():
     assert tile_counters(a.device).data_ptr() == main_counters
     with torch.cuda.stream(side):
         assert tile_counters(a.device).data_ptr() != main_counters
+    # torch hands out pooled streams (32 per priority in torch 2.11): one pair per distinct handle; with the default
+    # stream's, more pairs than one allocation holds.
+    streams = [torch.cuda.Stream(priority=p) for p in (0, -1) for _ in range(TILE_COUNTER_SLOTS)]
+    handles, pairs = set(), set()
+    for st in streams:
+        with torch.cuda.stream(st):
+            handles.add(st.cuda_stream)
+            pairs.add(tile_counters(a.device).data_ptr())
+    assert len(pairs) == len(handles) and main_counters not in pairs
     out = torch.empty(a.shape[0], n, dtype=torch.bfloat16, device="cuda")
     call = lambda o: grouped_gemm_fp8_fp4_contiguous(a, None, bk, bk_sf, offsets, out=o, config=cfg)  # noqa: E731
     for i in range(3):

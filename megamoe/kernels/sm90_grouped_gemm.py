@@ -1902,33 +1902,37 @@ def _dummies(device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 TILE_COUNTER_SLOTS = 64
-"""Streams per device that may run separate grouped-GEMM launches (each has its own pair of tile counters)."""
-_TILE_COUNTERS: dict = {}  # device index -> (int32 [TILE_COUNTER_SLOTS, 2] zeros, {stream handle: slot})
+"""Pairs of tile counters allocated at a time per device (one pair per stream that runs separate launches)."""
+_TILE_COUNTERS: dict = {}  # device index -> ({stream handle: int32 [2]}, [spare zeroed int32 [2] views])
+
+
+def _zeroed_counter_pairs(device: torch.device, what: str) -> list:
+    if torch.cuda.is_current_stream_capturing():
+        fail("tile counters", f"{what} cannot be made during a CUDA graph capture: prepare the weights "
+             "(prepare_fp4_weights) or run one grouped GEMM on each capturing stream before capturing")
+    return list(torch.zeros(TILE_COUNTER_SLOTS, 2, dtype=torch.int32, device=device).unbind(0))
 
 
 def make_tile_counters(device: torch.device) -> None:
-    """Allocate (zeroed, once per device, outside any graph capture) the separate launches' tile counters:
-    per stream an int32 pair (tiles handed out, CTAs finished), zero before every launch and left zero by it.
-    ``prepare_fp4_weights`` calls this, so launches captured into CUDA graphs find them made."""
+    """Allocate (zeroed, outside any graph capture) the separate launches' tile counters on ``device``: per
+    stream an int32 pair (tiles handed out, CTAs finished), zero before every launch and left zero by it;
+    ``TILE_COUNTER_SLOTS`` pairs at a time. ``prepare_fp4_weights`` calls this, so launches captured into CUDA
+    graphs find pairs ready for their streams."""
     if device.type == "cuda" and device.index is not None and device.index not in _TILE_COUNTERS:
-        if torch.cuda.is_current_stream_capturing():
-            fail("tile counters", f"are not made yet for {device} and cannot be made during a CUDA graph capture: "
-                 "prepare the weights (prepare_fp4_weights) or run one grouped GEMM on this device before capturing")
-        _TILE_COUNTERS[device.index] = (torch.zeros(TILE_COUNTER_SLOTS, 2, dtype=torch.int32, device=device), {})
+        _TILE_COUNTERS[device.index] = ({}, _zeroed_counter_pairs(device, f"for {device}"))
 
 
 def tile_counters(device: torch.device) -> torch.Tensor:
     """The current stream's tile counters on ``device`` (int32 [2]; ``make_tile_counters``): launches in stream
     order, or in a CUDA graph captured on the stream, share them; launches on other streams have their own."""
     make_tile_counters(device)
-    pool, slots = _TILE_COUNTERS[device.index]
+    by_stream, spare = _TILE_COUNTERS[device.index]
     stream = torch.cuda.current_stream(device).cuda_stream
-    if stream not in slots:
-        if len(slots) == TILE_COUNTER_SLOTS:
-            fail("stream", f"is the {TILE_COUNTER_SLOTS + 1}th stream to run grouped GEMMs on {device}; at most "
-                 f"{TILE_COUNTER_SLOTS} have tile counters (TILE_COUNTER_SLOTS)")
-        slots[stream] = len(slots)
-    return pool[slots[stream]]
+    if stream not in by_stream:
+        if not spare:
+            spare.extend(_zeroed_counter_pairs(device, f"for a stream beyond the first {len(by_stream)} on {device}"))
+        by_stream[stream] = spare.pop()
+    return by_stream[stream]
 
 
 # ----------------------------------------------------------------------------------------------------
