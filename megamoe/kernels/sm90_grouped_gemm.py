@@ -2100,7 +2100,8 @@ def grouped_gemm_fp8_fp4_contiguous(
     expert e owns rows ``[offsets[e], offsets[e+1])``, or ``[offsets[e], offsets[e] + counts[e])`` when
     ``counts`` (``int32 [E]``, e.g. ``ContiguousLayout.counts``) is given. Any alignment; rows of no group are
     neither read as data for the output nor written. Group bounds are read on the device (no sync; CUDA-graph
-    capturable) and clamped to ``[0, M)``. Needs K % 512 == 0, N % 64 == 0. Returns ``out`` (``bf16 [M, N]``,
+    capturable: the stream's tile counters, ``tile_counters``, exist once the weights were prepared on this
+    device) and clamped to ``[0, M)``. Needs K % 512 == 0, N % 64 == 0. Returns ``out`` (``bf16 [M, N]``,
     allocated uninitialised when None).
 
     ``out_row_ptrs`` (``int64 [M]``, instead of ``out``; returns None): row m's N BF16 values are stored at
