@@ -160,11 +160,8 @@ def kernel_configs(p: Point, mma: str, alternatives: bool) -> list:
 
     cfg = select_config(p.rows_per_expert, p.n, p.k, mma)
     configs = [cfg]
-    if alternatives and mma == "bf16":
-        if cfg.ctas_per_sm == 2:
-            configs.append(dataclasses.replace(cfg, ctas_per_sm=1))
-        elif cfg.tile_tokens == 128:
-            configs.append(dataclasses.replace(cfg, tile_tokens=64))
+    if alternatives and mma == "bf16" and cfg.ctas_per_sm == 2:
+        configs.append(dataclasses.replace(cfg, ctas_per_sm=1))
     elif alternatives and cfg.tile_tokens == 128:
         configs.append(dataclasses.replace(cfg, tile_tokens=64))
     return configs

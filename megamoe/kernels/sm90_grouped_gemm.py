@@ -482,6 +482,7 @@ def _build_kernel_class():
             # ``tile_counters``), so CTAs that run faster take more tiles; the producer warp publishes each tile.
             self.dynamic = comm is None and not self.fused
             self.published = comm is not None or self.dynamic
+            assert self.dynamic or not folded  # compile_grouped_gemm: folded scales in separate launches only
             self.swiglu = epilogue.startswith("swiglu") or self.fused
             self.swiglu_bf16 = epilogue == "swiglu_fp8_bf16" or self.fused
             self.scatter = epilogue == "bf16_scatter" or self.fused
@@ -1208,14 +1209,20 @@ def _build_kernel_class():
                     self.ep_all.finish_call(base, call, tidx)
             else:
                 if warp_idx == 0:
-                    lane = cute.arch.lane_idx()
-                    old = Int32(0)
-                    if lane == 0:
-                        old = ptx.atom_add(self.word(sync, num_groups, FINISHED), 1, "acq_rel")
-                    old = cute.arch.shuffle_sync(old, 0)
-                    if old == gdim - 1:
-                        for i in cutlass.range(lane, num_groups + 2, 32, unroll=1):
-                            ptx.st_global_u32(sync + Int64(i) * 4, Int32(0))
+                    self.zero_if_last(sync, num_groups, gdim, num_groups + 2)
+
+        @cute.jit
+        def zero_if_last(self, sync: Int64, num_groups: Int32, gdim: Int32, words):
+            """One warp per CTA, once its CTA is done with the counters: add 1 to ``FINISHED`` (acq_rel, so every
+            earlier counter update of the CTA precedes it); the last of the ``gdim`` CTAs zeroes the first ``words``
+            words of ``sync`` for the next launch."""
+            lane = cute.arch.lane_idx()
+            old = Int32(0)
+            if lane == 0:
+                old = ptx.atom_add(self.word(sync, num_groups, FINISHED), 1, "acq_rel")
+            if cute.arch.shuffle_sync(old, 0) == gdim - 1:
+                for i in cutlass.range(lane, words, 32, unroll=1):
+                    ptx.st_global_u32(sync + Int64(i) * 4, Int32(0))
 
         @cute.jit
         def load_chunk(self, ab_pipeline, state, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile,
@@ -1335,14 +1342,7 @@ def _build_kernel_class():
                 if cutlass.const_expr(self.published):
                     pub = self.publish_tile(tiles_pub, pub, phase, valid, row0, row_end, n_tile, block)
             if cutlass.const_expr(self.dynamic):
-                # The last CTA to take its last tile zeroes both counters for the next launch (every CTA's adds to
-                # NEXT_TILE precede its acq_rel add to FINISHED).
-                old = Int32(0)
-                if cute.arch.lane_idx() == 0:
-                    old = ptx.atom_add(self.word(sync, num_groups, FINISHED), 1, "acq_rel")
-                if cute.arch.shuffle_sync(old, 0) == gdim - 1:
-                    if cute.arch.lane_idx() < 2:
-                        ptx.st_global_u32(sync + Int64(cute.arch.lane_idx()) * 4, Int32(0))
+                self.zero_if_last(sync, num_groups, gdim, 2)  # after this CTA's last claim
             ab_pipeline.producer_tail(state)
 
         @cute.jit
@@ -1430,8 +1430,6 @@ def _build_kernel_class():
             taken = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_SLOTS)
             if cutlass.const_expr(self.published):
                 phase, valid, row0, row_end, n_tile, block = self.take_tile(tiles_pub, taken)
-                if cutlass.const_expr(self.dynamic):
-                    e = block
                 self.stamp(record, gdim, bidx, ctidx, "first tile")
             else:
                 phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
@@ -1526,9 +1524,10 @@ def _build_kernel_class():
                         ab_pipeline.consumer_release(state)
                         state.advance()
                     if cutlass.const_expr(self.folded):
-                        # The weight rows' scales, left out of the decode (exact power-of-two products).
+                        # The weight rows' scales, left out of the decode (exact power-of-two products); folded
+                        # weights run in separate launches only, whose block word is the group.
                         for r in cutlass.range_constexpr(2):
-                            row_scale = Float32(mRowScale[n_tile * tn + cC[2 * r][0], e])
+                            row_scale = Float32(mRowScale[n_tile * tn + cC[2 * r][0], block])
                             for j in cutlass.range_constexpr(n_cols):
                                 for c in cutlass.range_constexpr(2):
                                     acc[c + 2 * r + 4 * j] = acc[c + 2 * r + 4 * j] * row_scale
@@ -1563,8 +1562,6 @@ def _build_kernel_class():
                     tiles_pub[0].consumer_release(taken)
                     taken.advance()
                     phase, valid, row0, row_end, n_tile, block = self.take_tile(tiles_pub, taken)
-                    if cutlass.const_expr(self.dynamic):
-                        e = block
                 else:
                     t = t + gdim
                     phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
@@ -1967,7 +1964,7 @@ def _check_weights(b: torch.Tensor, b_sf: torch.Tensor, k: int, device, mma: str
              f"got {list(b.shape)}")
     n = blocks * ROW_BLOCK
     # FP8 mode: absolute scales [E, K/128, N], or folded ones with the row scales after the chunks (fold_fp8_scales).
-    folded = mma == "fp8" and isinstance(b_sf, torch.Tensor) and b_sf.ndim == 3 and b_sf.shape[1] == chunks + 1
+    folded = isinstance(b_sf, torch.Tensor) and b_sf.ndim == 3 and _folded(b, b_sf)
     check_chunk_major_scales(names[1], b_sf, e, n, k + K_CHUNK * folded, device=device)
     return e, n
 
