@@ -185,7 +185,8 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     from .kernels import sm90_grouped_gemm as sm90
 
     rows_per_expert = min(layout.num_ranks * num_tokens * layout.num_topk / layout.num_experts, layout.num_ring_tokens // 2)
-    cfg = sm90.select_config(rows_per_expert, math.gcd(2 * layout.intermediate_hidden, layout.hidden), layout.hidden)
+    cfg = sm90.select_config(rows_per_expert, math.gcd(2 * layout.intermediate_hidden, layout.hidden), layout.hidden,
+                             fused=True)
     touched = layout.num_local_experts * -math.expm1(-rows_per_expert)  # experts with a row (Poisson counts)
     l1_tiles = touched * 2 * layout.intermediate_hidden / 128
     if cfg.tile_tokens == sm90.THREE_CTA_TILE_TOKENS and cfg.ctas_per_sm == 2 and l1_tiles <= 2 * num_sms:

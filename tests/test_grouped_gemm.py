@@ -72,7 +72,7 @@ needs_sm90 = pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 (Hopper) CU
 # ----------------------------------------------------------------------------------------------------
 
 # Every code path of both MMA modes: each token tile (tile_tokens=8 has its own accumulator shape), one and
-# two consumer warpgroups, one and two CTAs per SM, the three group modes, the five epilogues.
+# two (and, BF16 mode, four) consumer warpgroups, one and two CTAs per SM, the three group modes, the five epilogues.
 FP8 = {"mma": "fp8"}
 COMPILE_CASES = [
     (GemmConfig(tile_tokens=8, tile_n=128, **FP8), "offsets", "bf16"),
@@ -104,6 +104,10 @@ COMPILE_CASES = [
     (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "bf16_scatter"),
     (GemmConfig(tile_tokens=128, tile_n=128), "offsets", "bf16_scatter"),
     (GemmConfig(tile_tokens=32, tile_n=64), "offsets_counts", "bf16_scatter"),
+    (GemmConfig(tile_tokens=16, tile_n=256), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=64, tile_n=256), "masked", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=32, tile_n=256), "offsets_counts", "swiglu_fp8_bf16"),
+    (GemmConfig(tile_tokens=8, tile_n=256), "offsets", "bf16_scatter"),
     (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "l1_l2"),
     (GemmConfig(tile_tokens=32, tile_n=64), "offsets", "l1_l2"),
     (GemmConfig(tile_tokens=128, tile_n=128), "offsets", "l1_l2"),
@@ -231,9 +235,15 @@ def test_token_widths():
 
 
 def test_select_config():
-    assert select_config(1, 4096, 4096) == GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, mma="bf16")
+    # BF16 mode up to 64-row token tiles: 256-row weight tiles (four consumer warpgroups) where N allows, but not for
+    # the one-launch L1/L2 kernels (fused), which keep two CTAs per SM up to 32-row token tiles.
+    assert select_config(1, 4096, 4096) == GemmConfig(tile_tokens=8, tile_n=256, ctas_per_sm=1, mma="bf16")
+    assert select_config(1, 4096, 4096, fused=True) == GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, mma="bf16")
+    assert select_config(1, 4224, 4096) == GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, mma="bf16")
+    assert select_config(64, 7168, 3072).tile_n == 256 and select_config(65, 7168, 3072).tile_n == 128
     assert select_config(33, 4096, 4096).ctas_per_sm == 1
-    assert select_config(16, 4096, 4096) == GemmConfig(tile_tokens=32, tile_n=128, ctas_per_sm=2, mma="bf16")
+    assert select_config(16, 4096, 4096) == GemmConfig(tile_tokens=32, tile_n=256, ctas_per_sm=1, mma="bf16")
+    assert select_config(16, 4096, 4096, fused=True) == GemmConfig(tile_tokens=32, tile_n=128, ctas_per_sm=2)
     assert select_config(9, 4096, 4096).tile_tokens == 16 and select_config(10, 4096, 4096).tile_tokens == 32
     assert select_config(24, 4096, 4096).tile_tokens == 32
     assert select_config(1, 4096, 4096, mma="fp8") == GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, **FP8)
@@ -247,7 +257,8 @@ def test_select_config():
     assert select_config(64, 4096, 4096, mma="fp8").tile_tokens == 64
     assert select_config(64, 192, 512).tile_n == 64
     cfg = select_config(33, 4096, 2048)
-    assert "tile_tokens=64" in cfg.describe() and "mma=bf16" in cfg.describe() and cfg.num_stages() >= 4
+    assert "tile_tokens=64" in cfg.describe() and "mma=bf16" in cfg.describe()
+    assert cfg.num_stages() * cfg.chunks_per_stage() >= 4  # 128-K chunks in flight
     assert select_config(200, 4096, 4096).num_stages("swiglu_fp8") >= 3
     with pytest.raises(ValueError, match="`mma` must be one of"):
         select_config(1, 4096, 4096, mma="fp16")
@@ -259,7 +270,12 @@ def test_config_validation():
     with pytest.raises(ValueError, match="config.tile_tokens"):
         GemmConfig(tile_tokens=256, mma="fp8")
     with pytest.raises(ValueError, match="config.tile_n"):
-        GemmConfig(tile_n=256)
+        GemmConfig(tile_n=192)
+    for bad in (dict(tile_tokens=128), dict(mma="fp8"), dict(tile_tokens=16, ctas_per_sm=2)):  # four warpgroups' rules
+        with pytest.raises(ValueError, match="config.tile_n` 256 needs mma='bf16', ctas_per_sm=1 and tile_tokens <= 64"):
+            GemmConfig(tile_n=256, **bad)
+    with pytest.raises(ValueError, match="config.tile_n` must be 64 or 128 for the 'l1_l2' epilogue"):
+        compile_grouped_gemm(GemmConfig(tile_tokens=16, tile_n=256), "offsets", "l1_l2")
     with pytest.raises(ValueError, match="config.stages"):
         GemmConfig(stages=1)
     with pytest.raises(ValueError, match="config.ctas_per_sm"):
@@ -1159,7 +1175,8 @@ def test_bf16_decode_exact_on_device():
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize("tile_tokens,tile_n,ctas", [(8, 128, 1), (16, 128, 2), (32, 128, 2), (64, 64, 1), (128, 128, 1)])
+@pytest.mark.parametrize("tile_tokens,tile_n,ctas", [(8, 128, 1), (16, 128, 2), (32, 128, 2), (64, 64, 1), (128, 128, 1),
+                                                    (8, 256, 1), (16, 256, 1), (64, 256, 1)])
 def test_bf16_contiguous_ragged(tile_tokens, tile_n, ctas):
     gen = torch.Generator().manual_seed(2000 + tile_tokens + tile_n)
     # Tiles of every token width (token_widths): at 16 rows 1-8 and 9-16 rows, at 64 and 128 rows 1-32, 33-64,
@@ -1176,7 +1193,7 @@ def test_bf16_contiguous_ragged(tile_tokens, tile_n, ctas):
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize("tile_tokens,tile_n,ctas", [(8, 128, 2), (32, 64, 1), (128, 128, 1)])
+@pytest.mark.parametrize("tile_tokens,tile_n,ctas", [(8, 128, 2), (32, 64, 1), (128, 128, 1), (32, 256, 1)])
 def test_bf16_scatter_rows_to_addresses(tile_tokens, tile_n, ctas):
     """out_row_ptrs: every row of a group lands at its own address (a random permutation of the rows of a
     NaN-poisoned buffer), bit-equal to the same kernel's plain BF16 output; rows of no group are not written."""
@@ -1288,7 +1305,8 @@ def test_bf16_l1_l2_one_launch_equals_two(tile_tokens, tile_n, ctas, clamp):
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize("layout,tile_tokens,tile_n,clamp", [("contiguous", 64, 128, 7.0), ("masked", 8, 64, None)])
+@pytest.mark.parametrize("layout,tile_tokens,tile_n,clamp", [("contiguous", 64, 128, 7.0), ("masked", 8, 64, None),
+                                                           ("contiguous", 32, 256, 7.0), ("masked", 64, 256, None)])
 def test_bf16_swiglu(layout, tile_tokens, tile_n, clamp):
     gen = torch.Generator().manual_seed(41 + tile_tokens)
     inter, k = 256, 1024

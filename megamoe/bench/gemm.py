@@ -4,8 +4,9 @@ For every point (preset x layer x expert-parallel degree x rows per expert) it c
 on sampled experts and rows against an FP64 reference, then times it (CUDA-graph replays timed with
 events, after warm-up, median of repeats) and reports microseconds, TFLOP/s and weight bytes/s next to the
 HBM read bandwidth measured in the same run. Kernel rows: each ``--mma`` mode with ``select_config``'s choice, and
-one alternative config (BF16 mode: 1 CTA/SM where select_config picks 2 (token tiles up to ``TWO_CTA_TILE_TOKENS``);
-either mode: tile_tokens=64 instead of 128; ``--no-alt`` skips it). Both modes read the same FP4
+one alternative config (BF16 mode: 128-row weight tiles where select_config picks 256, on 2 CTAs/SM for token tiles up
+to ``TWO_CTA_TILE_TOKENS``; 1 CTA/SM where it picks 2; either mode: tile_tokens=64 instead of 128; ``--no-alt`` skips
+it). Both modes read the same FP4
 weights and FP8 tokens; BF16 mode gets them dequantized to BF16 outside the timing (exact). Baselines, timed and
 checked the same way: ``torch._scaled_grouped_mm`` (FP8 x FP8, rowwise scales) and ``torch._grouped_mm`` (BF16). A
 time is never printed without its run's verdict.
@@ -152,15 +153,19 @@ def _weight_bytes(p: Point, bytes_per_weight: float) -> float:
 
 
 def kernel_configs(p: Point, mma: str, alternatives: bool) -> list:
-    """``select_config``'s choice for ``mma``, plus one alternative: in BF16 mode 1 CTA/SM where it picks two,
-    tile_tokens=64 for 128 in either mode."""
+    """``select_config``'s choice for ``mma``, plus one alternative: in BF16 mode 128-row weight tiles where it
+    picks 256 (two CTAs per SM where the token tile allows), 1 CTA/SM where it picks two, tile_tokens=64 for 128 in
+    either mode."""
     import dataclasses
 
-    from megamoe.kernels.sm90_grouped_gemm import select_config
+    from megamoe.kernels.sm90_grouped_gemm import TWO_CTA_TILE_TOKENS, select_config
 
     cfg = select_config(p.rows_per_expert, p.n, p.k, mma)
     configs = [cfg]
-    if alternatives and mma == "bf16" and cfg.ctas_per_sm == 2:
+    if alternatives and cfg.tile_n == 256:
+        two = cfg.tile_tokens <= TWO_CTA_TILE_TOKENS[mma]
+        configs.append(dataclasses.replace(cfg, tile_n=128, ctas_per_sm=2 if two else 1))
+    elif alternatives and mma == "bf16" and cfg.ctas_per_sm == 2:
         configs.append(dataclasses.replace(cfg, ctas_per_sm=1))
     elif alternatives and cfg.tile_tokens == 128:
         configs.append(dataclasses.replace(cfg, tile_tokens=64))

@@ -176,7 +176,11 @@ K_MULTIPLE = 512
 N_MULTIPLE = ROW_BLOCK  # weight rows: whole row blocks of the kernel layouts (64 per warpgroup tile)
 MMA_MODES = ("bf16", "fp8")
 TILE_TOKENS_CHOICES = {"bf16": (8, 16, 32, 64, 128), "fp8": (8, 16, 32, 64, 128)}
-TILE_N_CHOICES = (64, 128)
+TILE_N_CHOICES = (64, 128, 256)
+FOUR_WG_MAX_TILE_TOKENS = 64
+"""BF16 mode, 256-row weight tiles (four consumer warpgroups, one CTA per SM, 104 registers per consumer thread):
+the largest token tile whose accumulator fits them. Separate launches only (the one-launch L1/L2 kernels' named
+barriers and signal warp serve two consumer warpgroups)."""
 TWO_CTA_TILE_TOKENS = {"bf16": 32, "fp8": 16}
 """Largest token tile that may run two CTAs per SM (``GemmConfig.ctas_per_sm``), per MMA mode."""
 DEFERRED_MAX_TILE_TOKENS = 8
@@ -213,7 +217,8 @@ class GemmConfig:
     """Static kernel configuration (one compiled kernel per config, group mode and epilogue).
 
     tile_tokens: tokens per CTA tile (wgmma N): 8, 16, 32, 64 or 128.
-    tile_n: weight rows per CTA tile, 64 per consumer warpgroup (64 or 128).
+    tile_n: weight rows per CTA tile, 64 per consumer warpgroup (64, 128, or 256: BF16 mode, one CTA per SM, token
+        tiles up to ``FOUR_WG_MAX_TILE_TOKENS``, separate launches).
     stages: TMA pipeline depth (stages of ``chunks_per_stage(epilogue)`` x 128 K); ``None`` = as many as shared memory holds
         (max 16).
     ctas_per_sm: 1, or 2 for token tiles up to ``TWO_CTA_TILE_TOKENS`` (two co-resident CTAs, each with half the shared memory and
@@ -246,6 +251,10 @@ class GemmConfig:
                  f"got {self.tile_tokens}")
         if self.tile_n not in TILE_N_CHOICES:
             fail("config.tile_n", f"must be one of {TILE_N_CHOICES}, got {self.tile_n}")
+        if self.tile_n == 256 and not (self.mma == "bf16" and self.ctas_per_sm == 1
+                                       and self.tile_tokens <= FOUR_WG_MAX_TILE_TOKENS):
+            fail("config.tile_n", f"256 needs mma='bf16', ctas_per_sm=1 and tile_tokens <= {FOUR_WG_MAX_TILE_TOKENS}; "
+                 f"got mma={self.mma}, ctas_per_sm={self.ctas_per_sm}, tile_tokens={self.tile_tokens}")
         if self.stages is not None:
             check_range("config.stages", self.stages, 2, self.max_stages())
 
@@ -373,14 +382,19 @@ def token_widths(tile_tokens: int) -> tuple[int, ...]:
     return (tile_tokens,) if tile_tokens == 8 else (tile_tokens // 2, tile_tokens)
 
 
-def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "bf16") -> GemmConfig:
+def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "bf16", fused: bool = False) -> GemmConfig:
     """Heuristic config for ``mma`` mode from the expected rows per expert (tokens) and the problem's N, K.
 
     Token tile: the smallest tile_tokens choice covering the expected group (the largest beyond); in BF16 mode, up
     to ``TWO_CTA_TILE_TOKENS`` rows, the smallest covering the expected group plus two standard deviations of a
     Poisson count (16 rather than 8 rows from 4.5 expected, 32 rather than 16 from 10): the wider tile runs narrower
     K loops for smaller groups (``token_widths``) and reads the weights of a larger group once instead of twice.
-    Weight tile 128 rows (two consumer warpgroups) when N allows it, else 64. Two CTAs per SM up to
+    Weight tile 128 rows (two consumer warpgroups) when N allows it, else 64; in BF16 mode with token tiles up to
+    ``FOUR_WG_MAX_TILE_TOKENS`` rows 256 (four consumer warpgroups, one CTA per SM) where N allows it and the launch is
+    not the one-launch L1/L2 kernel (``fused``): 16 consumer warps per SM on one token tile, which two CTAs of 128-row
+    tiles each load and hold in shared memory; H200, 2026-12-01, flash and pro L1 / L2 at EP8 and EP2 in turns
+    (``bench/results/2026-12-01_gemm_four_consumer_wg_h200.txt``): 1 row per expert 1.06-1.12x (flash L2 EP8 48.5 ->
+    43.2 us, pro L1 EP8 292.6 -> 266.8), 16 rows (32-row tiles) 1.00-1.10x, 64 rows 1.02-1.09x. Otherwise two CTAs per SM up to
     ``TWO_CTA_TILE_TOKENS``: measured on an H200 (flash L1/L2, EP8, 2026-11-29), 1 and 16 rows per expert ran 8-16%
     faster in BF16 mode (e.g. L1 1 row/expert 91.9 vs 106.9 us) and faster in FP8 mode (hiding per-k32 promotion
     waits); 32-row BF16 tiles on two CTAs per SM: pro EP2 Mega MoE at 512 tokens/rank (16 rows/expert) 2623-2626
@@ -396,6 +410,8 @@ def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "b
         tile_tokens = next(t for t in tiles if t >= margin)
     tile_n = 128 if n % 128 == 0 else 64
     ctas = 2 if tile_tokens <= TWO_CTA_TILE_TOKENS[mma] else 1
+    if mma == "bf16" and not fused and tile_tokens <= FOUR_WG_MAX_TILE_TOKENS and n % 256 == 0:
+        tile_n, ctas = 256, 1
     return GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas, mma=mma)
 
 
@@ -498,8 +514,15 @@ def _build_kernel_class():
             # Two CTAs per SM: every warp keeps the launch allocation (<= 64K / (2 * threads)); an
             # increase could wait forever for registers the other CTA holds.
             self.rebalance_registers = config.ctas_per_sm == 1
-            self.producer_regs = 40
-            self.consumer_regs = 232 if self.num_consumer_wg == 2 else 240
+            # setmaxnreg.inc draws on the registers the CTA's other warps released (the pool is the launch
+            # allocation, 64K / threads per thread, multiples of 8): the consumers get the launch count plus their
+            # share of what the producer warpgroup gives back (1 / 2 consumer warpgroups: 240 / 232; 4: 112 with a
+            # 32-register producer up to 32-row token tiles, 104 with 40 at 64 rows -- ptxas of CUDA 13.0 serializes
+            # the wgmmas (C7512) of 32-row tiles at 104 and of 64-row tiles at 112).
+            four_small = self.num_consumer_wg == 4 and config.tile_tokens <= 32
+            self.producer_regs = 32 if four_small else 40
+            launch_regs = min(65536 // self.threads, 255) // 8 * 8
+            self.consumer_regs = min(240, (launch_regs + (launch_regs - self.producer_regs) // self.num_consumer_wg) // 8 * 8)
             if comm is not None:
                 # Dispatch runs on every thread of the CTA; combine on the consumer warpgroups (named barrier).
                 self.ep_all = ep_comm.EpPhases(comm, self.threads, bounded_ring=True)
@@ -1845,6 +1868,9 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
     if comm is not None and (epilogue != "l1_l2" or group_mode != "offsets" or comm.debug != debug):
         fail("comm", f"needs the 'l1_l2' epilogue, 'offsets' groups and the same debug flag, got {epilogue!r}, "
              f"{group_mode!r}, debug={debug} vs {comm.debug}")
+    if epilogue == "l1_l2" and config.consumer_warpgroups > 2:
+        fail("config.tile_n", f"must be 64 or 128 for the 'l1_l2' epilogue (two consumer warpgroups at most), got "
+             f"{config.tile_n}")
     if folded and (config.mma != "fp8" or comm is not None or epilogue == "l1_l2"):
         fail("folded", f"applies to FP8-mode single GEMMs only, got mma={config.mma!r}, epilogue={epilogue!r}")
 
@@ -2002,9 +2028,10 @@ def _check_device(a: torch.Tensor, **tensors: torch.Tensor | None) -> None:
             fail(name, f"data pointer must be 16-byte aligned for TMA, got address {t.data_ptr():#x}")
 
 
-def _resolve_config(config: GemmConfig | None, rows_per_expert: float, n: int, k: int, mma: str) -> GemmConfig:
+def _resolve_config(config: GemmConfig | None, rows_per_expert: float, n: int, k: int, mma: str,
+                    fused: bool = False) -> GemmConfig:
     if config is None:
-        return select_config(rows_per_expert, n, k, mma)
+        return select_config(rows_per_expert, n, k, mma, fused)
     if not isinstance(config, GemmConfig):
         raise TypeError(f"megamoe: `config` must be a GemmConfig or None, got {type(config).__name__}")
     if config.mma != mma:
@@ -2301,7 +2328,7 @@ def grouped_gemm_fp8_fp4_l1_l2_contiguous(
     if sync is None:
         sync = torch.zeros(sync_words(e), dtype=torch.int32, device=a.device)
     check_tensor("sync", sync, dtype=torch.int32, shape=(sync_words(e),), device=a.device, contiguous=True)
-    cfg = _resolve_config(config, m / max(e, 1), math.gcd(n1, k), k, "bf16")
+    cfg = _resolve_config(config, m / max(e, 1), math.gcd(n1, k), k, "bf16", fused=True)
     _check_device(a, b1=b1, b1_sf=b1_sf, b2=b2, b2_sf=b2_sf, act=act)
     max_tiles = (m // cfg.tile_tokens + e) * ((n1 + k) // cfg.tile_n)
     _launch(cfg, "offsets", "l1_l2", a, None, b1, b1_sf, act_k, None, row_weights, offsets, offsets, e, 0,
