@@ -37,7 +37,7 @@ Both group layouts run the same kernel: contiguous (``offsets`` [E+1], optional 
 
 Design:
 
-* Swap-AB: weights are the wgmma M side (64 rows per consumer warpgroup, ``tile_n`` = 64 or 128 rows per
+* Swap-AB: weights are the wgmma M side (64 rows per consumer warpgroup, ``tile_n`` = 64, 128 or 256 rows per
   CTA) and tokens the N side (``tile_tokens`` = 8..128 rows), so a decode-sized group (a
   few tokens) wastes no tensor-core work on padding beyond the wgmma N granularity of 8. BF16 mode, token tiles
   of 64 and 128 rows: a tile with fewer rows runs wgmmas only 32, 64 or 96 wide (``token_widths``: one K loop
@@ -46,8 +46,14 @@ Design:
   8 rows are likely (``select_config``), they read such a group's weights once; flash EP2 Mega MoE at 128
   tokens/rank (6 rows per expert) ran 4-8% faster than on 8-row tiles. Mega MoE calls of a few tokens whose
   128-row L1 tiles would leave CTA slots idle run 64-row tiles on three CTAs per SM (``mega.tile_config``).
+* Four consumer warpgroups (``tile_n`` = 256, BF16 mode, token tiles up to ``FOUR_WG_MAX_TILE_TOKENS``, separate
+  launches; ``select_config`` picks them there): one CTA per SM with 16 consumer warps on one token tile instead of
+  two CTAs that each hold their own, 1.03-1.15x faster at 1-64 rows per expert, 89-103% of the measured HBM read
+  bandwidth at 1-4 rows on all flash / pro L1 / L2 shapes but flash L2 EP8 (78-79%). The consumers raise their
+  registers (setmaxnreg) from the pool the producer warpgroup gives back, never more: an increase beyond it waits
+  forever.
 * Persistent, warp-specialized CTA of 1 + tile_n/64 warpgroups: warpgroup 0's first warp issues TMA loads
-  (tokens [tile_tokens, 128] 128B-swizzled; packed weights [tile_n, 64 B], one or two contiguous 4 KiB
+  (tokens [tile_tokens, 128] 128B-swizzled; packed weights [tile_n, 64 B], one to four contiguous 4 KiB
   row blocks of the blocked layout; the packed weight scale words of the stage's chunks, one contiguous
   (tile_n, chunks) box of the chunk-major scales ``[E, K/128, N]``, whole 32-byte sectors; in FP8 mode the
   token scale words, a 4-word box covering K/128 chunks 4j..4j+3) into a ``stages``-deep mbarrier pipeline,
@@ -391,10 +397,11 @@ def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "b
     K loops for smaller groups (``token_widths``) and reads the weights of a larger group once instead of twice.
     Weight tile 128 rows (two consumer warpgroups) when N allows it, else 64; in BF16 mode with token tiles up to
     ``FOUR_WG_MAX_TILE_TOKENS`` rows 256 (four consumer warpgroups, one CTA per SM) where N allows it and the launch is
-    not the one-launch L1/L2 kernel (``fused``): 16 consumer warps per SM on one token tile, which two CTAs of 128-row
-    tiles each load and hold in shared memory; H200, 2026-12-01, flash and pro L1 / L2 at EP8 and EP2 in turns
-    (``bench/results/2026-12-01_gemm_four_consumer_wg_h200.txt``): 1 row per expert 1.06-1.12x (flash L2 EP8 48.5 ->
-    43.2 us, pro L1 EP8 292.6 -> 266.8), 16 rows (32-row tiles) 1.00-1.10x, 64 rows 1.02-1.09x. Otherwise two CTAs per SM up to
+    not the one-launch L1/L2 kernel (``fused``): 16 consumer warps per SM share one token tile in shared memory, where
+    two CTAs of 128-row tiles each load and hold their own; H200, 2026-12-01, flash and pro L1 / L2 at EP8 and EP2,
+    every point checked (``bench/results/2026-12-01_gemm_four_consumer_wg_h200.json``): against the 128-row tiles
+    1.08-1.14x at 1 row per expert (flash L2 EP8 47.8 -> 42.1 us, pro L1 EP8 286.7 -> 259.8), 1.07-1.12x at 4,
+    1.04-1.12x at 16 (32-row token tiles), 1.03-1.15x at 64. Otherwise two CTAs per SM up to
     ``TWO_CTA_TILE_TOKENS``: measured on an H200 (flash L1/L2, EP8, 2026-11-29), 1 and 16 rows per expert ran 8-16%
     faster in BF16 mode (e.g. L1 1 row/expert 91.9 vs 106.9 us) and faster in FP8 mode (hiding per-k32 promotion
     waits); 32-row BF16 tiles on two CTAs per SM: pro EP2 Mega MoE at 512 tokens/rank (16 rows/expert) 2623-2626
