@@ -56,8 +56,9 @@ def test_receipt_names_the_source_it_ran(tmp_path):
 
 
 def test_gemm_bench_alternative_configs_differ_from_the_choice():
-    """bench.gemm's alternative row is another config than select_config's (BF16 mode: 1 CTA/SM where it picks 2;
-    either mode: 64-row token tiles where it picks 128), never a repeat; the other tiles get none."""
+    """bench.gemm's alternative row is another config than select_config's (BF16 mode: 128-row weight tiles where
+    it picks 256, 1 CTA/SM where it picks 2; either mode: 64-row token tiles where it picks 128), never a repeat; the
+    other tiles get none."""
     from megamoe.bench.gemm import Point, kernel_configs
     from megamoe.kernels.sm90_grouped_gemm import select_config
 
@@ -66,8 +67,11 @@ def test_gemm_bench_alternative_configs_differ_from_the_choice():
         for mma in ("bf16", "fp8"):
             configs = kernel_configs(p, mma, True)
             assert configs[0] == select_config(rows, 4096, 4096, mma)
-            alternative = (mma == "bf16" and rows != 64) or (mma == "fp8" and rows == 4096)
+            alternative = mma == "bf16" or (mma == "fp8" and rows == 4096)
             assert len(set(configs)) == len(configs) == (2 if alternative else 1), (rows, mma, configs)
+            if mma == "bf16" and rows <= 64:  # the four-warpgroup tile against the 128-row tile it replaced
+                assert (configs[0].tile_n, configs[1].tile_n) == (256, 128)
+                assert configs[1].ctas_per_sm == (2 if configs[1].tile_tokens <= 32 else 1)
             assert kernel_configs(p, mma, False) == configs[:1]
 
 
