@@ -186,7 +186,7 @@ def tile_config(layout, num_tokens: int, num_sms: int):
 
     rows_per_expert = min(layout.num_ranks * num_tokens * layout.num_topk / layout.num_experts, layout.num_ring_tokens // 2)
     cfg = sm90.select_config(rows_per_expert, math.gcd(2 * layout.intermediate_hidden, layout.hidden), layout.hidden,
-                             fused=True)
+                             four_warpgroups=False)
     touched = layout.num_local_experts * -math.expm1(-rows_per_expert)  # experts with a row (Poisson counts)
     l1_tiles = touched * 2 * layout.intermediate_hidden / 128
     if cfg.tile_tokens == sm90.THREE_CTA_TILE_TOKENS and cfg.ctas_per_sm == 2 and l1_tiles <= 2 * num_sms:

@@ -236,14 +236,14 @@ def test_token_widths():
 
 def test_select_config():
     # BF16 mode up to 64-row token tiles: 256-row weight tiles (four consumer warpgroups) where N allows, but not for
-    # the one-launch L1/L2 kernels (fused), which keep two CTAs per SM up to 32-row token tiles.
+    # the one-launch L1/L2 and Mega MoE kernels (four_warpgroups=False), which keep two CTAs per SM up to 32-row token tiles.
     assert select_config(1, 4096, 4096) == GemmConfig(tile_tokens=8, tile_n=256, ctas_per_sm=1, mma="bf16")
-    assert select_config(1, 4096, 4096, fused=True) == GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, mma="bf16")
+    assert select_config(1, 4096, 4096, four_warpgroups=False) == GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, mma="bf16")
     assert select_config(1, 4224, 4096) == GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, mma="bf16")
     assert select_config(64, 7168, 3072).tile_n == 256 and select_config(65, 7168, 3072).tile_n == 128
     assert select_config(33, 4096, 4096).ctas_per_sm == 1
     assert select_config(16, 4096, 4096) == GemmConfig(tile_tokens=32, tile_n=256, ctas_per_sm=1, mma="bf16")
-    assert select_config(16, 4096, 4096, fused=True) == GemmConfig(tile_tokens=32, tile_n=128, ctas_per_sm=2)
+    assert select_config(16, 4096, 4096, four_warpgroups=False) == GemmConfig(tile_tokens=32, tile_n=128, ctas_per_sm=2)
     assert select_config(9, 4096, 4096).tile_tokens == 16 and select_config(10, 4096, 4096).tile_tokens == 32
     assert select_config(24, 4096, 4096).tile_tokens == 32
     assert select_config(1, 4096, 4096, mma="fp8") == GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, **FP8)

@@ -158,13 +158,12 @@ def kernel_configs(p: Point, mma: str, alternatives: bool) -> list:
     either mode."""
     import dataclasses
 
-    from megamoe.kernels.sm90_grouped_gemm import TWO_CTA_TILE_TOKENS, select_config
+    from megamoe.kernels.sm90_grouped_gemm import select_config
 
     cfg = select_config(p.rows_per_expert, p.n, p.k, mma)
     configs = [cfg]
     if alternatives and cfg.tile_n == 256:
-        two = cfg.tile_tokens <= TWO_CTA_TILE_TOKENS[mma]
-        configs.append(dataclasses.replace(cfg, tile_n=128, ctas_per_sm=2 if two else 1))
+        configs.append(select_config(p.rows_per_expert, p.n, p.k, mma, four_warpgroups=False))
     elif alternatives and mma == "bf16" and cfg.ctas_per_sm == 2:
         configs.append(dataclasses.replace(cfg, ctas_per_sm=1))
     elif alternatives and cfg.tile_tokens == 128:

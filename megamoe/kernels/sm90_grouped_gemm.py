@@ -388,7 +388,8 @@ def token_widths(tile_tokens: int) -> tuple[int, ...]:
     return (tile_tokens,) if tile_tokens == 8 else (tile_tokens // 2, tile_tokens)
 
 
-def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "bf16", fused: bool = False) -> GemmConfig:
+def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "bf16",
+                  four_warpgroups: bool = True) -> GemmConfig:
     """Heuristic config for ``mma`` mode from the expected rows per expert (tokens) and the problem's N, K.
 
     Token tile: the smallest tile_tokens choice covering the expected group (the largest beyond); in BF16 mode, up
@@ -396,10 +397,11 @@ def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "b
     Poisson count (16 rather than 8 rows from 4.5 expected, 32 rather than 16 from 10): the wider tile runs narrower
     K loops for smaller groups (``token_widths``) and reads the weights of a larger group once instead of twice.
     Weight tile 128 rows (two consumer warpgroups) when N allows it, else 64; in BF16 mode with token tiles up to
-    ``FOUR_WG_MAX_TILE_TOKENS`` rows 256 (four consumer warpgroups, one CTA per SM) where N allows it and the launch is
-    not the one-launch L1/L2 kernel (``fused``): 16 consumer warps per SM share one token tile in shared memory, where
-    two CTAs of 128-row tiles each load and hold their own; H200, 2026-12-01, flash and pro L1 / L2 at EP8 and EP2,
-    every point checked (``bench/results/2026-12-01_gemm_four_consumer_wg_h200.json``): against the 128-row tiles
+    ``FOUR_WG_MAX_TILE_TOKENS`` rows 256 (four consumer warpgroups, one CTA per SM) where N allows it and
+    ``four_warpgroups`` (False for the one-launch L1/L2 and Mega MoE kernels, which take two at most): 16 consumer
+    warps per SM share one token tile in shared memory, where two CTAs of 128-row tiles each load and hold their own;
+    H200, 2026-12-01, flash and pro L1 / L2 at EP8 and EP2, every point checked
+    (``bench/results/2026-12-01_gemm_four_consumer_wg_h200.json``): against the 128-row tiles
     1.08-1.14x at 1 row per expert (flash L2 EP8 47.8 -> 42.1 us, pro L1 EP8 286.7 -> 259.8), 1.07-1.12x at 4,
     1.04-1.12x at 16 (32-row token tiles), 1.03-1.15x at 64. Otherwise two CTAs per SM up to
     ``TWO_CTA_TILE_TOKENS``: measured on an H200 (flash L1/L2, EP8, 2026-11-29), 1 and 16 rows per expert ran 8-16%
@@ -417,7 +419,7 @@ def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "b
         tile_tokens = next(t for t in tiles if t >= margin)
     tile_n = 128 if n % 128 == 0 else 64
     ctas = 2 if tile_tokens <= TWO_CTA_TILE_TOKENS[mma] else 1
-    if mma == "bf16" and not fused and tile_tokens <= FOUR_WG_MAX_TILE_TOKENS and n % 256 == 0:
+    if mma == "bf16" and four_warpgroups and tile_tokens <= FOUR_WG_MAX_TILE_TOKENS and n % 256 == 0:
         tile_n, ctas = 256, 1
     return GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas, mma=mma)
 
@@ -2036,9 +2038,9 @@ def _check_device(a: torch.Tensor, **tensors: torch.Tensor | None) -> None:
 
 
 def _resolve_config(config: GemmConfig | None, rows_per_expert: float, n: int, k: int, mma: str,
-                    fused: bool = False) -> GemmConfig:
+                    four_warpgroups: bool = True) -> GemmConfig:
     if config is None:
-        return select_config(rows_per_expert, n, k, mma, fused)
+        return select_config(rows_per_expert, n, k, mma, four_warpgroups)
     if not isinstance(config, GemmConfig):
         raise TypeError(f"megamoe: `config` must be a GemmConfig or None, got {type(config).__name__}")
     if config.mma != mma:
@@ -2335,7 +2337,7 @@ def grouped_gemm_fp8_fp4_l1_l2_contiguous(
     if sync is None:
         sync = torch.zeros(sync_words(e), dtype=torch.int32, device=a.device)
     check_tensor("sync", sync, dtype=torch.int32, shape=(sync_words(e),), device=a.device, contiguous=True)
-    cfg = _resolve_config(config, m / max(e, 1), math.gcd(n1, k), k, "bf16", fused=True)
+    cfg = _resolve_config(config, m / max(e, 1), math.gcd(n1, k), k, "bf16", four_warpgroups=False)
     _check_device(a, b1=b1, b1_sf=b1_sf, b2=b2, b2_sf=b2_sf, act=act)
     max_tiles = (m // cfg.tile_tokens + e) * ((n1 + k) // cfg.tile_n)
     _launch(cfg, "offsets", "l1_l2", a, None, b1, b1_sf, act_k, None, row_weights, offsets, offsets, e, 0,
