@@ -123,7 +123,8 @@ FOLDED_CASES = [
     (GemmConfig(tile_tokens=128, tile_n=64, **FP8), "masked", "bf16"),
 ]
 # The one-launch Mega MoE kernel ("l1_l2" with the ep_comm phases) for SymmBuffer layouts (symm_buffer_layout
-# arguments: ranks, experts, T_max, top-k, H, I): every CTA-per-SM mode, a wide hidden size, 8 ranks.
+# arguments: ranks, experts, T_max, top-k, H, I): every CTA-per-SM mode, four consumer warpgroups, a wide hidden size,
+# 8 ranks.
 MEGA_CASES = [
     (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), (2, 256, 64, 8, 4096, 2048)),
     (GemmConfig(tile_tokens=64, tile_n=128), (8, 256, 128, 8, 7168, 2048)),
@@ -131,6 +132,9 @@ MEGA_CASES = [
     (GemmConfig(tile_tokens=16, tile_n=128, ctas_per_sm=2), (2, 256, 128, 6, 4096, 2048)),
     (GemmConfig(tile_tokens=32, tile_n=128, ctas_per_sm=2), (2, 384, 512, 6, 7168, 3072)),
     (GemmConfig(tile_tokens=8, tile_n=64, ctas_per_sm=3), (2, 256, 64, 6, 4096, 2048)),
+    (GemmConfig(tile_tokens=8, tile_n=256), (2, 256, 64, 6, 4096, 2048)),
+    (GemmConfig(tile_tokens=32, tile_n=256), (2, 384, 512, 6, 7168, 3072)),
+    (GemmConfig(tile_tokens=64, tile_n=256), (8, 256, 128, 8, 7168, 2048)),
 ]
 
 
@@ -274,7 +278,7 @@ def test_config_validation():
     for bad in (dict(tile_tokens=128), dict(mma="fp8"), dict(tile_tokens=16, ctas_per_sm=2)):  # four warpgroups' rules
         with pytest.raises(ValueError, match="config.tile_n` 256 needs mma='bf16', ctas_per_sm=1 and tile_tokens <= 64"):
             GemmConfig(tile_n=256, **bad)
-    with pytest.raises(ValueError, match="config.tile_n` must be 64 or 128 for the 'l1_l2' epilogue"):
+    with pytest.raises(ValueError, match="config.tile_n` must be 64 or 128 for the 'l1_l2' epilogue without Mega MoE"):
         compile_grouped_gemm(GemmConfig(tile_tokens=16, tile_n=256), "offsets", "l1_l2")
     with pytest.raises(ValueError, match="config.stages"):
         GemmConfig(stages=1)

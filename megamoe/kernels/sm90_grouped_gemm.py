@@ -46,12 +46,14 @@ Design:
   8 rows are likely (``select_config``), they read such a group's weights once; flash EP2 Mega MoE at 128
   tokens/rank (6 rows per expert) ran 4-8% faster than on 8-row tiles. Mega MoE calls of a few tokens whose
   128-row L1 tiles would leave CTA slots idle run 64-row tiles on three CTAs per SM (``mega.tile_config``).
-* Four consumer warpgroups (``tile_n`` = 256, BF16 mode, token tiles up to ``FOUR_WG_MAX_TILE_TOKENS``, separate
-  launches; ``select_config`` picks them there): one CTA per SM with 16 consumer warps on one token tile instead of
-  two CTAs that each hold their own, 1.03-1.15x faster at 1-64 rows per expert, 89-103% of the measured HBM read
+* Four consumer warpgroups (``tile_n`` = 256, BF16 mode, token tiles up to ``FOUR_WG_MAX_TILE_TOKENS``; separate
+  launches, where ``select_config`` picks them, and the Mega MoE kernel, where ``mega.tile_config`` does from one
+  expected row per expert: 1.04-1.14x at 128 and 512 tokens/rank on 2 x H200): one CTA per SM with 16 consumer
+  warps on one token tile instead of two CTAs that each hold their own; in separate launches 1.03-1.15x faster at
+  1-64 rows per expert, 89-103% of the measured HBM read
   bandwidth at 1-4 rows on all flash / pro L1 / L2 shapes but flash L2 EP8 (78-79%). The consumers raise their
   registers (setmaxnreg) from the pool the producer warpgroup gives back, never more: an increase beyond it waits
-  forever.
+  forever. Named barriers: ``named_barriers``.
 * Persistent, warp-specialized CTA of 1 + tile_n/64 warpgroups: warpgroup 0's first warp issues TMA loads
   (tokens [tile_tokens, 128] 128B-swizzled; packed weights [tile_n, 64 B], one to four contiguous 4 KiB
   row blocks of the blocked layout; the packed weight scale words of the stage's chunks, one contiguous
@@ -211,8 +213,16 @@ GROUP_MODES = ("offsets", "offsets_counts", "masked")
 EPILOGUES = ("bf16", "swiglu_fp8", "swiglu_fp8_bf16", "bf16_scatter", "l1_l2")
 SCATTER_PAD = 8
 """BF16 elements of padding per staged row of the scatter epilogue (rows stay 16-byte aligned)."""
-COMBINE_BARRIER = 5
-"""Named barrier of the Mega MoE kernel's consumer warpgroups for combine (1-4: the epilogues' and signals')."""
+
+
+def named_barriers(consumer_warpgroups: int) -> tuple[int, int, int]:
+    """Named barrier ids of a kernel with ``consumer_warpgroups`` consumer warpgroups (0 is ``sync_threads``):
+    (first epilogue barrier, first signal barrier, combine barrier). Consumer warpgroup w's epilogue (and the wide
+    FP8 tiles' token scales) meets on epilogue + w, with the signal warp on signal + w; the Mega MoE kernel's consumer
+    warpgroups meet for combine on the last: 1, 3, 5 up to two consumer warpgroups, 1, 5, 9 at four (of 16)."""
+    slots = max(consumer_warpgroups, 2)
+    return 1, 1 + slots, 1 + 2 * slots
+
 SWIGLU_GRANULARITY = 8
 """``interleave_gate_up`` granularity of L1 weights for the SwiGLU epilogue: the rows a thread holds in the
 wgmma accumulator, g and g + 8 of each 16-row group, are then gate and up of the same intermediate column."""
@@ -224,7 +234,7 @@ class GemmConfig:
 
     tile_tokens: tokens per CTA tile (wgmma N): 8, 16, 32, 64 or 128.
     tile_n: weight rows per CTA tile, 64 per consumer warpgroup (64, 128, or 256: BF16 mode, one CTA per SM, token
-        tiles up to ``FOUR_WG_MAX_TILE_TOKENS``, separate launches).
+        tiles up to ``FOUR_WG_MAX_TILE_TOKENS``; separate launches and the Mega MoE kernel).
     stages: TMA pipeline depth (stages of ``chunks_per_stage(epilogue)`` x 128 K); ``None`` = as many as shared memory holds
         (max 16).
     ctas_per_sm: 1, or 2 for token tiles up to ``TWO_CTA_TILE_TOKENS`` (two co-resident CTAs, each with half the shared memory and
@@ -398,7 +408,8 @@ def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "b
     K loops for smaller groups (``token_widths``) and reads the weights of a larger group once instead of twice.
     Weight tile 128 rows (two consumer warpgroups) when N allows it, else 64; in BF16 mode with token tiles up to
     ``FOUR_WG_MAX_TILE_TOKENS`` rows 256 (four consumer warpgroups, one CTA per SM) where N allows it and
-    ``four_warpgroups`` (False for the one-launch L1/L2 and Mega MoE kernels, which take two at most): 16 consumer
+    ``four_warpgroups`` (False for the one-launch L1/L2 kernel without communication, which takes two at most;
+    ``mega.tile_config`` sets it for the Mega MoE kernel by measurement): 16 consumer
     warps per SM share one token tile in shared memory, where two CTAs of 128-row tiles each load and hold their own;
     H200, 2026-12-01, flash and pro L1 / L2 at EP8 and EP2, every point checked
     (``bench/results/2026-12-01_gemm_four_consumer_wg_h200.json``): against the 128-row tiles
@@ -536,7 +547,8 @@ def _build_kernel_class():
                 # Dispatch runs on every thread of the CTA; combine on the consumer warpgroups (named barrier).
                 self.ep_all = ep_comm.EpPhases(comm, self.threads, bounded_ring=True)
                 self.max_blocks = mega_max_blocks(comm.layout, self.tile_tokens)
-                self.ep_cons = ep_comm.EpPhases(comm, 128 * self.num_consumer_wg, barrier_id=COMBINE_BARRIER)
+                self.ep_cons = ep_comm.EpPhases(comm, 128 * self.num_consumer_wg,
+                                                barrier_id=named_barriers(self.num_consumer_wg)[2])
 
         @cute.jit
         def __call__(
@@ -1169,10 +1181,14 @@ def _build_kernel_class():
                 state.advance()
             return state
 
+        def epilogue_barrier(self, wg):
+            """Consumer warpgroup wg's own 128 threads (``named_barriers``)."""
+            return pipeline.NamedBarrier(barrier_id=named_barriers(self.num_consumer_wg)[0] + wg, num_threads=128)
+
         def signal_barrier(self, wg):
-            """Named barrier 3 + wg: consumer warpgroup wg (128 threads) and the signal warp (32), once per
-            signalled tile."""
-            return pipeline.NamedBarrier(barrier_id=3 + wg, num_threads=160)
+            """Consumer warpgroup wg (128 threads) and the signal warp (32) (``named_barriers``), once per signalled
+            tile."""
+            return pipeline.NamedBarrier(barrier_id=named_barriers(self.num_consumer_wg)[1] + wg, num_threads=160)
 
         @cute.jit
         def signaller(self, mGroupA, mGroupB, num_groups, max_m, total_rows, dims, sync: Int64, bidx, gdim, tiles_pub):
@@ -1513,7 +1529,7 @@ def _build_kernel_class():
                                 frag[(0, r, 1), 0, kb] = hi
                         if cutlass.const_expr(self.wide):
                             # This warpgroup's token scales of the chunk are in shared memory.
-                            pipeline.NamedBarrier(barrier_id=1 + ctidx // 128, num_threads=128).arrive_and_wait()
+                            self.epilogue_barrier(ctidx // 128).arrive_and_wait()
                             # Step u = (block kb, token half h) = divmod(u, 2): issue u, wait for u - 1, promote it
                             # (its temporary is the one step u + 1 writes).
                             for u in cutlass.range_constexpr(9):
@@ -1609,7 +1625,7 @@ def _build_kernel_class():
             (lanes 8r..8r+7 of a warp: one row), so peer memory receives whole 128-byte lines."""
             n_cols = self.tile_tokens // 8
             wg = ctidx // 128
-            barrier = pipeline.NamedBarrier(barrier_id=1 + wg, num_threads=128)
+            barrier = self.epilogue_barrier(wg)
             for j in cutlass.range_constexpr(n_cols):
                 for c in cutlass.range_constexpr(2):
                     for r in cutlass.range_constexpr(2):
@@ -1644,7 +1660,7 @@ def _build_kernel_class():
             RNE) and stores 32 FP8 bytes and one scale byte."""
             n_cols = self.tile_tokens // 8
             wg = ctidx // 128
-            barrier = pipeline.NamedBarrier(barrier_id=1 + wg, num_threads=128)
+            barrier = self.epilogue_barrier(wg)
             for j in cutlass.range_constexpr(n_cols):
                 for c in cutlass.range_constexpr(2):
                     row = cC[c + 4 * j][0]
@@ -1877,9 +1893,9 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
     if comm is not None and (epilogue != "l1_l2" or group_mode != "offsets" or comm.debug != debug):
         fail("comm", f"needs the 'l1_l2' epilogue, 'offsets' groups and the same debug flag, got {epilogue!r}, "
              f"{group_mode!r}, debug={debug} vs {comm.debug}")
-    if epilogue == "l1_l2" and config.consumer_warpgroups > 2:
-        fail("config.tile_n", f"must be 64 or 128 for the 'l1_l2' epilogue (two consumer warpgroups at most), got "
-             f"{config.tile_n}")
+    if epilogue == "l1_l2" and comm is None and config.consumer_warpgroups > 2:
+        fail("config.tile_n", f"must be 64 or 128 for the 'l1_l2' epilogue without Mega MoE communication (four "
+             f"consumer warpgroups are tested in the Mega MoE kernel only), got {config.tile_n}")
     if folded and (config.mma != "fp8" or comm is not None or epilogue == "l1_l2"):
         fail("folded", f"applies to FP8-mode single GEMMs only, got mma={config.mma!r}, epilogue={epilogue!r}")
 
