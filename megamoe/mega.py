@@ -70,7 +70,10 @@ Debug mode (``debug=True`` or ``MEGAMOE_DEBUG=1``): every spin-wait times out af
 failure printf's ``megamoe debug: rank R CTA C (SM S) role ROLE: <what it waited for / read>, sees V``
 and traps (the CUDA context is then unusable: the error surfaces at the next sync). The same lines
 stay readable from host memory: ``debug_report(sym_buffer)``. After each call the host poisons the
-rings, the pool and the combine area (NaN / -1), so stale data cannot pass for this call's.
+rings, the pool and the combine area (NaN / -1), so stale data cannot pass for this call's. The first
+debug call of a tile config (``tile_config``: from the rank's own T) compiles that kernel on the rank
+before it launches, for seconds, while a peer with its config compiled already waits at ``ready``:
+keep the timeout above the compile time (the GPU tests use 60 s).
 
 Hang diagnosis: rerun with ``MEGAMOE_DEBUG=1``. ``waits ready[src=r] >= c + 1, sees c`` (or less): rank
 r has not started call c (a missing or extra call there, or r is stuck earlier: read r's lines);
@@ -173,24 +176,43 @@ def check_mega_call(y, sym_buffer, stats, activation, activation_clamp, fast_mat
     return y.shape[0]
 
 
+FOUR_WG_MIN_ROWS = 1.0
+"""The one-launch kernel runs 256-row weight tiles on four consumer warpgroups (``tile_config``) from this many
+expected rows per local expert ..."""
+FOUR_WG_MAX_TILE_TOKENS = 32
+"""... up to token tiles of this many rows (the measured ones)."""
+
+
 def tile_config(layout, num_tokens: int, num_sms: int):
     """The one-launch kernel's ``GemmConfig`` for a call of ``num_tokens`` tokens on a buffer ``layout`` on a GPU of
     ``num_sms`` SMs: tiles from the rows an expert gets when every rank routes T tokens uniformly (the ring's size
     would overstate them: it bounds the worst case), the token tile at most half the ring (a reused ring needs two
-    blocks). Decode-sized calls whose 128-row L1 tiles (over the local experts expected to get a row) would not
-    occupy every two-CTA slot run 64-row weight tiles on three CTAs per SM instead: flash EP2 at 1 token/rank
-    (~190 such tiles for 264 slots) ran 0.94x the time over five alternated rounds; pro (~280 tiles) ran 1.04x,
-    8 tokens/rank 1.02-1.04x, so only the former qualify (2 x H200, 2026-11-30,
-    ``bench/results/2026-11-30_mega_three_cta_ab_h200.json``)."""
+    blocks).
+
+    Decode-sized calls whose 128-row L1 tiles (over the local experts expected to get a row) would not occupy every
+    two-CTA slot run 64-row weight tiles on three CTAs per SM instead: flash EP2 at 1 token/rank (~190 such tiles for
+    264 slots) ran 0.94x the time over five alternated rounds; pro (~280 tiles) ran 1.04x, 8 tokens/rank 1.02-1.04x,
+    so only the former qualify (2 x H200, 2026-11-30, ``bench/results/2026-11-30_mega_three_cta_ab_h200.json``).
+
+    From ``FOUR_WG_MIN_ROWS`` expected rows per expert, token tiles up to ``FOUR_WG_MAX_TILE_TOKENS`` rows run 256-row
+    weight tiles on four consumer warpgroups (``select_config``), one CTA per SM: against the 128-row tiles (2 x
+    H200, EP2, builds in turns, every row checked; ``bench/results/2026-12-01_mega_four_wg_ab_h200.txt``) flash
+    128 / 512 tokens/rank 503 / 650 and 500 / 632 us vs 514 / 742 and 533 / 733 (1.05x, 1.14x), pro 1888 / 2361 vs
+    1956 / 2585 (1.04x, 1.09x); at 8 tokens/rank (0.25-0.4 rows per expert) flash 172.5 vs 172.6 / 170.5, pro 433.7 vs
+    409.3 (slower), and at flash 1 token/rank 55.5 vs 55.6 / 55.3 on the three-CTA tiles, which stay."""
     from .kernels import sm90_grouped_gemm as sm90
 
     rows_per_expert = min(layout.num_ranks * num_tokens * layout.num_topk / layout.num_experts, layout.num_ring_tokens // 2)
-    cfg = sm90.select_config(rows_per_expert, math.gcd(2 * layout.intermediate_hidden, layout.hidden), layout.hidden,
-                             four_warpgroups=False)
+    n = math.gcd(2 * layout.intermediate_hidden, layout.hidden)
+    cfg = sm90.select_config(rows_per_expert, n, layout.hidden, four_warpgroups=False)
     touched = layout.num_local_experts * -math.expm1(-rows_per_expert)  # experts with a row (Poisson counts)
     l1_tiles = touched * 2 * layout.intermediate_hidden / 128
     if cfg.tile_tokens == sm90.THREE_CTA_TILE_TOKENS and cfg.ctas_per_sm == 2 and l1_tiles <= 2 * num_sms:
         return sm90.GemmConfig(tile_tokens=sm90.THREE_CTA_TILE_TOKENS, tile_n=64, ctas_per_sm=3)
+    wide = sm90.select_config(rows_per_expert, n, layout.hidden)
+    if (wide.consumer_warpgroups == 4 and rows_per_expert >= FOUR_WG_MIN_ROWS
+            and wide.tile_tokens <= FOUR_WG_MAX_TILE_TOKENS):
+        return wide
     return cfg
 
 

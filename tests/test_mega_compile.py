@@ -181,3 +181,23 @@ def test_tile_config_three_ctas_only_where_l1_tiles_leave_slots_idle():
     for preset, ranks, tokens in (("pro", 2, 1), ("flash", 2, 8), ("pro", 2, 8), ("flash", 8, 2)):
         assert cfg(preset, ranks, tokens).ctas_per_sm == 2, (preset, ranks, tokens)
     assert cfg("flash", 2, 1, sms=64).ctas_per_sm == 2  # fewer slots than the ~190 tiles: no idle CTAs
+
+
+def test_tile_config_four_warpgroups_from_one_row_per_expert():
+    """From one expected row per local expert (``FOUR_WG_MIN_ROWS``), token tiles up to 32 rows run 256-row weight
+    tiles on four consumer warpgroups, one CTA per SM: measured faster at 128 and 512 tokens/rank (4-24 rows per
+    expert), slower for pro at 8 tokens/rank (0.25 rows; bench/results/2026-12-01_mega_four_wg_ab_h200.txt); wider
+    token tiles keep the 128-row tiles, decode-sized calls the 128- or 64-row ones."""
+    from megamoe.mega import tile_config
+
+    shapes = {"flash": (256, 6, 4096, 2048), "pro": (384, 6, 7168, 3072)}
+    want = {  # (preset, tokens/rank): (tile_tokens, tile_n, ctas_per_sm); EP2, 132 SMs
+        ("flash", 1): (8, 64, 3), ("flash", 8): (8, 128, 2), ("flash", 32): (8, 256, 1), ("flash", 128): (16, 256, 1),
+        ("flash", 512): (32, 256, 1), ("flash", 2048): (128, 128, 1),
+        ("pro", 1): (8, 128, 2), ("pro", 8): (8, 128, 2), ("pro", 128): (8, 256, 1), ("pro", 512): (32, 256, 1),
+        ("pro", 2048): (64, 128, 1), ("pro", 8192): (128, 128, 1),
+    }
+    for (preset, tokens), expected in want.items():
+        e, k, h, i = shapes[preset]
+        c = tile_config(symm_buffer_layout(2, e, tokens, k, h, i), tokens, 132)
+        assert (c.tile_tokens, c.tile_n, c.ctas_per_sm) == expected, (preset, tokens, c)
