@@ -42,7 +42,9 @@ H, I, K, E_PER_RANK, T_MAX = 512, 512, 4, 8, 32
 GENERATIONS = 3
 SMALL_RING = 128  # ring rows of the small-ring cases: rank 0 receives more rows, so it reuses ring blocks
 WIDE = (2048, 2048)  # (H, I) of the case whose CTAs run several tiles each (L1: 32 column tiles per pool block)
-DEBUG_TIMEOUT_S = "5"  # debug-mode spin-wait timeout inside the subprocesses
+DEBUG_TIMEOUT_S = "60"  # debug-mode spin-wait timeout inside the subprocesses: above the JIT compile of a rank
+# whose config (its own T) is new to it while its peer has it compiled already and waits at `ready` (a 5 s limit
+# once timed out there, 2026-12-01: full_clamped after skewed_to_rank0 compiled rank 0's config only)
 CASES = {
     1: [
         ("ragged_masked", dict(tokens=[29], masked=0.25)),
@@ -329,19 +331,19 @@ def _gpus(n: int) -> None:
 @pytest.mark.gpu
 def test_mega_one_gpu():
     _gpus(1)
-    _run("one", timeout=180)
+    _run("one", timeout=300)
 
 
 @pytest.mark.gpu
 def test_mega_two_gpus():
     _gpus(2)
-    _run("two", timeout=180)
+    _run("two", timeout=300)
 
 
 @pytest.mark.gpu
 def test_mega_four_gpus():
     _gpus(4)
-    _run("four", timeout=240)
+    _run("four", timeout=360)
 
 
 @pytest.mark.gpu
