@@ -13,7 +13,8 @@ in its directory: ``cd .ab/new && python -m pytest -m gpu tests/...``). ``run`` 
 PYTHONPATH and its own CuTe DSL cache. A run that fails, reports an incorrect row or ran another megamoe than its
 build's (source digest) fails the A/B (exit 1): a time is never kept without its check. It prints us per point and
 build (every round, and the ratio of the mean to the first build's) and writes one receipt: the builds (ref, commit,
-source digest), the environment, every run's rows.
+source digest), the environment, every run's rows (rewritten after each checked run: a cut-short A/B keeps its runs,
+``"complete": false``).
 """
 
 from __future__ import annotations
@@ -64,29 +65,31 @@ def prepare(specs: list[str], directory: Path) -> list[dict]:
     return builds
 
 
-def run(directory: Path, bench_args: list[str], nproc: int, rounds: int, timeout: int) -> dict:
-    """Every build's benchmark run, round by round; returns the receipt (raises SystemExit on a failed run)."""
+def run(directory: Path, bench_args: list[str], nproc: int, rounds: int, timeout: int, out: Path | None = None) -> dict:
+    """Every build's benchmark run, round by round; returns the receipt (raises SystemExit on a failed run). ``out``:
+    the receipt is rewritten there after every checked run ("complete" false until the last), so an A/B cut short
+    (a failed run, a time limit) keeps the runs it checked."""
     builds = json.loads((directory / BUILDS_FILE).read_text())
     cache_root = os.environ.get("CUTE_DSL_CACHE_DIR", os.path.join(tempfile.gettempdir(), "cute-dsl-cache"))
     receipt = {"benchmark": "bench/ab.py run", "bench_args": bench_args, "nproc": nproc, "rounds": rounds,
-               "builds": builds, "environment": None, "runs": []}
+               "builds": builds, "environment": None, "complete": False, "runs": []}
     for rnd in range(1, rounds + 1):
         for b in builds:
             build_dir = (directory / b["label"]).resolve()
             with tempfile.TemporaryDirectory() as tmp:
-                out = Path(tmp) / "run.json"
+                run_json = Path(tmp) / "run.json"
                 path = os.pathsep.join(filter(None, [str(build_dir), os.environ.get("PYTHONPATH")]))
                 env = dict(os.environ, PYTHONPATH=path,
                            CUTE_DSL_CACHE_DIR=os.path.join(cache_root, b["label"]))
-                cmd = ["torchrun", "--nproc-per-node", str(nproc), "-m", "megamoe.bench", *bench_args, "--json", str(out)]
+                cmd = ["torchrun", "--nproc-per-node", str(nproc), "-m", "megamoe.bench", *bench_args, "--json", str(run_json)]
                 try:
                     proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
                 except subprocess.TimeoutExpired:
                     raise SystemExit(f"{b['label']} round {rnd}: still running after {timeout} s") from None
-                if proc.returncode != 0 or not out.exists():
+                if proc.returncode != 0 or not run_json.exists():
                     log = (proc.stdout + proc.stderr)[-4000:]
                     raise SystemExit(f"{b['label']} round {rnd}: exit {proc.returncode}\n{log}")
-                result = json.loads(out.read_text())
+                result = json.loads(run_json.read_text())
             if result["environment"]["megamoe_source"] != b["megamoe_source"]:
                 raise SystemExit(f"{b['label']} round {rnd} ran megamoe {result['environment']['megamoe_source']}, not "
                                  f"its build's {b['megamoe_source']} (another megamoe ahead on the path?)")
@@ -98,6 +101,11 @@ def run(directory: Path, bench_args: list[str], nproc: int, rounds: int, timeout
                                     "hbm_read_gbps": result["hbm_read_gbps"], "results": result["results"]})
             print(f"{b['label']} round {rnd}: " + ", ".join(f"{r['tokens_per_rank']} {r['path']} {r['us']:.1f} us"
                                                              for r in result["results"]), flush=True)
+            receipt["complete"] = rnd == rounds and b is builds[-1]
+            if out is not None:  # whole or not at all, should the A/B be killed meanwhile
+                partial = out.with_name(out.name + ".tmp")
+                partial.write_text(json.dumps(receipt, indent=1))
+                os.replace(partial, out)
     return receipt
 
 
@@ -144,11 +152,9 @@ def main(argv: list[str] | None = None) -> dict | list:
         raise SystemExit("--rounds and --nproc must be >= 1")
     if "--json" in bench_args:
         raise SystemExit("bench/ab.py sets the benchmark's --json itself")
-    receipt = run(args.dir, bench_args, args.nproc, args.rounds, args.timeout)
+    receipt = run(args.dir, bench_args, args.nproc, args.rounds, args.timeout, args.out)
     for line in summary(receipt):
         print(line)
-    if args.out is not None:
-        args.out.write_text(json.dumps(receipt, indent=1))
     return receipt
 
 

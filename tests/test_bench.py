@@ -77,8 +77,8 @@ def test_gemm_bench_alternative_configs_differ_from_the_choice():
 
 def test_ab_runs_the_builds_in_turn_each_its_own_source(tmp_path):
     """bench/ab.py: two builds of HEAD run in turn (one torchrun each, tiny preset on CPU) into one receipt and a
-    summary line per point; a build that runs another megamoe than its own (digest) fails the A/B; labels are
-    unique."""
+    summary line per point, the receipt rewritten after every checked run; a build that runs another megamoe than its
+    own (digest) fails the A/B and leaves the runs before it as a partial receipt; labels are unique."""
     import json
 
     from bench import ab
@@ -87,15 +87,18 @@ def test_ab_runs_the_builds_in_turn_each_its_own_source(tmp_path):
     builds = ab.prepare(["base=HEAD", "new=HEAD"], d)
     assert [b["label"] for b in builds] == ["base", "new"] and builds[0]["megamoe_source"] == builds[1]["megamoe_source"]
     args = ["--preset", "tiny", "--tokens", "1", "--paths", "low_latency", "--warmup", "1", "--iters", "1"]
-    receipt = ab.run(d, args, nproc=1, rounds=1, timeout=300)
+    receipt = ab.run(d, args, nproc=1, rounds=1, timeout=300, out=tmp_path / "ab.json")
     assert [(r["build"], r["round"]) for r in receipt["runs"]] == [("base", 1), ("new", 1)]
+    assert receipt["complete"] and json.loads((tmp_path / "ab.json").read_text()) == receipt
     assert all(row["correct"] and row["us"] > 0 for r in receipt["runs"] for row in r["results"])
     lines = ab.summary(receipt)
     assert len(lines) == 2 and lines[1].startswith("tiny 1 legacy low_latency") and "(1.000x)" in lines[1]
     builds[1]["megamoe_source"] = "0" * 16
     (d / ab.BUILDS_FILE).write_text(json.dumps(builds))
     with pytest.raises(SystemExit, match="new round 1 ran megamoe"):
-        ab.run(d, args, nproc=1, rounds=1, timeout=300)
+        ab.run(d, args, nproc=1, rounds=1, timeout=300, out=tmp_path / "cut.json")
+    cut = json.loads((tmp_path / "cut.json").read_text())  # the run checked before the failed one, marked partial
+    assert not cut["complete"] and [(r["build"], r["round"]) for r in cut["runs"]] == [("base", 1)]
     with pytest.raises(SystemExit, match="must be unique"):
         ab.prepare(["x=HEAD", "x=HEAD"], d)
 
