@@ -177,10 +177,10 @@ def check_mega_call(y, sym_buffer, stats, activation, activation_clamp, fast_mat
 
 
 FOUR_WG_MIN_ROWS = 1.0
-"""The one-launch kernel runs 256-row weight tiles on four consumer warpgroups (``tile_config``) from this many
-expected rows per local expert ..."""
+"""Expected rows per local expert from which ``tile_config`` gives the one-launch kernel 256-row weight tiles on four
+consumer warpgroups (measured slower at 0.25 rows per expert, faster at 4-24)."""
 FOUR_WG_MAX_TILE_TOKENS = 32
-"""... up to token tiles of this many rows (the measured ones)."""
+"""Widest token tile ``tile_config`` runs on four consumer warpgroups (the widest measured)."""
 
 
 def tile_config(layout, num_tokens: int, num_sms: int):
@@ -197,9 +197,10 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     From ``FOUR_WG_MIN_ROWS`` expected rows per expert, token tiles up to ``FOUR_WG_MAX_TILE_TOKENS`` rows run 256-row
     weight tiles on four consumer warpgroups (``select_config``), one CTA per SM: against the 128-row tiles (2 x
     H200, EP2, builds in turns, every row checked; ``bench/results/2026-12-01_mega_four_wg_ab_h200.txt``) flash
-    128 / 512 tokens/rank 503 / 650 and 500 / 632 us vs 514 / 742 and 533 / 733 (1.05x, 1.14x), pro 1888 / 2361 vs
-    1956 / 2585 (1.04x, 1.09x); at 8 tokens/rank (0.25-0.4 rows per expert) flash 172.5 vs 172.6 / 170.5, pro 433.7 vs
-    409.3 (slower), and at flash 1 token/rank 55.5 vs 55.6 / 55.3 on the three-CTA tiles, which stay."""
+    128 tokens/rank 503.1 / 499.8 vs 514.1 / 533.1 us, 512 649.5 / 632.4 vs 742.1 / 733.4 (1.05x, 1.14x), pro 128
+    1888.0 vs 1955.6, 512 2360.8 vs 2585.1 (1.04x, 1.09x); at 8 tokens/rank (0.25-0.4 rows per expert) flash 172.5 vs
+    172.6 / 170.5, pro 433.7 vs 409.3 (slower); at flash 1 token/rank 55.5 vs 55.6 / 55.3 on the three-CTA tiles,
+    which stay."""
     from .kernels import sm90_grouped_gemm as sm90
 
     rows_per_expert = min(layout.num_ranks * num_tokens * layout.num_topk / layout.num_experts, layout.num_ring_tokens // 2)

@@ -134,7 +134,7 @@ MEGA_CASES = [
     (GemmConfig(tile_tokens=8, tile_n=64, ctas_per_sm=3), (2, 256, 64, 6, 4096, 2048)),
     (GemmConfig(tile_tokens=8, tile_n=256), (2, 256, 64, 6, 4096, 2048)),
     (GemmConfig(tile_tokens=32, tile_n=256), (2, 384, 512, 6, 7168, 3072)),
-    (GemmConfig(tile_tokens=64, tile_n=256), (8, 256, 128, 8, 7168, 2048)),
+    (GemmConfig(tile_tokens=16, tile_n=256), (8, 256, 128, 8, 7168, 2048)),
 ]
 
 
