@@ -10,9 +10,10 @@ describes ``fp8_fp4_mega_moe``.
 ``topk_idx`` and ``topk_weights`` views; ``l1``/``l2`` come from ``transform_weights_for_mega_moe``. It is
 collective: every rank of the buffer's group makes the same sequence of calls on the same buffer. One launch on the
 caller's stream, nothing else (no host sync, no host zeroing): ``kernels.sm90_grouped_gemm.mega_moe_sm90``, every
-CTA slot of the GPU (two per SM for token tiles up to ``TWO_CTA_TILE_TOKENS``, else one; all resident), each CTA a
-TMA producer warp, a signal warp and one or two consumer warpgroups (BF16-operand wgmma with in-register FP4
-decode). It is launched as a programmatic dependent (PDL): its threads first wait for the previous grid on the
+CTA slot of the GPU (``tile_config``: three per SM on 64-row weight tiles for decode-sized calls, two on 128-row
+tiles for token tiles up to ``TWO_CTA_TILE_TOKENS``, else one, on 256-row tiles from one expected row per expert up
+to ``FOUR_WG_MAX_TILE_TOKENS``; all resident), each CTA a TMA producer warp, a signal warp and one, two or four
+consumer warpgroups (64 weight rows each; BF16-operand wgmma with in-register FP4 decode). It is launched as a programmatic dependent (PDL): its threads first wait for the previous grid on the
 stream (``griddepcontrol.wait``), then let the next one launch, so no memory is touched before the stream's earlier
 work is complete and visible, as in plain stream order.
 

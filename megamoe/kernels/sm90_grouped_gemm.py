@@ -187,8 +187,8 @@ TILE_TOKENS_CHOICES = {"bf16": (8, 16, 32, 64, 128), "fp8": (8, 16, 32, 64, 128)
 TILE_N_CHOICES = (64, 128, 256)
 FOUR_WG_MAX_TILE_TOKENS = 64
 """BF16 mode, 256-row weight tiles (four consumer warpgroups, one CTA per SM, 104-112 registers per consumer thread):
-the largest token tile whose accumulator fits them. Separate launches only (the one-launch L1/L2 kernels' named
-barriers and signal warp serve two consumer warpgroups)."""
+the largest token tile whose accumulator fits them. Separate launches and the Mega MoE kernel (``named_barriers``);
+the one-launch L1/L2 kernel without communication keeps two consumer warpgroups (not run with four)."""
 TWO_CTA_TILE_TOKENS = {"bf16": 32, "fp8": 16}
 """Largest token tile that may run two CTAs per SM (``GemmConfig.ctas_per_sm``), per MMA mode."""
 DEFERRED_MAX_TILE_TOKENS = 8
