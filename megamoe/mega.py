@@ -12,10 +12,11 @@ collective: every rank of the buffer's group makes the same sequence of calls on
 caller's stream, nothing else (no host sync, no host zeroing): ``kernels.sm90_grouped_gemm.mega_moe_sm90``, every
 CTA slot of the GPU (``tile_config``: three per SM on 64-row weight tiles for decode-sized calls, two on 128-row
 tiles for token tiles up to ``TWO_CTA_TILE_TOKENS``, else one, on 256-row tiles from one expected row per expert up
-to ``FOUR_WG_MAX_TILE_TOKENS``; all resident), each CTA a TMA producer warp, a signal warp and one, two or four
-consumer warpgroups (64 weight rows each; BF16-operand wgmma with in-register FP4 decode). It is launched as a programmatic dependent (PDL): its threads first wait for the previous grid on the
-stream (``griddepcontrol.wait``), then let the next one launch, so no memory is touched before the stream's earlier
-work is complete and visible, as in plain stream order.
+to ``MEGA_FOUR_WG_MAX_TILE_TOKENS``; all resident), each CTA a TMA producer warp, a signal warp and one, two or four
+consumer warpgroups (64 weight rows each; BF16-operand wgmma with in-register FP4 decode). It is launched as a
+programmatic dependent (PDL): its threads first wait for the previous grid on the stream (``griddepcontrol.wait``),
+then let the next one launch, so no memory is touched before the stream's earlier work is complete and visible, as
+in plain stream order.
 
 1. dispatch (``ep_comm.EpPhases``), all threads of every CTA: announce ``ready``, scan every rank's routing
    over NVLink, count and pool the rows of local experts, grid barrier, the expert offsets (exclusive prefix
@@ -177,10 +178,10 @@ def check_mega_call(y, sym_buffer, stats, activation, activation_clamp, fast_mat
     return y.shape[0]
 
 
-FOUR_WG_MIN_ROWS = 1.0
+MEGA_FOUR_WG_MIN_ROWS = 1.0
 """Expected rows per local expert from which ``tile_config`` gives the one-launch kernel 256-row weight tiles on four
 consumer warpgroups (measured slower at 0.25 rows per expert, faster at 4-24)."""
-FOUR_WG_MAX_TILE_TOKENS = 32
+MEGA_FOUR_WG_MAX_TILE_TOKENS = 32
 """Widest token tile ``tile_config`` runs on four consumer warpgroups (the widest measured)."""
 
 
@@ -195,8 +196,8 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     264 slots) ran 0.94x the time over five alternated rounds; pro (~280 tiles) ran 1.04x, 8 tokens/rank 1.02-1.04x,
     so only the former qualify (2 x H200, 2026-11-30, ``bench/results/2026-11-30_mega_three_cta_ab_h200.json``).
 
-    From ``FOUR_WG_MIN_ROWS`` expected rows per expert, token tiles up to ``FOUR_WG_MAX_TILE_TOKENS`` rows run 256-row
-    weight tiles on four consumer warpgroups (``select_config``), one CTA per SM: against the 128-row tiles (2 x
+    From ``MEGA_FOUR_WG_MIN_ROWS`` expected rows per expert, token tiles up to ``MEGA_FOUR_WG_MAX_TILE_TOKENS`` rows
+    run 256-row weight tiles on four consumer warpgroups (``select_config``), one CTA per SM: against the 128-row tiles (2 x
     H200, EP2, builds in turns, every row checked; ``bench/results/2026-12-01_mega_four_wg_ab_h200.txt``) flash
     128 tokens/rank 503.1 / 499.8 vs 514.1 / 533.1 us, 512 649.5 / 632.4 vs 742.1 / 733.4 (1.05x, 1.14x), pro 128
     1888.0 vs 1955.6, 512 2360.8 vs 2585.1 (1.04x, 1.09x); at 8 tokens/rank (0.25-0.4 rows per expert) flash 172.5 vs
@@ -212,8 +213,8 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     if cfg.tile_tokens == sm90.THREE_CTA_TILE_TOKENS and cfg.ctas_per_sm == 2 and l1_tiles <= 2 * num_sms:
         return sm90.GemmConfig(tile_tokens=sm90.THREE_CTA_TILE_TOKENS, tile_n=64, ctas_per_sm=3)
     wide = sm90.select_config(rows_per_expert, n, layout.hidden)
-    if (wide.consumer_warpgroups == 4 and rows_per_expert >= FOUR_WG_MIN_ROWS
-            and wide.tile_tokens <= FOUR_WG_MAX_TILE_TOKENS):
+    if (wide.consumer_warpgroups == 4 and rows_per_expert >= MEGA_FOUR_WG_MIN_ROWS
+            and wide.tile_tokens <= MEGA_FOUR_WG_MAX_TILE_TOKENS):
         return wide
     return cfg
 

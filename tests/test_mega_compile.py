@@ -184,7 +184,7 @@ def test_tile_config_three_ctas_only_where_l1_tiles_leave_slots_idle():
 
 
 def test_tile_config_four_warpgroups_from_one_row_per_expert():
-    """From one expected row per local expert (``FOUR_WG_MIN_ROWS``), token tiles up to 32 rows run 256-row weight
+    """From one expected row per local expert (``MEGA_FOUR_WG_MIN_ROWS``), token tiles up to 32 rows run 256-row weight
     tiles on four consumer warpgroups, one CTA per SM: measured faster at 128 and 512 tokens/rank (4-24 rows per
     expert), slower for pro at 8 tokens/rank (0.25 rows; bench/results/2026-12-01_mega_four_wg_ab_h200.txt); wider
     token tiles keep the 128-row tiles, decode-sized calls the 128- or 64-row ones."""
