@@ -117,8 +117,8 @@ def test_decode_bench_receipt(tmp_path):
     assert receipt["environment"]["megamoe_source"] == source_digest() and receipt["hbm_read_gbps"] > 0
     assert [(r["experts"], r["tokens"]) for r in receipt["rows"]] == [(8, 1), (8, 4)]
     for row in receipt["rows"]:
-        assert all(row[f"{n}_check"] == "ok" for n in ("simt", "mma", "expert", "grouped"))
-        assert row["decoder_runs"] in ("simt", "mma", "expert") and row[f"{row['decoder_runs']}_us"] > 0
+        assert all(row[f"{n}_check"] == "ok" for n in ("simt", "mma", "tc", "grouped"))
+        assert row["decoder_runs"] in ("simt", "mma", "tc") and row[f"{row['decoder_runs']}_us"] > 0
     (crossover,) = receipt["crossovers"]
     assert crossover["experts"] == 8 and crossover["crossover"] in (0, 1, 4)
 
