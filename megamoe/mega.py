@@ -14,9 +14,9 @@ CTA slot of the GPU (``tile_config``: three per SM on 64-row weight tiles for de
 tiles for token tiles up to ``TWO_CTA_TILE_TOKENS``, else one, on 256-row tiles from one expected row per expert up
 to ``MEGA_FOUR_WG_MAX_TILE_TOKENS``; all resident), each CTA a TMA producer warp, a signal warp and one, two or four
 consumer warpgroups (64 weight rows each; BF16-operand wgmma with in-register FP4 decode). It is launched as a
-programmatic dependent (PDL): its threads first wait for the previous grid on the stream (``griddepcontrol.wait``),
-then let the next one launch, so no memory is touched before the stream's earlier work is complete and visible, as
-in plain stream order.
+programmatic dependent (PDL): its CTAs set up their shared memory, then wait for the previous grid on the stream
+(``griddepcontrol.wait``) and let the next one launch, so no global memory is touched before the stream's earlier
+work is complete and visible, as in plain stream order.
 
 1. dispatch (``ep_comm.EpPhases``), all threads of every CTA: announce ``ready``, scan every rank's routing
    over NVLink, count and pool the rows of local experts, grid barrier, the expert offsets (exclusive prefix

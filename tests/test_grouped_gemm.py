@@ -159,7 +159,12 @@ for i, (cfg, mode, epilogue, mega, debug, trace, folded) in enumerate(json.loads
         comm = None if mega is None else EpCommConfig(symm_buffer_layout(*mega), debug, True, trace)
         ptx = compile_grouped_gemm(GemmConfig(**cfg), mode, epilogue, debug, comm, folded).__ptx__  # the PTX text
         ptx = (ptx.decode() if isinstance(ptx, bytes) else ptx).replace("\\0", "")
-        build = {"wgmma": "wgmma.mma_async" in ptx, "calls": len(re.findall(r"^\\s*call(\\.uni)?\\s", ptx, re.M))}
+        build = {"wgmma": "wgmma.mma_async" in ptx, "calls": len(re.findall(r"^\\s*call(\\.uni)?\\s", ptx, re.M)),
+                 "pdl": [ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents")],
+                 # the memory instructions laid out before the (first) wait for the previous grid
+                 "before_wait": sorted(set(re.findall(
+                     r"^\\s*(?:@!?%p\\d+\\s+)?((?:ld|st|atom|red|cp|mbarrier|prefetch|fence|bar|membar)\\.[\\w.:]*)",
+                     ptx[: ptx.find("griddepcontrol.wait")], re.M)))}
         if ptxas:  # its performance advisories (C75xx), e.g. C7510: wgmma serialized, and why
             path = os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], f"case{i}.ptx")
             open(path, "w").write(ptx)
@@ -205,6 +210,27 @@ def test_compiles_for_sm90a_without_wgmma_serialization(sm90a_builds, case):
     assert "error" not in build, build.get("error")
     assert build["wgmma"], "no wgmma.mma_async in the PTX"
     assert build["calls"] == 0, f"{build['calls']} function call(s) in the PTX: ptxas would serialize its wgmmas"
+
+
+# Before ``griddepcontrol.wait`` a kernel may set up shared memory and read its parameters; a separate launch may
+# also read the group bounds and TMA-prefetch weights into L2 (``prefetch_first_tile``: a guess, harmless if
+# stale). Nothing else may touch global memory before the previous grid on the stream has finished.
+BEFORE_WAIT_ALWAYS = ("ld.param.", "ld.shared.", "st.shared.", "mbarrier.init.", "fence.mbarrier_init.", "bar.sync",
+                      "prefetch.tensormap")
+BEFORE_WAIT_SEPARATE = ("ld.global.", "cp.async.bulk.prefetch.tensor.")
+
+
+@pytest.mark.parametrize("case", range(len(RELEASE_CASES)))
+def test_programmatic_dependent_waits_before_global_memory(sm90a_builds, case):
+    """Every release variant is launched as a programmatic dependent: one wait, one launch of the next grid, and
+    before the wait only the memory instructions above (PTX layout order)."""
+    build = sm90a_builds[case]
+    assert "error" not in build, build.get("error")
+    assert build["pdl"] == [1, 1], build["pdl"]
+    separate = RELEASE_CASES[case][2] != "l1_l2"
+    allowed = BEFORE_WAIT_ALWAYS + (BEFORE_WAIT_SEPARATE if separate else ())
+    early = [op for op in build["before_wait"] if not op.startswith(allowed)]
+    assert not early, f"global-memory instructions before griddepcontrol.wait: {early}"
 
 
 def test_debug_builds_compile_and_the_call_check_sees_their_printf(sm90a_builds):

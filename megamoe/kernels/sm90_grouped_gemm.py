@@ -78,6 +78,14 @@ Design:
   1.00-1.13x (median 1.05x) at 1-64 rows/expert in BF16 mode except flash L2 EP8 at 1-4 rows (0.94-0.99x), 1.03-1.10x at every
   FP8-mode point (``bench/results/2026-12-01_gemm_dynamic_tiles_ab_h200.json``). The one-launch L1/L2 kernel
   keeps the fixed order (not measured with the counter); the Mega MoE kernel has its own (``fetch_tile``).
+* Every launch is a programmatic dependent (PDL): a CTA sets up its shared memory, then waits for the previous
+  grid on the stream (``griddepcontrol.wait``) before it touches global memory, and lets the next grid launch,
+  whose CTAs start as these exit. Before the wait, a separate launch's producer warp prefetches into L2 (TMA)
+  the weights of its first tile's first stages (``prefetch_first_tile``). Against plain launches, each build
+  in turns (BF16 mode, flash and pro, L1 and L2, EP8 and EP2, 1-64 rows/expert; FP8 mode at EP2): 0-3% faster
+  at 1-16 rows/expert (flash L2 EP8 1 row 41.3-42.1 vs 41.7-43.1 us, pro L2 EP8 1 row 138.2-139.9 vs
+  141.4-143.7), within the run-to-run spread elsewhere; the one-GPU MoE layer unchanged within it
+  (``bench/results/2026-12-01_gemm_pdl_prefetch_ab_h200.json``).
 * L1 and L2 in one launch (``grouped_gemm_fp8_fp4_l1_l2_contiguous``, epilogue "l1_l2", BF16 mode): the tile
   list is L1's tiles then L2's, so every CTA finishes its L1 tiles first (deadlock-free with all CTAs
   resident). Warp 1 (idle otherwise) meets each consumer warpgroup on a named barrier after an L1 tile's
@@ -121,7 +129,7 @@ us; ``bench/results/2026-11-30_gemm_multiplier_pair_ab_h200.json``). Unrolling t
 each A/B-timed in one process with checked outputs: a one-warp producer with 3 CTAs per SM (24 consumer
 warps: L1 1 row/expert 92.5 -> 99.3 us); alternating accumulators for odd k16 blocks (1-3% slower, also
 with a lone tile per CTA); programmatic dependent launch of dispatch, GEMMs and combine (within the
-run-to-run spread).
+run-to-run spread; the GEMMs are programmatic dependents since 2026-12-01, above).
 
 Constraints: K % 512 == 0 (packed scale rows must be 16-byte aligned for TMA), N % 64 == 0 (SwiGLU: N = 2I,
 I % 128 == 0). BF16 mode: weight scale codes within the decode's exact range (``sm90_fp4_decode``), checked
@@ -639,7 +647,7 @@ def _build_kernel_class():
                 me, num_tokens, base, peers, stats, record, y,
                 tiled_mma, a_layout, w_layout, sfw_layout, sfa_layout,
             ).launch(grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=self.cfg.ctas_per_sm,
-                     stream=stream, use_pdl=self.comm is not None)
+                     stream=stream, use_pdl=True)
 
         def make_tiled_mma(self, a_dtype, tokens: int):
             """The consumer warpgroups' RS wgmma: 64 weight rows per warpgroup (A from registers) x ``tokens``
@@ -835,13 +843,7 @@ def _build_kernel_class():
             bidx, _, _ = cute.arch.block_idx()
             gdim, _, _ = cute.arch.grid_dim()
 
-            if cutlass.const_expr(self.comm is not None):
-                # Launched as a programmatic dependent (use_pdl): nothing here touches memory before the previous
-                # grid on the stream has finished; the next one may launch (its CTAs start as these exit).
-                cute.arch.griddepcontrol_wait()
-                cute.arch.griddepcontrol_launch_dependents()
-            self.trace_start(record, gdim, bidx, tidx)
-            if warp_idx == 0:
+            if warp_idx == 0:  # the descriptors are kernel parameters: no memory of an earlier grid
                 for atom in (tma_a, tma_w, tma_sfw) if cutlass.const_expr(self.bf16) else (tma_a, tma_w, tma_sfw, tma_sfa):
                     cpasync.prefetch_descriptor(atom)
 
@@ -867,9 +869,26 @@ def _build_kernel_class():
                     storage.sTile.get_tensor(cute.make_layout((TILE_SLOTS, TILE_WORDS), stride=(TILE_WORDS, 1))),
                 )
 
-            sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
+            # (k_tiles, n_tiles) of each GEMM; the second is the first's unless fused.
+            k_tiles = Int32(tA.shape[1]) // K_CHUNK
+            n_tiles = Int32(cute.size(tW, mode=[0])) // tn
+            dims = (k_tiles, n_tiles, k_tiles, n_tiles)
+            if cutlass.const_expr(self.fused):
+                dims = (k_tiles, n_tiles, Int32(tA2.shape[1]) // K_CHUNK, Int32(cute.size(tW2, mode=[0])) // tn)
+            total_rows = Int32(tA.shape[0])
             sW = storage.sW.get_tensor(w_layout)
             sSFW = storage.sSFW.get_tensor(sfw_layout)
+            if cutlass.const_expr(self.dynamic):
+                if warp_idx == 0:
+                    self.prefetch_first_tile((tma_a, tA, tma_w, tW, tma_sfw, tSFW), sW, sSFW, mGroupA, mGroupB,
+                                             num_groups, max_m, total_rows, dims, bidx)
+            # Launched as a programmatic dependent (use_pdl): the CTA's start, its shared-memory setup and the
+            # prefetch above may overlap the previous grid on the stream; nothing below runs before that grid has
+            # finished and its memory is visible. The next grid may launch now: its CTAs start as these exit.
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+            self.trace_start(record, gdim, bidx, tidx)
+            sA = storage.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
             sSFA = None
             if cutlass.const_expr(not self.bf16):
                 sSFA = storage.sSFA.get_tensor(sfa_layout)
@@ -900,7 +919,6 @@ def _build_kernel_class():
                 else:
                     sOut = storage.sOut.get_tensor(out_layout)
 
-            total_rows = Int32(tA.shape[0])
             call = Int32(0)
             flag = None
             if cutlass.const_expr(self.comm is not None):
@@ -933,13 +951,6 @@ def _build_kernel_class():
                 self.stamp(record, gdim, bidx, tidx, "offsets")
                 mGroupA = offs
                 mGroupB = firsts
-            # (k_tiles, n_tiles) of each GEMM; the second is the first's unless fused.
-            k_tiles = Int32(tA.shape[1]) // K_CHUNK
-            n_tiles = Int32(cute.size(tW, mode=[0])) // tn
-            dims = (k_tiles, n_tiles, k_tiles, n_tiles)
-            if cutlass.const_expr(self.fused):
-                dims = (k_tiles, n_tiles, Int32(tA2.shape[1]) // K_CHUNK, Int32(cute.size(tW2, mode=[0])) // tn)
-
             if warp_idx < 4:
                 if cutlass.const_expr(self.rebalance_registers):
                     cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -1309,6 +1320,26 @@ def _build_kernel_class():
             gA = cute.local_tile(cute.domain_offset((row0, 0), ops[1]), (self.tile_tokens, K_CHUNK), (0, None))
             return cpasync.tma_partition(ops[0], 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
                                          cute.group_modes(gA, 0, 2))
+
+        @cute.jit
+        def prefetch_first_tile(self, ops, sW, sSFW, mGroupA, mGroupB, num_groups: Int32, max_m: Int32,
+                                total_rows: Int32, dims, bidx: Int32):
+            """Separate launches, the producer warp, before ``griddepcontrol.wait``: an L2 prefetch (TMA) of the
+            weights and scale words of the first ``stages`` K steps of this CTA's first tile, so they stream while
+            the previous grid ends. The tile comes from the group bounds as they are then -- the previous grid may
+            still be writing them, so it is a guess that only this prefetch uses; a wrong one costs bandwidth, never
+            a value: the loads come after the wait, and L2 holds the previous grid's stores over any prefetched
+            line. ``ops``: (tma_a, tA, tma_w, tW, tma_sfw, tSFW)."""
+            tWs, tWg, tSFWs, tSFWg = self.weight_partitions(ops, sW, sSFW)
+            _, e, _, _, valid, _, _, n_tile, _ = self.next_tile(
+                bidx, Int32(0), Int32(0), Int32(0), Int32(0), dims, num_groups, mGroupA, mGroupB, max_m, total_rows
+            )
+            if valid:
+                n_tile = cutlass.min(n_tile, dims[1] - 1)
+                for kt in cutlass.range(cutlass.min(self.k_steps(dims[0]), Int32(self.stages)), unroll=1):
+                    for h in cutlass.range_constexpr(self.cps):
+                        cute.prefetch(ops[2], tWg[(None, n_tile, kt * self.cps + h, e)])
+                    cute.prefetch(ops[4], tSFWg[(None, n_tile, kt, e)])
 
         @cute.jit
         def producer(self, ab_pipeline, first, second, tma_sfa, tSFA, sA, sW, sSFW, sSFA, mGroupA, mGroupB,
