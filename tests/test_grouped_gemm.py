@@ -197,12 +197,13 @@ def sm90a_builds(tmp_path_factory):
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
+RELEASE_IDS = [f"{c.mma}-{c.tile_tokens}x{c.tile_n}x{c.ctas_per_sm}-{m}-{e}"
+               + ("" if lay is None else "-mega-r%d-e%d-h%d" % (lay[0], lay[1], lay[4]))
+               + ("-trace" if trace else "") + ("-folded" if folded else "")
+               for c, m, e, lay, trace, folded in RELEASE_CASES]
 
-@pytest.mark.parametrize(
-    "case", range(len(RELEASE_CASES)),
-    ids=[f"{c.mma}-{c.tile_tokens}x{c.tile_n}x{c.ctas_per_sm}-{m}-{e}" + ("" if lay is None else "-mega-r%d-e%d-h%d" % (lay[0], lay[1], lay[4]))
-         + ("-trace" if trace else "") + ("-folded" if folded else "") for c, m, e, lay, trace, folded in RELEASE_CASES],
-)
+
+@pytest.mark.parametrize("case", range(len(RELEASE_CASES)), ids=RELEASE_IDS)
 def test_compiles_for_sm90a_without_wgmma_serialization(sm90a_builds, case):
     """Every release variant compiles, issues wgmma, and calls no function: ptxas serializes every wgmma of a
     kernel that contains a call (C7510, "wgmma pipeline crossing function boundary"), e.g. a printf."""
@@ -220,7 +221,7 @@ BEFORE_WAIT_ALWAYS = ("ld.param.", "ld.shared.", "st.shared.", "mbarrier.init.",
 BEFORE_WAIT_SEPARATE = ("ld.global.", "cp.async.bulk.prefetch.tensor.")
 
 
-@pytest.mark.parametrize("case", range(len(RELEASE_CASES)))
+@pytest.mark.parametrize("case", range(len(RELEASE_CASES)), ids=RELEASE_IDS)
 def test_programmatic_dependent_waits_before_global_memory(sm90a_builds, case):
     """Every release variant is launched as a programmatic dependent: one wait, one launch of the next grid, and
     before the wait only the memory instructions above (PTX layout order)."""
