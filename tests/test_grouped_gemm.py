@@ -30,6 +30,7 @@ from megamoe.kernels.sm90_fp4_decode import (
     FOLD_MIN_SHIFT,
     fold_fp8_scales,
     from_sm90_bf16_weight_layout,
+    nonzero_blocks,
     from_sm90_weight_layout,
     to_sm90_bf16_weight_layout,
     to_sm90_weight_layout,
@@ -586,6 +587,16 @@ def _foldable_weights(e: int, n: int, k: int, gen: torch.Generator, device="cpu"
     codes.view(e, n, k // 32, 32)[zero] = 0
     scale[zero] = 0
     return pack_fp4_codes(codes).to(device), pack_ue8m0(scale).to(device)
+
+
+def test_nonzero_blocks():
+    """``nonzero_blocks`` (one expert at a time) marks exactly the 32-blocks whose dequantized values are not all
+    zero: random weights with ~3% all-zero blocks, over three experts."""
+    gen = torch.Generator().manual_seed(11)
+    b, b_sf = _foldable_weights(3, 64, 512, gen)
+    want = dequantize_fp4(b, b_sf).reshape(3, 64, 16, 32).ne(0).any(-1)
+    assert 0 < int((~want).sum()) < want.numel()
+    assert torch.equal(nonzero_blocks(b), want)
 
 
 def test_fold_fp8_scales():

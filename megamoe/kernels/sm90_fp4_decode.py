@@ -185,12 +185,22 @@ def from_sm90_bf16_weight_layout(bk: torch.Tensor) -> torch.Tensor:
     return pack_fp4_codes(codes.reshape(e, n, chunks * K_CHUNK).to(torch.uint8))
 
 
+def nonzero_blocks(b: torch.Tensor) -> torch.Tensor:
+    """Canonical FP4 weights ``uint8 [E, N, K/2]`` -> ``bool [E, N, K/32]``: whether each 32-block holds a nonzero
+    value. One expert at a time: the unpacked codes are twice the expert's bytes."""
+    e, n, half_k = b.shape
+    out = torch.empty(e, n, half_k // 16, dtype=torch.bool, device=b.device)
+    for x in range(e):
+        out[x] = (unpack_fp4_codes(b[x]) & 7).reshape(n, half_k // 16, 32).amax(-1) > 0
+    return out
+
+
 def check_bf16_scale_range(b: torch.Tensor, b_sf: torch.Tensor) -> None:
     """Raise unless canonical FP4 weights (``uint8 [E, N, K/2]``, ``int32 [E, N, K/128]``) are exact in BF16
     mode: every UE8M0 code <= ``BF16_MAX_SCALE_CODE``, and >= ``BF16_MIN_SCALE_CODE`` where the 32-block
     holds a nonzero value. One host sync (weight-load time)."""
     codes = unpack_ue8m0(b_sf).to(torch.int32)  # [E, N, K/32]
-    nonzero = (unpack_fp4_codes(b) & 7).reshape(*codes.shape, 32).amax(-1) > 0
+    nonzero = nonzero_blocks(b)
     checks = (
         ("above", codes > BF16_MAX_SCALE_CODE, f"<= {BF16_MAX_SCALE_CODE} (scale 2**{BF16_MAX_SCALE_CODE - 127})"),
         ("below", nonzero & (codes < BF16_MIN_SCALE_CODE),
@@ -229,7 +239,7 @@ def fold_fp8_scales(b: torch.Tensor, b_sf: torch.Tensor) -> torch.Tensor | None:
     of more than 11 binades) or a base below code 1 (the row scale would be an FP32 subnormal): such weights
     keep the absolute scales (``prepare_fp4_weights``). One host sync (weight-load time)."""
     codes = unpack_ue8m0(b_sf).to(torch.int32)  # [E, N, K/32]
-    nonzero = (unpack_fp4_codes(b) & 7).reshape(*codes.shape, 32).amax(-1) > 0
+    nonzero = nonzero_blocks(b)
     top = torch.where(nonzero, codes, torch.full_like(codes, -1)).amax(-1)  # [E, N]; -1: an all-zero row
     base = torch.where(top >= 0, top - FOLD_MAX_SHIFT, torch.full_like(top, 127))
     d = codes - base[..., None]
