@@ -28,6 +28,7 @@ owns the slot, in one equal-split ``all_to_all``; ids are validated only when ``
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -96,6 +97,14 @@ class LegacyMoE:
             check_multiple(f"{name} (a GEMM K)", k, sm90.K_MULTIPLE, "the SM90 grouped GEMM's K granularity")
         self.l1k = sm90.prepare_fp4_weights_l1(*l1, mma="bf16")
         self.l2k = sm90.prepare_fp4_weights(*l2, mma="bf16")
+
+    def with_mode(self, mode: str) -> "LegacyMoE":
+        """The same prepared weights (shared, not copied) run in ``mode``."""
+        if mode not in self.MODES:
+            fail("mode", f"must be one of {self.MODES}, got {mode!r}")
+        other = copy.copy(self)
+        other.mode = mode
+        return other
 
     @staticmethod
     def _bf16(w) -> torch.Tensor:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megamoe.bench.common import environment_receipt, source_digest
+from megamoe import LegacyMoE
 from megamoe.bench.moe import main
 
 
@@ -23,6 +24,27 @@ def test_moe_bench_paths_filter():
     for words in ("no-such-path", "low_latency,legacy-sm90"):
         with pytest.raises(SystemExit, match=r"--paths \S+ matches none of the paths here: legacy normal"):
             main(["--preset", "tiny", "--tokens", "2", "--paths", words])
+
+
+def test_moe_bench_builds_only_the_selected_paths(monkeypatch):
+    """Paths are built after the --paths filter (a path's prepared weights can be several times the FP4 ones), and
+    a GEMM's two legacy modes share one LegacyMoE's weights (``with_mode``)."""
+    import megamoe.bench.moe as bench_moe
+
+    built = []
+
+    class Counting(LegacyMoE):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self.mode)
+
+    monkeypatch.setattr(bench_moe, "LegacyMoE", Counting)
+    rows = main(["--preset", "tiny", "--tokens", "2", "--paths", "low_latency", "--warmup", "1", "--iters", "1"])
+    assert built == ["low_latency"] and all(r["correct"] for r in rows)
+    built.clear()
+    rows = main(["--preset", "tiny", "--tokens", "2", "--warmup", "1", "--iters", "1"])
+    assert built == ["normal"] and {r["path"] for r in rows} == {"legacy normal, torch GEMM", "legacy low_latency, torch GEMM"}
+    assert all(r["correct"] for r in rows)
 
 
 def test_moe_bench_rejects_no_routings_and_empty_graphs():

@@ -92,3 +92,19 @@ def test_legacy_weight_validation():
     pb, _ = _setup("bf16")
     with pytest.raises(ValueError, match="`l1` must have dtype bfloat16"):
         LegacyMoE(pb["l1"].float(), pb["l2"])
+
+
+def test_legacy_with_mode_shares_the_prepared_weights():
+    """``with_mode`` runs the same prepared weights (the same tensors, not copies) in the other mode: its output
+    equals a LegacyMoE built for that mode; a mode it does not know is refused."""
+    p, buf = _setup(t=5)
+    normal = LegacyMoE(p["l1"], p["l2"], "normal")
+    low = normal.with_mode("low_latency")
+    assert (normal.mode, low.mode) == ("normal", "low_latency")
+    assert low.w1t is normal.w1t and low.w2t is normal.w2t
+    y_shared, y_fresh = (torch.full((5, 256), float("nan"), dtype=torch.bfloat16) for _ in range(2))
+    low(y_shared, buf)
+    LegacyMoE(p["l1"], p["l2"], "low_latency")(y_fresh, buf)
+    assert not torch.isnan(y_shared).any() and torch.equal(y_shared, y_fresh)
+    with pytest.raises(ValueError, match="`mode` must be one of"):
+        normal.with_mode("fast")

@@ -156,16 +156,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
     gemms = ["torch"]
     if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0) and h % 512 == 0 and i % 512 == 0:
         gemms.append("sm90")
-    paths = {f"legacy {mode}, {gemm} GEMM": LegacyMoE(l1, l2, mode, gemm) for gemm in gemms for mode in LegacyMoE.MODES}
+    # Each path's name and what it runs; only the paths --paths selects are built (a path's prepared weights can
+    # be several times the FP4 ones: torch's GEMMs take BF16), and a GEMM's two legacy modes share them.
+    names = [(f"legacy {mode}, {gemm} GEMM", gemm, mode) for gemm in gemms for mode in LegacyMoE.MODES]
     if "sm90" in gemms or (not fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)):
         # FP8 x FP4: one persistent launch (dispatch, SM90 GEMM tiles, combine); BF16: staged, torch grouped GEMMs
-        paths["fused (one launch)" if fp8 else "fused (staged)"] = MegaMoE(l1, l2)
+        names.append(("fused (one launch)" if fp8 else "fused (staged)", None, None))
     if args.paths:
-        unmatched = [word for word in args.paths if not any(word in name for name in paths)]
+        unmatched = [word for word in args.paths if not any(word in name for name, _, _ in names)]
         if unmatched:
             raise SystemExit(f"megamoe.bench: --paths {','.join(unmatched)} matches none of the paths here: "
-                             + "; ".join(paths))
-        paths = {name: path for name, path in paths.items() if any(word in name for word in args.paths)}
+                             + "; ".join(name for name, _, _ in names))
+        names = [entry for entry in names if any(word in entry[0] for word in args.paths)]
+    paths, prepared = {}, {}
+    for name, gemm, mode in names:
+        if gemm is None:
+            paths[name] = MegaMoE(l1, l2)
+        else:
+            prepared[gemm] = prepared[gemm].with_mode(mode) if gemm in prepared else LegacyMoE(l1, l2, mode, gemm)
+            paths[name] = prepared[gemm]
     if args.timeline and not any(isinstance(path, MegaMoE) and path.fp8 for path in paths.values()):
         say("--timeline: no fused FP8 x FP4 path runs here (it needs an SM90 GPU): no timeline")
     bf16_bytes_per_expert = 3 * h * i * 2
