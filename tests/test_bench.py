@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from megamoe.bench.common import environment_receipt, source_digest
 from megamoe import LegacyMoE
+from megamoe.bench.common import environment_receipt, source_digest
 from megamoe.bench.moe import main
 
 
