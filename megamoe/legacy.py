@@ -73,8 +73,7 @@ class LegacyMoE:
     GEMMS = ("torch", "sm90")
 
     def __init__(self, l1, l2, mode: str = "normal", gemm: str = "torch"):
-        if mode not in self.MODES:
-            fail("mode", f"must be one of {self.MODES}, got {mode!r}")
+        self._check_mode(mode)
         if gemm not in self.GEMMS:
             fail("gemm", f"must be one of {self.GEMMS}, got {gemm!r}")
         self.mode, self.gemm = mode, gemm
@@ -100,11 +99,15 @@ class LegacyMoE:
 
     def with_mode(self, mode: str) -> "LegacyMoE":
         """The same prepared weights (shared, not copied) run in ``mode``."""
-        if mode not in self.MODES:
-            fail("mode", f"must be one of {self.MODES}, got {mode!r}")
+        self._check_mode(mode)
         other = copy.copy(self)
         other.mode = mode
         return other
+
+    @classmethod
+    def _check_mode(cls, mode: str) -> None:
+        if mode not in cls.MODES:
+            fail("mode", f"must be one of {cls.MODES}, got {mode!r}")
 
     @staticmethod
     def _bf16(w) -> torch.Tensor:

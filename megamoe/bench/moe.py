@@ -168,13 +168,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             raise SystemExit(f"megamoe.bench: --paths {','.join(unmatched)} matches none of the paths here: "
                              + "; ".join(name for name, _, _ in names))
         names = [entry for entry in names if any(word in entry[0] for word in args.paths)]
-    paths, prepared = {}, {}
+    paths, prepared = {}, {}  # prepared: one LegacyMoE per GEMM, its weights shared by both modes
     for name, gemm, mode in names:
         if gemm is None:
             paths[name] = MegaMoE(l1, l2)
-        else:
-            prepared[gemm] = prepared[gemm].with_mode(mode) if gemm in prepared else LegacyMoE(l1, l2, mode, gemm)
-            paths[name] = prepared[gemm]
+            continue
+        if gemm not in prepared:
+            prepared[gemm] = LegacyMoE(l1, l2, mode, gemm)
+        paths[name] = prepared[gemm].with_mode(mode)
     if args.timeline and not any(isinstance(path, MegaMoE) and path.fp8 for path in paths.values()):
         say("--timeline: no fused FP8 x FP4 path runs here (it needs an SM90 GPU): no timeline")
     bf16_bytes_per_expert = 3 * h * i * 2
