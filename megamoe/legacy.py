@@ -37,7 +37,7 @@ from .checks import check_multiple, fail
 from .dist import all_gather_rows, all_to_all_rows
 from .layouts import contiguous_layout, dequantize_fp4, dequantize_fp8
 from .layouts.weights import check_bf16_expert_weights, check_fp4_expert_weights
-from .numerics import check_activation_clamp, combine_slots, l1_epilogue
+from .numerics import check_activation_clamp, check_fast_math, combine_slots, l1_epilogue
 from .symm_buffer import SymmBuffer
 
 
@@ -66,17 +66,19 @@ class LegacyMoE:
     ``l1``/``l2``: this rank's experts in canonical form, FP4 ``(uint8 weights, int32 scales)`` tuples
     (recipe fp8xfp4) or BF16 tensors (recipe bf16), see ``megamoe.layouts.weights``. ``mode``:
     ``"normal"`` or ``"low_latency"``; ``gemm``: ``"torch"`` or ``"sm90"`` (module docstring; "sm90"
-    needs a Hopper GPU and hidden, intermediate multiples of 512).
+    needs a Hopper GPU and hidden, intermediate multiples of 512). ``fast_math``: the "sm90" L1 epilogue's silu
+    with approximate exp and reciprocal (as ``fp8_fp4_mega_moe``'s, whose result it then equals bit for bit);
+    "torch" computes silu with torch's exp and division either way.
     """
 
     MODES = ("normal", "low_latency")
     GEMMS = ("torch", "sm90")
 
-    def __init__(self, l1, l2, mode: str = "normal", gemm: str = "torch"):
+    def __init__(self, l1, l2, mode: str = "normal", gemm: str = "torch", fast_math: bool = True):
         self._check_mode(mode)
         if gemm not in self.GEMMS:
             fail("gemm", f"must be one of {self.GEMMS}, got {gemm!r}")
-        self.mode, self.gemm = mode, gemm
+        self.mode, self.gemm, self.fast_math = mode, gemm, check_fast_math(fast_math)
         self.fp8 = isinstance(l1, tuple)
         w1 = l1[0] if self.fp8 else l1
         self.hidden = w1.shape[2] * (2 if self.fp8 else 1) if w1.dim() == 3 else -1
@@ -164,7 +166,8 @@ class LegacyMoE:
             from .kernels import sm90_grouped_gemm as sm90
 
             a_in, _ = sm90.grouped_gemm_fp8_fp4_swiglu_contiguous(
-                a_in, None, *self.l1k, grouped.offsets, weights, clamp=clamp, out_dtype=torch.bfloat16
+                a_in, None, *self.l1k, grouped.offsets, weights, clamp=clamp, out_dtype=torch.bfloat16,
+                fast_math=self.fast_math,
             )
             return sm90.grouped_gemm_fp8_fp4_contiguous(a_in, None, *self.l2k, grouped.offsets), dst
         ends = grouped.offsets[1:]

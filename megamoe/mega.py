@@ -103,7 +103,7 @@ import torch
 
 from .checks import check_multiple, check_tensor, fail
 from .layouts.weights import check_chunk_major_scales, check_fp4_expert_weights
-from .numerics import check_activation_clamp
+from .numerics import check_activation_clamp, check_fast_math
 from .kernels.sm90_grouped_gemm import K_MULTIPLE  # H and I must be multiples of it (the GEMM's K granularity)
 from .kernels.sm90_fp4_decode import BF16_WORDS, ROW_BLOCK
 from .symm_buffer import SymmBuffer
@@ -166,8 +166,7 @@ def check_mega_call(y, sym_buffer, stats, activation, activation_clamp, fast_mat
     if activation != "swiglu":
         fail("activation", f"must be 'swiglu', got {activation!r}")
     check_activation_clamp(activation_clamp)
-    if not isinstance(fast_math, bool):
-        raise TypeError(f"megamoe: `fast_math` must be a bool, got {type(fast_math).__name__}")
+    check_fast_math(fast_math)
     from .kernels.ep_comm import MAX_LOCAL_EXPERTS
 
     if lay.num_local_experts > MAX_LOCAL_EXPERTS:
@@ -329,15 +328,15 @@ def fp8_fp4_mega_moe(
     rank can receive up to 65536; a smaller ring is reused within the call, module docstring).
     ``cumulative_local_expert_recv_stats``: optional int32
     ``[E/R]``, incremented by the rows each local expert received. ``recipe``: (1, 1, 32) only.
-    ``activation_clamp``: ``gate <= c``, ``|up| <= c`` (rounded to BF16). ``fast_math``: allow
-    approximate exp / reciprocal (the contract allows both; the SM90 SwiGLU epilogue's exp is used as is).
+    ``activation_clamp``: ``gate <= c``, ``|up| <= c`` (rounded to BF16). ``fast_math``: silu with approximate
+    exp and reciprocal (``ex2.approx``, ``rcp.approx``; the contract allows both), else the IEEE exp and division.
     ``debug``: module docstring (None: ``MEGAMOE_DEBUG``). Collective, asynchronous, CUDA-graph capturable
     once a first call has been made outside capture. Returns ``y``.
     """
     debug = debug_enabled(debug)
     stats = cumulative_local_expert_recv_stats
     cfg = _check_fp8_fp4_call(y, l1, l2, sym_buffer, stats, activation, activation_clamp, fast_math, recipe)
-    _fp8_fp4_launch(y, l1, l2, sym_buffer, stats, activation_clamp, cfg, debug, None)
+    _fp8_fp4_launch(y, l1, l2, sym_buffer, stats, activation_clamp, fast_math, cfg, debug, None)
     if debug:
         poison_buffer(sym_buffer)
     return y
@@ -351,18 +350,19 @@ def trace_fp8_fp4_mega_moe(
     cumulative_local_expert_recv_stats: torch.Tensor | None = None,
     activation_clamp: float | None = None,
     trace: torch.Tensor | None = None,
+    fast_math: bool = True,
 ) -> torch.Tensor:
     """``fp8_fp4_mega_moe`` (same arguments and outputs, bit for bit) on the kernel's trace build, which stamps
     its phase times into ``trace`` (``timeline.trace_buffer`` for the launch's CTAs; allocated when None).
     Returns ``trace``: ``timeline.MegaTimeline.from_buffer(trace)`` reads it once the call is done.
     Asynchronous, CUDA-graph capturable after a first call. Collective."""
     stats = cumulative_local_expert_recv_stats
-    cfg = _check_fp8_fp4_call(y, l1, l2, sym_buffer, stats, "swiglu", activation_clamp, True, RECIPE)
+    cfg = _check_fp8_fp4_call(y, l1, l2, sym_buffer, stats, "swiglu", activation_clamp, fast_math, RECIPE)
     num_ctas = _state(sym_buffer).num_ctas * cfg.ctas_per_sm
     if trace is None:
         trace = trace_buffer(num_ctas, y.device)
     check_tensor("trace", trace, dtype=torch.int64, shape=(trace_buffer_words(num_ctas),), device=y.device)
-    _fp8_fp4_launch(y, l1, l2, sym_buffer, stats, activation_clamp, cfg, False, trace)
+    _fp8_fp4_launch(y, l1, l2, sym_buffer, stats, activation_clamp, fast_math, cfg, False, trace)
     return trace
 
 
@@ -376,7 +376,7 @@ def _check_fp8_fp4_call(y, l1, l2, buf: SymmBuffer, stats, activation, activatio
     return tile_config(buf.layout, y.shape[0], _state(buf).num_ctas)  # num_ctas: the GPU's SMs
 
 
-def _fp8_fp4_launch(y, l1, l2, buf: SymmBuffer, stats, activation_clamp, cfg, debug: bool,
+def _fp8_fp4_launch(y, l1, l2, buf: SymmBuffer, stats, activation_clamp, fast_math: bool, cfg, debug: bool,
                     trace: torch.Tensor | None) -> None:
     """Launch the one-launch kernel (``cfg``: its tile config) on checked arguments: the debug build, the trace
     build (``trace``: its ``timeline.trace_buffer``, passed as the record) or the release build."""
@@ -390,7 +390,7 @@ def _fp8_fp4_launch(y, l1, l2, buf: SymmBuffer, stats, activation_clamp, cfg, de
         ep_comm.EpCommConfig(lay, debug, stats is not None, trace is not None), buf.l1_acts, *l1, buf.l1_topk_weights,
         *l2, buf.ring_dest, buf.l2_acts, buf.expert_offsets, activation_clamp, cfg,
         st.gemm_sync, buf.rank, num_tokens, buf.buffer.data_ptr(), st.peers, stats,
-        (st.record if trace is None else trace).data_ptr(), y, debug_timeout_ns() if debug else 0,
+        (st.record if trace is None else trace).data_ptr(), y, debug_timeout_ns() if debug else 0, fast_math,
     )
 
 
@@ -443,16 +443,17 @@ class MegaMoE:
     """The Mega MoE path with this rank's experts prepared once: a drop-in beside ``LegacyMoE``.
 
     ``l1``, ``l2``: canonical FP4 tuples (``fp8_fp4_mega_moe``, transformed here) or BF16 tensors
-    (``bf16_mega_moe``), as ``LegacyMoE`` takes them. Call as
+    (``bf16_mega_moe``), as ``LegacyMoE`` takes them; ``fast_math`` as ``fp8_fp4_mega_moe``'s. Call as
     ``moe(y, sym_buffer, cumulative_local_expert_recv_stats, activation_clamp=None, debug=None)``.
     """
 
-    def __init__(self, l1, l2):
+    def __init__(self, l1, l2, fast_math: bool = True):
         self.fp8 = isinstance(l1, tuple)
+        self.fast_math = check_fast_math(fast_math)
         self.l1, self.l2 = transform_weights_for_mega_moe(l1, l2) if self.fp8 else (l1, l2)
 
     def __call__(self, y: torch.Tensor, sym_buffer: SymmBuffer, cumulative_local_expert_recv_stats=None,
                  activation_clamp: float | None = None, debug: bool | None = None) -> torch.Tensor:
         run = fp8_fp4_mega_moe if self.fp8 else bf16_mega_moe
         return run(y, self.l1, self.l2, sym_buffer, cumulative_local_expert_recv_stats,
-                   activation_clamp=activation_clamp, debug=debug)
+                   activation_clamp=activation_clamp, fast_math=self.fast_math, debug=debug)

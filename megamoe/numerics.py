@@ -13,7 +13,8 @@ token); weights are FP4 E2M1 with a UE8M0 scale per 32 elements of K (per output
 2. **Rounding point R1**: ``gate, up = bf16_rne(acc[:I]), bf16_rne(acc[I:])``.
 3. Optional clamp ``c`` (in BF16, exact): ``gate = min(gate, c)``, ``up = clamp(up, -c, c)``.
 4. ``a = (silu(gate) * up) * topk_weights[t, j]`` in FP32, ``silu(g) = g / (1 + exp(-g))``. The exp
-   is the implementation's (a few FP32 ulps; ``fast_math`` allows approximate exp/reciprocal).
+   is the implementation's (a few FP32 ulps); ``fast_math`` (``check_fast_math``) allows an approximate
+   exp and reciprocal (the SM90 SwiGLU epilogue's ``ex2.approx`` and ``rcp.approx``).
 5. **Rounding point R2**: ``a`` is quantized per 32 elements of I to FP8 E4M3 with UE8M0 scales
    exactly as ``layouts.quantize_fp8`` does (smallest power-of-two scale with amax / scale <= 448,
    then round-to-nearest-even). BF16 variant: ``a = bf16_rne(a)``.
@@ -68,6 +69,13 @@ def check_activation_clamp(clamp, name: str = "activation_clamp") -> float | Non
     if not 0 < float(clamp) < float("inf"):
         fail(name, f"must be positive and finite (or None), got {clamp}")
     return float(clamp)
+
+
+def check_fast_math(fast_math, name: str = "fast_math") -> bool:
+    """Validate the step-4 switch: a bool (True: approximate exp and reciprocal allowed)."""
+    if not isinstance(fast_math, bool):
+        raise TypeError(f"megamoe: `{name}` must be a bool, got {type(fast_math).__name__}")
+    return fast_math
 
 
 def clamp_gate_up(gate: torch.Tensor, up: torch.Tensor, clamp: float | None) -> tuple[torch.Tensor, torch.Tensor]:

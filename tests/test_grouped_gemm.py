@@ -142,12 +142,21 @@ MEGA_CASES = [
 # The fused launch's debug builds (timed waits, printf): their function call serializes the wgmmas, by design.
 DEBUG_CASES = [(GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "l1_l2", None),
                (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "l1_l2", MEGA_CASES[0][1])]
-# (config, group mode, epilogue, Mega MoE layout or None, trace build, folded FP8 scales): the trace build is a
-# release build too.
-RELEASE_CASES = ([(c, m, e, None, False, False) for c, m, e in COMPILE_CASES]
-                 + [(c, m, e, None, False, True) for c, m, e in FOLDED_CASES]
-                 + [(c, "offsets", "l1_l2", lay, False, False) for c, lay in MEGA_CASES]
-                 + [(MEGA_CASES[0][0], "offsets", "l1_l2", MEGA_CASES[0][1], True, False)])
+# SwiGLU epilogues with the IEEE exp and division (fast_math=False; every other case: approximate), the Mega MoE kernel
+# included.
+IEEE_SILU_CASES = [
+    (GemmConfig(tile_tokens=128, tile_n=128), "offsets", "swiglu_fp8_bf16", None),
+    (GemmConfig(tile_tokens=16, tile_n=128, ctas_per_sm=2, **FP8), "masked", "swiglu_fp8", None),
+    (GemmConfig(tile_tokens=128, tile_n=128), "offsets", "l1_l2", None),
+    (MEGA_CASES[6][0], "offsets", "l1_l2", MEGA_CASES[6][1]),
+]
+# (config, group mode, epilogue, Mega MoE layout or None, trace build, folded FP8 scales, fast_math): the trace
+# build is a release build too.
+RELEASE_CASES = ([(c, m, e, None, False, False, True) for c, m, e in COMPILE_CASES]
+                 + [(c, m, e, None, False, True, True) for c, m, e in FOLDED_CASES]
+                 + [(c, "offsets", "l1_l2", lay, False, False, True) for c, lay in MEGA_CASES]
+                 + [(MEGA_CASES[0][0], "offsets", "l1_l2", MEGA_CASES[0][1], True, False, True)]
+                 + [(c, m, e, lay, False, False, False) for c, m, e, lay in IEEE_SILU_CASES])
 
 _COMPILE_CHILD = """
 import json, os, re, shutil, subprocess, sys
@@ -155,10 +164,10 @@ from megamoe import symm_buffer_layout
 from megamoe.kernels.ep_comm import EpCommConfig
 from megamoe.kernels.sm90_grouped_gemm import GemmConfig, compile_grouped_gemm
 ptxas, report = shutil.which("ptxas"), []
-for i, (cfg, mode, epilogue, mega, debug, trace, folded) in enumerate(json.loads(sys.argv[1])):
+for i, (cfg, mode, epilogue, mega, debug, trace, folded, fast) in enumerate(json.loads(sys.argv[1])):
     try:
         comm = None if mega is None else EpCommConfig(symm_buffer_layout(*mega), debug, True, trace)
-        ptx = compile_grouped_gemm(GemmConfig(**cfg), mode, epilogue, debug, comm, folded).__ptx__  # the PTX text
+        ptx = compile_grouped_gemm(GemmConfig(**cfg), mode, epilogue, debug, comm, folded, fast).__ptx__  # the PTX text
         ptx = (ptx.decode() if isinstance(ptx, bytes) else ptx).replace("\\0", "")
         build = {"wgmma": "wgmma.mma_async" in ptx, "calls": len(re.findall(r"^\\s*call(\\.uni)?\\s", ptx, re.M)),
                  "pdl": [ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents")],
@@ -188,8 +197,9 @@ def sm90a_builds(tmp_path_factory):
     import subprocess
     import sys
 
-    cases = [(dataclasses.asdict(c), m, e, lay, False, trace, folded) for c, m, e, lay, trace, folded in RELEASE_CASES]
-    cases += [(dataclasses.asdict(c), m, e, lay, True, False, False) for c, m, e, lay in DEBUG_CASES]
+    cases = [(dataclasses.asdict(c), m, e, lay, False, trace, folded, fast)
+             for c, m, e, lay, trace, folded, fast in RELEASE_CASES]
+    cases += [(dataclasses.asdict(c), m, e, lay, True, False, False, True) for c, m, e, lay in DEBUG_CASES]
     # No file cache: a kernel loaded from it comes without its PTX.
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DISABLE_FILE_CACHING="1",
                CUTE_DSL_DUMP_DIR=str(tmp_path_factory.mktemp("ptx")))
@@ -200,8 +210,8 @@ def sm90a_builds(tmp_path_factory):
 
 RELEASE_IDS = [f"{c.mma}-{c.tile_tokens}x{c.tile_n}x{c.ctas_per_sm}-{m}-{e}"
                + ("" if lay is None else "-mega-r%d-e%d-h%d" % (lay[0], lay[1], lay[4]))
-               + ("-trace" if trace else "") + ("-folded" if folded else "")
-               for c, m, e, lay, trace, folded in RELEASE_CASES]
+               + ("-trace" if trace else "") + ("-folded" if folded else "") + ("" if fast else "-ieee-silu")
+               for c, m, e, lay, trace, folded, fast in RELEASE_CASES]
 
 
 @pytest.mark.parametrize("case", range(len(RELEASE_CASES)), ids=RELEASE_IDS)
@@ -249,7 +259,7 @@ def test_ptxas_reports_no_wgmma_serialization(sm90a_builds):
     advisories = {i: b["ptxas"] for i, b in enumerate(sm90a_builds[: len(RELEASE_CASES)]) if b["ptxas"]}
     assert not advisories, "ptxas advisories: " + "; ".join(
         f"{RELEASE_CASES[i][0].describe(RELEASE_CASES[i][2])} {RELEASE_CASES[i][1]} mega={RELEASE_CASES[i][3]} "
-        f"trace={RELEASE_CASES[i][4]}: {a}"
+        f"trace={RELEASE_CASES[i][4]} fast_math={RELEASE_CASES[i][6]}: {a}"
         for i, a in advisories.items())
     for build in sm90a_builds[len(RELEASE_CASES):]:
         assert any("C7510" in line for line in build["ptxas"])
@@ -258,6 +268,11 @@ def test_ptxas_reports_no_wgmma_serialization(sm90a_builds):
 def test_debug_build_only_for_the_fused_launch():
     with pytest.raises(ValueError, match="debug"):
         compile_grouped_gemm(GemmConfig(), "offsets", "bf16", debug=True)
+
+
+def test_compile_takes_fast_math_as_a_bool():
+    with pytest.raises(TypeError, match="`fast_math` must be a bool"):
+        compile_grouped_gemm(GemmConfig(), "offsets", "swiglu_fp8", fast_math=None)
 
 
 def test_token_widths():
@@ -447,6 +462,8 @@ def test_swiglu_validation():
     with pytest.raises(ValueError, match="`out` must have dtype bfloat16"):
         grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(40), out_dtype=torch.bfloat16,
                                                out=torch.zeros(40, 128, dtype=torch.float8_e4m3fn))
+    with pytest.raises(TypeError, match="`fast_math` must be a bool"):
+        grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(40), fast_math=1)
     with pytest.raises(ValueError, match="`a` must be a CUDA tensor"):
         grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(40), clamp=7.0)
 
@@ -479,6 +496,8 @@ def test_l1_l2_validation(change, pattern):
         grouped_gemm_fp8_fp4_l1_l2_contiguous(**{**_l1_l2_cpu_inputs(), **change})
     with pytest.raises(ValueError, match=r"`I \(rows of b1 / 2\)` must be a multiple of 512"):
         grouped_gemm_fp8_fp4_l1_l2_contiguous(**_l1_l2_cpu_inputs(inter=256))
+    with pytest.raises(TypeError, match="`fast_math` must be a bool"):
+        grouped_gemm_fp8_fp4_l1_l2_contiguous(**_l1_l2_cpu_inputs(), fast_math="yes")
 
 
 def _row_major(bk: torch.Tensor) -> torch.Tensor:
@@ -1302,12 +1321,13 @@ def test_bf16_counts_masked_graph_and_empty():
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize("tile_tokens,tile_n,ctas,clamp",
-                         [(8, 128, 2, None), (16, 128, 2, None), (32, 64, 1, 5.0), (32, 128, 2, None), (128, 128, 1, None)])
-def test_bf16_l1_l2_one_launch_equals_two(tile_tokens, tile_n, ctas, clamp):
+@pytest.mark.parametrize("tile_tokens,tile_n,ctas,clamp,fast_math",
+                         [(8, 128, 2, None, True), (16, 128, 2, None, True), (32, 64, 1, 5.0, True),
+                          (32, 128, 2, None, True), (128, 128, 1, None, True), (128, 128, 1, 5.0, False)])
+def test_bf16_l1_l2_one_launch_equals_two(tile_tokens, tile_n, ctas, clamp, fast_math):
     """The fused L1/L2 launch stores bit for bit what the SwiGLU launch then the scatter launch store (rows of
-    no group untouched), its L2 rows also pass the FP64 check against its own L1 output, and it leaves its
-    counters zeroed: a second call (new routing weights) equals the two launches again."""
+    no group untouched; either silu form), its L2 rows also pass the FP64 check against its own L1 output, and it
+    leaves its counters zeroed: a second call (new routing weights) equals the two launches again."""
     gen = torch.Generator().manual_seed(5000 + tile_tokens + tile_n)
     counts, hidden, inter = [0, 1, 37, 5, 0, 130, 9, 64], 1024, 512
     a, offsets, _, row_expert, w1, w1_sf = _bf16_case(counts, 2 * inter, hidden, gen, lead_pad=2, tail_pad=9)
@@ -1328,10 +1348,10 @@ def test_bf16_l1_l2_one_launch_equals_two(tile_tokens, tile_n, ctas, clamp):
             ptrs = dest.data_ptr() + perm.to(torch.int64) * (hidden * 2)
             if fused:
                 grouped_gemm_fp8_fp4_l1_l2_contiguous(a, b1, b1_sf, offsets, row_weights, b2, b2_sf, ptrs, clamp=clamp,
-                                                      act=act, config=cfg, sync=sync)
+                                                      act=act, config=cfg, sync=sync, fast_math=fast_math)
             else:
                 grouped_gemm_fp8_fp4_swiglu_contiguous(a, None, b1, b1_sf, offsets, row_weights, clamp=clamp, out=act,
-                                                       config=cfg, out_dtype=torch.bfloat16)
+                                                       config=cfg, out_dtype=torch.bfloat16, fast_math=fast_math)
                 grouped_gemm_fp8_fp4_contiguous(act, None, b2, b2_sf, offsets, config=cfg, out_row_ptrs=ptrs)
             outs.append((act, dest))
         torch.cuda.synchronize()
@@ -1347,9 +1367,11 @@ def test_bf16_l1_l2_one_launch_equals_two(tile_tokens, tile_n, ctas, clamp):
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize("layout,tile_tokens,tile_n,clamp", [("contiguous", 64, 128, 7.0), ("masked", 8, 64, None),
-                                                           ("contiguous", 32, 256, 7.0), ("masked", 64, 256, None)])
-def test_bf16_swiglu(layout, tile_tokens, tile_n, clamp):
+@pytest.mark.parametrize("layout,tile_tokens,tile_n,clamp,fast_math", [
+    ("contiguous", 64, 128, 7.0, True), ("masked", 8, 64, None, True), ("contiguous", 32, 256, 7.0, True),
+    ("masked", 64, 256, None, True), ("contiguous", 128, 128, 7.0, False), ("masked", 64, 256, None, False)])
+def test_bf16_swiglu(layout, tile_tokens, tile_n, clamp, fast_math):
+    """Both silu forms (approximate exp and reciprocal, or IEEE) against the FP64 GEMM and ``numerics.l1_epilogue``."""
     gen = torch.Generator().manual_seed(41 + tile_tokens)
     inter, k = 256, 1024
     cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n)
@@ -1370,29 +1392,31 @@ def test_bf16_swiglu(layout, tile_tokens, tile_n, clamp):
     out_sf = torch.full((m, inter // 128), -1, dtype=torch.int32, device="cuda")
     if layout == "contiguous":
         grouped_gemm_fp8_fp4_swiglu_contiguous(
-            a, None, bk, bk_sf, offsets, row_weights, clamp=clamp, out=out, out_sf=out_sf, config=cfg
+            a, None, bk, bk_sf, offsets, row_weights, clamp=clamp, out=out, out_sf=out_sf, config=cfg,
+            fast_math=fast_math,
         )
     else:
         e, max_m = len(masked), m // len(masked)
         grouped_gemm_fp8_fp4_swiglu_masked(
             a.view(e, max_m, k), None, bk, bk_sf, torch.tensor(masked, dtype=torch.int32, device="cuda"),
             row_weights.view(e, max_m), clamp=clamp, out=out.view(e, max_m, inter), out_sf=out_sf.view(e, max_m, -1),
-            config=cfg,
+            config=cfg, fast_math=fast_math,
         )
     torch.cuda.synchronize()
     _check_swiglu(out, out_sf, a, None, w1, w1_sf, row_expert, row_weights, clamp,
-                  f"swiglu {layout} {cfg.describe('swiglu_fp8')} clamp={clamp}")
+                  f"swiglu {layout} {cfg.describe('swiglu_fp8')} clamp={clamp} fast_math={fast_math}")
     # out_dtype=bfloat16: exactly the checked FP8 values times their scales; padding rows keep their NaN.
     out_bf16 = torch.full((m, inter), float("nan"), dtype=torch.bfloat16, device="cuda")
     if layout == "contiguous":
         grouped_gemm_fp8_fp4_swiglu_contiguous(
-            a, None, bk, bk_sf, offsets, row_weights, clamp=clamp, out=out_bf16, config=cfg, out_dtype=torch.bfloat16
+            a, None, bk, bk_sf, offsets, row_weights, clamp=clamp, out=out_bf16, config=cfg, out_dtype=torch.bfloat16,
+            fast_math=fast_math,
         )
     else:
         grouped_gemm_fp8_fp4_swiglu_masked(
             a.view(e, max_m, k), None, bk, bk_sf, torch.tensor(masked, dtype=torch.int32, device="cuda"),
             row_weights.view(e, max_m), clamp=clamp, out=out_bf16.view(e, max_m, inter), config=cfg,
-            out_dtype=torch.bfloat16,
+            out_dtype=torch.bfloat16, fast_math=fast_math,
         )
     torch.cuda.synchronize()
     valid = row_expert >= 0

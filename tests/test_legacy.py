@@ -84,6 +84,8 @@ def test_legacy_weight_validation():
         LegacyMoE(p["l1"], p["l2"], "fast")
     with pytest.raises(ValueError, match="`gemm` must be one of"):
         LegacyMoE(p["l1"], p["l2"], gemm="cublas")
+    with pytest.raises(TypeError, match="`fast_math` must be a bool"):
+        LegacyMoE(p["l1"], p["l2"], fast_math=1)
     with pytest.raises(ValueError, match=r"`hidden \(a GEMM K\)` must be a multiple of 512"):
         LegacyMoE(p["l1"], p["l2"], gemm="sm90")
     half = LegacyMoE((w1[:4].contiguous(), s1[:4].contiguous()), (p["l2"][0][:4].contiguous(), p["l2"][1][:4].contiguous()))

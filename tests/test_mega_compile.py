@@ -12,7 +12,8 @@ import torch
 from megamoe import get_symm_buffer_for_mega_moe, symm_buffer_layout
 from megamoe.inputs import random_fp4_weights
 from megamoe.kernels import ep_comm
-from megamoe.mega import bf16_mega_moe, debug_enabled, debug_timeout_ns, fp8_fp4_mega_moe, transform_weights_for_mega_moe
+from megamoe.mega import (MegaMoE, bf16_mega_moe, debug_enabled, debug_timeout_ns, fp8_fp4_mega_moe,
+                         transform_weights_for_mega_moe)
 
 LAYOUTS = {
     "r2_small": symm_buffer_layout(2, 16, 8, 4, 512, 512),
@@ -125,6 +126,8 @@ def test_canonical_scales_with_kernel_weights_are_named(cpu_call):
 def test_fast_math_and_debug_types(cpu_call):
     with pytest.raises(TypeError, match="fast_math"):
         _call(cpu_call, fast_math=1)
+    with pytest.raises(TypeError, match="`fast_math` must be a bool"):
+        MegaMoE(*_weights(), fast_math="yes")
     with pytest.raises(TypeError, match="debug"):
         _call(cpu_call, debug="yes")
 

@@ -143,7 +143,7 @@ import torch
 
 from ..checks import check_multiple, check_range, check_tensor, fail
 from ..layouts.weights import check_chunk_major_scales
-from ..numerics import check_activation_clamp
+from ..numerics import check_activation_clamp, check_fast_math
 from . import runtime
 from .sm90_fp4_decode import (
     BF16_ACC_SHIFT,
@@ -219,6 +219,8 @@ MIN_WIDE_STAGES = 3
 """One-CTA BF16-mode tiles load two 128-K chunks per stage where at least this many such stages fit."""
 GROUP_MODES = ("offsets", "offsets_counts", "masked")
 EPILOGUES = ("bf16", "swiglu_fp8", "swiglu_fp8_bf16", "bf16_scatter", "l1_l2")
+SWIGLU_EPILOGUES = ("swiglu_fp8", "swiglu_fp8_bf16", "l1_l2")
+"""The epilogues that compute silu (``fast_math`` selects how)."""
 SCATTER_PAD = 8
 """BF16 elements of padding per staged row of the scatter epilogue (rows stay 16-byte aligned)."""
 
@@ -503,11 +505,13 @@ def _build_kernel_class():
         [M, N/2] + UE8M0; "swiglu_fp8_bf16": those FP8 values as BF16 [M, N/2]; "bf16_scatter": BF16 rows to
         per-row addresses; "l1_l2": "swiglu_fp8_bf16" into the second GEMM's tokens, then that GEMM with
         "bf16_scatter", in one launch) x debug ("l1_l2": the wait is timed and reports with printf; any
-        function call in a kernel makes ptxas serialize all its wgmmas, C7510, so only debug builds have one)."""
+        function call in a kernel makes ptxas serialize all its wgmmas, C7510, so only debug builds have one) x
+        fast_math (the SwiGLU epilogues' silu: approximate exp and reciprocal, or IEEE exp and division)."""
 
         def __init__(self, config: GemmConfig, group_mode: str, epilogue: str = "bf16", debug: bool = False,
-                     comm=None, folded: bool = False):
+                     comm=None, folded: bool = False, fast_math: bool = True):
             self.cfg = config
+            self.fast_math = fast_math
             # FP8 mode, folded weight scales (``sm90_fp4_decode.fold_fp8_scales``): the decode applies each block's
             # scale relative to its row's, the promotion multiplies by the token's scale alone, the epilogue by the
             # row's scale.
@@ -1688,7 +1692,10 @@ def _build_kernel_class():
             UE8M0 block per token. Phase 1: every thread writes ``silu(gate) * up`` (BF16-rounded, clamped
             inputs, FP32 math) to shared memory; phase 2: thread t of the warpgroup takes token t, multiplies
             by its routing weight, quantizes the 32 values (smallest power-of-two scale with amax / scale <= 448,
-            RNE) and stores 32 FP8 bytes and one scale byte."""
+            RNE) and stores 32 FP8 bytes and one scale byte. ``fast_math``: silu with ``ex2.approx`` and
+            ``rcp.approx`` (a few FP32 ulps, as ``megamoe.numerics`` allows): against the IEEE exp and division, flash
+            L1 (256 experts, 192 rows each) 3169-3172 vs 3708-3722 us on one H200, as fast as no silu at all
+            (``bench/results/2026-12-01_gemm_swiglu_fast_math_h200.json``)."""
             n_cols = self.tile_tokens // 8
             wg = ctidx // 128
             barrier = self.epilogue_barrier(wg)
@@ -1699,7 +1706,10 @@ def _build_kernel_class():
                     up = acc[c + 2 + 4 * j].to(cutlass.BFloat16).to(Float32)
                     gate = cutlass.min(gate, clamp)
                     up = cutlass.max(cutlass.min(up, clamp), -clamp)
-                    silu = gate / (Float32(1.0) + Float32(cute.math.exp(-gate)))
+                    if cutlass.const_expr(self.fast_math):
+                        silu = gate * cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-gate, fastmath=True))
+                    else:
+                        silu = gate / (Float32(1.0) + Float32(cute.math.exp(-gate)))
                     sAct[cC[c + 4 * j][1], (row // 16) * 8 + row % 8] = silu * up
             barrier.arrive_and_wait()
             t = ctidx % 128
@@ -1908,9 +1918,10 @@ def _folded(b: torch.Tensor, b_sf: torch.Tensor) -> bool:
 
 
 def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "bf16", debug: bool = False, comm=None,
-                         folded: bool = False):
+                         folded: bool = False, fast_math: bool = True):
     """Compile (and cache) the kernel for ``config`` (incl. its MMA mode), ``group_mode``, ``epilogue``, ``folded``
-    (FP8 mode: the weights' scales folded into the decode, ``sm90_fp4_decode.fold_fp8_scales``),
+    (FP8 mode: the weights' scales folded into the decode, ``sm90_fp4_decode.fold_fp8_scales``), ``fast_math``
+    (SwiGLU epilogues, "l1_l2" included: approximate exp and reciprocal in silu; ignored by the others),
     ``debug`` ("l1_l2" only: the build whose waits can time out and report; its wgmmas run serialized) and
     ``comm`` ("l1_l2" only: an ``ep_comm.EpCommConfig`` makes it the one-launch Mega MoE kernel for that buffer
     layout, ``mega_moe_sm90``); works on a CPU with ``CUTE_DSL_ARCH=sm_90a``. Shapes are dynamic: one compile
@@ -1929,6 +1940,8 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
              f"consumer warpgroups are tested in the Mega MoE kernel only), got {config.tile_n}")
     if folded and (config.mma != "fp8" or comm is not None or epilogue == "l1_l2"):
         fail("folded", f"applies to FP8-mode single GEMMs only, got mma={config.mma!r}, epilogue={epilogue!r}")
+    check_fast_math(fast_math)
+    fast_math = fast_math or epilogue not in SWIGLU_EPILOGUES  # one build where silu is not computed
 
     def build():
         import cutlass
@@ -1957,14 +1970,15 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
         row_weights = torch.empty(m, dtype=torch.int64 if epilogue == "bf16_scatter" else torch.float32)
         groups = torch.zeros(e + 1, dtype=torch.int32)
         args = _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, groups, groups, second)
-        kernel = _kernel_class()(config, group_mode, epilogue, debug, comm, folded)
+        kernel = _kernel_class()(config, group_mode, epilogue, debug, comm, folded, fast_math)
         z32, z64 = cutlass.Int32(0), cutlass.Int64(0)
         return cute.compile(
             kernel, *args, cutlass.Int32(e), cutlass.Int32(m), cutlass.Float32(float("inf")), z64, z64,
             z32, z32, z64, z64, z64, z64, z64, cutlass.Int32(1), runtime.current_stream(),
         )
 
-    return runtime.compiled(("sm90_fp4_grouped_gemm", config, group_mode, epilogue, debug, comm, folded), build)
+    return runtime.compiled(("sm90_fp4_grouped_gemm", config, group_mode, epilogue, debug, comm, folded, fast_math),
+                            build)
 
 
 _DUMMIES: dict = {}
@@ -2124,8 +2138,8 @@ def _check_operands(a, a_sf, b, b_sf, groups, counts=None, *, masked: bool, swig
 
 
 def _launch(config, group_mode, epilogue, a2, a_sf2, b, b_sf, out2, out_sf2, row_weights, group_a, group_b,
-            num_groups, max_m, clamp, max_tiles, second=None, sync=None, timeout_ns=0, mega=None):
-    """Compile (cached) and launch one variant; ``second``/``sync``/``timeout_ns``: the "l1_l2" epilogue's
+            num_groups, max_m, clamp, max_tiles, second=None, sync=None, timeout_ns=0, mega=None, fast_math=True):
+    """Compile (cached) and launch one variant (``fast_math``: ``compile_grouped_gemm``'s); ``second``/``sync``/``timeout_ns``: the "l1_l2" epilogue's
     second-GEMM operands (``_cute_args``), its zeroed int32 counters (``sync_words``) and spin-wait limit (> 0:
     the debug build). ``mega``: the Mega MoE kernel's ``(comm, me, num_tokens, base, peers, stats, record, y)``
     (``mega_moe_sm90``): it runs on every CTA slot, tiles or not."""
@@ -2134,7 +2148,7 @@ def _launch(config, group_mode, epilogue, a2, a_sf2, b, b_sf, out2, out_sf2, row
     import cutlass
 
     comm, *comm_args = (None, 0, 0, 0, None, None, 0, None) if mega is None else mega
-    kernel = compile_grouped_gemm(config, group_mode, epilogue, timeout_ns > 0, comm, _folded(b, b_sf))
+    kernel = compile_grouped_gemm(config, group_mode, epilogue, timeout_ns > 0, comm, _folded(b, b_sf), fast_math)
     num_ctas = torch.cuda.get_device_properties(a2.device).multi_processor_count * config.ctas_per_sm
     if mega is None:
         num_ctas = min(num_ctas, max_tiles)
@@ -2305,6 +2319,7 @@ def grouped_gemm_fp8_fp4_swiglu_contiguous(
     *,
     counts: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float8_e4m3fn,
+    fast_math: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """L1 of the FP8 x FP4 recipe with the fused epilogue (``megamoe.numerics`` steps 1-5), contiguous layout.
 
@@ -2315,18 +2330,20 @@ def grouped_gemm_fp8_fp4_swiglu_contiguous(
     columns to FP8 E4M3 with UE8M0 scales like ``layouts.quantize_fp8``. Returns ``(out float8_e4m3fn [M, I],
     out_sf int32 [M, I/128])`` (the layout FP8-mode L2 consumes), or with ``out_dtype=torch.bfloat16``
     ``(out bfloat16 [M, I], None)``: the same quantized values times their scales (exact), the BF16-mode L2
-    operand. Rows of no group are not written."""
+    operand. Rows of no group are not written. ``fast_math``: silu with approximate exp and reciprocal (default)
+    or the IEEE exp and division (``megamoe.numerics`` step 4)."""
     mma, k, e, n = _check_operands(a, a_sf, b, b_sf, offsets, counts, masked=False, swiglu=True)
     m = a.shape[0]
     check_tensor("row_weights", row_weights, dtype=torch.float32, shape=(m,), device=a.device, contiguous=True)
     epilogue, out, out_sf, out_k, out_sf_k = _swiglu_outputs((m,), n // 2, out, out_sf, out_dtype, a.device)
     clamp_value = _bf16_clamp(clamp)
+    check_fast_math(fast_math)
     cfg = _resolve_config(config, m / max(e, 1), n, k, mma)
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
     max_tiles = (m // cfg.tile_tokens + e) * (n // cfg.tile_n)
     mode = "offsets" if counts is None else "offsets_counts"
     _launch(cfg, mode, epilogue, a, a_sf, b, b_sf, out_k, out_sf_k, row_weights,
-            offsets, offsets if counts is None else counts, e, 0, clamp_value, max_tiles)
+            offsets, offsets if counts is None else counts, e, 0, clamp_value, max_tiles, fast_math=fast_math)
     return out, out_sf
 
 
@@ -2345,11 +2362,12 @@ def grouped_gemm_fp8_fp4_l1_l2_contiguous(
     *,
     sync: torch.Tensor | None = None,
     timeout_ns: int = 0,
+    fast_math: bool = True,
 ) -> torch.Tensor:
     """L1 with the SwiGLU epilogue and L2 with the scatter epilogue in one persistent launch (BF16 mode).
 
     Computes ``grouped_gemm_fp8_fp4_swiglu_contiguous(a, None, b1, b1_sf, offsets, row_weights, clamp, act,
-    out_dtype=torch.bfloat16)`` then ``grouped_gemm_fp8_fp4_contiguous(act, None, b2, b2_sf, offsets,
+    out_dtype=torch.bfloat16, fast_math=fast_math)`` then ``grouped_gemm_fp8_fp4_contiguous(act, None, b2, b2_sf, offsets,
     out_row_ptrs=out_row_ptrs)``, bit for bit, without the launch boundary: the CTAs take the L1 tiles, then
     the L2 tiles; an L2 tile loads its first ``stages`` weight chunks, then waits until every L1 tile of its
     expert has stored its rows of ``act`` (per-expert counters in ``sync``, release / acquire at gpu scope,
@@ -2381,6 +2399,7 @@ def grouped_gemm_fp8_fp4_l1_l2_contiguous(
     _, act, _, act_k, _ = _swiglu_outputs((m,), inter, act, None, torch.bfloat16, a.device, "act")
     if not isinstance(timeout_ns, int) or timeout_ns < 0:
         fail("timeout_ns", f"must be a non-negative int (0: no limit), got {timeout_ns!r}")
+    check_fast_math(fast_math)
     if sync is None:
         sync = torch.zeros(sync_words(e), dtype=torch.int32, device=a.device)
     check_tensor("sync", sync, dtype=torch.int32, shape=(sync_words(e),), device=a.device, contiguous=True)
@@ -2388,14 +2407,16 @@ def grouped_gemm_fp8_fp4_l1_l2_contiguous(
     _check_device(a, b1=b1, b1_sf=b1_sf, b2=b2, b2_sf=b2_sf, act=act)
     max_tiles = (m // cfg.tile_tokens + e) * ((n1 + k) // cfg.tile_n)
     _launch(cfg, "offsets", "l1_l2", a, None, b1, b1_sf, act_k, None, row_weights, offsets, offsets, e, 0,
-            _bf16_clamp(clamp), max_tiles, second=(act, b2, b2_sf, out_row_ptrs), sync=sync, timeout_ns=timeout_ns)
+            _bf16_clamp(clamp), max_tiles, second=(act, b2, b2_sf, out_row_ptrs), sync=sync, timeout_ns=timeout_ns,
+            fast_math=fast_math)
     return act
 
 
 def mega_moe_sm90(comm, a: torch.Tensor, b1: torch.Tensor, b1_sf: torch.Tensor, row_weights: torch.Tensor,
                   b2: torch.Tensor, b2_sf: torch.Tensor, row_ptrs: torch.Tensor, act: torch.Tensor, offsets: torch.Tensor,
                   clamp: float | None, config: GemmConfig, sync: torch.Tensor, me: int, num_tokens: int, base: int,
-                  peers: torch.Tensor, stats: torch.Tensor | None, record: int, y: torch.Tensor, timeout_ns: int) -> None:
+                  peers: torch.Tensor, stats: torch.Tensor | None, record: int, y: torch.Tensor, timeout_ns: int,
+                  fast_math: bool) -> None:
     """Launch the one-launch Mega MoE kernel (``megamoe.mega`` validates the arguments; no checks here).
 
     ``grouped_gemm_fp8_fp4_l1_l2_contiguous`` on the SymmBuffer's ring (``a`` = ``l1_acts``, ``row_weights`` =
@@ -2408,11 +2429,13 @@ def mega_moe_sm90(comm, a: torch.Tensor, b1: torch.Tensor, b1_sf: torch.Tensor, 
     sum into ``y``) and the call's end. ``comm``: the buffer's ``ep_comm.EpCommConfig`` (debug iff
     ``timeout_ns`` > 0); ``sync``: int32 ``[sync_words(E, layout)]`` zeros,
     left zeroed; ``peers``: int64 [R] device array of the ranks' buffer bases; ``record``: host-mapped int64
-    ``[CTAs, 8]`` (debug reports), or in the trace build (``comm.trace``) a ``timeline.trace_buffer``."""
+    ``[CTAs, 8]`` (debug reports), or in the trace build (``comm.trace``) a ``timeline.trace_buffer``;
+    ``fast_math``: the L1 epilogue's silu (``grouped_gemm_fp8_fp4_swiglu_contiguous``)."""
     m, inter = act.shape
     _launch(config, "offsets", "l1_l2", a, None, b1, b1_sf, act.view(torch.int32).view(m, inter // 2), None,
             row_weights, offsets, offsets, b1.shape[0], 0, _bf16_clamp(clamp), None, second=(act, b2, b2_sf, row_ptrs),
-            sync=sync, timeout_ns=timeout_ns, mega=(comm, me, num_tokens, base, peers, stats, record, y))
+            sync=sync, timeout_ns=timeout_ns, mega=(comm, me, num_tokens, base, peers, stats, record, y),
+            fast_math=fast_math)
 
 
 def grouped_gemm_fp8_fp4_swiglu_masked(
@@ -2428,22 +2451,24 @@ def grouped_gemm_fp8_fp4_swiglu_masked(
     config: GemmConfig | None = None,
     expected_m: float | None = None,
     out_dtype: torch.dtype = torch.float8_e4m3fn,
+    fast_math: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Masked-layout L1 with the fused SwiGLU epilogue: a ``[E, max_m, H]``, row_weights float32 ``[E, max_m]``,
     returns ``(out float8_e4m3fn [E, max_m, I], out_sf int32 [E, max_m, I/128])``, or with
     ``out_dtype=torch.bfloat16`` ``(out bfloat16 [E, max_m, I], None)``; rows >= masked_m[e] are not written.
-    See ``grouped_gemm_fp8_fp4_swiglu_contiguous`` for the computation."""
+    See ``grouped_gemm_fp8_fp4_swiglu_contiguous`` for the computation and ``fast_math``."""
     mma, k, e, n = _check_operands(a, a_sf, b, b_sf, masked_m, masked=True, swiglu=True)
     max_m = a.shape[1]
     check_tensor("row_weights", row_weights, dtype=torch.float32, shape=(e, max_m), device=a.device, contiguous=True)
     epilogue, out, out_sf, out_k, out_sf_k = _swiglu_outputs((e, max_m), n // 2, out, out_sf, out_dtype, a.device)
     clamp_value = _bf16_clamp(clamp)
+    check_fast_math(fast_math)
     cfg = _resolve_config(config, max_m if expected_m is None else expected_m, n, k, mma)
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
     max_tiles = e * math.ceil(max_m / cfg.tile_tokens) * (n // cfg.tile_n)
     rows = e * max_m
     _launch(
         cfg, "masked", epilogue, a.view(rows, k), _rows_view(a_sf, rows), b, b_sf, out_k, out_sf_k,
-        row_weights.view(rows), masked_m, masked_m, e, max_m, clamp_value, max_tiles,
+        row_weights.view(rows), masked_m, masked_m, e, max_m, clamp_value, max_tiles, fast_math=fast_math,
     )
     return out, out_sf

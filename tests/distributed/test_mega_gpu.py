@@ -10,7 +10,8 @@ one progress line per rank and call, the contract errors, and any ``megamoe debu
   of the FP32 reference and bit for bit equal to the legacy low-latency path with the same SM90
   GEMMs, recv stats equal to the legacy path's. Cases: ragged routing with
   masked slots and uneven T, skewed routing (every token to the first k experts, all on rank 0), a
-  rank with 0 tokens, 1 token per rank, T = T_max with a clamp, and ``bf16_mega_moe`` on a BF16 buffer
+  rank with 0 tokens, 1 token per rank, T = T_max with a clamp, silu with the IEEE exp and division
+  (``fast_math=False``, both paths), and ``bf16_mega_moe`` on a BF16 buffer
   (against its reference and the legacy torch-GEMM path); two GPUs also T = T_max and skewed on a buffer
   whose ring (128 rows) is smaller than the call's pool blocks (ring blocks reused within the call; one GPU's
   default ring is 128 rows already), and the skewed small-ring case again at H = I = 2048, where every CTA runs
@@ -52,6 +53,7 @@ CASES = {
         ("one_token", dict(tokens=[1])),
         ("no_tokens", dict(tokens=[0])),
         ("full_clamped", dict(tokens=[T_MAX], clamp=0.75, masked=0.1)),
+        ("ieee_silu_clamped", dict(tokens=[T_MAX], clamp=0.75, masked=0.1, fast_math=False)),
         ("bf16_ragged_masked", dict(tokens=[29], masked=0.25, mma_type="bf16")),
     ],
     2: [
@@ -60,6 +62,7 @@ CASES = {
         ("zero_token_rank", dict(tokens=[0, 9])),
         ("one_token_per_rank", dict(tokens=[1, 1])),
         ("full_clamped", dict(tokens=[T_MAX, T_MAX], clamp=0.75, masked=0.1)),
+        ("ieee_silu_uneven", dict(tokens=[13, 5], masked=0.25, fast_math=False)),
         ("bf16_uneven_clamped", dict(tokens=[13, 5], clamp=0.75, masked=0.2, mma_type="bf16")),
         ("small_ring_ragged", dict(tokens=[T_MAX, 30], masked=0.1, hot=E_PER_RANK, ring=SMALL_RING)),
         ("small_ring_skewed", dict(tokens=[24, 17], hot=K, ring=SMALL_RING)),
@@ -135,6 +138,7 @@ def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
     num_ranks, clamp = len(case["tokens"]), case.get("clamp")
     h, inter = case.get("dims", (H, I))
     fp8 = case.get("mma_type", "fp8xfp4") == "fp8xfp4"
+    fast_math = case.get("fast_math", True)
     for gen in range(GENERATIONS):
         debug = gen == 0
         what = f"{name} {case['tokens']} call {gen}{' (debug)' if debug else ''}"
@@ -144,10 +148,11 @@ def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
         t = p["x"][rank].shape[0]
         y_legacy = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=device)
         stats_legacy = torch.full((E_PER_RANK,), 7, dtype=torch.int32, device=device)
-        LegacyMoE(l1, l2, "low_latency", "sm90" if fp8 else "torch")(y_legacy, buf, stats_legacy, activation_clamp=clamp)
+        LegacyMoE(l1, l2, "low_latency", "sm90" if fp8 else "torch", fast_math)(y_legacy, buf, stats_legacy,
+                                                                             activation_clamp=clamp)
         y = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=device)
         stats = torch.full((E_PER_RANK,), 7, dtype=torch.int32, device=device)
-        moe = MegaMoE(l1, l2)
+        moe = MegaMoE(l1, l2, fast_math)
         moe(y, buf, stats, activation_clamp=clamp, debug=debug)
         ref, counts = _expected(p, p, rank, device, clamp)
         # BF16: torch's grouped GEMM over different row counts may tile K differently: no bitwise claim.
@@ -170,7 +175,8 @@ def _check_trace(rank, what: str, y, moe, buf, clamp, counts) -> None:
     from megamoe.timeline import COUNT, EVENT, MegaTimeline
 
     y_trace = torch.full_like(y, float("nan"))
-    rows = MegaTimeline.from_buffer(trace_fp8_fp4_mega_moe(y_trace, moe.l1, moe.l2, buf, None, clamp)).rows
+    rows = MegaTimeline.from_buffer(trace_fp8_fp4_mega_moe(y_trace, moe.l1, moe.l2, buf, None, clamp,
+                                                           fast_math=moe.fast_math)).rows
     assert torch.equal(y_trace, y), f"{what}: the trace build's y differs from the release build's"
     order = ["start", "scanned", "offsets", "first tile", "tiles done", "combine barrier", "done exchanged", "end"]
     stamps = rows[:, [EVENT[e] for e in order]]
