@@ -2139,10 +2139,11 @@ def _check_operands(a, a_sf, b, b_sf, groups, counts=None, *, masked: bool, swig
 
 def _launch(config, group_mode, epilogue, a2, a_sf2, b, b_sf, out2, out_sf2, row_weights, group_a, group_b,
             num_groups, max_m, clamp, max_tiles, second=None, sync=None, timeout_ns=0, mega=None, fast_math=True):
-    """Compile (cached) and launch one variant (``fast_math``: ``compile_grouped_gemm``'s); ``second``/``sync``/``timeout_ns``: the "l1_l2" epilogue's
-    second-GEMM operands (``_cute_args``), its zeroed int32 counters (``sync_words``) and spin-wait limit (> 0:
-    the debug build). ``mega``: the Mega MoE kernel's ``(comm, me, num_tokens, base, peers, stats, record, y)``
-    (``mega_moe_sm90``): it runs on every CTA slot, tiles or not."""
+    """Compile (cached) and launch one variant (``fast_math``: ``compile_grouped_gemm``'s);
+    ``second``/``sync``/``timeout_ns``: the "l1_l2" epilogue's second-GEMM operands (``_cute_args``), its zeroed
+    int32 counters (``sync_words``) and spin-wait limit (> 0: the debug build). ``mega``: the Mega MoE kernel's
+    ``(comm, me, num_tokens, base, peers, stats, record, y)`` (``mega_moe_sm90``): it runs on every CTA slot, tiles
+    or not."""
     if mega is None and (max_tiles <= 0 or a2.shape[0] == 0):
         return
     import cutlass
@@ -2367,8 +2368,8 @@ def grouped_gemm_fp8_fp4_l1_l2_contiguous(
     """L1 with the SwiGLU epilogue and L2 with the scatter epilogue in one persistent launch (BF16 mode).
 
     Computes ``grouped_gemm_fp8_fp4_swiglu_contiguous(a, None, b1, b1_sf, offsets, row_weights, clamp, act,
-    out_dtype=torch.bfloat16, fast_math=fast_math)`` then ``grouped_gemm_fp8_fp4_contiguous(act, None, b2, b2_sf, offsets,
-    out_row_ptrs=out_row_ptrs)``, bit for bit, without the launch boundary: the CTAs take the L1 tiles, then
+    out_dtype=torch.bfloat16, fast_math=fast_math)`` then ``grouped_gemm_fp8_fp4_contiguous(act, None, b2, b2_sf,
+    offsets, out_row_ptrs=out_row_ptrs)``, bit for bit, without the launch boundary: the CTAs take the L1 tiles, then
     the L2 tiles; an L2 tile loads its first ``stages`` weight chunks, then waits until every L1 tile of its
     expert has stored its rows of ``act`` (per-expert counters in ``sync``, release / acquire at gpu scope,
     then a proxy fence before the TMA reads them). Deadlock-free because every CTA finishes its L1 tiles
