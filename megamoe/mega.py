@@ -412,7 +412,8 @@ def bf16_mega_moe(
     and combine kernels are the FP8 path's (rows copied as BF16); the GEMMs are ``torch._grouped_mm``
     over the ring with the device-side expert offsets (megamoe has no BF16-weight SM90 kernel yet) and
     the SwiGLU step is ``numerics.l1_epilogue`` over the ring: its cost follows the buffer's ring size,
-    not the call's tokens.
+    not the call's tokens. ``fast_math`` is validated but changes nothing here: torch computes silu with its exp
+    and division either way.
     """
     from .numerics import l1_epilogue
 

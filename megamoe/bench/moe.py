@@ -314,7 +314,8 @@ def _timeline(path: MegaMoE, cases: list, y: torch.Tensor, clamp, group, barrier
 
     def call():
         i = next(turn) % calls
-        traces[i] = trace_fp8_fp4_mega_moe(y, path.l1, path.l2, cases[i % len(cases)][0], None, clamp, traces[i])
+        traces[i] = trace_fp8_fp4_mega_moe(y, path.l1, path.l2, cases[i % len(cases)][0], None, clamp, traces[i],
+                                           fast_math=path.fast_math)
 
     graph = capture_graph(call, warmup=calls, calls_per_graph=calls)  # the warm-up calls allocate the traces
     for _ in range(3):

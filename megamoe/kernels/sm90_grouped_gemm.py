@@ -2333,12 +2333,12 @@ def grouped_gemm_fp8_fp4_swiglu_contiguous(
     ``(out bfloat16 [M, I], None)``: the same quantized values times their scales (exact), the BF16-mode L2
     operand. Rows of no group are not written. ``fast_math``: silu with approximate exp and reciprocal (default)
     or the IEEE exp and division (``megamoe.numerics`` step 4)."""
+    check_fast_math(fast_math)
     mma, k, e, n = _check_operands(a, a_sf, b, b_sf, offsets, counts, masked=False, swiglu=True)
     m = a.shape[0]
     check_tensor("row_weights", row_weights, dtype=torch.float32, shape=(m,), device=a.device, contiguous=True)
     epilogue, out, out_sf, out_k, out_sf_k = _swiglu_outputs((m,), n // 2, out, out_sf, out_dtype, a.device)
     clamp_value = _bf16_clamp(clamp)
-    check_fast_math(fast_math)
     cfg = _resolve_config(config, m / max(e, 1), n, k, mma)
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
     max_tiles = (m // cfg.tile_tokens + e) * (n // cfg.tile_n)
@@ -2384,6 +2384,7 @@ def grouped_gemm_fp8_fp4_l1_l2_contiguous(
     None: a fresh zeroed tensor). ``timeout_ns`` > 0 runs the debug build: a spin-wait that lasts longer
     printf's what it waits for and traps (the printf call makes ptxas serialize that build's wgmmas: slower).
     Returns ``act``."""
+    check_fast_math(fast_math)
     for name, b in (("b1", b1), ("b2", b2)):
         if _weights_mode(b, name) != "bf16":
             fail(name, f"must be in the BF16-mode layout {_LAYOUTS['bf16'][2]} (the fused L1/L2 launch is BF16 mode only)")
@@ -2400,7 +2401,6 @@ def grouped_gemm_fp8_fp4_l1_l2_contiguous(
     _, act, _, act_k, _ = _swiglu_outputs((m,), inter, act, None, torch.bfloat16, a.device, "act")
     if not isinstance(timeout_ns, int) or timeout_ns < 0:
         fail("timeout_ns", f"must be a non-negative int (0: no limit), got {timeout_ns!r}")
-    check_fast_math(fast_math)
     if sync is None:
         sync = torch.zeros(sync_words(e), dtype=torch.int32, device=a.device)
     check_tensor("sync", sync, dtype=torch.int32, shape=(sync_words(e),), device=a.device, contiguous=True)
@@ -2458,12 +2458,12 @@ def grouped_gemm_fp8_fp4_swiglu_masked(
     returns ``(out float8_e4m3fn [E, max_m, I], out_sf int32 [E, max_m, I/128])``, or with
     ``out_dtype=torch.bfloat16`` ``(out bfloat16 [E, max_m, I], None)``; rows >= masked_m[e] are not written.
     See ``grouped_gemm_fp8_fp4_swiglu_contiguous`` for the computation and ``fast_math``."""
+    check_fast_math(fast_math)
     mma, k, e, n = _check_operands(a, a_sf, b, b_sf, masked_m, masked=True, swiglu=True)
     max_m = a.shape[1]
     check_tensor("row_weights", row_weights, dtype=torch.float32, shape=(e, max_m), device=a.device, contiguous=True)
     epilogue, out, out_sf, out_k, out_sf_k = _swiglu_outputs((e, max_m), n // 2, out, out_sf, out_dtype, a.device)
     clamp_value = _bf16_clamp(clamp)
-    check_fast_math(fast_math)
     cfg = _resolve_config(config, max_m if expected_m is None else expected_m, n, k, mma)
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
     max_tiles = e * math.ceil(max_m / cfg.tile_tokens) * (n // cfg.tile_n)
