@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from .checks import check_range, check_tensor, fail
-from .kernels.sm90_grouped_gemm import K_MULTIPLE as GROUPED_MULTIPLE
+from .kernels.sm90 import K_MULTIPLE as GROUPED_MULTIPLE
 from .layouts.weights import check_fp4_expert_weights
 
 PATHS = ("auto", "warp_decode", "grouped")

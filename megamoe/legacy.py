@@ -90,7 +90,7 @@ class LegacyMoE:
             self.w2t = self._bf16(l2).transpose(1, 2)  # [E_l, I, H]
             return
         # SM90 FP8 x FP4 grouped GEMMs straight on the FP4 weights (L1 with the fused SwiGLU-quant epilogue).
-        from .kernels import sm90_grouped_gemm as sm90
+        from .kernels import sm90
 
         if not self.fp8:
             fail("gemm", "'sm90' runs the fp8xfp4 recipe; BF16 weights need gemm='torch'")
@@ -163,7 +163,7 @@ class LegacyMoE:
         weights = r_w[src_row, src_slot]
         a_in = dequantize_fp8(r_x[src_row], r_sf[src_row], torch.bfloat16) if self.fp8 else r_x[src_row]
         if self.gemm == "sm90":  # BF16-operand mode: exact BF16 tokens, FP4 weights decoded with their scales
-            from .kernels import sm90_grouped_gemm as sm90
+            from .kernels import sm90
 
             a_in, _ = sm90.grouped_gemm_fp8_fp4_swiglu_contiguous(
                 a_in, None, *self.l1k, grouped.offsets, weights, clamp=clamp, out_dtype=torch.bfloat16,

@@ -2,14 +2,14 @@
 combine in one launch; no host sync, CUDA-graph capturable.
 
 ``bf16_mega_moe`` (BF16 tokens and weights) runs the same protocol staged, as three launches: the dispatch
-and combine kernels of ``kernels.ep_comm`` around torch's BF16 grouped GEMMs; the rest of this docstring
+and combine kernels of ``kernels.comm`` around torch's BF16 grouped GEMMs; the rest of this docstring
 describes ``fp8_fp4_mega_moe``.
 
 ``fp8_fp4_mega_moe(y, l1, l2, sym_buffer, ...)`` computes the numerics contract of ``megamoe.numerics``
 (FP8 x FP4 recipe) for the ``T = y.shape[0]`` tokens the caller copied into the buffer's ``x``, ``x_sf``,
 ``topk_idx`` and ``topk_weights`` views; ``l1``/``l2`` come from ``transform_weights_for_mega_moe``. It is
 collective: every rank of the buffer's group makes the same sequence of calls on the same buffer. One launch on the
-caller's stream, nothing else (no host sync, no host zeroing): ``kernels.sm90_grouped_gemm.mega_moe_sm90``, every
+caller's stream, nothing else (no host sync, no host zeroing): ``kernels.kernels.sm90.mega_moe_sm90``, every
 CTA slot of the GPU (``tile_config``: three per SM on 64-row weight tiles for decode-sized calls, two on 128-row
 tiles for token tiles up to ``TWO_CTA_TILE_TOKENS``, else one, on 256-row tiles from one expected row per expert up
 to ``MEGA_FOUR_WG_MAX_TILE_TOKENS``; all resident), each CTA a TMA producer warp, a signal warp and one, two or four
@@ -18,7 +18,7 @@ programmatic dependent (PDL): its CTAs set up their shared memory, then wait for
 (``griddepcontrol.wait``) and let the next one launch, so no global memory is touched before the stream's earlier
 work is complete and visible, as in plain stream order.
 
-1. dispatch (``ep_comm.EpPhases``), all threads of every CTA: announce ``ready``, scan every rank's routing
+1. dispatch (``comm.phases.EpPhases``), all threads of every CTA: announce ``ready``, scan every rank's routing
    over NVLink, count and pool the rows of local experts, grid barrier, the expert offsets (exclusive prefix
    of the counts) and the pool blocks (each expert's rows cut into token tiles) in each CTA's shared memory;
    then warps 2 and 3 of every CTA, while the tiles run, pull the FP8 token rows + scales + routing weights
@@ -62,7 +62,7 @@ Why no rank overwrites what a peer still reads (all flags only grow, comparisons
 Memory ordering: rows stored to a peer, then ``fence.acq_rel.sys`` (by the storing thread, in an L2
 tile), a named barrier of the consumer warpgroups, a grid barrier (release / acquire, gpu scope), and the
 ``done`` flag stored with ``st.release.sys``; flags are read with ``ld.acquire.sys`` by one thread followed
-by a barrier before anyone reads the data (see ``kernels.ep_comm``). Pulled rows reach the TMA loads of
+by a barrier before anyone reads the data (see ``kernels.comm``). Pulled rows reach the TMA loads of
 other CTAs through the per-block counters (warp barrier, ``fence.acq_rel.gpu`` + release add; acquire,
 then ``fence.proxy.async.global``), as the L1 rows reach the L2 tiles and as a finished L2 tile frees its
 ring rows for the next pull.
@@ -104,8 +104,8 @@ import torch
 from .checks import check_multiple, check_tensor, fail
 from .layouts.weights import check_chunk_major_scales, check_fp4_expert_weights
 from .numerics import check_activation_clamp, check_fast_math
-from .kernels.sm90_grouped_gemm import K_MULTIPLE  # H and I must be multiples of it (the GEMM's K granularity)
-from .kernels.sm90_fp4_decode import BF16_WORDS, ROW_BLOCK
+from .kernels.sm90 import K_MULTIPLE  # H and I must be multiples of it (the GEMM's K granularity)
+from .kernels.weight_layout import BF16_WORDS, ROW_BLOCK
 from .symm_buffer import SymmBuffer
 from .timeline import trace_buffer, trace_buffer_words
 
@@ -125,7 +125,7 @@ def transform_weights_for_mega_moe(l1: tuple, l2: tuple) -> tuple[tuple, tuple]:
     64, 16]``, chunk-major scales ``int32 [E_l, K/128, N]``); scale codes outside that mode's exact decode range
     raise.
     """
-    from .kernels import sm90_grouped_gemm as sm90
+    from .kernels import sm90
 
     for name, pair in (("l1", l1), ("l2", l2)):
         if not (isinstance(pair, tuple) and len(pair) == 2):
@@ -167,7 +167,7 @@ def check_mega_call(y, sym_buffer, stats, activation, activation_clamp, fast_mat
         fail("activation", f"must be 'swiglu', got {activation!r}")
     check_activation_clamp(activation_clamp)
     check_fast_math(fast_math)
-    from .kernels.ep_comm import MAX_LOCAL_EXPERTS
+    from .kernels.comm import MAX_LOCAL_EXPERTS
 
     if lay.num_local_experts > MAX_LOCAL_EXPERTS:
         fail("sym_buffer", f"has {lay.num_local_experts} local experts; the dispatch kernel holds at most {MAX_LOCAL_EXPERTS}")
@@ -202,7 +202,7 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     1888.0 vs 1955.6, 512 2360.8 vs 2585.1 (1.04x, 1.09x); at 8 tokens/rank (0.25-0.4 rows per expert) flash 172.5 vs
     172.6 / 170.5, pro 433.7 vs 409.3 (slower); at flash 1 token/rank 55.5 vs 55.6 / 55.3 on the three-CTA tiles,
     which stay."""
-    from .kernels import sm90_grouped_gemm as sm90
+    from .kernels import sm90
 
     rows_per_expert = min(layout.num_ranks * num_tokens * layout.num_topk / layout.num_experts, layout.num_ring_tokens // 2)
     n = math.gcd(2 * layout.intermediate_hidden, layout.hidden)
@@ -256,8 +256,8 @@ def _state(buf: SymmBuffer) -> _State:
         if torch.cuda.is_current_stream_capturing():
             fail("sym_buffer", "was never used by the Mega MoE path outside CUDA-graph capture: make one call "
                  "before capturing (it compiles the kernels and stores the peer addresses)")
-        from .kernels.ep_comm import RECORD_WORDS
-        from .kernels.sm90_grouped_gemm import MAX_CTAS_PER_SM, sync_words
+        from .kernels.comm import RECORD_WORDS
+        from .kernels.sm90 import MAX_CTAS_PER_SM, sync_words
 
         num_ctas = torch.cuda.get_device_properties(buf.device).multi_processor_count
         peers = torch.tensor(buf.peer_ptrs, dtype=torch.int64).to(buf.device)
@@ -281,7 +281,7 @@ def debug_report(sym_buffer: SymmBuffer) -> str | None:
     """The debug diagnostics the kernels wrote for this buffer (one line per trapped CTA), or None.
 
     Reads host memory only, so it works after a trap left the CUDA context unusable."""
-    from .kernels.ep_comm import format_record
+    from .kernels.comm import format_record
 
     st = _STATES.get(sym_buffer)
     if st is None:
@@ -293,17 +293,18 @@ def debug_report(sym_buffer: SymmBuffer) -> str | None:
 def _staged(y, sym_buffer: SymmBuffer, stats, debug: bool, expert_compute) -> torch.Tensor:
     """``bf16_mega_moe``'s three launches: dispatch, ``expert_compute(num_tokens)`` (L1 and L2 on the rings:
     returns the rows bf16 ``[ring, H]`` for combine to push), combine; then, in debug mode, poison the buffer."""
-    from .kernels import ep_comm, runtime
+    from .kernels import runtime
+    from .kernels.comm import EpCommConfig, combine, dispatch
 
     runtime.require_sm90(y, "y")
     buf, lay = sym_buffer, sym_buffer.layout
     st = _state(buf)
-    cfg = ep_comm.EpCommConfig(lay, debug, stats is not None)
+    cfg = EpCommConfig(lay, debug, stats is not None)
     base, record, num_tokens = buf.buffer.data_ptr(), st.record.data_ptr(), y.shape[0]
     timeout = debug_timeout_ns() if debug else 0
-    ep_comm.dispatch(cfg, buf.rank, num_tokens, base, st.peers, stats, record, timeout, st.num_ctas)
+    dispatch.dispatch(cfg, buf.rank, num_tokens, base, st.peers, stats, record, timeout, st.num_ctas)
     rows = expert_compute(num_tokens)
-    ep_comm.combine(cfg, buf.rank, num_tokens, base, st.peers, rows, y, record, timeout, st.num_ctas)
+    combine.combine(cfg, buf.rank, num_tokens, base, st.peers, rows, y, record, timeout, st.num_ctas)
     if debug:
         poison_buffer(buf)
     return y
@@ -380,14 +381,14 @@ def _fp8_fp4_launch(y, l1, l2, buf: SymmBuffer, stats, activation_clamp, fast_ma
                     trace: torch.Tensor | None) -> None:
     """Launch the one-launch kernel (``cfg``: its tile config) on checked arguments: the debug build, the trace
     build (``trace``: its ``timeline.trace_buffer``, passed as the record) or the release build."""
-    from .kernels import ep_comm
-    from .kernels import sm90_grouped_gemm as sm90
+    from .kernels.comm import EpCommConfig
+    from .kernels import sm90
 
     lay = buf.layout
     st = _state(buf)
     num_tokens = y.shape[0]
     sm90.mega_moe_sm90(
-        ep_comm.EpCommConfig(lay, debug, stats is not None, trace is not None), buf.l1_acts, *l1, buf.l1_topk_weights,
+        EpCommConfig(lay, debug, stats is not None, trace is not None), buf.l1_acts, *l1, buf.l1_topk_weights,
         *l2, buf.ring_dest, buf.l2_acts, buf.expert_offsets, activation_clamp, cfg,
         st.gemm_sync, buf.rank, num_tokens, buf.buffer.data_ptr(), st.peers, stats,
         (st.record if trace is None else trace).data_ptr(), y, debug_timeout_ns() if debug else 0, fast_math,

@@ -1,7 +1,7 @@
 """Where a Mega MoE call's time goes: the one-launch kernel's trace build stamps ``%globaltimer`` (ns, one
 clock per GPU) at its phase boundaries, one row per CTA, and this module reads the rows back.
 
-The trace build (``ep_comm.EpCommConfig(..., trace=True)``) is the release kernel plus a few global stores per
+The trace build (``comm.EpCommConfig(..., trace=True)``) is the release kernel plus a few global stores per
 CTA and one atomic per tile; its outputs are the release build's, bit for bit (``megamoe.bench --timeline``
 checks that in the same run). Row layout (int64 ``[CTAs, TRACE_WORDS]``, ``EVENTS`` order, 0 = not stamped):
 times are stamped by the CTA's thread 0 (dispatch), lane 0 of each pull warp, and the first consumer thread
@@ -38,7 +38,7 @@ COUNT = {name: len(EVENTS) + i for i, name in enumerate(COUNTS)}
 
 
 def _record_words() -> int:
-    from .kernels.ep_comm import RECORD_WORDS  # imports the DSL: only when a trace is made or read
+    from .kernels.comm import RECORD_WORDS
 
     return RECORD_WORDS
 

@@ -82,7 +82,7 @@ def test_gemm_bench_alternative_configs_differ_from_the_choice():
     it picks 256, 1 CTA/SM where it picks 2; either mode: 64-row token tiles where it picks 128), never a repeat; the
     other tiles get none."""
     from megamoe.bench.gemm import Point, kernel_configs
-    from megamoe.kernels.sm90_grouped_gemm import select_config
+    from megamoe.kernels.sm90 import select_config
 
     for rows in (1, 4, 16, 64, 4096):
         p = Point("flash", "l1", 8, 32, rows, 4096, 4096)

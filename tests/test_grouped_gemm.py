@@ -16,7 +16,7 @@ import struct
 import pytest
 import torch
 
-from megamoe.kernels.sm90_fp4_decode import (
+from megamoe.kernels.weight_layout import (
     BF16_ACC_SHIFT,
     BF16_CODE_BITS,
     BF16_MAX_SCALE_CODE,
@@ -36,7 +36,7 @@ from megamoe.kernels.sm90_fp4_decode import (
     to_sm90_weight_layout,
     unfold_fp8_scales,
 )
-from megamoe.kernels.sm90_grouped_gemm import (
+from megamoe.kernels.sm90 import (
     TILE_COUNTER_SLOTS,
     GemmConfig,
     compile_grouped_gemm,
@@ -123,7 +123,7 @@ FOLDED_CASES = [
     (GemmConfig(tile_tokens=128, tile_n=128, **FP8), "offsets", "swiglu_fp8"),
     (GemmConfig(tile_tokens=128, tile_n=64, **FP8), "masked", "bf16"),
 ]
-# The one-launch Mega MoE kernel ("l1_l2" with the ep_comm phases) for SymmBuffer layouts (symm_buffer_layout
+# The one-launch Mega MoE kernel ("l1_l2" with the comm phases) for SymmBuffer layouts (symm_buffer_layout
 # arguments: ranks, experts, T_max, top-k, H, I): every CTA-per-SM mode, four consumer warpgroups, a wide hidden size,
 # 8 ranks.
 MEGA_CASES = [
@@ -161,8 +161,8 @@ RELEASE_CASES = ([(c, m, e, None, False, False, True) for c, m, e in COMPILE_CAS
 _COMPILE_CHILD = """
 import json, os, re, shutil, subprocess, sys
 from megamoe import symm_buffer_layout
-from megamoe.kernels.ep_comm import EpCommConfig
-from megamoe.kernels.sm90_grouped_gemm import GemmConfig, compile_grouped_gemm
+from megamoe.kernels.comm import EpCommConfig
+from megamoe.kernels.sm90 import GemmConfig, compile_grouped_gemm
 ptxas, report = shutil.which("ptxas"), []
 for i, (cfg, mode, epilogue, mega, debug, trace, folded, fast) in enumerate(json.loads(sys.argv[1])):
     try:

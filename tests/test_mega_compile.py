@@ -11,7 +11,10 @@ import torch
 
 from megamoe import get_symm_buffer_for_mega_moe, symm_buffer_layout
 from megamoe.inputs import random_fp4_weights
-from megamoe.kernels import ep_comm
+from megamoe.kernels.comm import EpCommConfig, SITES, format_record
+from megamoe.kernels.comm.combine import compile_combine
+from megamoe.kernels.comm.dispatch import compile_dispatch
+from megamoe.kernels.comm.protocol import SITE_READY
 from megamoe.mega import (MegaMoE, bf16_mega_moe, debug_enabled, debug_timeout_ns, fp8_fp4_mega_moe,
                          transform_weights_for_mega_moe)
 
@@ -28,21 +31,21 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_ep_kernels_compile_for_sm90a(name, debug):
     for has_stats in (False, True):
-        cfg = ep_comm.EpCommConfig(LAYOUTS[name], debug, has_stats)
+        cfg = EpCommConfig(LAYOUTS[name], debug, has_stats)
         start = time.perf_counter()
-        assert ep_comm.compile_dispatch(cfg) is not None
+        assert compile_dispatch(cfg) is not None
         print(f"{name} debug={debug} stats={has_stats}: dispatch compiled in {time.perf_counter() - start:.2f} s")
     start = time.perf_counter()
-    assert ep_comm.compile_combine(ep_comm.EpCommConfig(LAYOUTS[name], debug)) is not None
+    assert compile_combine(EpCommConfig(LAYOUTS[name], debug)) is not None
     print(f"{name} debug={debug}: combine compiled in {time.perf_counter() - start:.2f} s")
 
 
 def test_debug_sites_format_like_the_kernels():
-    for site, (role, text) in enumerate(ep_comm.SITES):
+    for site, (role, text) in enumerate(SITES):
         assert text.count("%d") == 3 and role in ("dispatch", "combine")
-        line = ep_comm.format_record([site + 1, 0, 5, 17, 1, 3, 2, 0])
+        line = format_record([site + 1, 0, 5, 17, 1, 3, 2, 0])
         assert line.startswith(f"megamoe debug: rank 0 CTA 5 (SM 17) role {role}: ")
-    assert "waits ready[src=1] >= 3 (call + 1), sees 2" in ep_comm.format_record([ep_comm.SITE_READY + 1, 0, 5, 17, 1, 3, 2, 0])
+    assert "waits ready[src=1] >= 3 (call + 1), sees 2" in format_record([SITE_READY + 1, 0, 5, 17, 1, 3, 2, 0])
 
 
 def test_debug_switches(monkeypatch):

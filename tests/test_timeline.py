@@ -11,7 +11,7 @@ import torch
 
 from megamoe import get_symm_buffer_for_mega_moe, symm_buffer_layout
 from megamoe.inputs import random_fp4_weights
-from megamoe.kernels.ep_comm import RECORD_WORDS, EpCommConfig
+from megamoe.kernels.comm import RECORD_WORDS, EpCommConfig
 from megamoe.mega import trace_fp8_fp4_mega_moe, transform_weights_for_mega_moe
 from megamoe.timeline import COUNT, COUNTS, EVENT, EVENTS, TRACE_WORDS, MegaTimeline, call_spans, format_summary, trace_buffer
 

@@ -262,7 +262,7 @@ CASES = {
 
 
 def _run_case(name, seed=0, l1_layout="canonical"):
-    from megamoe.kernels.sm90_grouped_gemm import prepare_fp4_weights, prepare_fp4_weights_l1
+    from megamoe.kernels.sm90 import prepare_fp4_weights, prepare_fp4_weights_l1
     from megamoe.kernels.warp_decode import moe_decode
 
     tokens, hidden, inter, experts, topk, fmt, clamp, masked, hot = CASES[name]
@@ -309,7 +309,7 @@ def test_token_major_with_one_part_equals_expert_major(name):
     most 4 pairs (one and two tokens) and unpacked passes of 8 pairs where it has more ("ragged-hot": 13 tokens on
     the same 6 experts)."""
     from megamoe.kernels.expert_major_decode import moe_decode_by_expert
-    from megamoe.kernels.sm90_grouped_gemm import prepare_fp4_weights, prepare_fp4_weights_l1
+    from megamoe.kernels.sm90 import prepare_fp4_weights, prepare_fp4_weights_l1
     from megamoe.kernels.token_major_decode import moe_decode_by_token
 
     _, _, (x, idx, wts, l1, l2, clamp) = _run_case(name)
@@ -326,7 +326,7 @@ def test_token_major_with_one_part_equals_expert_major(name):
 def test_token_major_splits_match_reference(tuning, tokens):
     """gate_up and down split over K parts (the shapes' defaults leave one-part gate_ups here), one and four tokens,
     masked slots: same tolerance as every path."""
-    from megamoe.kernels.sm90_grouped_gemm import prepare_fp4_weights, prepare_fp4_weights_l1
+    from megamoe.kernels.sm90 import prepare_fp4_weights, prepare_fp4_weights_l1
     from megamoe.kernels.token_major_decode import moe_decode_by_token
 
     x, idx, wts, l1, l2 = _problem(tokens, 2048, 1024, 16, 6, "fp4", 5, "cuda")

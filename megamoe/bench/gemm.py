@@ -94,8 +94,8 @@ def make_fp4_weights(experts: int, n: int, k: int, mmas=("bf16", "fp8")) -> dict
     """Random FP4 weights (quantized randn) in each mode's kernel layout: ``{mma: (b, b_sf)}`` with b ``int32 [E,
     N/64, K/128, 64, 16]`` and b_sf ``int32 [E, K/128, N]`` (BF16 mode) or ``uint8 [E, N/64, K/128, 64, 64]`` and
     the folded scales ``int32 [E, K/128 + 1, N]`` (FP8 mode), same values."""
-    from megamoe.kernels.sm90_fp4_decode import BF16_WORDS, CHUNK_BYTES, ROW_BLOCK
-    from megamoe.kernels.sm90_grouped_gemm import prepare_fp4_weights
+    from megamoe.kernels.weight_layout import BF16_WORDS, CHUNK_BYTES, ROW_BLOCK
+    from megamoe.kernels.sm90 import prepare_fp4_weights
     from megamoe.layouts import quantize_fp4
 
     out = {}
@@ -129,7 +129,7 @@ def _check_experts(p: Point) -> list[int]:
 
 
 def _check_kernel(p: Point, out, a, a_sf, b, b_sf) -> str:
-    from megamoe.kernels.sm90_fp4_decode import from_sm90_bf16_weight_layout, from_sm90_weight_layout, unfold_fp8_scales
+    from megamoe.kernels.weight_layout import from_sm90_bf16_weight_layout, from_sm90_weight_layout, unfold_fp8_scales
     from megamoe.layouts import dequantize_fp4, dequantize_fp8
 
     canonical = from_sm90_bf16_weight_layout if b.dtype == torch.int32 else from_sm90_weight_layout
@@ -158,7 +158,7 @@ def kernel_configs(p: Point, mma: str, alternatives: bool) -> list:
     either mode."""
     import dataclasses
 
-    from megamoe.kernels.sm90_grouped_gemm import select_config
+    from megamoe.kernels.sm90 import select_config
 
     cfg = select_config(p.rows_per_expert, p.n, p.k, mma)
     configs = [cfg]
@@ -173,7 +173,7 @@ def kernel_configs(p: Point, mma: str, alternatives: bool) -> list:
 
 def run_kernel(p: Point, weights, tokens, cfg) -> Result:
     """One kernel config on the point's tokens (``(a, a_sf, offsets)``, FP8) and the config's weight layout."""
-    from megamoe.kernels.sm90_grouped_gemm import grouped_gemm_fp8_fp4_contiguous
+    from megamoe.kernels.sm90 import grouped_gemm_fp8_fp4_contiguous
     from megamoe.layouts import dequantize_fp8
 
     b, b_sf = weights[cfg.mma]

@@ -53,7 +53,7 @@ from cutlass import Float32, Int32, Int64, cute
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from . import ptx, runtime
-from .sm90_fp4_decode import BF16_ACC_SHIFT
+from .weight_layout import BF16_ACC_SHIFT
 from .warp_decode import (
     ACT_LOAD,
     WARP,

@@ -1,10 +1,14 @@
-"""Inline PTX for the CuTe DSL kernels: one helper that every kernel module's PTX wrappers go through, and
-the raw-address memory operations (and the flag spin-wait) more than one kernel module uses."""
+"""Inline PTX for the CuTe DSL kernels: the helpers every PTX wrapper goes through (``inline_asm``, ``pure_asm``,
+``volatile_asm``), conversions and bit casts, raw-address memory operations and the flag spin-wait.
+
+Conventions: a block that touches memory is volatile and clobbers memory, so the compiler keeps the program order
+of all of them; a pure block (``pure_asm``) may be moved, merged or dropped. Addresses are Int64 global addresses
+(any memory this GPU maps, a peer's symmetric buffer included)."""
 
 from __future__ import annotations
 
 import cutlass
-from cutlass import Int32, Int64, cute
+from cutlass import Float32, Int32, Int64, cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -19,6 +23,84 @@ def inline_asm(results: list, args: list, text: str, constraints: str, loc, ip, 
     if len(results) <= 1:
         return [out] if results else []
     return [llvm.extractvalue(r, out, [i], loc=loc, ip=ip) for i, r in enumerate(results)]
+
+
+def volatile_asm(results: list, args: list, text: str, constraints: str, loc=None, ip=None) -> list:
+    """One volatile inline-PTX block (``inline_asm`` with side effects); returns its results as ``ir.Value``s."""
+    return inline_asm(results, args, text, constraints, loc, ip, side_effects=True)
+
+
+def pure_asm(num_results: int, args: list, text: str, constraints: str, loc, ip) -> tuple:
+    """One side-effect-free inline-PTX block with ``num_results`` 32-bit results, as ``Int32``s."""
+    res = inline_asm([T.i32()] * num_results, args, text, constraints, loc, ip, side_effects=False)
+    return tuple(Int32(r) for r in res)
+
+
+@dsl_user_op
+def prmt(lo, hi, selector, *, loc=None, ip=None) -> Int32:
+    """``prmt.b32``: byte i of the result is byte ``selector.nibble[i]`` of ``{hi:lo}`` (pure op)."""
+    args = [Int32(v).ir_value(loc=loc, ip=ip) for v in (lo, hi, selector)]
+    return pure_asm(1, args, "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", loc, ip)[0]
+
+
+@dsl_user_op
+def bits_to_f32(bits, *, loc=None, ip=None) -> Float32:
+    """Reinterpret an int32 bit pattern as float32."""
+    return Float32(llvm.bitcast(Float32.mlir_type, Int32(bits).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def f32_bits(x, *, loc=None, ip=None) -> Int32:
+    """The int32 bit pattern of a float32."""
+    return Int32(llvm.bitcast(Int32.mlir_type, Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def f32x4_to_e4m3x4(v0, v1, v2, v3, *, loc=None, ip=None) -> Int32:
+    """Four float32 -> four E4M3 bytes (v0 in the low byte), round to nearest even, saturating."""
+    return pure_asm(
+        1,
+        [Float32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1, v2, v3)],
+        "{.reg .b16 lo, hi;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+        "mov.b32 $0, {lo, hi};}",
+        "=r,f,f,f,f",
+        loc,
+        ip,
+    )[0]
+
+
+@dsl_user_op
+def e4m3x4_to_bf16x4(word, scale, *, loc=None, ip=None):
+    """Four E4M3 bytes (byte 0 first) times a float32 power-of-two ``scale`` -> two bf16x2 words (elements
+    0-1, 2-3; low half first). Exact: an E4M3 value times 2**s is a BF16 value for every UE8M0 scale
+    s whose products stay at or above 2**-133 (BF16's smallest subnormal)."""
+    return pure_asm(
+        2,
+        [Int32(word).ir_value(loc=loc, ip=ip), Float32(scale).ir_value(loc=loc, ip=ip)],
+        "{.reg .b16 l, h, a0, a1, b0, b1;\n"
+        ".reg .b32 a, b;\n"
+        ".reg .f32 f0, f1, f2, f3;\n"
+        "mov.b32 {l, h}, $2;\n"
+        "cvt.rn.f16x2.e4m3x2 a, l;\n"
+        "cvt.rn.f16x2.e4m3x2 b, h;\n"
+        "mov.b32 {a0, a1}, a;\n"
+        "mov.b32 {b0, b1}, b;\n"
+        "cvt.f32.f16 f0, a0;\n"
+        "cvt.f32.f16 f1, a1;\n"
+        "cvt.f32.f16 f2, b0;\n"
+        "cvt.f32.f16 f3, b1;\n"
+        "mul.rn.f32 f0, f0, $3;\n"
+        "mul.rn.f32 f1, f1, $3;\n"
+        "mul.rn.f32 f2, f2, $3;\n"
+        "mul.rn.f32 f3, f3, $3;\n"
+        "cvt.rn.bf16x2.f32 $0, f1, f0;\n"
+        "cvt.rn.bf16x2.f32 $1, f3, f2;}",
+        "=r,=r,r,f",
+        loc,
+        ip,
+    )
 
 
 @dsl_user_op
@@ -134,3 +216,62 @@ def spin_until(addr: Int64, expected: Int32, wide: cutlass.Constexpr, scope: cut
         while behind(seen, expected) != 0:
             seen = ld_acquire(addr, wide, scope)
     return seen
+
+
+@dsl_user_op
+def ld_cg_v4_if(addr, on, *, loc=None, ip=None) -> list:
+    """16 bytes at ``addr`` (L2, ``.cg``: never a stale L1 line) as 4 words when ``on``, else 4 zero words (no
+    access)."""
+    text = (
+        "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n"
+        "@p ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4];\n}"
+    )
+    args = [ir_arg(addr, Int64, loc, ip), ir_arg(on, Int32, loc, ip)]
+    return [Int32(w) for w in volatile_asm([T.i32()] * 4, args, text, "=r,=r,=r,=r,l,r,~{memory}", loc, ip)]
+
+
+@dsl_user_op
+def ld_cg_u32_if(addr, on, *, loc=None, ip=None) -> Int32:
+    """The word at ``addr`` (L2, ``.cg``) when ``on``, else 0 (no access)."""
+    text = "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\nmov.b32 $0, 0;\n@p ld.global.cg.b32 $0, [$1];\n}"
+    args = [ir_arg(addr, Int64, loc, ip), ir_arg(on, Int32, loc, ip)]
+    return Int32(volatile_asm([T.i32()], args, text, "=r,l,r,~{memory}", loc, ip)[0])
+
+
+@dsl_user_op
+def ld_cg_u32(addr, *, loc=None, ip=None) -> Int32:
+    """The word at ``addr`` (L2, ``.cg``)."""
+    return Int32(volatile_asm([T.i32()], [ir_arg(addr, Int64, loc, ip)], "ld.global.cg.b32 $0, [$1];", "=r,l,~{memory}",
+                              loc, ip)[0])
+
+
+@dsl_user_op
+def ld_cg_u64(addr, *, loc=None, ip=None) -> Int64:
+    """The int64 at ``addr`` (L2, ``.cg``)."""
+    return Int64(volatile_asm([T.i64()], [ir_arg(addr, Int64, loc, ip)], "ld.global.cg.b64 $0, [$1];", "=l,l,~{memory}",
+                              loc, ip)[0])
+
+
+@dsl_user_op
+def st_release_sys(addr, value, wide: bool, *, loc=None, ip=None) -> None:
+    """Publish a flag to any agent, other GPUs included: ``st.release.sys`` (64-bit when ``wide``)."""
+    if wide:
+        volatile_asm([], [ir_arg(addr, Int64, loc, ip), ir_arg(value, Int64, loc, ip)],
+                     "st.release.sys.global.b64 [$0], $1;", "l,l,~{memory}", loc, ip)
+    else:
+        volatile_asm([], [ir_arg(addr, Int64, loc, ip), ir_arg(value, Int32, loc, ip)],
+                     "st.release.sys.global.b32 [$0], $1;", "l,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def bf16x2_to_f32x2(word, *, loc=None, ip=None) -> list:
+    """Two BF16 (low half first) -> two FP32 (exact)."""
+    text = "{\n.reg .b32 t;\nshl.b32 t, $2, 16;\nmov.b32 $0, t;\nand.b32 t, $2, 0xFFFF0000;\nmov.b32 $1, t;\n}"
+    return [Float32(v) for v in volatile_asm([T.f32()] * 2, [ir_arg(word, Int32, loc, ip)], text, "=f,=f,r", loc, ip)]
+
+
+@dsl_user_op
+def f32x2_to_bf16x2(lo, hi, *, loc=None, ip=None) -> Int32:
+    """Two FP32 -> two BF16 (round to nearest even), ``lo`` in the low half."""
+    args = [ir_arg(hi, Float32, loc, ip), ir_arg(lo, Float32, loc, ip)]
+    return Int32(volatile_asm([T.i32()], args, "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", loc, ip)[0])

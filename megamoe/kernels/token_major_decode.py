@@ -34,7 +34,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from ..checks import fail
 from . import ptx, runtime
-from .sm90_fp4_decode import BF16_ACC_SHIFT, CHUNK_BYTES, K_CHUNK, ROW_BLOCK
+from .weight_layout import BF16_ACC_SHIFT, CHUNK_BYTES, K_CHUNK, ROW_BLOCK
 from .warp_decode import (
     WARP,
     _fma,

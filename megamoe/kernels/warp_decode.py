@@ -62,7 +62,8 @@ from ..layouts import PACKED_BLOCK_K
 from ..layouts.weights import check_chunk_major_scales
 from ..numerics import check_activation_clamp
 from . import ptx, runtime
-from .sm90_fp4_decode import BF16_ACC_SHIFT, BF16_WORDS, CHUNK_BYTES, K_CHUNK, ROW_BLOCK, device_helpers
+from . import dequant
+from .weight_layout import BF16_ACC_SHIFT, BF16_WORDS, CHUNK_BYTES, K_CHUNK, ROW_BLOCK
 
 WARPS_PER_CTA = 8
 """Warps per CTA of the kernels (256 threads) but ``_GateUpMMA``; every warp works alone."""
@@ -501,13 +502,12 @@ def mma_chunk(acc: list, loaded: tuple, bs: list) -> list:
     ``mma.m16n8k16`` per B operand. ``bs``: for each B operand, the lane's 16 bf16x2 words of the chunk in
     fragment order (``_ld_mma_chunk``, ``_ld_natural_chunk``); ``acc``: 8 floats per B operand, two chains (K block
     parity) of the C fragment each (shorter MMA dependency chains)."""
-    h = device_helpers()
     lo_words, hi_words, lo_sf, hi_sf = loaded
-    lo_mult = [h.ue8m0_to_bf16_multiplier_pair(lo_sf, p) for p in range(2)]
-    hi_mult = [h.ue8m0_to_bf16_multiplier_pair(hi_sf, p) for p in range(2)]
+    lo_mult = [dequant.ue8m0_to_bf16_multiplier_pair(lo_sf, p) for p in range(2)]
+    hi_mult = [dequant.ue8m0_to_bf16_multiplier_pair(hi_sf, p) for p in range(2)]
     for wd in range(4):  # word wd = 32-wide scale block wd of the chunk
-        g = h.decode_e2m1x8_bf16(lo_words[wd], lo_mult[wd // 2], wd % 2)
-        u = h.decode_e2m1x8_bf16(hi_words[wd], hi_mult[wd // 2], wd % 2)
+        g = dequant.decode_e2m1x8_bf16(lo_words[wd], lo_mult[wd // 2], wd % 2)
+        u = dequant.decode_e2m1x8_bf16(hi_words[wd], hi_mult[wd // 2], wd % 2)
         for kk in range(2):
             frag = [g[2 * kk], u[2 * kk], g[2 * kk + 1], u[2 * kk + 1]]
             for b, xs in enumerate(bs):

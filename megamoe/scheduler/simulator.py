@@ -1,4 +1,4 @@
-"""A pure-Python model of the one-launch Mega MoE kernel (``sm90_grouped_gemm.mega_moe_sm90``): R ranks x C CTAs
+"""A pure-Python model of the one-launch Mega MoE kernel (``kernels.sm90.mega_moe_sm90``): R ranks x C CTAs
 per rank, each CTA's tile loop and its pull warps separate agents, under random interleavings.
 
 Each agent is a generator that yields at every point where another agent could run: before and after each

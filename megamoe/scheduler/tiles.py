@@ -1,4 +1,4 @@
-"""The one-launch Mega MoE kernel's schedule over a bounded ring (``sm90_grouped_gemm.mega_moe_sm90``).
+"""The one-launch Mega MoE kernel's schedule over a bounded ring (``kernels.sm90.mega_moe_sm90``).
 
 One source of truth for the kernel and its model (``simulator.Simulator``): integer arithmetic over an ``ops``
 namespace (``min``, ``max``, ``select``), so the same functions run on Python ints (``PY_OPS``) and on DSL

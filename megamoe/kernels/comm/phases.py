@@ -1,171 +1,25 @@
-"""NVLink dispatch and combine of the Mega MoE protocol (sm_90a, CuTe DSL): the phases as device functions
-(``EpPhases``), which the one-launch FP8 x FP4 kernel (``sm90_grouped_gemm.mega_moe_sm90``) runs around its GEMM
-tiles, and two kernels made of them for the staged BF16 path (``bf16_mega_moe``): dispatch, then torch's
-grouped GEMMs, then combine.
-
-Both kernels address every rank's SymmBuffer as ``peers[r] + section offset`` (``peers``: int64 [R]
-device array of base addresses; the offsets are the layout's, identical on every rank) and use the
-protocol sections of ``megamoe.symm_buffer``. ``call = signals[0]`` (calls completed on this rank).
-Each runs ``num_ctas`` CTAs of ``THREADS`` threads, all resident at once (``num_ctas`` <= SMs, one CTA
-per SM fits), so their grid barriers cannot deadlock.
-
-dispatch:
-  1. CTA 0 publishes ``ready[me] = (call + 1) << 32 | T`` into every rank (``st.release.sys``).
-  2. scan: for every source rank (CTA c starts at ``me + c``), thread 0 waits ``ready[src] >= call + 1``
-     (``ld.acquire.sys``); then the CTAs stride over that source's ``T_src * k`` routing entries
-     (``topk_idx`` read over NVLink); an entry ``q = t * k + j`` naming local expert e takes
-     ``pos = atomicAdd(expert_counts[e], 1)`` and stores its source code ``src * T_max * k + q`` at
-     ``pool[e, pos]``.
-  3. grid barrier 0; every CTA loads the counts and computes the exclusive prefix (smem); CTA 0 stores
-     it as ``expert_offsets [E_l + 1]`` and adds the counts to the recv stats.
-  4. pull: ring row ``r < offsets[E_l]`` belongs to expert ``e`` (binary search,
-     ``scheduler.tiles.expert_of_block``) and holds pool entry ``r - offsets[e]``; one warp per
-     (row, 2 KiB chunk of FP8) reads the chunk and its 64 packed UE8M0 scales from the source rank
-     (16-byte loads, ``VECS_PER_LANE`` in flight per lane; half the lanes load one scale word each,
-     shuffled to the lanes that need it) and stores it dequantized, exactly, as BF16 into
-     ``l1_acts[r]`` (the BF16-mode GEMM operand); BF16 buffers (``mma_type="bf16"``) copy 2 KiB of
-     BF16 per unit instead. Chunk 0's lane 0 also copies the routing weight into
-     ``l1_topk_weights[r]`` and the address of the row's combine slot on its source rank
-     (``peers[src] + combine[j, t]``) into ``ring_dest[r]``. The one-launch kernel pulls into its bounded
-     ring instead (``pull_ring``: rows at their pool block's ring rows, ``scheduler.tiles``).
-
-combine (after the L1 / L2 grouped GEMMs):
-  1. push (the staged kernel; the one-launch kernel's L2 tiles store their rows there themselves): one warp
-     per (ring row, 2 KiB chunk) stores ``o[r]`` (BF16 rows ``[ring, H]``) at ``ring_dest[r]`` (16-byte
-     stores over NVLink); every thread then ``fence.acq_rel.sys``.
-  2. grid barrier 1; CTA 0 publishes ``done[me] = call + 1`` into every rank (``st.release.sys``);
-     every CTA waits ``done[d] >= call + 1`` for all d (``ld.acquire.sys``).
-  3. sum: one warp per (token, 256 columns): for each valid slot (``0 <= topk_idx < E``) in slot
-     order, FP32 accumulation of ``combine[j, t]``; masked slots are never loaded (predicated loads:
-     they hold stale data). ``y[t] = bf16_rne(sum)``.
-  4. CTA 0 zeroes ``expert_counts`` and stores ``signals[0] = call + 1`` (every CTA read ``call``
-     before arriving at barrier 1, so no final barrier is needed).
-
-The staged kernels' grid barriers count on ``signals[1]``, never reset: barrier q of call c completes at
-``(c * BARRIERS_PER_CALL + q + 1) * num_ctas`` arrivals (the one-launch kernel counts on its own counter,
-zeroed at its end). Every flag comparison is wrap-safe
-(``(int32)(seen - expected) >= 0``, done in PTX), so 32-bit counters may wrap around.
-
-Memory model: data bound for another agent is stored with weak stores, followed by ``fence.acq_rel``
-at the agent's scope (sys for peers) or a CTA barrier before a release by one thread (flag store or
-barrier arrival); readers acquire the flag in one thread, then ``bar.sync``; data that other agents
-write is loaded with ``ld.global.cg`` (L2, never a stale L1 line). Every PTX block is volatile and
-those that touch memory clobber it, so the compiler keeps their program order.
-
-Debug mode (``debug=True``, a separate compile): every spin-wait times out after ``timeout_ns``
-(``%globaltimer``) and the kernel checks the codes it reads from ``pool`` and the
-expert / ring capacities; on a failure it printf's ``megamoe debug: rank, CTA (SM), role, site,
-expected, seen``, writes the same record into host-mapped memory (``record``: int64 [num_ctas, 8],
-one row per CTA, see ``format_record``) and traps.
-"""
+"""The Mega MoE protocol's phases as device functions (``EpPhases``): the staged dispatch and combine kernels
+(``comm.dispatch``, ``comm.combine``) run them with all their threads, the one-launch Mega MoE kernel
+(``kernels.sm90.mega_moe``) around its GEMM tiles. The protocol and its memory model: ``megamoe.kernels.comm``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import cutlass
-import torch
-from cutlass import Float32, Int32, Int64, cute, utils
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass import Float32, Int32, Int64, cute
+from cutlass.cutlass_dsl import dsl_user_op
 
-from ..checks import fail
-from ..scheduler import tiles
-from ..symm_buffer import SymmBufferLayout
-from . import ptx, runtime
-from .sm90_fp4_decode import device_helpers
-from .warp_ops import warp_inclusive_sum
+from ...scheduler import tiles
+from .. import dequant, ptx
+from ..warp_ops import warp_inclusive_sum
+from .protocol import (RECORD_WORDS, SITE_DONE, SITE_EXPERT, SITE_POOL, SITE_READY, SITE_RING_FREE, SITE_ROWS, SITES, THREADS,
+                       VEC, VECS_PER_LANE, WARP, EpCommConfig)
 
-THREADS = 512
-"""Threads per CTA of both kernels (16 warps)."""
-WARP = 32
-WARPS = THREADS // WARP
-VEC = 16
-"""Bytes per vector load / store."""
-VECS_PER_LANE = 4
-"""16-byte vectors each lane moves per copy unit: a warp copies 2 KiB per unit."""
-BARRIERS_PER_CALL = 2
-"""Grid barriers per call on ``signals[1]``: dispatch's (q = 0) and combine's (q = 1)."""
-MAX_LOCAL_EXPERTS = 8192
-"""Local experts the kernels' shared-memory prefix holds (int32 each)."""
-RECORD_WORDS = 8
-"""int64 words of one CTA's debug record: site + 1, rank, CTA, SM, index, expected, seen, 0."""
-
-SITES = (
-    ("dispatch", "timed out: waits ready[src=%d] >= %d (call + 1), sees %d"),
-    ("dispatch", "timed out: waits grid barrier %d: arrivals >= %d, sees %d"),
-    ("dispatch", "pool code of ring row %d must be in [0, %d), got %d"),
-    ("dispatch", "expert %d can take at most %d rows (pool row), got row %d: duplicate experts in a token's top-k?"),
-    ("dispatch", "a rank takes at most %d rows, this call routes %d rows here (%d too many): duplicate experts in a token's top-k?"),
-    ("combine", "timed out: waits grid barrier %d: arrivals >= %d, sees %d"),
-    ("combine", "timed out: waits done[dst=%d] >= %d (call + 1), sees %d"),
-    ("dispatch", "timed out: pull waits its ring block free: L2 tiles done of pool block %d >= %d, sees %d"),
+DSL_OPS = SimpleNamespace(
+    min=cutlass.min, max=cutlass.max, select=lambda c, a, b: Int32(cutlass.select_(c, Int32(a), Int32(b)))
 )
-"""Debug diagnostics: (role, message with index, expected, seen), shared by the kernels' printf and
-``format_record``."""
-SITE_READY, SITE_D_BARRIER, SITE_POOL, SITE_EXPERT, SITE_ROWS, SITE_C_BARRIER, SITE_DONE, SITE_RING_FREE = range(len(SITES))
-
-
-def format_record(row: list[int]) -> str:
-    """One CTA's debug record (``RECORD_WORDS`` ints, first nonzero) as the kernel printed it."""
-    site, rank, cta, sm, index, expected, seen = row[0] - 1, *row[1:7]
-    role, text = SITES[site]
-    return f"megamoe debug: rank {rank} CTA {cta} (SM {sm}) role {role}: " + text % (index, expected, seen)
-
-
-# --------------------------------------------------------------------------------------------------
-# PTX: every block is volatile; the ones that touch memory also clobber it.
-
-
-def _asm(results: list, args: list, text: str, constraints: str, loc=None, ip=None) -> list:
-    """One volatile inline-PTX block; returns its results as ``ir.Value``s."""
-    return ptx.inline_asm(results, args, text, constraints, loc, ip, side_effects=True)
-
-
-@dsl_user_op
-def _ld_v4(addr: Int64, on, *, loc=None, ip=None) -> list:
-    """16 bytes at ``addr`` (L2, ``.cg``) as 4 words when ``on``, else 4 zero words (no access)."""
-    text = (
-        "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n"
-        "@p ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4];\n}"
-    )
-    args = [ptx.ir_arg(addr, Int64, loc, ip), ptx.ir_arg(on, Int32, loc, ip)]
-    return [Int32(w) for w in _asm([T.i32()] * 4, args, text, "=r,=r,=r,=r,l,r,~{memory}", loc, ip)]
-
-
-@dsl_user_op
-def _ld_u32_if(addr: Int64, on, *, loc=None, ip=None) -> Int32:
-    """The word at ``addr`` (L2, ``.cg``) when ``on``, else 0 (no access)."""
-    text = "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\nmov.b32 $0, 0;\n@p ld.global.cg.b32 $0, [$1];\n}"
-    args = [ptx.ir_arg(addr, Int64, loc, ip), ptx.ir_arg(on, Int32, loc, ip)]
-    return Int32(_asm([T.i32()], args, text, "=r,l,r,~{memory}", loc, ip)[0])
-
-
-@dsl_user_op
-def _ld_u32(addr: Int64, *, loc=None, ip=None) -> Int32:
-    return Int32(_asm([T.i32()], [ptx.ir_arg(addr, Int64, loc, ip)], "ld.global.cg.b32 $0, [$1];", "=r,l,~{memory}", loc, ip)[0])
-
-
-@dsl_user_op
-def _ld_u64(addr: Int64, *, loc=None, ip=None) -> Int64:
-    return Int64(_asm([T.i64()], [ptx.ir_arg(addr, Int64, loc, ip)], "ld.global.cg.b64 $0, [$1];", "=l,l,~{memory}", loc, ip)[0])
-
-
-@dsl_user_op
-def _ld_low_word(addr: Int64, *, loc=None, ip=None) -> Int32:
-    """Low word of a 64-bit flag already acquired (the token count of ``ready``)."""
-    return Int32(_asm([T.i32()], [ptx.ir_arg(addr, Int64, loc, ip)], "ld.global.cg.b32 $0, [$1];", "=r,l,~{memory}", loc, ip)[0])
-
-
-@dsl_user_op
-def _st_release_sys(addr: Int64, value, wide: bool, *, loc=None, ip=None) -> None:
-    """Publish a flag to any rank: ``st.release.sys`` (64-bit when ``wide``)."""
-    if wide:
-        _asm([], [ptx.ir_arg(addr, Int64, loc, ip), ptx.ir_arg(value, Int64, loc, ip)], "st.release.sys.global.b64 [$0], $1;",
-             "l,l,~{memory}", loc, ip)
-    else:
-        _asm([], [ptx.ir_arg(addr, Int64, loc, ip), ptx.ir_arg(value, Int32, loc, ip)], "st.release.sys.global.b32 [$0], $1;",
-             "l,r,~{memory}", loc, ip)
+"""``scheduler.tiles`` ops over DSL integers."""
 
 
 @dsl_user_op
@@ -176,56 +30,13 @@ def _st_record(addr: Int64, words: list, *, loc=None, ip=None) -> None:
         lines += [f"cvt.s64.s32 w, ${i + 1};", f"st.relaxed.sys.global.b64 [$0+{8 * i}], w;"]
     text = "{\n" + "\n".join(lines) + "\nfence.sc.sys;\n}"
     args = [ptx.ir_arg(addr, Int64, loc, ip)] + [ptx.ir_arg(w, Int32, loc, ip) for w in words]
-    _asm([], args, text, "l" + ",r" * RECORD_WORDS + ",~{memory}", loc, ip)
-
-
-@dsl_user_op
-def _bf16x2_f32(word, *, loc=None, ip=None) -> list:
-    """Two BF16 (low half first) -> two FP32 (exact)."""
-    text = "{\n.reg .b32 t;\nshl.b32 t, $2, 16;\nmov.b32 $0, t;\nand.b32 t, $2, 0xFFFF0000;\nmov.b32 $1, t;\n}"
-    return [Float32(v) for v in _asm([T.f32()] * 2, [ptx.ir_arg(word, Int32, loc, ip)], text, "=f,=f,r", loc, ip)]
-
-
-@dsl_user_op
-def _f32x2_bf16x2(lo, hi, *, loc=None, ip=None) -> Int32:
-    """Two FP32 -> two BF16 (round to nearest even), ``lo`` in the low half."""
-    args = [ptx.ir_arg(hi, Float32, loc, ip), ptx.ir_arg(lo, Float32, loc, ip)]
-    return Int32(_asm([T.i32()], args, "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", loc, ip)[0])
-
-
-DSL_OPS = SimpleNamespace(
-    min=cutlass.min, max=cutlass.max, select=lambda c, a, b: Int32(cutlass.select_(c, Int32(a), Int32(b)))
-)
-"""``scheduler.tiles`` ops over DSL integers."""
-
-
-# --------------------------------------------------------------------------------------------------
-# Kernels
-
-
-@dataclass(frozen=True)
-class EpCommConfig:
-    """Static configuration of one dispatch / combine pair: the buffer layout (sizes and section
-    offsets, compile-time constants), the debug variant and whether dispatch updates recv stats. ``trace``: the
-    one-launch Mega MoE kernel's trace build (release waits, phase timestamps into ``record``: ``megamoe.timeline``)."""
-
-    layout: SymmBufferLayout
-    debug: bool
-    has_stats: bool = False
-    trace: bool = False
-
-    def __post_init__(self):
-        if self.trace and self.debug:
-            fail("trace", "a trace build times the release kernel: it cannot also be the debug build")
-
-    def offset(self, name: str) -> int:
-        return self.layout.section(name).offset
+    ptx.volatile_asm([], args, text, "l" + ",r" * RECORD_WORDS + ",~{memory}", loc, ip)
 
 
 class EpPhases:
     """The protocol's phases as device functions over a group of ``threads`` threads per CTA (every CTA of
     the grid takes part): the staged dispatch / combine kernels run them with all ``THREADS`` threads, the
-    one-launch Mega MoE kernel (``sm90_grouped_gemm``) with its own CTA's threads. ``barrier_id``: None when
+    one-launch Mega MoE kernel (``kernels.sm90.mega_moe``) with its own CTA's threads. ``barrier_id``: None when
     the group is the whole CTA (``bar.sync 0``), else the named barrier the group synchronizes on. Every
     method takes the thread's index in the group (``tid``), the CTA's index and the grid size."""
 
@@ -302,7 +113,7 @@ class EpPhases:
             v = unit * (WARP * VECS_PER_LANE) + i * WARP + lane
             ok = Int32(cutlass.select_(v < num_vecs, Int32(1), Int32(0)))
             on.append(ok)
-            words.append(_ld_v4(src + Int64(v) * VEC, ok))
+            words.append(ptx.ld_cg_v4_if(src + Int64(v) * VEC, ok))
         return words, on
 
     @cute.jit
@@ -319,21 +130,20 @@ class EpPhases:
         """A warp dequantizes FP8 vectors ``[unit * 32 * VECS_PER_LANE, +32 * VECS_PER_LANE) ∩ [0, H/16)`` of
         a token row (``x_src``; packed UE8M0 scales at ``sf_src``) into BF16 at ``dst``: all loads first.
         Lane l < 16 loads the unit's scale word l; vector v (16 values) needs scale byte v // 2."""
-        dev = device_helpers()
         num_vecs = self.hidden // VEC
         words_per_unit = WARP * VECS_PER_LANE // 8
         wi = unit * words_per_unit + lane
-        sf_word = _ld_u32_if(sf_src + Int64(wi) * 4,
+        sf_word = ptx.ld_cg_u32_if(sf_src + Int64(wi) * 4,
                              Int32(cutlass.select_((lane < words_per_unit) & (wi < self.hidden // 128), Int32(1), Int32(0))))
         words, on = self.load_unit(x_src, num_vecs, unit, lane)
         shift = ((lane // 2) % 4) * 8  # byte of vector v = unit * 128 + i * 32 + lane in its scale word
         for i in cutlass.range_constexpr(VECS_PER_LANE):
             v = unit * (WARP * VECS_PER_LANE) + i * WARP + lane
             word = cute.arch.shuffle_sync(sf_word, i * (WARP // 8) + lane // 8)
-            scale = dev.ue8m0_code_to_f32((word >> shift) & Int32(0xFF))
+            scale = dequant.ue8m0_code_to_f32((word >> shift) & Int32(0xFF))
             out = []
             for w in cutlass.range_constexpr(4):
-                lo, hi = dev.e4m3x4_to_bf16x4(words[i][w], scale)
+                lo, hi = ptx.e4m3x4_to_bf16x4(words[i][w], scale)
                 out += [lo, hi]
             ptx.st_global_v4(dst + Int64(v) * (2 * VEC), out[:4], on[i])
             ptx.st_global_v4(dst + Int64(v) * (2 * VEC) + VEC, out[4:], on[i])
@@ -360,7 +170,7 @@ class EpPhases:
     @cute.jit
     def current_call(self, base: Int64) -> Int32:
         """``signals[0]``: the calls this rank has completed (read before any phase of a call)."""
-        return _ld_u32(base + self.signals)
+        return ptx.ld_cg_u32(base + self.signals)
 
     @cute.jit
     def announce(self, me: Int32, num_tokens: Int32, peers: Int64, call: Int32, tid: Int32):
@@ -368,7 +178,7 @@ class EpPhases:
         ptx.fence_acq_rel_sys()
         for r in cutlass.range(tid, self.num_ranks, self.threads):
             flag = (Int64(call + 1) << 32) | Int64(num_tokens)
-            _st_release_sys(_ld_u64(peers + Int64(r) * 8) + (self.cfg.offset("ready") + Int64(me) * 8), flag, True)
+            ptx.st_release_sys(ptx.ld_cg_u64(peers + Int64(r) * 8) + (self.cfg.offset("ready") + Int64(me) * 8), flag, True)
 
     @cute.jit
     def scan(self, me: Int32, base: Int64, peers: Int64, call: Int32, t_src: cute.Tensor, tid: Int32, cta: Int32,
@@ -382,12 +192,12 @@ class EpPhases:
             if tid == 0:
                 flag = base + (cfg.offset("ready") + Int64(src) * 8)
                 self.wait_flag(flag, call + 1, True, "sys", SITE_READY, src, me, record, timeout_ns)
-                t_src[s % 2] = _ld_low_word(flag)
+                t_src[s % 2] = ptx.ld_cg_u32(flag)
             self.group_sync()
             entries = t_src[s % 2] * k
-            idx = _ld_u64(peers + Int64(src) * 8) + cfg.offset("topk_idx")
+            idx = ptx.ld_cg_u64(peers + Int64(src) * 8) + cfg.offset("topk_idx")
             for q in cutlass.range(cta * self.threads + tid, entries, num_ctas * self.threads):
-                e = _ld_u64(idx + Int64(q) * 8) - Int64(me) * self.num_local
+                e = ptx.ld_cg_u64(idx + Int64(q) * 8) - Int64(me) * self.num_local
                 if (e >= 0) & (e < self.num_local):
                     le = Int32(e)
                     pos = ptx.atom_add(base + (counts + Int64(le) * 4), 1, "relaxed")
@@ -406,7 +216,7 @@ class EpPhases:
         cfg = self.cfg
         counts = cfg.offset("expert_counts")
         for e in cutlass.range(tid, self.num_local, self.threads):
-            offs[e] = cutlass.min(_ld_u32(base + (counts + Int64(e) * 4)), self.pool_cap)
+            offs[e] = cutlass.min(ptx.ld_cg_u32(base + (counts + Int64(e) * 4)), self.pool_cap)
         self.group_sync()
         if tid < WARP:
             self.warp_exclusive_scan(offs, lane)
@@ -426,7 +236,7 @@ class EpPhases:
                 if cutlass.const_expr(cfg.has_stats):  # noqa: SIM102 (compile-time test, then the runtime one)
                     if e < self.num_local:
                         stat = stats + Int64(e) * 4
-                        ptx.st_global_u32(stat, _ld_u32(stat) + _ld_u32(base + (counts + Int64(e) * 4)))
+                        ptx.st_global_u32(stat, ptx.ld_cg_u32(stat) + ptx.ld_cg_u32(base + (counts + Int64(e) * 4)))
         return cutlass.min(total, self.row_limit)
 
     @cute.jit
@@ -435,11 +245,11 @@ class EpPhases:
         """One warp: unit ``unit`` of local expert e's pool entry ``entry`` into ring row ``row`` (``l1_acts``); unit
         0's lane 0 also stores the row's routing weight (``l1_topk_weights``) and combine slot (``ring_dest``)."""
         cfg, k, hidden = self.cfg, self.topk, self.hidden
-        code = _ld_u32(base + (cfg.offset("pool") + (Int64(e) * self.pool_cap + entry) * 4))
+        code = ptx.ld_cg_u32(base + (cfg.offset("pool") + (Int64(e) * self.pool_cap + entry) * 4))
         self.check_pool_code(code, row, me, record)
         src, q = self.decode(code)
         t = q // k
-        peer = _ld_u64(peers + Int64(src) * 8)
+        peer = ptx.ld_cg_u64(peers + Int64(src) * 8)
         dst = base + (cfg.offset("l1_acts") + Int64(row) * (hidden * 2))
         if cutlass.const_expr(self.fp8):
             self.pull_unit(peer + (cfg.offset("x") + Int64(t) * hidden),
@@ -447,7 +257,7 @@ class EpPhases:
         else:
             self.copy_unit(peer + (cfg.offset("x") + Int64(t) * (hidden * 2)), dst, hidden * 2 // VEC, unit, lane)
         if (unit == 0) & (lane == 0):
-            weight = _ld_u32(peer + (cfg.offset("topk_weights") + Int64(q) * 4))
+            weight = ptx.ld_cg_u32(peer + (cfg.offset("topk_weights") + Int64(q) * 4))
             ptx.st_global_u32(base + (cfg.offset("l1_topk_weights") + Int64(row) * 4), weight)
             j = q - t * k
             slot = peer + (cfg.offset("combine") + (Int64(j) * self.t_max + Int64(t)) * (hidden * 2))
@@ -521,7 +331,7 @@ class EpPhases:
         done = self.cfg.offset("done")
         if cta == 0:
             for d in cutlass.range(tid, self.num_ranks, self.threads):
-                _st_release_sys(_ld_u64(peers + Int64(d) * 8) + (done + Int64(me) * 4), call + 1, False)
+                ptx.st_release_sys(ptx.ld_cg_u64(peers + Int64(d) * 8) + (done + Int64(me) * 4), call + 1, False)
         for d in cutlass.range(tid, self.num_ranks, self.threads):
             self.wait_flag(base + (done + Int64(d) * 4), call + 1, False, "sys", SITE_DONE, d, me, record, timeout_ns)
         self.group_sync()
@@ -541,17 +351,17 @@ class EpPhases:
             if v < out_vecs:
                 loaded = []
                 for j in cutlass.range_constexpr(k):
-                    e = _ld_u64(topk_idx + (Int64(t) * k + j) * 8)
+                    e = ptx.ld_cg_u64(topk_idx + (Int64(t) * k + j) * 8)
                     valid = Int32(cutlass.select_((e >= 0) & (e < self.num_experts), Int32(1), Int32(0)))
                     src = base + (combine + (Int64(j) * t_max + Int64(t)) * (hidden * 2) + Int64(v) * VEC)
-                    loaded.append(_ld_v4(src, valid))
+                    loaded.append(ptx.ld_cg_v4_if(src, valid))
                 acc = [Float32(0.0)] * 8
                 for words in loaded:
                     for w in cutlass.range_constexpr(4):
-                        lo, hi = _bf16x2_f32(words[w])
+                        lo, hi = ptx.bf16x2_to_f32x2(words[w])
                         acc[2 * w] = acc[2 * w] + lo
                         acc[2 * w + 1] = acc[2 * w + 1] + hi
-                out = [_f32x2_bf16x2(acc[2 * w], acc[2 * w + 1]) for w in range(4)]
+                out = [ptx.f32x2_to_bf16x2(acc[2 * w], acc[2 * w + 1]) for w in range(4)]
                 ptx.st_global_v4(y + (Int64(t) * hidden + Int64(v) * 8) * 2, out, 1)
 
     @cute.jit
@@ -562,116 +372,3 @@ class EpPhases:
             ptx.st_global_u32(base + (self.cfg.offset("expert_counts") + Int64(e) * 4), 0)
         if tid == 0:
             ptx.st_global_u32(base + self.signals, call + 1)
-
-
-class Dispatch(EpPhases):
-    """The dispatch kernel (module docstring, steps 1-4)."""
-
-    @cute.jit
-    def __call__(self, me: Int32, num_tokens: Int32, base: Int64, peers: Int64, stats: Int64, record: Int64,
-                 timeout_ns: Int64, num_ctas: Int32, stream):
-        self.kernel(me, num_tokens, base, peers, stats, record, timeout_ns).launch(
-            grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
-
-    @cute.kernel
-    def kernel(self, me: Int32, num_tokens: Int32, base: Int64, peers: Int64, stats: Int64, record: Int64,
-               timeout_ns: Int64):
-        tid = cute.arch.thread_idx()[0]
-        lane = tid % WARP
-        cta = cute.arch.block_idx()[0]
-        num_ctas = cute.arch.grid_dim()[0]
-        smem = utils.SmemAllocator()
-        offs = smem.allocate_tensor(Int32, cute.make_layout(self.num_local + 1), 16)
-        t_src = smem.allocate_tensor(Int32, cute.make_layout(2), 16)
-        call = self.current_call(base)
-        if cta == 0:
-            self.announce(me, num_tokens, peers, call, tid)
-        self.scan(me, base, peers, call, t_src, tid, cta, num_ctas, record, timeout_ns)
-        self.grid_barrier(base + (self.signals + 4), (call * BARRIERS_PER_CALL + 1) * num_ctas, 0, SITE_D_BARRIER, tid,
-                          me, record, timeout_ns)
-        total = self.expert_offsets(offs, base, stats, tid, lane, cta, True, me, record)
-        self.pull(me, base, peers, offs, total, cta * WARPS + tid // WARP, num_ctas * WARPS, lane, record)
-
-
-class Combine(EpPhases):
-    """The combine kernel (module docstring, steps 1-4)."""
-
-    @cute.jit
-    def __call__(self, me: Int32, num_tokens: Int32, base: Int64, peers: Int64, rows: Int64, y: Int64, record: Int64,
-                 timeout_ns: Int64, num_ctas: Int32, stream):
-        self.kernel(me, num_tokens, base, peers, rows, y, record, timeout_ns).launch(
-            grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)
-
-    @cute.kernel
-    def kernel(self, me: Int32, num_tokens: Int32, base: Int64, peers: Int64, rows: Int64, y: Int64, record: Int64,
-               timeout_ns: Int64):
-        cfg = self.cfg
-        hidden = self.hidden
-        tid = cute.arch.thread_idx()[0]
-        lane = tid % WARP
-        cta = cute.arch.block_idx()[0]
-        num_ctas = cute.arch.grid_dim()[0]
-        gw = cta * WARPS + tid // WARP
-        call = self.current_call(base)
-
-        # 1. Push every ring row to its source rank's combine area.
-        total = _ld_u32(base + (cfg.offset("expert_offsets") + self.num_local * 4))
-        row_vecs = hidden * 2 // VEC
-        units = self.units(row_vecs)
-        for u in cutlass.range(gw, total * units, num_ctas * WARPS):
-            row = u // units
-            dst = _ld_u64(base + (cfg.offset("ring_dest") + Int64(row) * 8))
-            self.copy_unit(rows + Int64(row) * (hidden * 2), dst, row_vecs, u - row * units, lane)
-        ptx.fence_acq_rel_sys()
-
-        # 2-4. Rows are out: tell every rank, wait until every rank's rows are in, sum, reset.
-        self.grid_barrier(base + (self.signals + 4), (call * BARRIERS_PER_CALL + 2) * num_ctas, 1, SITE_C_BARRIER, tid,
-                          me, record, timeout_ns)
-        self.exchange_done(me, base, peers, call, tid, cta, record, timeout_ns)
-        self.sum_tokens(base, num_tokens, y, gw, num_ctas * WARPS, lane)
-        if cta == 0:
-            self.finish_call(base, call, tid)
-
-
-# --------------------------------------------------------------------------------------------------
-# Host side
-
-
-def compile_dispatch(cfg: EpCommConfig):
-    """The compiled dispatch kernel for ``cfg`` (cached; compiles on a CPU under ``CUTE_DSL_ARCH``)."""
-    from cutlass.cute.runtime import make_fake_stream
-
-    def build():
-        z32, z64 = Int32(0), Int64(0)
-        return cute.compile(Dispatch(cfg), z32, z32, z64, z64, z64, z64, z64, Int32(1), make_fake_stream())
-
-    return runtime.compiled(("ep_comm.dispatch", cfg), build)
-
-
-def compile_combine(cfg: EpCommConfig):
-    """The compiled combine kernel for ``cfg`` (``has_stats`` plays no part)."""
-    from cutlass.cute.runtime import make_fake_stream
-
-    cfg = EpCommConfig(cfg.layout, cfg.debug)
-
-    def build():
-        z32, z64 = Int32(0), Int64(0)
-        return cute.compile(Combine(cfg), z32, z32, z64, z64, z64, z64, z64, z64, Int32(1), make_fake_stream())
-
-    return runtime.compiled(("ep_comm.combine", cfg), build)
-
-
-def dispatch(cfg: EpCommConfig, me: int, num_tokens: int, base: int, peers: torch.Tensor, stats: torch.Tensor | None,
-             record: int, timeout_ns: int, num_ctas: int) -> None:
-    """Launch dispatch on the current stream (arguments as the kernel's; ``stats`` int32 [E_l] or None)."""
-    kernel = compile_dispatch(cfg)
-    kernel(me, num_tokens, base, peers.data_ptr(), 0 if stats is None else stats.data_ptr(), record, timeout_ns,
-           num_ctas, runtime.current_stream())
-
-
-def combine(cfg: EpCommConfig, me: int, num_tokens: int, base: int, peers: torch.Tensor, rows: torch.Tensor,
-            y: torch.Tensor, record: int, timeout_ns: int, num_ctas: int) -> None:
-    """Launch combine on the current stream: ``rows`` BF16 [ring, H] (L2 outputs), ``y`` BF16 [T, H]."""
-    kernel = compile_combine(cfg)
-    kernel(me, num_tokens, base, peers.data_ptr(), rows.data_ptr(), y.data_ptr(), record, timeout_ns, num_ctas,
-           runtime.current_stream())

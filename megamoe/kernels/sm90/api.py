@@ -1,0 +1,564 @@
+"""The SM90 grouped GEMM's Python entry points: argument checks (before any launch), config resolution, compile
+(cached; shapes are dynamic, one compile per static variant) and launch.
+
+``acc[m, n] = sum_k dequant(a)[m, k] * dequant(b[e])[n, k]`` for every row m of expert e's group in FP32
+(``megamoe.numerics`` steps 1 / 6), then one of the epilogues: BF16 rows (``grouped_gemm_fp8_fp4_{contiguous,masked}``),
+BF16 rows stored at per-row addresses (the contiguous entry with ``out_row_ptrs``), the SwiGLU-quant L1 epilogue
+(``grouped_gemm_fp8_fp4_swiglu_{contiguous,masked}``: FP8 + UE8M0, or the same values as BF16), and L1 + L2 in
+one launch (``grouped_gemm_fp8_fp4_l1_l2_contiguous``). ``mega_moe_sm90`` launches the Mega MoE kernel. The MMA
+mode follows the weights (``prepare_fp4_weights(..., mma=)``). Group layouts: contiguous (``offsets`` [E+1],
+optional ``counts``) and masked (``[E, max_m]`` slabs). Importing this module needs no DSL.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...checks import check_multiple, check_tensor, fail
+from ...layouts.weights import check_chunk_major_scales
+from ...numerics import check_activation_clamp, check_fast_math
+from .. import runtime
+from ..weight_layout import BF16_WORDS, CHUNK_BYTES, K_CHUNK, ROW_BLOCK, check_blocked_layout
+from .config import EPILOGUES, GROUP_MODES, K_MULTIPLE, SWIGLU_EPILOGUES, GemmConfig, select_config, sync_words
+from .counters import tile_counters
+from .weights import LAYOUTS
+
+def _weight_args(b, b_sf):
+    """5-D blocked kernel-layout weights of either mode and their scales -> CuTe tensors in kernel mode order."""
+    e, blocks, chunks, rows, _ = b.shape
+    w = b.view(torch.uint8).view(e, blocks, chunks, rows, CHUNK_BYTES)
+    w = w.permute(3, 1, 4, 2, 0)  # (row, block, byte, chunk, E)
+    sfw = b_sf.permute(2, 1, 0)  # (N, K/128, E), N contiguous
+    return runtime.to_cute(w, leading_dim=2), runtime.to_cute(sfw, leading_dim=0)
+
+
+def _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, group_a, group_b, second=None):
+    """Torch tensors (2-D token views, 5-D blocked kernel-layout weights of either mode) -> CuTe tensors in kernel mode
+    order; ``a_sf`` None (BF16 mode) stays None. ``second``: the "l1_l2" epilogue's ``(a2, b2, b2_sf, row_ptrs)``
+    (its tokens [M, I] bf16, weights, scales, row addresses int64 [M]), else None. Folded FP8-mode scales
+    (``b_sf`` with K/128 + 1 chunk rows) add their last row, the weight rows' FP32 scales, as ``(N, E)``."""
+    extra = (None,) * 4
+    if second is not None:
+        a2, b2, b2_sf, row_ptrs = second
+        extra = (runtime.to_cute(a2, leading_dim=1), *_weight_args(b2, b2_sf),
+                 runtime.to_cute(row_ptrs, leading_dim=0, align=8))
+    return (
+        runtime.to_cute(a, leading_dim=1),
+        None if a_sf is None else runtime.to_cute(a_sf, leading_dim=1),
+        *_weight_args(b, b_sf),
+        runtime.to_cute(out, leading_dim=1),
+        runtime.to_cute(out_sf, leading_dim=1, align=4),
+        runtime.to_cute(row_weights, leading_dim=0, align=row_weights.element_size()),
+        runtime.to_cute(group_a, leading_dim=0, align=4),
+        runtime.to_cute(group_b, leading_dim=0, align=4),
+        *extra,
+        runtime.to_cute(b_sf[:, -1].view(torch.float32).t(), leading_dim=0) if _folded(b, b_sf) else None,
+    )
+
+
+def _folded(b: torch.Tensor, b_sf: torch.Tensor) -> bool:
+    """Whether kernel-layout weights carry folded FP8-mode scales (``fold_fp8_scales``: one chunk row more)."""
+    return b.dtype == torch.uint8 and b_sf.shape[1] == b.shape[2] + 1
+
+
+def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "bf16", debug: bool = False, comm=None,
+                         folded: bool = False, fast_math: bool = True):
+    """Compile (and cache) the kernel for ``config`` (incl. its MMA mode), ``group_mode``, ``epilogue``, ``folded``
+    (FP8 mode: the weights' scales folded into the decode, ``weight_layout.fold_fp8_scales``), ``fast_math``
+    (SwiGLU epilogues, "l1_l2" included: approximate exp and reciprocal in silu; ignored by the others),
+    ``debug`` ("l1_l2" only: the build whose waits can time out and report; its wgmmas run serialized) and
+    ``comm`` ("l1_l2" only: an ``comm.EpCommConfig`` makes it the one-launch Mega MoE kernel for that buffer
+    layout, ``mega_moe_sm90``); works on a CPU with ``CUTE_DSL_ARCH=sm_90a``. Shapes are dynamic: one compile
+    serves every M, N, K, E."""
+    if group_mode not in GROUP_MODES:
+        fail("group_mode", f"must be one of {GROUP_MODES}, got {group_mode!r}")
+    if epilogue not in EPILOGUES:
+        fail("epilogue", f"must be one of {EPILOGUES}, got {epilogue!r}")
+    if debug and epilogue != "l1_l2":
+        fail("debug", f"applies to the 'l1_l2' epilogue only (the only kernel here that waits), got {epilogue!r}")
+    if comm is not None and (epilogue != "l1_l2" or group_mode != "offsets" or comm.debug != debug):
+        fail("comm", f"needs the 'l1_l2' epilogue, 'offsets' groups and the same debug flag, got {epilogue!r}, "
+             f"{group_mode!r}, debug={debug} vs {comm.debug}")
+    if epilogue == "l1_l2" and comm is None and config.consumer_warpgroups > 2:
+        fail("config.tile_n", f"must be 64 or 128 for the 'l1_l2' epilogue without Mega MoE communication (four "
+             f"consumer warpgroups are tested in the Mega MoE kernel only), got {config.tile_n}")
+    if folded and (config.mma != "fp8" or comm is not None or epilogue == "l1_l2"):
+        fail("folded", f"applies to FP8-mode single GEMMs only, got mma={config.mma!r}, epilogue={epilogue!r}")
+    check_fast_math(fast_math)
+    fast_math = fast_math or epilogue not in SWIGLU_EPILOGUES  # one build where silu is not computed
+
+    def build():
+        import cutlass
+        import cutlass.cute as cute
+
+        m, n, k, e = 128, 256, 512, 2
+        if config.mma == "bf16":
+            a, a_sf = torch.empty(m, k, dtype=torch.bfloat16), None
+            b = torch.empty(e, n // ROW_BLOCK, k // 128, ROW_BLOCK, BF16_WORDS, dtype=torch.int32)
+        else:
+            a, a_sf = torch.empty(m, k, dtype=torch.float8_e4m3fn), torch.empty(m, k // 128, dtype=torch.int32)
+            b = torch.empty(e, n // ROW_BLOCK, k // 128, ROW_BLOCK, CHUNK_BYTES, dtype=torch.uint8)
+        b_sf = torch.empty(e, k // 128 + int(folded), n, dtype=torch.int32)
+        second = None
+        if epilogue == "swiglu_fp8":
+            out = torch.empty(m, n // 8, dtype=torch.int32)
+        elif epilogue in ("swiglu_fp8_bf16", "l1_l2"):
+            out = torch.empty(m, n // 4, dtype=torch.int32)
+        else:
+            out = torch.empty(m, n, dtype=torch.bfloat16)
+        if epilogue == "l1_l2":  # second GEMM: K = n / 2, N = k
+            second = (torch.empty(m, n // 2, dtype=torch.bfloat16),
+                      torch.empty(e, k // ROW_BLOCK, n // 2 // 128, ROW_BLOCK, BF16_WORDS, dtype=torch.int32),
+                      torch.empty(e, n // 2 // 128, k, dtype=torch.int32), torch.empty(m, dtype=torch.int64))
+        out_sf = torch.empty(m, n // 64, dtype=torch.uint8)
+        row_weights = torch.empty(m, dtype=torch.int64 if epilogue == "bf16_scatter" else torch.float32)
+        groups = torch.zeros(e + 1, dtype=torch.int32)
+        args = _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, groups, groups, second)
+        from .gemm import Sm90Fp4GroupedGemm
+
+        kernel = Sm90Fp4GroupedGemm(config, group_mode, epilogue, debug, comm, folded, fast_math)
+        z32, z64 = cutlass.Int32(0), cutlass.Int64(0)
+        return cute.compile(
+            kernel, *args, cutlass.Int32(e), cutlass.Int32(m), cutlass.Float32(float("inf")), z64, z64,
+            z32, z32, z64, z64, z64, z64, z64, cutlass.Int32(1), runtime.current_stream(),
+        )
+
+    return runtime.compiled(("sm90_fp4_grouped_gemm", config, group_mode, epilogue, debug, comm, folded, fast_math),
+                            build)
+
+
+_DUMMIES: dict = {}
+
+
+def _dummies(device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Placeholder (out_sf, row_weights, out) operands for the epilogues that never touch them."""
+    key = str(device)
+    if key not in _DUMMIES:
+        _DUMMIES[key] = (torch.zeros(1, 16, dtype=torch.uint8, device=device),
+                         torch.zeros(4, dtype=torch.float32, device=device),
+                         torch.zeros(1, 64, dtype=torch.bfloat16, device=device))
+    return _DUMMIES[key]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Python entry points
+# ----------------------------------------------------------------------------------------------------
+
+def _weights_mode(b: torch.Tensor, name: str = "b") -> str:
+    """The MMA mode the kernel-layout weights ``b`` (called ``name``) were prepared for (from their dtype)."""
+    if isinstance(b, torch.Tensor):
+        for mma, (dtype, _, _) in LAYOUTS.items():
+            if b.dtype == dtype:
+                return mma
+    got = f"dtype {str(b.dtype).removeprefix('torch.')}" if isinstance(b, torch.Tensor) else type(b).__name__
+    fail(name, f"must be a kernel weight layout, FP8 mode {LAYOUTS['fp8'][2]} or BF16 mode {LAYOUTS['bf16'][2]}; "
+         f"got {got}")
+
+
+def _check_weights(b: torch.Tensor, b_sf: torch.Tensor, k: int, device, mma: str,
+                   names: tuple[str, str] = ("b", "b_sf")) -> tuple[int, int]:
+    dtype, width, _ = LAYOUTS[mma]
+    check_blocked_layout(names[0], b, dtype, width, f"SM90 {mma}-mode weight layout (prepare_fp4_weights(..., "
+                         f"mma={mma!r})) {str(dtype).removeprefix('torch.')}", device=device, contiguous=True)
+    e, blocks, chunks = b.shape[:3]
+    if chunks * K_CHUNK != k:
+        fail(names[0], f"must hold K/128 = {k // K_CHUNK} chunks per row block (dim 2) for a.shape[-1] = {k}, "
+             f"got {list(b.shape)}")
+    n = blocks * ROW_BLOCK
+    # FP8 mode: absolute scales [E, K/128, N], or folded ones with the row scales after the chunks (fold_fp8_scales).
+    folded = isinstance(b_sf, torch.Tensor) and b_sf.ndim == 3 and _folded(b, b_sf)
+    check_chunk_major_scales(names[1], b_sf, e, n, k + K_CHUNK * folded, device=device)
+    return e, n
+
+
+def _check_tokens(a: torch.Tensor, a_sf: torch.Tensor | None, ndim: int, mma: str) -> int:
+    """Tokens of ``mma`` mode: BF16 with ``a_sf`` None, or FP8 E4M3 with packed UE8M0 ``a_sf``. Returns K."""
+    check_tensor("a", a, ndim=ndim)
+    if mma == "bf16":
+        if a.dtype != torch.bfloat16:
+            fail("a", f"must have dtype bfloat16 for BF16-mode weights ({LAYOUTS['bf16'][2]}), got "
+                 f"{str(a.dtype).removeprefix('torch.')}; dequantize FP8 tokens exactly with "
+                 "layouts.dequantize_fp8(a, a_sf, torch.bfloat16), or prepare the weights with mma='fp8'")
+        if a_sf is not None:
+            fail("a_sf", "must be None with BF16 tokens (BF16 mode: the token scales are already applied)")
+    else:
+        if a.dtype != torch.float8_e4m3fn:
+            fail("a", f"must have dtype float8_e4m3fn for FP8-mode weights ({LAYOUTS['fp8'][2]}), got "
+                 f"{str(a.dtype).removeprefix('torch.')}; BF16 tokens need weights prepared with mma='bf16'")
+        if a_sf is None:
+            fail("a_sf", "is required with FP8 tokens: packed UE8M0 scales int32 [..., K/128]")
+    check_tensor("a", a, contiguous=True)
+    k = a.shape[-1]
+    check_multiple("a.shape[-1] (K)", k, K_MULTIPLE, "packed UE8M0 scale rows must be 16-byte aligned for TMA")
+    if mma == "fp8":
+        check_tensor("a_sf", a_sf, dtype=torch.int32, shape=(*a.shape[:-1], k // K_CHUNK), device=a.device,
+                     contiguous=True)
+    return k
+
+
+def _check_device(a: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    """After the dtype/shape checks: Hopper device, 16-byte aligned TMA operands (None: absent operand)."""
+    runtime.require_sm90(a, "a")
+    for name, t in dict(a=a, **tensors).items():
+        if t is not None and t.numel() and t.data_ptr() % 16:
+            fail(name, f"data pointer must be 16-byte aligned for TMA, got address {t.data_ptr():#x}")
+
+
+def _resolve_config(config: GemmConfig | None, rows_per_expert: float, n: int, k: int, mma: str,
+                    four_warpgroups: bool = True) -> GemmConfig:
+    if config is None:
+        return select_config(rows_per_expert, n, k, mma, four_warpgroups)
+    if not isinstance(config, GemmConfig):
+        raise TypeError(f"megamoe: `config` must be a GemmConfig or None, got {type(config).__name__}")
+    if config.mma != mma:
+        fail("config.mma", f"is {config.mma!r} but the weights are in the {mma}-mode layout {LAYOUTS[mma][2]}")
+    if n % config.tile_n:
+        fail("config.tile_n", f"must divide N={n}, got {config.tile_n}")
+    return config
+
+
+def _rows_view(a_sf: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """Masked-layout token scales ``[E, max_m, K/128]`` as ``[E * max_m, K/128]`` (None stays None)."""
+    return None if a_sf is None else a_sf.view(rows, a_sf.shape[-1])
+
+
+def _check_operands(a, a_sf, b, b_sf, groups, counts=None, *, masked: bool, swiglu: bool,
+                    names: tuple[str, str] = ("b", "b_sf")) -> tuple[str, int, int, int]:
+    """What the four entries share: tokens and weights of one MMA mode, the group tensors (``offsets`` [E+1]
+    and optional ``counts`` [E], or ``masked_m`` [E] with one token slab per expert), and for SwiGLU an N
+    of whole 128-column output blocks. Returns ``(mma, K, E, N)``."""
+    mma = _weights_mode(b, names[0])
+    k = _check_tokens(a, a_sf, 3 if masked else 2, mma)
+    e, n = _check_weights(b, b_sf, k, a.device, mma, names)
+    if swiglu:
+        check_multiple(f"{names[0]}.shape[1] * 64 (2I)", n, 2 * K_CHUNK, "I must be a multiple of 128 for packed output scales")
+    if masked:
+        if a.shape[0] != e:
+            fail("a", f"must have one slab per expert: shape[0] = {e} (b.shape[0]), got {a.shape[0]}")
+        check_tensor("masked_m", groups, dtype=torch.int32, shape=(e,), device=a.device, contiguous=True)
+    else:
+        check_tensor("offsets", groups, dtype=torch.int32, shape=(e + 1,), device=a.device, contiguous=True)
+        if counts is not None:
+            check_tensor("counts", counts, dtype=torch.int32, shape=(e,), device=a.device, contiguous=True)
+    return mma, k, e, n
+
+
+def _launch(config, group_mode, epilogue, a2, a_sf2, b, b_sf, out2, out_sf2, row_weights, group_a, group_b,
+            num_groups, max_m, clamp, max_tiles, second=None, sync=None, timeout_ns=0, mega=None, fast_math=True):
+    """Compile (cached) and launch one variant (``fast_math``: ``compile_grouped_gemm``'s);
+    ``second``/``sync``/``timeout_ns``: the "l1_l2" epilogue's second-GEMM operands (``_cute_args``), its zeroed
+    int32 counters (``sync_words``) and spin-wait limit (> 0: the debug build). ``mega``: the Mega MoE kernel's
+    ``(comm, me, num_tokens, base, peers, stats, record, y)`` (``mega_moe_sm90``): it runs on every CTA slot, tiles
+    or not."""
+    if mega is None and (max_tiles <= 0 or a2.shape[0] == 0):
+        return
+    import cutlass
+
+    comm, *comm_args = (None, 0, 0, 0, None, None, 0, None) if mega is None else mega
+    kernel = compile_grouped_gemm(config, group_mode, epilogue, timeout_ns > 0, comm, _folded(b, b_sf), fast_math)
+    num_ctas = torch.cuda.get_device_properties(a2.device).multi_processor_count * config.ctas_per_sm
+    if mega is None:
+        num_ctas = min(num_ctas, max_tiles)
+    if mega is None and epilogue != "l1_l2":
+        sync = tile_counters(a2.device)
+    if epilogue == "bf16":
+        out_sf2, row_weights, _ = _dummies(a2.device)
+    elif epilogue == "bf16_scatter":  # row_weights holds the row addresses
+        out_sf2, _, out2 = _dummies(a2.device)
+    elif out_sf2 is None:  # "swiglu_fp8_bf16" writes no scales
+        out_sf2 = _dummies(a2.device)[0]
+    args = _cute_args(a2, a_sf2, b, b_sf, out2, out_sf2, row_weights, group_a, group_b, second)
+    me, num_tokens, base, peers, stats, record, y = comm_args
+    kernel(*args, cutlass.Int32(num_groups), cutlass.Int32(max_m), cutlass.Float32(clamp), cutlass.Int64(_address(sync)),
+           cutlass.Int64(timeout_ns), cutlass.Int32(me), cutlass.Int32(num_tokens), cutlass.Int64(base),
+           cutlass.Int64(_address(peers)), cutlass.Int64(_address(stats)), cutlass.Int64(record), cutlass.Int64(_address(y)),
+           cutlass.Int32(num_ctas), runtime.current_stream())
+
+
+def _address(t: torch.Tensor | None) -> int:
+    """A tensor's device address, 0 for None (the kernel's "absent")."""
+    return 0 if t is None else t.data_ptr()
+
+
+def grouped_gemm_fp8_fp4_contiguous(
+    a: torch.Tensor,
+    a_sf: torch.Tensor | None,
+    b: torch.Tensor,
+    b_sf: torch.Tensor,
+    offsets: torch.Tensor,
+    out: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+    *,
+    counts: torch.Tensor | None = None,
+    out_row_ptrs: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Contiguous grouped GEMM ``out[rows of e] = a[rows of e] . b[e]^T`` (tokens x FP4 -> BF16, FP32 accumulate).
+
+    The MMA mode follows the weights (``prepare_fp4_weights(..., mma=)``): BF16 mode, b ``int32 [E, N/64, K/128,
+    64, 16]`` with a ``bfloat16 [M, K]`` and a_sf None; FP8 mode, b ``uint8 [E, N/64, K/128, 64, 64]`` with a
+    ``float8_e4m3fn [M, K]`` and a_sf ``int32 [M, K/128]`` (packed UE8M0 per 32). b_sf ``int32 [E, K/128, N]``;
+    ``config.mma``, when a config is given, must match the weights. offsets ``int32 [E+1]``:
+    expert e owns rows ``[offsets[e], offsets[e+1])``, or ``[offsets[e], offsets[e] + counts[e])`` when
+    ``counts`` (``int32 [E]``, e.g. ``ContiguousLayout.counts``) is given. Any alignment; rows of no group are
+    neither read as data for the output nor written. Group bounds are read on the device (no sync; CUDA-graph
+    capturable: the stream's tile counters, ``tile_counters``, exist once the weights were prepared on this
+    device) and clamped to ``[0, M)``. Needs K % 512 == 0, N % 64 == 0. Returns ``out`` (``bf16 [M, N]``,
+    allocated uninitialised when None).
+
+    ``out_row_ptrs`` (``int64 [M]``, instead of ``out``; returns None): row m's N BF16 values are stored at
+    the device address ``out_row_ptrs[m]`` (16-byte aligned; any memory this GPU maps, e.g. a peer rank's
+    symmetric buffer), staged per tile so that each row leaves as whole 128-byte lines. Every storing
+    thread ends with ``fence.acq_rel.sys``, so a release that follows the kernel (stream order) publishes
+    the rows to other GPUs too."""
+    mma, k, e, n = _check_operands(a, a_sf, b, b_sf, offsets, counts, masked=False, swiglu=False)
+    m = a.shape[0]
+    if out_row_ptrs is None:
+        if out is None:
+            out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+        check_tensor("out", out, dtype=torch.bfloat16, shape=(m, n), device=a.device, contiguous=True)
+        epilogue = "bf16"
+    else:
+        if out is not None:
+            fail("out", "must be None when out_row_ptrs gives the row addresses")
+        check_tensor("out_row_ptrs", out_row_ptrs, dtype=torch.int64, shape=(m,), device=a.device, contiguous=True)
+        epilogue = "bf16_scatter"
+    cfg = _resolve_config(config, m / max(e, 1), n, k, mma)
+    _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
+    max_tiles = (m // cfg.tile_tokens + e) * (n // cfg.tile_n)
+    mode = "offsets" if counts is None else "offsets_counts"
+    _launch(cfg, mode, epilogue, a, a_sf, b, b_sf, out, None, out_row_ptrs, offsets,
+            offsets if counts is None else counts, e, 0, float("inf"), max_tiles)
+    return out
+
+
+def grouped_gemm_fp8_fp4_masked(
+    a: torch.Tensor,
+    a_sf: torch.Tensor | None,
+    b: torch.Tensor,
+    b_sf: torch.Tensor,
+    masked_m: torch.Tensor,
+    out: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+    expected_m: float | None = None,
+) -> torch.Tensor:
+    """Masked grouped GEMM: ``out[e, :masked_m[e]] = a[e, :masked_m[e]] . b[e]^T`` (tokens x FP4 -> BF16).
+
+    a ``[E, max_m, K]`` (bfloat16 with a_sf None, or float8_e4m3fn with a_sf ``int32 [E, max_m, K/128]``,
+    as the weights' mode requires), weights and config as in the contiguous entry,
+    masked_m ``int32 [E]`` (read on the device, clamped to [0, max_m]); rows ``>= masked_m[e]`` are never
+    written. ``expected_m`` (rows per expert) steers the config heuristic (default max_m)."""
+    mma, k, e, n = _check_operands(a, a_sf, b, b_sf, masked_m, masked=True, swiglu=False)
+    max_m = a.shape[1]
+    if out is None:
+        out = torch.empty(e, max_m, n, dtype=torch.bfloat16, device=a.device)
+    check_tensor("out", out, dtype=torch.bfloat16, shape=(e, max_m, n), device=a.device, contiguous=True)
+    cfg = _resolve_config(config, max_m if expected_m is None else expected_m, n, k, mma)
+    _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
+    max_tiles = e * math.ceil(max_m / cfg.tile_tokens) * (n // cfg.tile_n)
+    _launch(
+        cfg, "masked", "bf16", a.view(e * max_m, k), _rows_view(a_sf, e * max_m), b, b_sf,
+        out.view(e * max_m, n), None, None, masked_m, masked_m, e, max_m, float("inf"), max_tiles,
+    )
+    return out
+
+
+SWIGLU_OUT_DTYPES = {torch.float8_e4m3fn: "swiglu_fp8", torch.bfloat16: "swiglu_fp8_bf16"}
+"""L1 output dtype -> epilogue: FP8 + packed UE8M0 scales, or the same quantized values as BF16."""
+
+
+def _swiglu_outputs(rows: tuple[int, ...], inter: int, out, out_sf, out_dtype, device, name: str = "out"):
+    """Check or allocate the L1 outputs (``out`` called ``name``); returns (epilogue, out, out_sf or None, kernel
+    views of both)."""
+    if out_dtype not in SWIGLU_OUT_DTYPES:
+        fail("out_dtype", f"must be torch.float8_e4m3fn (FP8 + UE8M0 scales) or torch.bfloat16 (the same quantized "
+             f"values in BF16), got {out_dtype}")
+    if out is None:
+        out = torch.empty(*rows, inter, dtype=out_dtype, device=device)
+    check_tensor(name, out, dtype=out_dtype, shape=(*rows, inter), device=device, contiguous=True)
+    n_rows = math.prod(rows)
+    if out_dtype == torch.bfloat16:
+        if out_sf is not None:
+            fail("out_sf", "must be None with out_dtype=torch.bfloat16 (the values carry their scales)")
+        return "swiglu_fp8_bf16", out, None, out.view(torch.int32).view(n_rows, inter // 2), None
+    if out_sf is None:
+        out_sf = torch.empty(*rows, inter // K_CHUNK, dtype=torch.int32, device=device)
+    check_tensor("out_sf", out_sf, dtype=torch.int32, shape=(*rows, inter // K_CHUNK), device=device, contiguous=True)
+    return ("swiglu_fp8", out, out_sf, out.view(torch.int32).view(n_rows, inter // 4),
+            out_sf.view(torch.uint8).view(n_rows, inter // 32))
+
+
+def _bf16_clamp(clamp: float | None) -> float:
+    if check_activation_clamp(clamp, "clamp") is None:
+        return float("inf")
+    return float(torch.tensor(clamp, dtype=torch.float32).to(torch.bfloat16))
+
+
+def grouped_gemm_fp8_fp4_swiglu_contiguous(
+    a: torch.Tensor,
+    a_sf: torch.Tensor | None,
+    b: torch.Tensor,
+    b_sf: torch.Tensor,
+    offsets: torch.Tensor,
+    row_weights: torch.Tensor,
+    clamp: float | None = None,
+    out: torch.Tensor | None = None,
+    out_sf: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+    *,
+    counts: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float8_e4m3fn,
+    fast_math: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """L1 of the FP8 x FP4 recipe with the fused epilogue (``megamoe.numerics`` steps 1-5), contiguous layout.
+
+    Operands (either MMA mode), groups and config as ``grouped_gemm_fp8_fp4_contiguous``, with b/b_sf from
+    ``prepare_fp4_weights_l1``
+    (N = 2I, I % 128 == 0); ``row_weights`` float32 [M]: the routing weight of each row. Per row of a group:
+    gate, up = bf16(acc), optional clamp (rounded to BF16), ``(silu(gate) * up) * w`` in FP32, quantized per 32
+    columns to FP8 E4M3 with UE8M0 scales like ``layouts.quantize_fp8``. Returns ``(out float8_e4m3fn [M, I],
+    out_sf int32 [M, I/128])`` (the layout FP8-mode L2 consumes), or with ``out_dtype=torch.bfloat16``
+    ``(out bfloat16 [M, I], None)``: the same quantized values times their scales (exact), the BF16-mode L2
+    operand. Rows of no group are not written. ``fast_math``: silu with approximate exp and reciprocal (default)
+    or the IEEE exp and division (``megamoe.numerics`` step 4)."""
+    check_fast_math(fast_math)
+    mma, k, e, n = _check_operands(a, a_sf, b, b_sf, offsets, counts, masked=False, swiglu=True)
+    m = a.shape[0]
+    check_tensor("row_weights", row_weights, dtype=torch.float32, shape=(m,), device=a.device, contiguous=True)
+    epilogue, out, out_sf, out_k, out_sf_k = _swiglu_outputs((m,), n // 2, out, out_sf, out_dtype, a.device)
+    clamp_value = _bf16_clamp(clamp)
+    cfg = _resolve_config(config, m / max(e, 1), n, k, mma)
+    _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
+    max_tiles = (m // cfg.tile_tokens + e) * (n // cfg.tile_n)
+    mode = "offsets" if counts is None else "offsets_counts"
+    _launch(cfg, mode, epilogue, a, a_sf, b, b_sf, out_k, out_sf_k, row_weights,
+            offsets, offsets if counts is None else counts, e, 0, clamp_value, max_tiles, fast_math=fast_math)
+    return out, out_sf
+
+
+def grouped_gemm_fp8_fp4_l1_l2_contiguous(
+    a: torch.Tensor,
+    b1: torch.Tensor,
+    b1_sf: torch.Tensor,
+    offsets: torch.Tensor,
+    row_weights: torch.Tensor,
+    b2: torch.Tensor,
+    b2_sf: torch.Tensor,
+    out_row_ptrs: torch.Tensor,
+    clamp: float | None = None,
+    act: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+    *,
+    sync: torch.Tensor | None = None,
+    timeout_ns: int = 0,
+    fast_math: bool = True,
+) -> torch.Tensor:
+    """L1 with the SwiGLU epilogue and L2 with the scatter epilogue in one persistent launch (BF16 mode).
+
+    Computes ``grouped_gemm_fp8_fp4_swiglu_contiguous(a, None, b1, b1_sf, offsets, row_weights, clamp, act,
+    out_dtype=torch.bfloat16, fast_math=fast_math)`` then ``grouped_gemm_fp8_fp4_contiguous(act, None, b2, b2_sf,
+    offsets, out_row_ptrs=out_row_ptrs)``, bit for bit, without the launch boundary: the CTAs take the L1 tiles, then
+    the L2 tiles; an L2 tile loads its first ``stages`` weight chunks, then waits until every L1 tile of its
+    expert has stored its rows of ``act`` (per-expert counters in ``sync``, release / acquire at gpu scope,
+    then a proxy fence before the TMA reads them). Deadlock-free because every CTA finishes its L1 tiles
+    before its first L2 tile and all CTAs are resident (the grid is at most the SMs' CTA slots).
+
+    a ``bfloat16 [M, H]``; b1/b1_sf from ``prepare_fp4_weights_l1(..., mma="bf16")`` (N = 2I); b2/b2_sf from
+    ``prepare_fp4_weights(..., mma="bf16")`` (N = H, K = I); offsets ``int32 [E+1]``; row_weights ``float32
+    [M]``; out_row_ptrs ``int64 [M]`` (as ``grouped_gemm_fp8_fp4_contiguous``; every storing thread ends with
+    ``fence.acq_rel.sys``); act ``bfloat16 [M, I]`` (allocated when None; rows of no group are not written).
+    H and I multiples of 512; ``config`` serves both GEMMs (its tile_n must divide 2I and H). ``sync``: ``int32
+    [E + 2]`` zeros, left zeroed by the launch (one per stream: launches in flight at once must not share it;
+    None: a fresh zeroed tensor). ``timeout_ns`` > 0 runs the debug build: a spin-wait that lasts longer
+    printf's what it waits for and traps (the printf call makes ptxas serialize that build's wgmmas: slower).
+    Returns ``act``."""
+    check_fast_math(fast_math)
+    for name, b in (("b1", b1), ("b2", b2)):
+        if _weights_mode(b, name) != "bf16":
+            fail(name, f"must be in the BF16-mode layout {LAYOUTS['bf16'][2]} (the fused L1/L2 launch is BF16 mode only)")
+    _, k, e, n1 = _check_operands(a, None, b1, b1_sf, offsets, masked=False, swiglu=True, names=("b1", "b1_sf"))
+    inter, m = n1 // 2, a.shape[0]
+    check_multiple("I (rows of b1 / 2)", inter, K_MULTIPLE, "L2's K granularity")
+    check_tensor("b2", b2, ndim=5)
+    if b2.shape[0] != e or b2.shape[1] * ROW_BLOCK != k:
+        fail("b2", f"must hold the same {e} experts with N = H = {k} rows (L2 of b1's experts), got "
+             f"{b2.shape[0]} experts of {b2.shape[1] * ROW_BLOCK} rows")
+    _check_weights(b2, b2_sf, inter, a.device, "bf16", ("b2", "b2_sf"))
+    check_tensor("row_weights", row_weights, dtype=torch.float32, shape=(m,), device=a.device, contiguous=True)
+    check_tensor("out_row_ptrs", out_row_ptrs, dtype=torch.int64, shape=(m,), device=a.device, contiguous=True)
+    _, act, _, act_k, _ = _swiglu_outputs((m,), inter, act, None, torch.bfloat16, a.device, "act")
+    if not isinstance(timeout_ns, int) or timeout_ns < 0:
+        fail("timeout_ns", f"must be a non-negative int (0: no limit), got {timeout_ns!r}")
+    if sync is None:
+        sync = torch.zeros(sync_words(e), dtype=torch.int32, device=a.device)
+    check_tensor("sync", sync, dtype=torch.int32, shape=(sync_words(e),), device=a.device, contiguous=True)
+    cfg = _resolve_config(config, m / max(e, 1), math.gcd(n1, k), k, "bf16", four_warpgroups=False)
+    _check_device(a, b1=b1, b1_sf=b1_sf, b2=b2, b2_sf=b2_sf, act=act)
+    max_tiles = (m // cfg.tile_tokens + e) * ((n1 + k) // cfg.tile_n)
+    _launch(cfg, "offsets", "l1_l2", a, None, b1, b1_sf, act_k, None, row_weights, offsets, offsets, e, 0,
+            _bf16_clamp(clamp), max_tiles, second=(act, b2, b2_sf, out_row_ptrs), sync=sync, timeout_ns=timeout_ns,
+            fast_math=fast_math)
+    return act
+
+
+def mega_moe_sm90(comm, a: torch.Tensor, b1: torch.Tensor, b1_sf: torch.Tensor, row_weights: torch.Tensor,
+                  b2: torch.Tensor, b2_sf: torch.Tensor, row_ptrs: torch.Tensor, act: torch.Tensor, offsets: torch.Tensor,
+                  clamp: float | None, config: GemmConfig, sync: torch.Tensor, me: int, num_tokens: int, base: int,
+                  peers: torch.Tensor, stats: torch.Tensor | None, record: int, y: torch.Tensor, timeout_ns: int,
+                  fast_math: bool) -> None:
+    """Launch the one-launch Mega MoE kernel (``megamoe.mega`` validates the arguments; no checks here).
+
+    ``grouped_gemm_fp8_fp4_l1_l2_contiguous`` on the SymmBuffer's ring (``a`` = ``l1_acts``, ``row_weights`` =
+    ``l1_topk_weights``, ``row_ptrs`` = ``ring_dest``, ``act`` = ``l2_acts``; ``offsets`` only fills the
+    group-bounds argument: the kernel computes the offsets itself) with the ``comm`` phases around it, on
+    every CTA slot (``SMs * config.ctas_per_sm`` CTAs, all resident): dispatch (announce, scan, grid barrier,
+    expert offsets and pool blocks in shared memory, pull; each pulled unit counted per pool block in ``sync``),
+    the tiles (``scheduler.tiles``' order, handed out dynamically; an L1 tile loads its first weight chunks,
+    then waits for its block's pulls), then combine on the consumer warpgroups (grid barrier, done exchange,
+    sum into ``y``) and the call's end. ``comm``: the buffer's ``comm.EpCommConfig`` (debug iff
+    ``timeout_ns`` > 0); ``sync``: int32 ``[sync_words(E, layout)]`` zeros,
+    left zeroed; ``peers``: int64 [R] device array of the ranks' buffer bases; ``record``: host-mapped int64
+    ``[CTAs, 8]`` (debug reports), or in the trace build (``comm.trace``) a ``timeline.trace_buffer``;
+    ``fast_math``: the L1 epilogue's silu (``grouped_gemm_fp8_fp4_swiglu_contiguous``)."""
+    m, inter = act.shape
+    _launch(config, "offsets", "l1_l2", a, None, b1, b1_sf, act.view(torch.int32).view(m, inter // 2), None,
+            row_weights, offsets, offsets, b1.shape[0], 0, _bf16_clamp(clamp), None, second=(act, b2, b2_sf, row_ptrs),
+            sync=sync, timeout_ns=timeout_ns, mega=(comm, me, num_tokens, base, peers, stats, record, y),
+            fast_math=fast_math)
+
+
+def grouped_gemm_fp8_fp4_swiglu_masked(
+    a: torch.Tensor,
+    a_sf: torch.Tensor | None,
+    b: torch.Tensor,
+    b_sf: torch.Tensor,
+    masked_m: torch.Tensor,
+    row_weights: torch.Tensor,
+    clamp: float | None = None,
+    out: torch.Tensor | None = None,
+    out_sf: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+    expected_m: float | None = None,
+    out_dtype: torch.dtype = torch.float8_e4m3fn,
+    fast_math: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Masked-layout L1 with the fused SwiGLU epilogue: a ``[E, max_m, H]``, row_weights float32 ``[E, max_m]``,
+    returns ``(out float8_e4m3fn [E, max_m, I], out_sf int32 [E, max_m, I/128])``, or with
+    ``out_dtype=torch.bfloat16`` ``(out bfloat16 [E, max_m, I], None)``; rows >= masked_m[e] are not written.
+    See ``grouped_gemm_fp8_fp4_swiglu_contiguous`` for the computation and ``fast_math``."""
+    check_fast_math(fast_math)
+    mma, k, e, n = _check_operands(a, a_sf, b, b_sf, masked_m, masked=True, swiglu=True)
+    max_m = a.shape[1]
+    check_tensor("row_weights", row_weights, dtype=torch.float32, shape=(e, max_m), device=a.device, contiguous=True)
+    epilogue, out, out_sf, out_k, out_sf_k = _swiglu_outputs((e, max_m), n // 2, out, out_sf, out_dtype, a.device)
+    clamp_value = _bf16_clamp(clamp)
+    cfg = _resolve_config(config, max_m if expected_m is None else expected_m, n, k, mma)
+    _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
+    max_tiles = e * math.ceil(max_m / cfg.tile_tokens) * (n // cfg.tile_n)
+    rows = e * max_m
+    _launch(
+        cfg, "masked", epilogue, a.view(rows, k), _rows_view(a_sf, rows), b, b_sf, out_k, out_sf_k,
+        row_weights.view(rows), masked_m, masked_m, e, max_m, clamp_value, max_tiles, fast_math=fast_math,
+    )
+    return out, out_sf

@@ -1,0 +1,274 @@
+"""Static configuration of the SM90 grouped GEMM kernels (host side, no DSL): ``GemmConfig`` (tile shapes, pipeline
+depth, CTAs per SM, MMA mode), the heuristic that picks one (``select_config``), the shared-memory budget, the
+named barriers, and the sizes of the counters the fused kernels share.
+
+The kernels (``gemm``, ``l1_l2``, ``mega_moe``) compile one variant per (config, group mode, epilogue, ...); shapes
+are dynamic. Swap-AB: weights are the wgmma M side (64 rows per consumer warpgroup, ``tile_n`` rows per CTA
+tile) and tokens the N side (``tile_tokens`` rows), so a decode-sized group wastes no tensor-core work beyond the
+wgmma N granularity of 8.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ...checks import check_range, fail
+from ..weight_layout import CHUNK_BYTES, K_CHUNK, ROW_BLOCK
+
+SMEM_CAPACITY = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
+K_MULTIPLE = 512
+N_MULTIPLE = ROW_BLOCK  # weight rows: whole row blocks of the kernel layouts (64 per warpgroup tile)
+MMA_MODES = ("bf16", "fp8")
+TILE_TOKENS_CHOICES = {"bf16": (8, 16, 32, 64, 128), "fp8": (8, 16, 32, 64, 128)}
+TILE_N_CHOICES = (64, 128, 256)
+FOUR_WG_MAX_TILE_TOKENS = 64
+"""BF16 mode, 256-row weight tiles (four consumer warpgroups, one CTA per SM, 104-112 registers per consumer thread):
+the largest token tile whose accumulator fits them. Separate launches and the Mega MoE kernel (``named_barriers``);
+the one-launch L1/L2 kernel without communication keeps two consumer warpgroups (not run with four)."""
+TWO_CTA_TILE_TOKENS = {"bf16": 32, "fp8": 16}
+"""Largest token tile that may run two CTAs per SM (``GemmConfig.ctas_per_sm``), per MMA mode."""
+DEFERRED_MAX_TILE_TOKENS = 8
+"""FP8 mode: token tiles up to this many rows issue a 128-K chunk's four k32 wgmmas into four temporaries and
+promote them after one wait. H200, 2026-11-30, A/B in turns, all checked (``bench/results/``
+``2026-11-30_gemm_fp8_deferred_promotion_h200.json``): 8-row tiles 2-6% faster on flash / pro L1 / L2 at EP8 and
+EP128 (flash L1 EP8 one row 106.6-106.9 vs 109.9-111.3 us); 16-row tiles (8 registers per temporary, spilling)
+2-3% faster at EP8, 3% slower in one round of tiles (EP128), so they keep the alternating pair."""
+THREE_CTA_TILE_TOKENS = 8
+"""Three CTAs per SM: BF16 mode, 64-row weight tiles (one consumer warpgroup) and token tiles of this many rows
+(80 registers per thread, 256 threads per CTA)."""
+MAX_CTAS_PER_SM = 3
+"""Most CTAs per SM any config runs (``GemmConfig.ctas_per_sm``): host buffers with one row per CTA are sized by it."""
+WIDE_FP8_TILE_TOKENS = 128
+"""FP8 mode, token tiles of this many rows (one per thread of a consumer warpgroup): each 32-K block as two wgmmas
+``m64 n64 k32`` into their own temporaries (with the accumulator, 128 registers), one promoted while the other runs;
+the tokens' scales as FP32 in shared memory, converted once per chunk (``GemmConfig.scale_table_bytes``). 1.87-1.98x
+faster than 64-row tiles at 256-1024 rows per expert (H200, 2026-12-01)."""
+MIN_WIDE_STAGES = 3
+"""One-CTA BF16-mode tiles load two 128-K chunks per stage where at least this many such stages fit."""
+GROUP_MODES = ("offsets", "offsets_counts", "masked")
+EPILOGUES = ("bf16", "swiglu_fp8", "swiglu_fp8_bf16", "bf16_scatter", "l1_l2")
+SWIGLU_EPILOGUES = ("swiglu_fp8", "swiglu_fp8_bf16", "l1_l2")
+"""The epilogues that compute silu (``fast_math`` selects how)."""
+SCATTER_PAD = 8
+"""BF16 elements of padding per staged row of the scatter epilogue (rows stay 16-byte aligned)."""
+
+
+def named_barriers(consumer_warpgroups: int) -> tuple[int, int, int]:
+    """Named barrier ids of a kernel with ``consumer_warpgroups`` consumer warpgroups (0 is ``sync_threads``):
+    (first epilogue barrier, first signal barrier, combine barrier). Consumer warpgroup w's epilogue (and the wide
+    FP8 tiles' token scales) meets on epilogue + w, with the signal warp on signal + w; the Mega MoE kernel's consumer
+    warpgroups meet for combine on the last: 1, 3, 5 up to two consumer warpgroups, 1, 5, 9 at four (of 16)."""
+    slots = max(consumer_warpgroups, 2)
+    return 1, 1 + slots, 1 + 2 * slots
+
+SWIGLU_GRANULARITY = 8
+"""``interleave_gate_up`` granularity of L1 weights for the SwiGLU epilogue: the rows a thread holds in the
+wgmma accumulator, g and g + 8 of each 16-row group, are then gate and up of the same intermediate column."""
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Static kernel configuration (one compiled kernel per config, group mode and epilogue).
+
+    tile_tokens: tokens per CTA tile (wgmma N): 8, 16, 32, 64 or 128.
+    tile_n: weight rows per CTA tile, 64 per consumer warpgroup (64, 128, or 256: BF16 mode, one CTA per SM, token
+        tiles up to ``FOUR_WG_MAX_TILE_TOKENS``; separate launches and the Mega MoE kernel).
+    stages: TMA pipeline depth (stages of ``chunks_per_stage(epilogue)`` x 128 K); ``None`` = as many as shared memory holds
+        (max 16).
+    ctas_per_sm: 1, or 2 for token tiles up to ``TWO_CTA_TILE_TOKENS`` (two co-resident CTAs, each with half the shared memory and
+        no register rebalancing, hide each other's waits), or 3 for BF16-mode 64-row weight tiles of
+        ``THREE_CTA_TILE_TOKENS`` tokens (finer work for the Mega MoE's decode-sized calls: ``mega.tile_config``).
+    mma: "bf16" (BF16 tokens, weights from ``prepare_fp4_weights(..., mma="bf16")``) or "fp8" (FP8 tokens +
+        UE8M0 scales, FP8-mode weights); see the module docstring.
+    """
+
+    tile_tokens: int = 64
+    tile_n: int = 128
+    stages: int | None = None
+    ctas_per_sm: int = 1
+    mma: str = "bf16"
+
+    def __post_init__(self):
+        if self.mma not in MMA_MODES:
+            fail("config.mma", f"must be one of {MMA_MODES}, got {self.mma!r}")
+        allowed = {
+            1: True,
+            2: self.tile_tokens <= TWO_CTA_TILE_TOKENS[self.mma],
+            3: self.mma == "bf16" and self.tile_n == 64 and self.tile_tokens == THREE_CTA_TILE_TOKENS,
+        }
+        if not allowed.get(self.ctas_per_sm, False):
+            fail("config.ctas_per_sm", f"must be 1, 2 with tile_tokens <= {TWO_CTA_TILE_TOKENS[self.mma]} in "
+                 f"{self.mma} mode, or 3 with tile_n=64 and tile_tokens={THREE_CTA_TILE_TOKENS} in bf16 mode; got "
+                 f"{self.ctas_per_sm} with tile_tokens={self.tile_tokens}, tile_n={self.tile_n}, mma={self.mma}")
+        if self.tile_tokens not in TILE_TOKENS_CHOICES[self.mma]:
+            fail("config.tile_tokens", f"must be one of {TILE_TOKENS_CHOICES[self.mma]} in {self.mma} mode, "
+                 f"got {self.tile_tokens}")
+        if self.tile_n not in TILE_N_CHOICES:
+            fail("config.tile_n", f"must be one of {TILE_N_CHOICES}, got {self.tile_n}")
+        if self.tile_n == 256 and not (self.mma == "bf16" and self.ctas_per_sm == 1
+                                       and self.tile_tokens <= FOUR_WG_MAX_TILE_TOKENS):
+            fail("config.tile_n", f"256 needs mma='bf16', ctas_per_sm=1 and tile_tokens <= {FOUR_WG_MAX_TILE_TOKENS}; "
+                 f"got mma={self.mma}, ctas_per_sm={self.ctas_per_sm}, tile_tokens={self.tile_tokens}")
+        if self.stages is not None:
+            check_range("config.stages", self.stages, 2, self.max_stages())
+
+    @property
+    def consumer_warpgroups(self) -> int:
+        return self.tile_n // 64
+
+    def chunks_per_stage(self, epilogue: str = "bf16") -> int:
+        """128-K chunks per pipeline stage, in BF16 mode 2 (one barrier wait and release, one loop step per 256 K:
+        172.5 instead of 183-186 SASS instructions per chunk and warp at 8-16 rows) for the one-launch L1/L2
+        kernels ("l1_l2") with token tiles of up to 32 rows, and for one-CTA tiles where ``MIN_WIDE_STAGES`` such
+        stages fit; else 1 (the separate launches' two-CTA variants would run out of registers for their
+        wgmmas, ptxas C7512)."""
+        if self.mma != "bf16":
+            return 1
+        if epilogue == "l1_l2" and self.tile_tokens <= 32:
+            return 2
+        return 2 if self.ctas_per_sm == 1 and self._fitting_stages(epilogue, 0, 2) >= MIN_WIDE_STAGES else 1
+
+    def stage_bytes(self, epilogue: str = "bf16") -> int:
+        """Shared memory of one pipeline stage: tokens, packed weights and the weights' packed scale words (4 bytes
+        per row) of each chunk; FP8 mode: plus the tokens' 4-chunk scale box (16 bytes per row)."""
+        return self._stage_bytes(self.chunks_per_stage(epilogue))
+
+    def _stage_bytes(self, chunks: int) -> int:
+        if self.mma == "bf16":
+            return chunks * (self.tile_tokens * K_CHUNK * 2 + self.tile_n * (CHUNK_BYTES + 4))
+        return self.tile_tokens * K_CHUNK + self.tile_n * (CHUNK_BYTES + 4) + 16 * self.tile_tokens
+
+    def epilogue_bytes(self, epilogue: str = "bf16") -> int:
+        """Shared memory the epilogue needs besides the pipeline (SwiGLU: FP32 activations of one tile;
+        scatter: the BF16 tile, rows padded by 16 bytes; "l1_l2": one region for both)."""
+        swiglu = self.tile_tokens * (self.tile_n // 2 + 4) * 4
+        scatter = self.tile_tokens * (self.tile_n + SCATTER_PAD) * 2
+        if epilogue == "l1_l2":  # one region serves both (equal sizes): see the kernel
+            return swiglu
+        if epilogue.startswith("swiglu"):
+            return swiglu
+        return scatter if epilogue == "bf16_scatter" else 0
+
+    def max_stages(self, epilogue: str = "bf16", extra_bytes: int = 0) -> int:
+        """Stages that fit beside the epilogue's and ``extra_bytes`` of other shared memory."""
+        return self._fitting_stages(epilogue, extra_bytes, self.chunks_per_stage(epilogue))
+
+    @property
+    def wide_fp8(self) -> bool:
+        """FP8 mode with ``WIDE_FP8_TILE_TOKENS``-row token tiles: two 64-token wgmmas per 32-K block, the tokens'
+        per-32 scales converted to FP32 once per chunk into shared memory (``scale_table_bytes``)."""
+        return self.mma == "fp8" and self.tile_tokens >= WIDE_FP8_TILE_TOKENS
+
+    def scale_table_bytes(self) -> int:
+        """Wide FP8 tiles: per consumer warpgroup two chunks' FP32 token scales, 4 blocks x 4 lane quads x
+        (tile_tokens / 4 + 4 padding) floats each."""
+        return self.consumer_warpgroups * 2 * 16 * (self.tile_tokens // 4 + 4) * 4 if self.wide_fp8 else 0
+
+    def _fitting_stages(self, epilogue: str, extra_bytes: int, chunks: int) -> int:
+        budget = (SMEM_CAPACITY // self.ctas_per_sm - 1024 - 4096 - self.epilogue_bytes(epilogue) - extra_bytes
+                  - self.scale_table_bytes())
+        return min(16, budget // self._stage_bytes(chunks))
+
+    def num_stages(self, epilogue: str = "bf16", extra_bytes: int = 0) -> int:
+        if self.stages is None:
+            return self.max_stages(epilogue, extra_bytes)
+        check_range("config.stages", self.stages, 2, self.max_stages(epilogue, extra_bytes))
+        return self.stages
+
+    def describe(self, epilogue: str = "bf16") -> str:
+        return (
+            f"sm90 fp4 swapAB mma={self.mma} tile_tokens={self.tile_tokens} tile_n={self.tile_n} "
+            f"stages={self.num_stages(epilogue)}x{K_CHUNK * self.chunks_per_stage(epilogue)}K ctas/SM={self.ctas_per_sm} "
+            f"epilogue={epilogue}"
+        )
+
+
+def mega_comm_words(comm) -> int:
+    """int32 words of the Mega MoE kernel's ``sComm`` (``comm``: its ``comm.EpCommConfig``, or None): the expert
+    offsets (int32 [E_l + 1]), the scan's two source token counts, the pool-block prefix (int32 [E_l + 1]), the
+    ring geometry (``Sm90Fp4GroupedGemm.ring_geometry``: 4 int32) and the last-CTA flag."""
+    return 0 if comm is None else -(-(2 * comm.layout.num_local_experts + 9) // 4) * 4
+
+
+def mega_smem_bytes(comm) -> int:
+    """Shared memory the Mega MoE kernel adds: ``sComm``, the published tiles and their mbarriers."""
+    return 0 if comm is None else 4 * mega_comm_words(comm) + TILE_SLOTS * (4 * TILE_WORDS + 16)
+
+
+MEGA_HEADER = 4
+"""Mega MoE ``sync`` words before the per-block counters: finished CTAs, L1 tiles done, grid-barrier arrivals,
+tiles handed out."""
+L1_DONE, FINISHED, ALL_L1, GRID, PULLED, L2_DONE, NEXT_TILE = range(7)
+"""The fused launch's counters (``Sm90Fp4GroupedGemm.word``)."""
+TILE_SLOTS = 4
+"""Mega MoE: tiles the producer warp may publish ahead of the consumer warpgroups (``publish_tile``)."""
+TILE_WORDS = 8
+"""int32 words of a published tile: phase, valid, row0, row_end, n_tile, pool block (padded)."""
+
+
+def mega_max_blocks(layout, tile_tokens: int) -> int:
+    """Most pool blocks of a Mega MoE call on ``layout`` (a ``SymmBufferLayout``) with ``tile_tokens``-row blocks."""
+    from ...scheduler import tiles
+
+    return tiles.max_blocks(layout.max_recv_rows, tile_tokens, layout.num_local_experts)
+
+
+def sync_words(num_groups: int, layout=None) -> int:
+    """int32 counters of the fused launch's ``sync``: per group L1 tiles done [E], finished CTAs, L1 tiles done.
+    Mega MoE (``layout``: its ``SymmBufferLayout``): ``MEGA_HEADER`` words, then per pool block L1 tiles done,
+    pulled row units and L2 tiles done, each ``[mega_max_blocks]`` for the smallest token tile."""
+    if layout is None:
+        return num_groups + 2
+    return MEGA_HEADER + 3 * mega_max_blocks(layout, min(TILE_TOKENS_CHOICES["bf16"]))
+
+
+TOKEN_WIDTH_STEP = 32
+"""BF16 mode, token tiles of 64 rows or more: a tile whose rows fit in fewer multiples of this many rows runs its
+wgmmas only that wide (N), not the whole tile. 16- and 32-row tiles step by half the tile."""
+
+
+def token_widths(tile_tokens: int) -> tuple[int, ...]:
+    """The wgmma token widths (N) a BF16-mode kernel with ``tile_tokens`` compiles, narrowest first, equal steps
+    (the first width): the multiples of ``TOKEN_WIDTH_STEP`` up to the tile from 64 rows, else half the tile and the
+    tile (8 rows, the wgmma N granularity: the tile alone)."""
+    if tile_tokens >= 2 * TOKEN_WIDTH_STEP:
+        return tuple(range(TOKEN_WIDTH_STEP, tile_tokens + 1, TOKEN_WIDTH_STEP))
+    return (tile_tokens,) if tile_tokens == 8 else (tile_tokens // 2, tile_tokens)
+
+
+def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "bf16",
+                  four_warpgroups: bool = True) -> GemmConfig:
+    """Heuristic config for ``mma`` mode from the expected rows per expert (tokens) and the problem's N, K.
+
+    Token tile: the smallest tile_tokens choice covering the expected group (the largest beyond); in BF16 mode, up
+    to ``TWO_CTA_TILE_TOKENS`` rows, the smallest covering the expected group plus two standard deviations of a
+    Poisson count (16 rather than 8 rows from 4.5 expected, 32 rather than 16 from 10): the wider tile runs narrower
+    K loops for smaller groups (``token_widths``) and reads the weights of a larger group once instead of twice.
+    Weight tile 128 rows (two consumer warpgroups) when N allows it, else 64; in BF16 mode with token tiles up to
+    ``FOUR_WG_MAX_TILE_TOKENS`` rows 256 (four consumer warpgroups, one CTA per SM) where N allows it and
+    ``four_warpgroups`` (False for the one-launch L1/L2 kernel without communication, which takes two at most;
+    ``mega.tile_config`` sets it for the Mega MoE kernel by measurement): 16 consumer
+    warps per SM share one token tile in shared memory, where two CTAs of 128-row tiles each load and hold their own;
+    H200, 2026-12-01, flash and pro L1 / L2 at EP8 and EP2, every point checked
+    (``bench/results/2026-12-01_gemm_four_consumer_wg_h200.json``): against the 128-row tiles
+    1.08-1.14x at 1 row per expert (flash L2 EP8 47.8 -> 42.1 us, pro L1 EP8 286.7 -> 259.8), 1.07-1.12x at 4,
+    1.04-1.12x at 16 (32-row token tiles), 1.03-1.15x at 64. Otherwise two CTAs per SM up to
+    ``TWO_CTA_TILE_TOKENS``: measured on an H200 (flash L1/L2, EP8, 2026-11-29), 1 and 16 rows per expert ran 8-16%
+    faster in BF16 mode (e.g. L1 1 row/expert 91.9 vs 106.9 us) and faster in FP8 mode (hiding per-k32 promotion
+    waits); 32-row BF16 tiles on two CTAs per SM: pro EP2 Mega MoE at 512 tokens/rank (16 rows/expert) 2623-2626
+    vs 2994-3004 us on 16-row tiles (2026-11-30). FP8 mode's 128-row tiles (from 65 expected rows) ran 1.87-1.98x
+    faster than main's 64-row tiles at 256 and 1024 rows per expert (flash, pro, L1, L2, EP8; 2026-12-01)."""
+    del k  # the stage count is chosen from shared memory alone
+    if mma not in MMA_MODES:
+        fail("mma", f"must be one of {MMA_MODES}, got {mma!r}")
+    tiles = TILE_TOKENS_CHOICES[mma]
+    tile_tokens = next((t for t in tiles if t >= expected_rows_per_expert), tiles[-1])
+    if mma == "bf16" and tile_tokens <= TWO_CTA_TILE_TOKENS["bf16"]:
+        margin = min(expected_rows_per_expert + 2 * math.sqrt(expected_rows_per_expert), TWO_CTA_TILE_TOKENS["bf16"])
+        tile_tokens = next(t for t in tiles if t >= margin)
+    tile_n = 128 if n % 128 == 0 else 64
+    ctas = 2 if tile_tokens <= TWO_CTA_TILE_TOKENS[mma] else 1
+    if mma == "bf16" and four_warpgroups and tile_tokens <= FOUR_WG_MAX_TILE_TOKENS and n % 256 == 0:
+        tile_n, ctas = 256, 1
+    return GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas, mma=mma)

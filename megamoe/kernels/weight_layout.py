@@ -1,0 +1,243 @@
+"""Kernel weight layouts of FP4 (E2M1) experts for Hopper, made once at weight-load time (host side, no DSL).
+
+Hopper has no FP4 tensor cores: the SM90 kernels dequantize packed E2M1 weights in registers straight into a
+wgmma / mma A fragment (``megamoe.kernels.dequant``). These layouts put each thread's slice of a 128-wide K chunk
+where one 16-byte shared-memory load fetches it in fragment order (four 16-byte segments per chunk and row,
+segment ``q = lane % 4``; rows ``g`` and ``g + 8``, ``g = lane // 4 + 16 * warp``).
+
+Both layouts store rows in blocks of ``ROW_BLOCK`` = 64: ``[E, N/64, K/128, 64, 64 bytes]``, so the 64 rows x
+64 bytes of one block and K chunk -- what a kernel reads together (a TMA box of 64 to 256 rows, or a warp's
+16 rows) -- are one contiguous 4 KiB piece of memory.
+
+FP8 layout (``to_sm90_weight_layout``, uint8 ``[E, N/64, K/128, 64, 64]``): E2M1 -> E4M3 is exact (every E2M1 value
+is an E4M3 value). A thread owns, per 32-wide K block ``kb``, ``k = kb*32 + 16*h + 4*q + i`` (h in {0, 1}, i in
+0..3): the PTX ``wgmma .e4m3`` A fragment, four registers of four bytes, ``(row, h)`` major. Segment ``q`` holds
+words ``kb = 0..3`` whose low half is ``h = 0`` and high half ``h = 1``; nibble order inside a byte is unchanged
+(even element in the low nibble). The per-32 scales are applied outside the MMA, or folded (``fold_fp8_scales``)
+relative to their row's scale inside the dequantization: ``v * 2**d`` is exact in E4M3 for d in -5..6.
+
+BF16 layout (``to_sm90_bf16_weight_layout``, int32 ``[E, N/64, K/128, 64, 16]``): E2M1 times its UE8M0 scale is
+exact in BF16, so the MMA needs no scales at all. A thread owns, per 16-wide K block ``kk``, ``k = 16*kk + 8*h +
+2*q + i`` (the ``wgmma .bf16`` A fragment: registers ``(row, h)``, element i = 0 in the low half). Word ``w`` of
+segment ``q`` holds the 8 elements of K blocks ``kk = 2w, 2w + 1`` (one 32-wide scale block) for one row;
+register ``j = 2 * (kk - 2w) + h`` of them is decoded from the word x as follows (bit positions of its low-half
+element; the high-half element's are 16 higher, modulo 32):
+
+    j  bits m, e0, e1, sign   window                                     BF16 bits of the low half
+    0  0, 1, 2, 9             (x << 6) & 0x81C081C0                      sign 15, e1 e0 m at 8..6
+    1  4, 5, 6, 13            (x << 2) & 0x81C081C0                      the same
+    2  10, 11, 12, 19         rotr(x, 4) & 0x81C081C0                    the same (the high sign wraps to bit 3)
+    3  14, 7, 8, 15           (x & 0x81808180) | ((x >> 8) & 0x00400040) the same
+
+Registers 0-2 are whole windows of x (a shift or rotate and one mask); register 3 takes the 8 bits left over,
+which no single window covers, so its mantissa bit comes from a second window (no four rotations of the window
+tile the 32 bits of a word: ``tests/test_weight_layout.py``). The window puts the three magnitude bits ``e1 e0 m``
+of both elements at BF16 bits 8..6 -- exponent bits 1..0 and the top mantissa bit -- and the sign at bit 15, so
+the BF16 value of the window is exactly ``v * 2**-126`` for every E2M1 value v (e = 0, code 1 = 0.5, lands on the
+BF16 subnormal 2**-127; -0 stays -0). One ``mul.rn.bf16x2`` by ``2**(126 + s - P)`` (s the UE8M0 exponent,
+``P = BF16_ACC_SHIFT``) restores the value and applies the scale in one exact step (``mul.bf16x2`` has no ``.ftz``
+form: subnormal inputs and results are kept).
+
+Exact range of the BF16 layout: the multiplier ``2**(126 + s - P)`` must be a finite BF16 (``s <= P + 1``) and the
+smallest product ``0.5 * 2**(s - P)`` at least the smallest BF16 subnormal 2**-133 (``s >= P - 132``). With
+``P = 16`` the decoded weights are ``w * 2**-16`` and the kernel multiplies its FP32 accumulator by ``2**16``
+(exact) before the epilogue: UE8M0 codes ``BF16_MIN_SCALE_CODE..BF16_MAX_SCALE_CODE`` = 11..144 (scales
+``2**-116 .. 2**17``, block maxima up to 786432) are exact; an all-zero block is exact for any code <= 144
+(``quantize_fp4`` gives it code 0). ``check_bf16_scale_range`` checks this once. The FP32 accumulator then holds
+sums times 2**-16: (partial) sums below 2**-110 in magnitude are FP32-subnormal inside the MMA (instead of below
+2**-126), far from any real activation x weight product.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..checks import check_multiple, check_tensor, fail
+from ..layouts.fp4 import pack_fp4_codes, unpack_fp4_codes
+from ..layouts.ue8m0 import unpack_ue8m0
+
+K_CHUNK = 128
+"""K elements per kernel-layout chunk (one pipeline stage, one packed UE8M0 scale word)."""
+CHUNK_BYTES = K_CHUNK // 2
+
+# E4M3 bytes of the E2M1 magnitudes {0, 0.5, 1, 1.5} and {2, 3, 4, 6}, byte i = magnitude code i (mod 4).
+E4M3_LUT_LO = 0x3C383000
+E4M3_LUT_HI = 0x4C484440
+
+BF16_ACC_SHIFT = 16
+"""P: BF16-mode weights are decoded as ``w * 2**-P``; the accumulator is multiplied by ``2**P``."""
+BF16_MIN_SCALE_CODE = BF16_ACC_SHIFT - 5
+"""Smallest UE8M0 code exact in BF16 mode for a block with a nonzero value (``0.5 * 2**(s - P) >= 2**-133``)."""
+BF16_MAX_SCALE_CODE = BF16_ACC_SHIFT + 128
+"""Largest UE8M0 code allowed in BF16 mode (the multiplier ``2**(126 + s - P)`` stays a finite BF16)."""
+BF16_SCALE_FIELD_OFFSET = 126 - BF16_ACC_SHIFT
+"""BF16 exponent field of the decode multiplier = UE8M0 code + this."""
+BF16_WORDS = 16
+"""int32 words per row and 128-wide K chunk in the BF16-mode layout."""
+ROW_BLOCK = 64
+"""Weight rows per block of both kernel layouts (``[E, N/ROW_BLOCK, K/128, ROW_BLOCK, chunk]``)."""
+BF16_CODE_BITS = ((0, 1, 2, 9), (4, 5, 6, 13), (10, 11, 12, 19), (14, 7, 8, 15))
+"""Per fragment register j of a word: where the E2M1 code bits (m, e0, e1, sign) of its low-half element
+sit in the word; the high-half element's are 16 higher, modulo 32 (see the module docstring)."""
+
+
+def _block_rows(t: torch.Tensor) -> torch.Tensor:
+    """Row-major kernel chunks ``[E, N, K/128, W]`` -> the blocked layout ``[E, N/64, K/128, 64, W]``."""
+    e, n, chunks, width = t.shape
+    return t.view(e, n // ROW_BLOCK, ROW_BLOCK, chunks, width).transpose(2, 3).contiguous()
+
+
+def _unblock_rows(t: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``_block_rows``."""
+    e, blocks, chunks, rows, width = t.shape
+    return t.transpose(2, 3).reshape(e, blocks * rows, chunks, width)
+
+
+def check_blocked_layout(name: str, t: torch.Tensor, dtype: torch.dtype, width: int, what: str, **checks) -> None:
+    """``t`` must be a blocked kernel layout ``[E, N/64, K/128, 64, width]`` of ``dtype`` (``what`` names it
+    in the error); ``checks``: further ``check_tensor`` rules (device, contiguous)."""
+    check_tensor(name, t, dtype=dtype, ndim=5, **checks)
+    if t.shape[3] != ROW_BLOCK or t.shape[4] != width:
+        fail(name, f"must be the {what} [E, N/{ROW_BLOCK}, K/128, {ROW_BLOCK}, {width}], got {list(t.shape)}")
+
+
+def to_sm90_weight_layout(b: torch.Tensor) -> torch.Tensor:
+    """Canonical packed FP4 ``uint8 [E, N, K/2]`` -> FP8-mode kernel layout ``uint8 [E, N/64, K/128, 64, 64]``
+    (done once at weight-load time; N a multiple of 64). Byte ``kb*16 + h*8 + q*2 + p`` of a row's 64-byte
+    chunk moves to ``q*16 + kb*4 + h*2 + p``."""
+    check_tensor("b", b, dtype=torch.uint8, ndim=3)
+    e, n, half_k = b.shape
+    check_multiple("b.shape[2] * 2 (K)", 2 * half_k, K_CHUNK, "the kernel layout works in 128-wide K chunks")
+    check_multiple("b.shape[1] (N)", n, ROW_BLOCK, "the kernel layout stores rows in blocks of 64")
+    chunks = b.reshape(e, n, half_k // CHUNK_BYTES, 4, 2, 4, 2)  # (kb, h, q, p)
+    return _block_rows(chunks.permute(0, 1, 2, 5, 3, 4, 6).reshape(e, n, half_k // CHUNK_BYTES, CHUNK_BYTES))
+
+
+def from_sm90_weight_layout(bk: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``to_sm90_weight_layout``: ``uint8 [E, N/64, K/128, 64, 64]`` -> canonical ``uint8 [E, N, K/2]``."""
+    check_blocked_layout("b", bk, torch.uint8, CHUNK_BYTES, "FP8-mode weight layout uint8")
+    rows = _unblock_rows(bk)
+    e, n, chunks, _ = rows.shape
+    parts = rows.reshape(e, n, chunks, 4, 4, 2, 2)  # (q, kb, h, p)
+    return parts.permute(0, 1, 2, 4, 5, 3, 6).reshape(e, n, chunks * CHUNK_BYTES).contiguous()
+
+
+def _bf16_word_view(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes ``[E, N, K]`` -> ``[E, N, K/128, q, w, kk', h, i]`` (k = 128c + 32w + 16kk' + 8h + 2q + i)."""
+    e, n, k = codes.shape
+    return codes.reshape(e, n, k // K_CHUNK, 4, 2, 2, 4, 2).permute(0, 1, 2, 6, 3, 4, 5, 7)
+
+
+def _bf16_code_bit_positions(device) -> torch.Tensor:
+    """int64 ``[kk', h, i, 4]``: the word bit of code bit (m, e0, e1, sign) of element i of register j = 2 kk' + h."""
+    low = torch.tensor(BF16_CODE_BITS, device=device).view(2, 2, 1, 4)
+    return (low + 16 * torch.arange(2, device=device).view(1, 1, 2, 1)) % 32
+
+
+def to_sm90_bf16_weight_layout(b: torch.Tensor) -> torch.Tensor:
+    """Canonical packed FP4 ``uint8 [E, N, K/2]`` -> BF16-mode kernel layout ``int32 [E, N/64, K/128, 64, 16]``
+    (word ``4*q + w`` of a row's chunk: see the module docstring). Done once at weight-load time; N a
+    multiple of 64."""
+    check_tensor("b", b, dtype=torch.uint8, ndim=3)
+    e, n, half_k = b.shape
+    check_multiple("b.shape[2] * 2 (K)", 2 * half_k, K_CHUNK, "the kernel layout works in 128-wide K chunks")
+    check_multiple("b.shape[1] (N)", n, ROW_BLOCK, "the kernel layout stores rows in blocks of 64")
+    pos = _bf16_code_bit_positions(b.device)  # [kk', h, i, code bit]
+    chunks = half_k // CHUNK_BYTES
+    out = torch.empty(e, n // ROW_BLOCK, chunks, ROW_BLOCK, BF16_WORDS, dtype=torch.int32, device=b.device)
+    for x in range(e):  # one expert at a time: the int64 temporaries are 16x the expert's bytes
+        codes = _bf16_word_view(unpack_fp4_codes(b[x : x + 1]).to(torch.int64))  # [..., q, w, kk', h, i]
+        bits = sum(((codes >> c) & 1) << pos[..., c] for c in range(4))  # disjoint bits: the sum is their OR
+        words = bits.flatten(-3).sum(-1)
+        words = torch.where(words >= 2**31, words - 2**32, words)  # uint32 -> the same bits as int32
+        out[x] = _block_rows(words.to(torch.int32).reshape(1, n, chunks, BF16_WORDS))[0]
+    return out
+
+
+def from_sm90_bf16_weight_layout(bk: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``to_sm90_bf16_weight_layout``: ``int32 [E, N/64, K/128, 64, 16]`` -> canonical
+    ``uint8 [E, N, K/2]``."""
+    check_blocked_layout("b", bk, torch.int32, BF16_WORDS, "BF16-mode weight layout int32")
+    bk = _unblock_rows(bk)
+    e, n, chunks, _ = bk.shape
+    words = (bk.to(torch.int64) & 0xFFFFFFFF).reshape(e, n, chunks, 4, 4, 1, 1, 1, 1)  # [..., q, w]
+    bits = (words >> _bf16_code_bit_positions(bk.device)) & 1  # [..., q, w, kk', h, i, code bit]
+    codes = (bits << torch.arange(4, device=bk.device)).sum(-1)
+    codes = codes.permute(0, 1, 2, 4, 5, 6, 3, 7)  # (w, kk', h, q, i): natural k order
+    return pack_fp4_codes(codes.reshape(e, n, chunks * K_CHUNK).to(torch.uint8))
+
+
+def nonzero_blocks(b: torch.Tensor) -> torch.Tensor:
+    """Canonical FP4 weights ``uint8 [E, N, K/2]`` -> ``bool [E, N, K/32]``: whether each 32-block holds a nonzero
+    value. One expert at a time: the unpacked codes are twice the expert's bytes."""
+    e, n, half_k = b.shape
+    out = torch.empty(e, n, half_k // 16, dtype=torch.bool, device=b.device)
+    for x in range(e):
+        out[x] = (unpack_fp4_codes(b[x]) & 7).reshape(n, half_k // 16, 32).amax(-1) > 0
+    return out
+
+
+def check_bf16_scale_range(b: torch.Tensor, b_sf: torch.Tensor) -> None:
+    """Raise unless canonical FP4 weights (``uint8 [E, N, K/2]``, ``int32 [E, N, K/128]``) are exact in BF16
+    mode: every UE8M0 code <= ``BF16_MAX_SCALE_CODE``, and >= ``BF16_MIN_SCALE_CODE`` where the 32-block
+    holds a nonzero value. One host sync (weight-load time)."""
+    codes = unpack_ue8m0(b_sf).to(torch.int32)  # [E, N, K/32]
+    nonzero = nonzero_blocks(b)
+    checks = (
+        ("above", codes > BF16_MAX_SCALE_CODE, f"<= {BF16_MAX_SCALE_CODE} (scale 2**{BF16_MAX_SCALE_CODE - 127})"),
+        ("below", nonzero & (codes < BF16_MIN_SCALE_CODE),
+         f">= {BF16_MIN_SCALE_CODE} (scale 2**{BF16_MIN_SCALE_CODE - 127}) where the block holds a nonzero value"),
+    )
+    for name, bad, what in checks:
+        if bool(bad.any()):
+            at = bad.nonzero()[0].tolist()
+            fail("b_sf", f"has UE8M0 codes {name} the exact range of the BF16 decode: codes must be {what}; "
+                 f"first offending [expert, row, 32-block] = {at} (code {int(codes[tuple(at)])}); "
+                 "use mma='fp8' for such weights (the Mega MoE path and MoEDecoder take BF16-mode weights only)")
+
+
+FOLD_MIN_SHIFT = -5
+"""Smallest relative exponent ``d`` a folded FP8-mode decode takes: ``0.5 * 2**d`` stays a normal E4M3 (>= 2**-6)."""
+FOLD_MAX_SHIFT = 6
+"""Largest ``d``: ``6 * 2**d`` = 384 stays a finite E4M3 (max 448)."""
+FOLD_LUT_LO = E4M3_LUT_LO - (-FOLD_MIN_SHIFT) * 0x08080800
+"""``E4M3_LUT_LO`` with every nonzero byte's exponent lowered by ``-FOLD_MIN_SHIFT`` (bytes 1-3 minus 8 each)."""
+FOLD_LUT_HI = E4M3_LUT_HI - (-FOLD_MIN_SHIFT) * 0x08080808
+"""``E4M3_LUT_HI`` likewise (all four bytes)."""
+
+
+def fold_fp8_scales(b: torch.Tensor, b_sf: torch.Tensor) -> torch.Tensor | None:
+    """FP8-mode folded scales of canonical FP4 weights (``uint8 [E, N, K/2]``, ``int32 [E, N, K/128]``), or None
+    where a row's block scales span too many binades.
+
+    Folded, the decode applies each 32-block's scale relative to its row's base: E2M1 ``v`` of a block with UE8M0
+    code ``s`` decodes to the E4M3 ``v * 2**d`` (exact: d = s - base in ``[FOLD_MIN_SHIFT, FOLD_MAX_SHIFT]``; the
+    lookup table's exponents move by d, ``FOLD_LUT_LO/HI``), and the kernel multiplies each FP32 output row by
+    ``2**(base - 127)`` once, after the K loop, instead of every 32-K block's partial sums by the weight scale.
+    base = the row's largest code of a block holding a nonzero value, minus ``FOLD_MAX_SHIFT``; an all-zero
+    block takes any d (clamped). Returns ``int32 [E, K/128 + 1, N]``: chunk-major words of the biased codes
+    ``d - FOLD_MIN_SHIFT`` (byte kb = 32-block kb of the chunk, as the packed scales), then one row of the FP32
+    bits of ``2**(base - 127)``. None if some row has a nonzero block below ``base + FOLD_MIN_SHIFT`` (a spread
+    of more than 11 binades) or a base below code 1 (the row scale would be an FP32 subnormal): such weights
+    keep the absolute scales (``prepare_fp4_weights``). One host sync (weight-load time)."""
+    codes = unpack_ue8m0(b_sf).to(torch.int32)  # [E, N, K/32]
+    nonzero = nonzero_blocks(b)
+    top = torch.where(nonzero, codes, torch.full_like(codes, -1)).amax(-1)  # [E, N]; -1: an all-zero row
+    base = torch.where(top >= 0, top - FOLD_MAX_SHIFT, torch.full_like(top, 127))
+    d = codes - base[..., None]
+    if bool((nonzero & (d < FOLD_MIN_SHIFT)).any()) or bool((base < 1).any()):
+        return None
+    biased = (d.clamp(FOLD_MIN_SHIFT, FOLD_MAX_SHIFT) - FOLD_MIN_SHIFT).to(torch.uint8)
+    words = biased.contiguous().view(torch.int32)  # [E, N, K/128], byte kb = block kb
+    row_scale = (base << 23).view(torch.int32)[:, None, :]  # FP32 bits of 2**(base - 127), [E, 1, N]
+    return torch.cat([words.transpose(1, 2), row_scale], dim=1).contiguous()
+
+
+def unfold_fp8_scales(folded: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``fold_fp8_scales`` for the blocks it encodes: ``int32 [E, K/128 + 1, N]`` -> the canonical
+    packed scales ``int32 [E, N, K/128]`` (an all-zero block's code is its clamped one)."""
+    check_tensor("folded", folded, dtype=torch.int32, ndim=3)
+    words = folded[:, :-1].transpose(1, 2).contiguous()  # [E, N, K/128]
+    base = (folded[:, -1] >> 23) & 0xFF  # [E, N]
+    codes = unpack_ue8m0(words).to(torch.int32) + FOLD_MIN_SHIFT + base[..., None]
+    return codes.to(torch.uint8).view(torch.int32)
