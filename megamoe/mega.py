@@ -193,11 +193,11 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     Decode-sized calls whose 128-row L1 tiles (over the local experts expected to get a row) would not occupy every
     two-CTA slot run 64-row weight tiles on three CTAs per SM instead: flash EP2 at 1 token/rank (~190 such tiles for
     264 slots) ran 0.94x the time over five alternated rounds; pro (~280 tiles) ran 1.04x, 8 tokens/rank 1.02-1.04x,
-    so only the former qualify (2 x H200, 2026-11-30, ``bench/results/2026-11-30_mega_three_cta_ab_h200.json``).
+    so only the former qualify (2 x H200, 2026-11-30, ``bench/results/mega/2026-11-30_mega_three_cta_ab_h200.json``).
 
     From ``MEGA_FOUR_WG_MIN_ROWS`` expected rows per expert, token tiles up to ``MEGA_FOUR_WG_MAX_TILE_TOKENS`` rows
     run 256-row weight tiles on four consumer warpgroups (``select_config``), one CTA per SM: against the 128-row tiles (2 x
-    H200, EP2, builds in turns, every row checked; ``bench/results/2026-12-01_mega_four_wg_ab_h200.txt``) flash
+    H200, EP2, builds in turns, every row checked; ``bench/results/mega/2026-12-01_mega_four_wg_ab_h200.txt``) flash
     128 tokens/rank 503.1 / 499.8 vs 514.1 / 533.1 us, 512 649.5 / 632.4 vs 742.1 / 733.4 (1.05x, 1.14x), pro 128
     1888.0 vs 1955.6, 512 2360.8 vs 2585.1 (1.04x, 1.09x); at 8 tokens/rank (0.25-0.4 rows per expert) flash 172.5 vs
     172.6 / 170.5, pro 433.7 vs 409.3 (slower); at flash 1 token/rank 55.5 vs 55.6 / 55.3 on the three-CTA tiles,

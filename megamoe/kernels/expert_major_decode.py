@@ -26,7 +26,7 @@ order first):
   routed by at most ``COLUMNS / 2`` pairs: one packed pass with pair p's ``hi`` and ``lo`` in columns 2p and
   2p + 1 of one operand (one MMA per fragment, the same sums, the same bits); stores ``o [T*k, H]`` FP32 for
   each real pair (the routing weight is not applied yet). The packed pass made the calls 2-4% faster at 8-16
-  tokens (H200, ``bench/results/2026-12-01_decode_expert_down_packed_h200.txt``).
+  tokens (H200, ``bench/results/decode/2026-12-01_decode_expert_down_packed_h200.txt``).
 * ``combine``: ``y[t, h] = bf16(sum_j w_tj * o[t*k + j, h])`` in FP32 over the valid slots in slot order
   (masked slots are skipped, whatever ``o`` holds for them).
 

@@ -58,7 +58,7 @@ GATE_UP_CTAS_PER_SM = 6
 GATE_UP_MIN_PART_CHUNKS = 14
 """gate_up splits K into the most parts (4, 2 or 1) that leave each at least this many 128-wide chunks (flash, H 4096:
 2 parts; pro, H 7168: 4). H200, 2026-11-30, one token, all checked (``bench/results/``
-``2026-11-30_decode_token_major_h200.txt``, ``2026-11-30_decode_token_major_smem_h200.txt``), us: flash 32 experts
+``decode/2026-11-30_decode_token_major_h200.txt``, ``decode/2026-11-30_decode_token_major_smem_h200.txt``), us: flash 32 experts
 2 parts 27.2-27.3 vs 4 parts 27.3-27.4 and 26.5-26.6 vs 26.8-26.9 (staged down); pro 48 4 parts 64.5-64.8 vs 2
 parts 68.8-69.1 and 63.3-63.4 vs 67.1-67.5."""
 SMEM_BUDGET = runtime.H100_SMEM_PER_SM - 8 * 1024
@@ -66,7 +66,7 @@ SMEM_BUDGET = runtime.H100_SMEM_PER_SM - 8 * 1024
 TOKEN_MAJOR_MAX_TOKENS = 4
 """Largest batch ``warp_decode.moe_decode`` runs these kernels for (both weights in the Mega MoE layout, a shape
 ``supports`` accepts); larger batches take the expert-major kernels, which read each routed expert once per batch.
-H200, 2026-11-30, token- vs expert-major, all checked (``bench/results/2026-11-30_decode_token_major_t2_4_h200.txt``),
+H200, 2026-11-30, token- vs expert-major, all checked (``bench/results/decode/2026-11-30_decode_token_major_t2_4_h200.txt``),
 us: 3 tokens flash 32 / 128 experts 63.5 vs 67.6-67.7, 67.5-67.8 vs 86.0-86.3, pro 48 / 192 164.4-164.6 vs
 182.4-183.4, 168.1-168.2 vs 195.4-197.1; 4 tokens 81.7 vs 80.7 (flash 32: 1% slower), 86.6 vs 97.0-97.3, 209.3-223.0
 vs 219.2-221.3, 217.4-222.9 vs 251.8-253.1; 2 tokens 12-24% faster on all four."""
@@ -89,7 +89,7 @@ def default_tuning(hidden: int, inter: int, topk: int) -> tuple:
     """(gate_up K parts, gate_up CTAs per SM, down K parts, down CTAs per SM) for a shape: gate_up by
     ``GATE_UP_MIN_PART_CHUNKS``; down at 24 warps per SM (77-86 registers) where shared memory allows, unsplit on 4
     CTAs per SM (flash: 26.5-26.6 us at one token vs 27.0 split on 2), else split in two on 2 (pro: 63.3-63.4 vs
-    66.8-67.2 unsplit on 3; receipt ``2026-11-30_decode_token_major_smem_h200.txt``), else as many unsplit CTAs as
+    66.8-67.2 unsplit on 3; receipt ``decode/2026-11-30_decode_token_major_smem_h200.txt``), else as many unsplit CTAs as
     fit."""
     chunks = hidden // K_CHUNK
     gate_up = next(p for p in (4, 2, 1) if p == 1 or (chunks % p == 0 and chunks // p >= GATE_UP_MIN_PART_CHUNKS))

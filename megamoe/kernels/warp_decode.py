@@ -69,7 +69,7 @@ WARPS_PER_CTA = 8
 """Warps per CTA of the kernels (256 threads) but ``_GateUpMMA``; every warp works alone."""
 DOWN_ROWS_PER_WARP = 2
 """Output elements y[t, h:h+R] per down warp; they share each lane's FP32 activation loads. Re-checked at one token
-(H200, 2026-11-30, ``bench/results/2026-11-30_decode_down_rows_t1_h200.txt``, MoEDecoder's path): R = 2 flash 31.4-32.4
+(H200, 2026-11-30, ``bench/results/decode/2026-11-30_decode_down_rows_t1_h200.txt``, MoEDecoder's path): R = 2 flash 31.4-32.4
 us, pro 77.3-79.8; R = 4 42.6-43.5 and 101.7-102.9; R = 8 66.6-71.7 and 192.0-192.2 (fewer, longer warps)."""
 DOWN_LOAD_REGS = 64
 """Registers per lane the down kernel spends on weight words in flight (sets its slot pipeline depth)."""
@@ -90,7 +90,7 @@ GATE_UP_MMA_WARPS_PER_CTA = 4
 """Warps per CTA of ``_GateUpMMA``: its warps are long (a whole K of 16 rows each) and few (8 neurons of a pair
 each: 1536 at one token of flash, 192 CTAs of 8 warps on 132 SMs left 60 SMs with 16 warps, 72 with 8), so smaller
 CTAs spread them more evenly. MoEDecoder at one token, H200, two alternated rounds (2026-11-30,
-``bench/results/2026-11-30_decode_gate_up_cta_ab_h200.json``): flash 32 / 128 experts 36.9-38.2 vs 37.9-39.2 us,
+``bench/results/decode/2026-11-30_decode_gate_up_cta_ab_h200.json``): flash 32 / 128 experts 36.9-38.2 vs 37.9-39.2 us,
 pro 48 / 192 86.1-86.8 vs 87.4-87.7 us (1-3% faster, every row checked)."""
 GATE_UP_MMA_MIN_CTAS_PER_SM = 6
 """Launch bound of ``_GateUpMMA``: 6 CTAs of 4 warps per SM (80 registers, no spills at depth 4)."""
@@ -99,7 +99,7 @@ NATURAL_X_MAX_TOKENS = 8
 loads per chunk); larger batches gather it into MMA order first (``interleave_tokens(x, "mma")``, 4 16-byte loads
 per chunk). The gather kernel costs 4.6-4.9 us per call; the natural loads cost instructions and, expert-major, L1
 wavefronts (8 token rows per load). H200, 2026-11-30, all checked
-(``bench/results/2026-11-30_decode_natural_x_pdl_ab_h200.json``): natural vs gathered, one token (MoEDecoder) flash
+(``bench/results/decode/2026-11-30_decode_natural_x_pdl_ab_h200.json``): natural vs gathered, one token (MoEDecoder) flash
 31.5-31.9 vs 36.6-37.5 us, pro 77.5-81.9 vs 86.3-88.4; expert-major T = 2-8 1-4 us faster or equal; at T = 16-64
 expert-major 6-40% slower (flash 32 experts 153.4 / 240.5 / 453.9 vs 135.2 / 180.7 / 323.0 us at 16 / 32 / 64
 tokens)."""

@@ -31,7 +31,7 @@ TWO_CTA_TILE_TOKENS = {"bf16": 32, "fp8": 16}
 DEFERRED_MAX_TILE_TOKENS = 8
 """FP8 mode: token tiles up to this many rows issue a 128-K chunk's four k32 wgmmas into four temporaries and
 promote them after one wait. H200, 2026-11-30, A/B in turns, all checked (``bench/results/``
-``2026-11-30_gemm_fp8_deferred_promotion_h200.json``): 8-row tiles 2-6% faster on flash / pro L1 / L2 at EP8 and
+``gemm/2026-11-30_gemm_fp8_deferred_promotion_h200.json``): 8-row tiles 2-6% faster on flash / pro L1 / L2 at EP8 and
 EP128 (flash L1 EP8 one row 106.6-106.9 vs 109.9-111.3 us); 16-row tiles (8 registers per temporary, spilling)
 2-3% faster at EP8, 3% slower in one round of tiles (EP128), so they keep the alternating pair."""
 THREE_CTA_TILE_TOKENS = 8
@@ -251,7 +251,7 @@ def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "b
     ``mega.tile_config`` sets it for the Mega MoE kernel by measurement): 16 consumer
     warps per SM share one token tile in shared memory, where two CTAs of 128-row tiles each load and hold their own;
     H200, 2026-12-01, flash and pro L1 / L2 at EP8 and EP2, every point checked
-    (``bench/results/2026-12-01_gemm_four_consumer_wg_h200.json``): against the 128-row tiles
+    (``bench/results/gemm/2026-12-01_gemm_four_consumer_wg_h200.json``): against the 128-row tiles
     1.08-1.14x at 1 row per expert (flash L2 EP8 47.8 -> 42.1 us, pro L1 EP8 286.7 -> 259.8), 1.07-1.12x at 4,
     1.04-1.12x at 16 (32-row token tiles), 1.03-1.15x at 64. Otherwise two CTAs per SM up to
     ``TWO_CTA_TILE_TOKENS``: measured on an H200 (flash L1/L2, EP8, 2026-11-29), 1 and 16 rows per expert ran 8-16%

@@ -1218,7 +1218,7 @@ class Sm90Fp4GroupedGemm:
         RNE) and stores 32 FP8 bytes and one scale byte. ``fast_math``: silu with ``ex2.approx`` and
         ``rcp.approx`` (a few FP32 ulps, as ``megamoe.numerics`` allows): against the IEEE exp and division, flash
         L1 (256 experts, 192 rows each) 3169-3172 vs 3708-3722 us on one H200, as fast as no silu at all
-        (``bench/results/2026-12-01_gemm_swiglu_fast_math_h200.json``)."""
+        (``bench/results/gemm/2026-12-01_gemm_swiglu_fast_math_h200.json``)."""
         n_cols = self.tile_tokens // 8
         wg = ctidx // 128
         barrier = self.epilogue_barrier(wg)
