@@ -1,16 +1,16 @@
 """megamoe: expert-parallel Mixture-of-Experts layers for multi-GPU inference.
 
 Public surface (see README.md): the SymmBuffer and its sizing helper, the Mega MoE path
-(``fp8_fp4_mega_moe``: one persistent kernel per rank), the legacy EP baseline, one-GPU decode (``moe_decode``,
-``MoEDecoder``), the FP32 reference of the numerics
-contract, the data layouts (``megamoe.layouts``) and the model layer (``megamoe.nn``).
+(``fp8_fp4_mega_moe``: one persistent kernel per rank), the staged EP baseline (``StagedMoE``, also named
+``LegacyMoE``), one-GPU decode (``moe_decode``, ``MoEDecoder``), the FP32 reference of the numerics contract, the data
+layouts (``megamoe.layouts``) and the model layer (``megamoe.nn``).
 """
 
 from . import layouts, nn, numerics
 from .decode import MoEDecoder
-from .legacy import LegacyMoE
 from .mega import MegaMoE, bf16_mega_moe, debug_report, fp8_fp4_mega_moe, transform_weights_for_mega_moe
 from .reference import distributed_reference_moe, reference_moe
+from .staged import LegacyMoE, StagedMoE
 from .symm_buffer import SymmBuffer, get_symm_buffer_for_mega_moe, symm_buffer_layout
 
 __version__ = "0.1.0"
@@ -19,6 +19,7 @@ __all__ = [
     "LegacyMoE",
     "MegaMoE",
     "MoEDecoder",
+    "StagedMoE",
     "moe_decode",
     "bf16_mega_moe",
     "debug_report",

@@ -9,7 +9,7 @@ describes ``fp8_fp4_mega_moe``.
 (FP8 x FP4 recipe) for the ``T = y.shape[0]`` tokens the caller copied into the buffer's ``x``, ``x_sf``,
 ``topk_idx`` and ``topk_weights`` views; ``l1``/``l2`` come from ``transform_weights_for_mega_moe``. It is
 collective: every rank of the buffer's group makes the same sequence of calls on the same buffer. One launch on the
-caller's stream, nothing else (no host sync, no host zeroing): ``kernels.kernels.sm90.mega_moe_sm90``, every
+caller's stream, nothing else (no host sync, no host zeroing): ``kernels.sm90.mega_moe_sm90``, every
 CTA slot of the GPU (``tile_config``: three per SM on 64-row weight tiles for decode-sized calls, two on 128-row
 tiles for token tiles up to ``TWO_CTA_TILE_TOKENS``, else one, on 256-row tiles from one expected row per expert up
 to ``MEGA_FOUR_WG_MAX_TILE_TOKENS``; all resident), each CTA a TMA producer warp, a signal warp and one, two or four
@@ -31,7 +31,7 @@ work is complete and visible, as in plain stream order.
    L1 tiles write ``l2_acts``, the FP8-quantized SwiGLU outputs as their exact BF16 values (steps 1-5); an L2
    tile streams its first weight chunks while it waits for the L1 tiles of its block, and stores each BF16 row (step 6)
    straight into its source rank's ``combine[slot, token]`` over NVLink (whole 128-byte lines); each storing
-   thread ends with ``fence.acq_rel.sys``. The same values bit for bit as the legacy path's two launches
+   thread ends with ``fence.acq_rel.sys``. The same values bit for bit as the staged path's two SM90 GEMM launches
    (``grouped_gemm_fp8_fp4_swiglu_contiguous``, then ``grouped_gemm_fp8_fp4_contiguous``);
 3. combine, the consumer warpgroups of every CTA: grid barrier (every row of this rank stored), publish
    ``done``, wait for every rank's ``done``, sum each token's valid slots in slot order (step 7); the last
@@ -442,10 +442,10 @@ def bf16_mega_moe(
 
 
 class MegaMoE:
-    """The Mega MoE path with this rank's experts prepared once: a drop-in beside ``LegacyMoE``.
+    """The Mega MoE path with this rank's experts prepared once: a drop-in beside ``StagedMoE``.
 
     ``l1``, ``l2``: canonical FP4 tuples (``fp8_fp4_mega_moe``, transformed here) or BF16 tensors
-    (``bf16_mega_moe``), as ``LegacyMoE`` takes them; ``fast_math`` as ``fp8_fp4_mega_moe``'s. Call as
+    (``bf16_mega_moe``), as ``StagedMoE`` takes them; ``fast_math`` as ``fp8_fp4_mega_moe``'s. Call as
     ``moe(y, sym_buffer, cumulative_local_expert_recv_stats, activation_clamp=None, debug=None)``.
     """
 

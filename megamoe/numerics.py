@@ -1,4 +1,4 @@
-"""The numerics contract: what every megamoe path (reference, legacy, fused kernels) computes.
+"""The numerics contract: what every megamoe path (reference, staged baseline, Mega MoE kernels) computes.
 
 Per rank r of R: tokens ``x [T, H]``, ``topk_idx [T, k]`` int64 (-1 = slot unused), ``topk_weights
 [T, k]`` float32. E experts in all, ``E / R`` per rank, rank r owning experts ``[r*E/R, (r+1)*E/R)``.

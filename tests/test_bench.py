@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megamoe import LegacyMoE
+from megamoe import StagedMoE
 from megamoe.bench.common import environment_receipt, source_digest
 from megamoe.bench.moe import main
 
@@ -28,17 +28,17 @@ def test_moe_bench_paths_filter():
 
 def test_moe_bench_builds_only_the_selected_paths(monkeypatch):
     """Paths are built after the --paths filter (a path's prepared weights can be several times the FP4 ones), and
-    a GEMM's two legacy modes share one LegacyMoE's weights (``with_mode``)."""
+    a GEMM's two legacy modes share one StagedMoE's weights (``with_mode``)."""
     import megamoe.bench.moe as bench_moe
 
     built = []
 
-    class Counting(LegacyMoE):
+    class Counting(StagedMoE):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             built.append(self.mode)
 
-    monkeypatch.setattr(bench_moe, "LegacyMoE", Counting)
+    monkeypatch.setattr(bench_moe, "StagedMoE", Counting)
     rows = main(["--preset", "tiny", "--tokens", "2", "--paths", "low_latency", "--warmup", "1", "--iters", "1"])
     assert built == ["low_latency"] and all(r["correct"] for r in rows)
     built.clear()

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ..dist import init_from_env, rank_and_size
 from ..inputs import fill_buffer, random_bf16_weights, random_fp4_weights, random_routing, random_tokens
-from ..legacy import LegacyMoE
+from ..staged import StagedMoE
 from ..mega import MegaMoE, trace_fp8_fp4_mega_moe
 from ..numerics import max_row_rel_error, moe_tolerances, rel_fro_error
 from ..reference import distributed_reference_moe
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         gemms.append("sm90")
     # Each path's name and what it runs; only the paths --paths selects are built (a path's prepared weights can
     # be several times the FP4 ones: torch's GEMMs take BF16), and a GEMM's two legacy modes share them.
-    names = [(f"legacy {mode}, {gemm} GEMM", gemm, mode) for gemm in gemms for mode in LegacyMoE.MODES]
+    names = [(f"legacy {mode}, {gemm} GEMM", gemm, mode) for gemm in gemms for mode in StagedMoE.MODES]
     if "sm90" in gemms or (not fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)):
         # FP8 x FP4: one persistent launch (dispatch, SM90 GEMM tiles, combine); BF16: staged, torch grouped GEMMs
         names.append(("fused (one launch)" if fp8 else "fused (staged)", None, None))
@@ -168,13 +168,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
             raise SystemExit(f"megamoe.bench: --paths {','.join(unmatched)} matches none of the paths here: "
                              + "; ".join(name for name, _, _ in names))
         names = [entry for entry in names if any(word in entry[0] for word in args.paths)]
-    paths, prepared = {}, {}  # prepared: one LegacyMoE per GEMM, its weights shared by both modes
+    paths, prepared = {}, {}  # prepared: one StagedMoE per GEMM, its weights shared by both modes
     for name, gemm, mode in names:
         if gemm is None:
             paths[name] = MegaMoE(l1, l2)
             continue
         if gemm not in prepared:
-            prepared[gemm] = LegacyMoE(l1, l2, mode, gemm)
+            prepared[gemm] = StagedMoE(l1, l2, mode, gemm)
         paths[name] = prepared[gemm].with_mode(mode)
     if args.timeline and not any(isinstance(path, MegaMoE) and path.fp8 for path in paths.values()):
         say("--timeline: no fused FP8 x FP4 path runs here (it needs an SM90 GPU): no timeline")
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 say(f"INCORRECT: {name} at {t} tokens/rank: rel_fro={fro:.3e} max_row_rel={row_rel:.3e}")
         for buf, _, _ in cases:
             buf.destroy()
-        del cases
+        cases.clear()  # drop the references before the next point allocates
 
     method = (f"median of {args.iters} timings after {args.warmup} warm-up calls, each after a cross-rank "
               f"barrier; slowest rank; per-row method column; {args.routings} routing(s) per point, the timed "

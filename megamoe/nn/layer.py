@@ -10,7 +10,7 @@ follows the numerics contract (``megamoe.numerics``). No gradients flow through 
 
 Implementations (``impl``, ``mode``), chosen explicitly, never substituted:
 
-* ``"legacy"``: ``megamoe.LegacyMoE``; ``mode="normal"`` (one host sync, exact sizes) or
+* ``"legacy"``: ``megamoe.StagedMoE``; ``mode="normal"`` (one host sync, exact sizes) or
   ``"low_latency"`` (no host sync, CUDA-graph capturable).
 * ``"fused"``: ``megamoe.MegaMoE`` (``mode="mega"``: FP8 x FP4 one persistent kernel per rank -- NVLink
   dispatch, grouped GEMM tiles, NVLink combine --, BF16 those kernels staged around torch's grouped GEMMs;
@@ -38,13 +38,13 @@ from ..checks import check_multiple, check_tensor, fail
 from ..dist import rank_and_size
 from ..inputs import fill_buffer
 from ..layouts import quantize_fp4
-from ..legacy import LegacyMoE
+from ..staged import StagedMoE
 from ..mega import K_MULTIPLE, MegaMoE
 from ..numerics import check_activation_clamp
 from ..symm_buffer import SymmBuffer
 from .checkpoint import Checkpoint, expert_range, read_expert_weights, read_mlp_weights
 
-IMPLS = {"legacy": LegacyMoE.MODES, "fused": ("mega",)}
+IMPLS = {"legacy": StagedMoE.MODES, "fused": ("mega",)}
 """Implementation -> its modes (the first is the default)."""
 
 _LAYERS: weakref.WeakValueDictionary[int, EPMoE] = weakref.WeakValueDictionary()
@@ -173,7 +173,7 @@ class EPMoE(nn.Module):
             self.w1, self.w2 = quantize_fp4(w1, "w1"), quantize_fp4(w2, "w2")
         else:
             self.w1, self.w2 = w1.to(torch.bfloat16), w2.to(torch.bfloat16)
-        self._impl = MegaMoE(self.w1, self.w2) if self.impl == "fused" else LegacyMoE(self.w1, self.w2, self.mode)
+        self._impl = MegaMoE(self.w1, self.w2) if self.impl == "fused" else StagedMoE(self.w1, self.w2, self.mode)
 
     @classmethod
     def from_checkpoint(

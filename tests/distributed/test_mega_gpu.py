@@ -131,7 +131,7 @@ def _check(rank: int, what: str, y, ref, stats, want_stats, y_legacy=None, bitwi
 
 def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
     """GENERATIONS calls with fresh inputs and weights; the first in debug mode."""
-    from megamoe import LegacyMoE
+    from megamoe import StagedMoE
     from megamoe.inputs import fill_buffer, local_experts
     from megamoe.mega import MegaMoE, tile_config
 
@@ -148,7 +148,7 @@ def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
         t = p["x"][rank].shape[0]
         y_legacy = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=device)
         stats_legacy = torch.full((E_PER_RANK,), 7, dtype=torch.int32, device=device)
-        LegacyMoE(l1, l2, "low_latency", "sm90" if fp8 else "torch", fast_math)(y_legacy, buf, stats_legacy,
+        StagedMoE(l1, l2, "low_latency", "sm90" if fp8 else "torch", fast_math)(y_legacy, buf, stats_legacy,
                                                                              activation_clamp=clamp)
         y = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=device)
         stats = torch.full((E_PER_RANK,), 7, dtype=torch.int32, device=device)

@@ -1,13 +1,13 @@
-"""The legacy EP path on several ranks: gloo processes on CPU; NCCL on GPUs under -m gpu."""
+"""The staged EP path on several ranks: gloo processes on CPU; NCCL on GPUs under -m gpu."""
 
 import pytest
 import torch
 
 from launch.spawn import spawn
-from legacy_cases import check_legacy_against_reference
 from megamoe import distributed_reference_moe, get_symm_buffer_for_mega_moe, reference_moe
 from megamoe.inputs import fill_buffer, global_problem, local_experts
 from megamoe.numerics import check_moe_output
+from staged_cases import check_staged_against_reference
 
 BASE = dict(experts=8, topk=3, hidden=256, intermediate=128, seed=11)
 CASES = {
@@ -21,9 +21,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_legacy_multirank_gloo(name):
+def test_staged_multirank_gloo(name):
     case = CASES[name]
-    spawn(check_legacy_against_reference, len(case["tokens_per_rank"]), case)
+    spawn(check_staged_against_reference, len(case["tokens_per_rank"]), case)
 
 
 def _check_distributed_reference(rank, group, device, tokens_per_rank):
@@ -51,10 +51,10 @@ def test_distributed_reference_matches_single_process():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["r2_uneven_masked", "r2_zero_token_rank", "r2_skewed_bf16", "r2_ll_uneven_masked"])
-def test_legacy_two_gpus_nccl(name):
+def test_staged_two_gpus_nccl(name):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    spawn(check_legacy_against_reference, 2, CASES[name], use_cuda=True)
+    spawn(check_staged_against_reference, 2, CASES[name], use_cuda=True)
 
 
 def _check_symmetric_peer_views(rank, group, device):

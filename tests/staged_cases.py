@@ -1,14 +1,14 @@
-"""Shared body of the legacy-path checks, run by single-process and multi-rank tests alike."""
+"""Shared body of the staged-path checks, run by single-process and multi-rank tests alike."""
 
 import torch
 
-from megamoe import LegacyMoE, get_symm_buffer_for_mega_moe, reference_moe
+from megamoe import StagedMoE, get_symm_buffer_for_mega_moe, reference_moe
 from megamoe.inputs import fill_buffer, global_problem, local_experts
 from megamoe.numerics import check_moe_output
 
 
-def check_legacy_against_reference(rank, group, device, case: dict) -> None:
-    """Build the global problem of ``case``, run the legacy path for this rank's tokens (twice, with
+def check_staged_against_reference(rank, group, device, case: dict) -> None:
+    """Build the global problem of ``case``, run the staged path for this rank's tokens (twice, with
     fresh inputs the second time) and compare with the single-process FP32 reference."""
     num_ranks = len(case["tokens_per_rank"])
     e, k, h, i = case["experts"], case["topk"], case["hidden"], case["intermediate"]
@@ -17,12 +17,12 @@ def check_legacy_against_reference(rank, group, device, case: dict) -> None:
     for call, seed in enumerate((case["seed"], case["seed"] + 1)):
         p = global_problem(seed, case["tokens_per_rank"], e, k, h, i, mma, case.get("masked_ratio", 0.0), case.get("hot_experts"))
         l1, l2 = local_experts(p["l1"], rank, num_ranks, device), local_experts(p["l2"], rank, num_ranks, device)
-        legacy = LegacyMoE(l1, l2, case.get("mode", "normal"), case.get("gemm", "torch"))
+        staged = StagedMoE(l1, l2, case.get("mode", "normal"), case.get("gemm", "torch"))
         x_q, x_sf = fill_buffer(buf, p["x"][rank].to(device), p["topk_idx"][rank].to(device), p["topk_weights"][rank].to(device))
         t = p["x"][rank].shape[0]
         y = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=device)  # poisoned
         stats = torch.full((e // num_ranks,), 7, dtype=torch.int32, device=device)
-        legacy(y, buf, stats, activation_clamp=case.get("clamp"))
+        staged(y, buf, stats, activation_clamp=case.get("clamp"))
 
         # Reference on the whole problem (all ranks' tokens, all experts), then this rank's rows.
         all_x = torch.cat([v.to(device) for v in p["x"]])

@@ -1,11 +1,11 @@
-"""The legacy EP path on one rank (CPU; the same checks on one GPU under -m gpu)."""
+"""The staged EP path on one rank (CPU; the same checks on one GPU under -m gpu)."""
 
 import pytest
 import torch
 
-from legacy_cases import check_legacy_against_reference
-from megamoe import LegacyMoE, get_symm_buffer_for_mega_moe
+from megamoe import LegacyMoE, StagedMoE, get_symm_buffer_for_mega_moe
 from megamoe.inputs import fill_buffer, global_problem
+from staged_cases import check_staged_against_reference
 
 BASE = dict(experts=8, topk=3, hidden=256, intermediate=128, seed=1)
 CASES = {
@@ -24,14 +24,14 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_legacy_single_rank_cpu(name):
-    check_legacy_against_reference(0, None, torch.device("cpu"), CASES[name])
+def test_staged_single_rank_cpu(name):
+    check_staged_against_reference(0, None, torch.device("cpu"), CASES[name])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["one_token", "ragged_masked", "empty_experts_skewed", "zero_tokens", "bf16", "ll_ragged_masked"])
-def test_legacy_single_gpu(name):
-    check_legacy_against_reference(0, None, torch.device("cuda"), CASES[name])
+def test_staged_single_gpu(name):
+    check_staged_against_reference(0, None, torch.device("cuda"), CASES[name])
 
 
 SM90 = dict(experts=8, topk=3, hidden=512, intermediate=512, seed=3, gemm="sm90")
@@ -43,10 +43,10 @@ SM90 = dict(experts=8, topk=3, hidden=512, intermediate=512, seed=3, gemm="sm90"
     dict(SM90, tokens_per_rank=[45], masked_ratio=0.3, clamp=0.5),
     dict(SM90, tokens_per_rank=[30], hot_experts=3, mode="low_latency"),
 ], ids=["one_token", "ragged_masked_clamp", "skewed_low_latency"])
-def test_legacy_single_gpu_sm90_gemm(case):
+def test_staged_single_gpu_sm90_gemm(case):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm_90 GPU")
-    check_legacy_against_reference(0, None, torch.device("cuda"), case)
+    check_staged_against_reference(0, None, torch.device("cuda"), case)
 
 
 def _setup(mma="fp8xfp4", t=4):
@@ -56,57 +56,62 @@ def _setup(mma="fp8xfp4", t=4):
     return p, buf
 
 
-@pytest.mark.parametrize("mode", LegacyMoE.MODES)
-def test_legacy_validation_errors(mode):
+@pytest.mark.parametrize("mode", StagedMoE.MODES)
+def test_staged_validation_errors(mode):
     p, buf = _setup()
-    legacy = LegacyMoE(p["l1"], p["l2"], mode)
+    staged = StagedMoE(p["l1"], p["l2"], mode)
     with pytest.raises(ValueError, match="`y` must have dtype bfloat16"):
-        legacy(torch.empty(4, 256), buf)
+        staged(torch.empty(4, 256), buf)
     with pytest.raises(ValueError, match=r"`y` must have shape \[\*, 256\]"):
-        legacy(torch.empty(4, 128, dtype=torch.bfloat16), buf)
+        staged(torch.empty(4, 128, dtype=torch.bfloat16), buf)
     with pytest.raises(ValueError, match=r"tokens on this rank\)` must be in \[0, 8\], got 9"):
-        legacy(torch.empty(9, 256, dtype=torch.bfloat16), buf)
+        staged(torch.empty(9, 256, dtype=torch.bfloat16), buf)
     with pytest.raises(ValueError, match="`cumulative_local_expert_recv_stats` must have dtype int32"):
-        legacy(torch.empty(4, 256, dtype=torch.bfloat16), buf, torch.zeros(8, dtype=torch.int64))
+        staged(torch.empty(4, 256, dtype=torch.bfloat16), buf, torch.zeros(8, dtype=torch.int64))
     buf.topk_idx[1, 0] = 8  # one past the last expert
     with pytest.raises(ValueError, match=r"`topk_idx` must hold expert ids in \[-1, num_experts=8\).*\{0: 1\}"):
-        legacy(torch.empty(4, 256, dtype=torch.bfloat16), buf)
+        staged(torch.empty(4, 256, dtype=torch.bfloat16), buf)
 
 
-def test_legacy_weight_validation():
+def test_staged_weight_validation():
     p, buf = _setup()
     w1, s1 = p["l1"]
     with pytest.raises(ValueError, match=r"`l1\[1\]` must have dtype int32"):
-        LegacyMoE((w1, s1.float()), p["l2"])
+        StagedMoE((w1, s1.float()), p["l2"])
     with pytest.raises(ValueError, match="`l2` must be a \\(weights, scales\\) tuple"):
-        LegacyMoE(p["l1"], p["l2"][0])
+        StagedMoE(p["l1"], p["l2"][0])
     with pytest.raises(ValueError, match="`mode` must be one of"):
-        LegacyMoE(p["l1"], p["l2"], "fast")
+        StagedMoE(p["l1"], p["l2"], "fast")
     with pytest.raises(ValueError, match="`gemm` must be one of"):
-        LegacyMoE(p["l1"], p["l2"], gemm="cublas")
+        StagedMoE(p["l1"], p["l2"], gemm="cublas")
     with pytest.raises(TypeError, match="`fast_math` must be a bool"):
-        LegacyMoE(p["l1"], p["l2"], fast_math=1)
+        StagedMoE(p["l1"], p["l2"], fast_math=1)
     with pytest.raises(ValueError, match=r"`hidden \(a GEMM K\)` must be a multiple of 512"):
-        LegacyMoE(p["l1"], p["l2"], gemm="sm90")
-    half = LegacyMoE((w1[:4].contiguous(), s1[:4].contiguous()), (p["l2"][0][:4].contiguous(), p["l2"][1][:4].contiguous()))
+        StagedMoE(p["l1"], p["l2"], gemm="sm90")
+    half = StagedMoE((w1[:4].contiguous(), s1[:4].contiguous()), (p["l2"][0][:4].contiguous(), p["l2"][1][:4].contiguous()))
     with pytest.raises(ValueError, match=r"`sym_buffer` has .* = \('fp8xfp4', 256, 128, 8\), the weights \('fp8xfp4', 256, 128, 4\)"):
         half(torch.empty(4, 256, dtype=torch.bfloat16), buf)
     pb, _ = _setup("bf16")
     with pytest.raises(ValueError, match="`l1` must have dtype bfloat16"):
-        LegacyMoE(pb["l1"].float(), pb["l2"])
+        StagedMoE(pb["l1"].float(), pb["l2"])
 
 
-def test_legacy_with_mode_shares_the_prepared_weights():
+def test_staged_with_mode_shares_the_prepared_weights():
     """``with_mode`` runs the same prepared weights (the same tensors, not copies) in the other mode: its output
-    equals a LegacyMoE built for that mode; a mode it does not know is refused."""
+    equals a StagedMoE built for that mode; a mode it does not know is refused."""
     p, buf = _setup(t=5)
-    normal = LegacyMoE(p["l1"], p["l2"], "normal")
+    normal = StagedMoE(p["l1"], p["l2"], "normal")
     low = normal.with_mode("low_latency")
     assert (normal.mode, low.mode) == ("normal", "low_latency")
     assert low.w1t is normal.w1t and low.w2t is normal.w2t
     y_shared, y_fresh = (torch.full((5, 256), float("nan"), dtype=torch.bfloat16) for _ in range(2))
     low(y_shared, buf)
-    LegacyMoE(p["l1"], p["l2"], "low_latency")(y_fresh, buf)
+    StagedMoE(p["l1"], p["l2"], "low_latency")(y_fresh, buf)
     assert not torch.isnan(y_shared).any() and torch.equal(y_shared, y_fresh)
     with pytest.raises(ValueError, match="`mode` must be one of"):
         normal.with_mode("fast")
+
+
+def test_legacy_name_is_an_alias():
+    """``LegacyMoE``, the staged path's former name, is the same class."""
+    assert LegacyMoE is StagedMoE

@@ -1,6 +1,6 @@
-"""The legacy EP baseline: dispatch, grouped GEMM, SwiGLU-quant, grouped GEMM, combine as separate steps.
+"""The staged EP baseline: dispatch, grouped GEMM, SwiGLU-quant, grouped GEMM, combine as separate steps.
 
-This is what a user would run without a fused kernel, built from standard parts and following the
+This is what a user would run without the Mega MoE kernel, built from standard parts and following the
 numerics contract (``megamoe.numerics``) exactly. One call:
 
 1. routing summary per destination rank (tokens, slots, invalid ids), exchanged with one
@@ -60,8 +60,8 @@ def _byte_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
 
 
-class LegacyMoE:
-    """Unfused EP MoE over a ``SymmBuffer``'s input views.
+class StagedMoE:
+    """Staged EP MoE over a ``SymmBuffer``'s input views (each step its own kernel or collective).
 
     ``l1``/``l2``: this rank's experts in canonical form, FP4 ``(uint8 weights, int32 scales)`` tuples
     (recipe fp8xfp4) or BF16 tensors (recipe bf16), see ``megamoe.layouts.weights``. ``mode``:
@@ -99,7 +99,7 @@ class LegacyMoE:
         self.l1k = sm90.prepare_fp4_weights_l1(*l1, mma="bf16")
         self.l2k = sm90.prepare_fp4_weights(*l2, mma="bf16")
 
-    def with_mode(self, mode: str) -> "LegacyMoE":
+    def with_mode(self, mode: str) -> "StagedMoE":
         """The same prepared weights (shared, not copied) run in ``mode``."""
         self._check_mode(mode)
         other = copy.copy(self)
@@ -268,6 +268,10 @@ class LegacyMoE:
         owned = back.view(r, tm, k, hidden)[:, :t].sum(0)  # exact: one rank owns each slot
         y.copy_(combine_slots(owned))
         return y
+
+
+LegacyMoE = StagedMoE
+"""The staged path's former name."""
 
 
 def _bad_ids(num_experts: int, counts: dict) -> None:
