@@ -5,7 +5,7 @@ A GPU's state drifts between sessions and machines (power cap, clocks: the same 
 
     python bench/ab.py prepare main new=wip/x        # here: each ref's package and tests into .ab/<label>/
     python bench/ab.py run --nproc 2 --rounds 2 --out bench/results/NAME.json -- --preset flash --tokens 1,8 \\
-        --paths fused --routings 8                   # on the GPU machine (carry .ab): the builds in turns
+        --paths mega --routings 8                    # on the GPU machine (carry .ab): the builds in turns
 
 ``prepare`` exports ``megamoe/``, ``tests/`` and ``pyproject.toml`` (``.ab`` is git-ignored; a build's GPU tests run
 in its directory: ``cd .ab/new && python -m pytest -m gpu tests/...``). ``run`` starts ``torchrun --nproc-per-node N

@@ -57,7 +57,7 @@ def main() -> None:
             buffer, swapped = layer.mlp.moe.buffer, swapped + 1
     with torch.no_grad():
         y = model.model(input_ids=ids.to(device)).last_hidden_state
-    print(f"rank {rank}: {swapped} MoE blocks swapped ({args.mma_type}, legacy {args.mode}); "
+    print(f"rank {rank}: {swapped} MoE blocks swapped ({args.mma_type}, staged {args.mode}); "
           f"final hidden states relative difference {rel_fro_error(y, ref):.4f}")
     if group is not None:
         dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""The EP MoE benchmark, one process without torchrun: the tiny preset (on CPU: legacy path, FP32 reference)."""
+"""The EP MoE benchmark, one process without torchrun: the tiny preset (on CPU: staged path, FP32 reference)."""
 
 import pytest
 import torch
@@ -17,18 +17,18 @@ def test_moe_bench_cycles_routings_and_checks_each():
 
 
 def test_moe_bench_paths_filter():
-    """--paths runs only the named paths (here the low-latency legacy mode) and refuses any word matching none,
+    """--paths runs only the named paths (here the staged path's low-latency mode) and refuses any word matching none,
     also beside one that matches (it would silently drop the paths the user asked for)."""
     rows = main(["--preset", "tiny", "--tokens", "2", "--paths", "low_latency", "--warmup", "1", "--iters", "2"])
     assert rows and all("low_latency" in r["path"] and r["correct"] for r in rows)
-    for words in ("no-such-path", "low_latency,legacy-sm90"):
-        with pytest.raises(SystemExit, match=r"--paths \S+ matches none of the paths here: legacy normal"):
+    for words in ("no-such-path", "low_latency,staged-sm90", "fused", "legacy"):
+        with pytest.raises(SystemExit, match=r"--paths \S+ matches none of the paths here: staged-torch-normal"):
             main(["--preset", "tiny", "--tokens", "2", "--paths", words])
 
 
 def test_moe_bench_builds_only_the_selected_paths(monkeypatch):
     """Paths are built after the --paths filter (a path's prepared weights can be several times the FP4 ones), and
-    a GEMM's two legacy modes share one StagedMoE's weights (``with_mode``)."""
+    a GEMM's two staged modes share one StagedMoE's weights (``with_mode``)."""
     import megamoe.bench.moe as bench_moe
 
     built = []
@@ -43,7 +43,7 @@ def test_moe_bench_builds_only_the_selected_paths(monkeypatch):
     assert built == ["low_latency"] and all(r["correct"] for r in rows)
     built.clear()
     rows = main(["--preset", "tiny", "--tokens", "2", "--warmup", "1", "--iters", "1"])
-    assert built == ["normal"] and {r["path"] for r in rows} == {"legacy normal, torch GEMM", "legacy low_latency, torch GEMM"}
+    assert built == ["normal"] and {r["path"] for r in rows} == {"staged-torch-normal", "staged-torch-low_latency"}
     assert all(r["correct"] for r in rows)
 
 
@@ -114,7 +114,7 @@ def test_ab_runs_the_builds_in_turn_each_its_own_source(tmp_path):
     assert receipt["complete"] and json.loads((tmp_path / "ab.json").read_text()) == receipt
     assert all(row["correct"] and row["us"] > 0 for r in receipt["runs"] for row in r["results"])
     lines = ab.summary(receipt)
-    assert len(lines) == 2 and lines[1].startswith("tiny 1 legacy low_latency") and "(1.000x)" in lines[1]
+    assert len(lines) == 2 and lines[1].startswith("tiny 1 staged-torch-low_latency") and "(1.000x)" in lines[1]
     builds[1]["megamoe_source"] = "0" * 16
     (d / ab.BUILDS_FILE).write_text(json.dumps(builds))
     with pytest.raises(SystemExit, match="new round 1 ran megamoe"):

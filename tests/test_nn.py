@@ -237,7 +237,7 @@ def test_hf_model_swap(hf, model_type, mma_type):
 # EPMoE against the contract's reference
 
 def _layer(mma_type="fp8xfp4", mode="normal", shared=0, max_tokens=32, experts=8, topk=3, device="cpu", seed=0,
-           impl="legacy", hidden=HIDDEN, inter=MOE_INTERMEDIATE):
+           impl="staged", hidden=HIDDEN, inter=MOE_INTERMEDIATE):
     """An EPMoE with random weights; returns (layer, w1, w2, shared weights or None)."""
     g = torch.Generator().manual_seed(seed)
     w1 = torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5
@@ -285,13 +285,13 @@ def test_epmoe_zero_tokens():
 
 
 def test_validation_errors():
-    with pytest.raises(ValueError, match="`impl` must be one of \\('legacy', 'fused'\\), got 'mega'"):
-        EPMoE(8, 2, HIDDEN, 128, 16, impl="mega")
-    with pytest.raises(ValueError, match="`hidden` must be a multiple of 512 \\(impl='fused'"):
-        EPMoE(8, 2, HIDDEN, 512, 16, impl="fused")
-    with pytest.raises(ValueError, match="`mode` must be one of \\('mega',\\) for impl 'fused'"):
-        EPMoE(8, 2, 512, 512, 16, impl="fused", mode="normal")
-    with pytest.raises(ValueError, match="`mode` must be one of \\('normal', 'low_latency'\\) for impl 'legacy'"):
+    with pytest.raises(ValueError, match="`impl` must be one of \\('staged', 'mega'\\), got 'fused'"):
+        EPMoE(8, 2, HIDDEN, 128, 16, impl="fused")
+    with pytest.raises(ValueError, match="`hidden` must be a multiple of 512 \\(impl='mega'"):
+        EPMoE(8, 2, HIDDEN, 512, 16, impl="mega")
+    with pytest.raises(ValueError, match="`mode` must be one of \\('mega',\\) for impl 'mega'"):
+        EPMoE(8, 2, 512, 512, 16, impl="mega", mode="normal")
+    with pytest.raises(ValueError, match="`mode` must be one of \\('normal', 'low_latency'\\) for impl 'staged'"):
         EPMoE(8, 2, HIDDEN, 128, 16, mode="fast")
     with pytest.raises(ValueError, match="`hidden` must be a multiple of 128"):
         EPMoE(8, 2, 200, 128, 16)
@@ -442,11 +442,11 @@ def test_cuda_graph_low_latency_gpu():
 
 
 @pytest.mark.gpu
-def test_fused_impl_gpu():
-    """impl="fused" (the Mega MoE) on one GPU: the contract's reference plus the shared expert,
+def test_mega_impl_gpu():
+    """impl="mega" (the Mega MoE) on one GPU: the contract's reference plus the shared expert,
     then a CUDA graph of the layer replaying new inputs exactly like eager calls."""
     hidden = inter = 512
-    layer, w1, w2, _ = _layer(impl="fused", mode=None, shared=128, device="cuda", hidden=hidden, inter=inter)
+    layer, w1, w2, _ = _layer(impl="mega", mode=None, shared=128, device="cuda", hidden=hidden, inter=inter)
     assert layer.cuda_graph_capturable
     l1, l2 = quantize_fp4(w1.cuda()), quantize_fp4(w2.cuda())
     g = torch.Generator().manual_seed(11)
@@ -456,5 +456,5 @@ def test_fused_impl_gpu():
         with torch.no_grad():
             y = layer(x, idx, w)
         routed = reference_moe(*quantize_fp8(x), idx, w, l1, l2)
-        check_moe_output(y, (routed.float() + layer.shared(x).float()).bfloat16(), inter, f"fused T={t}")
+        check_moe_output(y, (routed.float() + layer.shared(x).float()).bfloat16(), inter, f"mega T={t}")
     _check_graph_replays_like_eager(layer, hidden, g)

@@ -1,15 +1,15 @@
 """The EP MoE benchmark: ``torchrun --nproc-per-node N -m megamoe.bench [--preset ...] [--tokens ...]``.
 
-For every tokens-per-rank point: fresh random inputs, a correctness check of every path (legacy
-normal / low-latency with torch's or megamoe's SM90 GEMMs, and the fused Mega MoE path on Hopper)
-against the distributed FP32 reference on those inputs, then timing (warm-up, CUDA events around
+For every tokens-per-rank point: fresh random inputs, a correctness check of every path (``staged-GEMM-MODE``:
+the staged baseline, ``StagedMoE``, in mode ``normal`` or ``low_latency`` with torch's or megamoe's SM90 GEMMs;
+``mega``: the Mega MoE path, ``MegaMoE``, on Hopper) against the distributed FP32 reference on those inputs, then timing (warm-up, CUDA events around
 each call after a cross-rank barrier, median per rank, the slowest rank reported). Without GPUs it
 runs the tiny preset on CPU with gloo and says so.
 
 Columns: ``us`` time per call; ``TFLOP/s`` useful FLOPs ``6 * routed_rows * H * I`` per rank over
 time; ``weights GB/s`` bytes of the expert weights this path reads (BF16 with the torch GEMM, FP4 with the SM90 one) for
 experts that received rows; ``FP4 floor us`` the same experts' FP4 bytes over the HBM read bandwidth
-measured in this run (the floor a fused FP4 kernel could reach); ``a2a GB/s`` bytes this rank sends
+measured in this run (the floor an FP4 kernel could reach); ``a2a GB/s`` bytes this rank sends
 to other ranks (dispatch rows + combine rows) over time.
 
 ``--routings N`` (default 1): N buffers per point, each with its own random tokens and routing (each
@@ -74,16 +74,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "sustained run (the GPU may then lower its clocks to stay within its power limit)")
     p.add_argument("--json", default=None, help="write a JSON receipt here (rank 0)")
     p.add_argument("--paths", type=lambda s: s.split(","), default=None,
-                   help="run only the paths whose name contains one of these comma-separated words (e.g. fused)")
+                   help="run only the paths whose name contains one of these comma-separated words (e.g. mega, "
+                   "staged, sm90, low_latency)")
     p.add_argument("--profile", action="store_true", help="print rank 0's torch.profiler summary of one call per point")
     p.add_argument("--timeline", action="store_true",
-                   help="fused FP8 x FP4 path: after timing, a CUDA graph of --calls-per-graph calls of the kernel's trace "
+                   help="mega FP8 x FP4 path: after timing, a CUDA graph of --calls-per-graph calls of the kernel's trace "
                    "build (the output checked bit-equal to the release build's); print every rank's phase timeline of "
                    "the last call and every call's span")
     p.add_argument("--ring-tokens", type=int, default=None,
                    help="cap the buffers' ring at this many rows (a multiple of 128; default: every row a rank can "
-                   "receive). The fused FP8 x FP4 path then reuses ring blocks within a call; the staged BF16 "
-                   "fused path refuses a ring that small")
+                   "receive). The mega FP8 x FP4 path then reuses ring blocks within a call; the mega BF16 "
+                   "path (staged kernels) refuses a ring that small")
     args = p.parse_args(argv)
     if args.routings < 1:
         p.error(f"--routings must be >= 1, got {args.routings}")
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             say(f"no CUDA device: the {preset} preset is too large for a CPU, running tiny instead")
             preset = "tiny"
         say(f"no CUDA device: running the tiny preset on CPU with gloo ({num_ranks} rank(s)); "
-            "legacy path and FP32 reference only, times are CPU wall clock")
+            "staged path and FP32 reference only, times are CPU wall clock")
     shape = PRESETS[preset]
     e, k, h, i = shape["experts"], shape["topk"], shape["hidden"], shape["intermediate"]
     tokens = args.tokens or DEFAULT_TOKENS[preset]
@@ -157,11 +158,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0) and h % 512 == 0 and i % 512 == 0:
         gemms.append("sm90")
     # Each path's name and what it runs; only the paths --paths selects are built (a path's prepared weights can
-    # be several times the FP4 ones: torch's GEMMs take BF16), and a GEMM's two legacy modes share them.
-    names = [(f"legacy {mode}, {gemm} GEMM", gemm, mode) for gemm in gemms for mode in StagedMoE.MODES]
+    # be several times the FP4 ones: torch's GEMMs take BF16), and a GEMM's two staged modes share them.
+    names = [(f"staged-{gemm}-{mode}", gemm, mode) for gemm in gemms for mode in StagedMoE.MODES]
     if "sm90" in gemms or (not fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)):
-        # FP8 x FP4: one persistent launch (dispatch, SM90 GEMM tiles, combine); BF16: staged, torch grouped GEMMs
-        names.append(("fused (one launch)" if fp8 else "fused (staged)", None, None))
+        # FP8 x FP4: one persistent launch (dispatch, SM90 GEMM tiles, combine); BF16: the dispatch and combine
+        # kernels around torch's grouped GEMMs (bf16_mega_moe). The receipt's mma_type tells which.
+        names.append(("mega", None, None))
     if args.paths:
         unmatched = [word for word in args.paths if not any(word in name for name, _, _ in names)]
         if unmatched:
@@ -177,7 +179,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             prepared[gemm] = StagedMoE(l1, l2, mode, gemm)
         paths[name] = prepared[gemm].with_mode(mode)
     if args.timeline and not any(isinstance(path, MegaMoE) and path.fp8 for path in paths.values()):
-        say("--timeline: no fused FP8 x FP4 path runs here (it needs an SM90 GPU): no timeline")
+        say("--timeline: no mega FP8 x FP4 path runs here (it needs an SM90 GPU): no timeline")
     bf16_bytes_per_expert = 3 * h * i * 2
     fp4_bytes_per_expert = fp4_expert_bytes(h, i)
     dispatch_row_bytes = k * 12 + (h + h // 32 if fp8 else 2 * h)
@@ -205,7 +207,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             x_q, x_sf = fill_buffer(buf, x, idx, w)
             cases.append((buf, idx, distributed_reference_moe(x_q, x_sf, idx, w, l1, l2, group, max(t, 1), args.clamp)))
         for name, path in paths.items():
-            fused = isinstance(path, MegaMoE)
+            mega = isinstance(path, MegaMoE)
             y = torch.empty((t, h), dtype=torch.bfloat16, device=device)
             fro = row_rel = routed = touched = sent = 0.0
             for buf, idx, ref in cases:
@@ -216,7 +218,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 row_rel = max(row_rel, _max_over_ranks(max_row_rel_error(y, ref), group, device))
                 routed += _sum_over_ranks(float(stats.sum()), group, device) / num_ranks / len(cases)
                 touched += _sum_over_ranks(float((stats > 0).sum()), group, device) / num_ranks / len(cases)
-                if fused:  # one pulled row (token, scales, weight) and one combine row per remote slot
+                if mega:  # one pulled row (token, scales, weight) and one combine row per remote slot
                     remote = (idx >= 0) & (idx // num_local != rank)
                     bytes_out = float(int(remote.sum()) * (h + h // 32 + 4 + 2 * h))
                 elif path.mode == "normal":
@@ -229,13 +231,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
             def call():
                 buf = cases[next(turn) % len(cases)][0]  # cycle through the routings
-                if fused:
+                if mega:
                     path(y, buf, None, activation_clamp=args.clamp)
                 else:
                     path(y, buf, None, activation_clamp=args.clamp, validate=False)
 
-            graphed = (fused or path.mode == "low_latency") and device.type == "cuda"
-            traced = args.timeline and fused and fp8
+            graphed = (mega or path.mode == "low_latency") and device.type == "cuda"
+            traced = args.timeline and mega and fp8
             if graphed:
                 times = time_graph(call, args.warmup, args.iters, args.calls_per_graph, before=barrier)
                 method = f"CUDA graph of {args.calls_per_graph} calls"
@@ -261,7 +263,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "tflops": 6 * routed * h * i / (us * 1e-6) / 1e12,
                 "routed_rows_per_rank": routed,
                 "experts_touched_per_rank": touched,
-                "weights_gbps": touched * (fp4_bytes_per_expert if fused or path.gemm == "sm90" else bf16_bytes_per_expert)
+                "weights_gbps": touched * (fp4_bytes_per_expert if mega or path.gemm == "sm90" else bf16_bytes_per_expert)
                 / (us * 1e-6) / 1e9,
                 "fp4_floor_us": touched * fp4_bytes_per_expert / (hbm * 1e9) * 1e6 if hbm else None,
                 "a2a_gbps": sent / (us * 1e-6) / 1e9,
@@ -301,7 +303,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def _timeline(path: MegaMoE, cases: list, y: torch.Tensor, clamp, group, barrier, say, label: str,
               calls: int) -> dict:
-    """The fused path's phase timeline as the timed loop runs it: a CUDA graph of ``calls`` calls of the kernel's
+    """The mega path's phase timeline as the timed loop runs it: a CUDA graph of ``calls`` calls of the kernel's
     trace build cycling through ``cases``' routings (each call its own trace), replayed after warm-up replays; the
     summary is the last call's, plus every call's span. Its output must be bit-equal to the release build's on the
     same routing on every rank; rank 0 prints every rank's timeline. Returns ``{"bit_equal", "ranks": summaries}``."""

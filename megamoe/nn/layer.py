@@ -10,9 +10,9 @@ follows the numerics contract (``megamoe.numerics``). No gradients flow through 
 
 Implementations (``impl``, ``mode``), chosen explicitly, never substituted:
 
-* ``"legacy"``: ``megamoe.StagedMoE``; ``mode="normal"`` (one host sync, exact sizes) or
+* ``"staged"``: ``megamoe.StagedMoE``; ``mode="normal"`` (one host sync, exact sizes) or
   ``"low_latency"`` (no host sync, CUDA-graph capturable).
-* ``"fused"``: ``megamoe.MegaMoE`` (``mode="mega"``: FP8 x FP4 one persistent kernel per rank -- NVLink
+* ``"mega"``: ``megamoe.MegaMoE`` (``mode="mega"``: FP8 x FP4 one persistent kernel per rank -- NVLink
   dispatch, grouped GEMM tiles, NVLink combine --, BF16 those kernels staged around torch's grouped GEMMs;
   no host sync, CUDA-graph capturable after one eager call); Hopper GPUs; the FP8 x FP4 recipe needs H and
   I multiples of 512.
@@ -44,7 +44,7 @@ from ..numerics import check_activation_clamp
 from ..symm_buffer import SymmBuffer
 from .checkpoint import Checkpoint, expert_range, read_expert_weights, read_mlp_weights
 
-IMPLS = {"legacy": StagedMoE.MODES, "fused": ("mega",)}
+IMPLS = {"staged": StagedMoE.MODES, "mega": ("mega",)}
 """Implementation -> its modes (the first is the default)."""
 
 _LAYERS: weakref.WeakValueDictionary[int, EPMoE] = weakref.WeakValueDictionary()
@@ -117,7 +117,7 @@ class EPMoE(nn.Module):
         group: dist.ProcessGroup | None = None,
         *,
         mma_type: str = "fp8xfp4",
-        impl: str = "legacy",
+        impl: str = "staged",
         mode: str | None = None,
         shared_intermediate: int = 0,
         activation_clamp: float | None = None,
@@ -130,9 +130,9 @@ class EPMoE(nn.Module):
         mode = IMPLS[impl][0] if mode is None else mode
         if mode not in IMPLS[impl]:
             fail("mode", f"must be one of {IMPLS[impl]} for impl {impl!r}, got {mode!r}")
-        if impl == "fused" and mma_type == "fp8xfp4":
-            check_multiple("hidden", hidden, K_MULTIPLE, "impl='fused': the SM90 grouped GEMM's K granularity")
-            check_multiple("intermediate", intermediate, K_MULTIPLE, "impl='fused': the SM90 grouped GEMM's K granularity")
+        if impl == "mega" and mma_type == "fp8xfp4":
+            check_multiple("hidden", hidden, K_MULTIPLE, "impl='mega': the SM90 grouped GEMM's K granularity")
+            check_multiple("intermediate", intermediate, K_MULTIPLE, "impl='mega': the SM90 grouped GEMM's K granularity")
         check_activation_clamp(activation_clamp)
         rank, num_ranks = rank_and_size(group)
         self.local_experts = expert_range(num_experts, rank, num_ranks)
@@ -157,9 +157,9 @@ class EPMoE(nn.Module):
 
     @property
     def cuda_graph_capturable(self) -> bool:
-        """Whether a call can be captured in a CUDA graph (legacy low-latency mode, or fused after one
+        """Whether a call can be captured in a CUDA graph (staged low-latency mode, or mega after one
         eager call)."""
-        return self.impl == "fused" or (self.impl, self.mode) == ("legacy", "low_latency")
+        return self.impl == "mega" or (self.impl, self.mode) == ("staged", "low_latency")
 
     @torch.no_grad()
     def load_experts(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
@@ -173,7 +173,7 @@ class EPMoE(nn.Module):
             self.w1, self.w2 = quantize_fp4(w1, "w1"), quantize_fp4(w2, "w2")
         else:
             self.w1, self.w2 = w1.to(torch.bfloat16), w2.to(torch.bfloat16)
-        self._impl = MegaMoE(self.w1, self.w2) if self.impl == "fused" else StagedMoE(self.w1, self.w2, self.mode)
+        self._impl = MegaMoE(self.w1, self.w2) if self.impl == "mega" else StagedMoE(self.w1, self.w2, self.mode)
 
     @classmethod
     def from_checkpoint(
@@ -239,7 +239,7 @@ class EPMoE(nn.Module):
         fill_buffer(self.buffer, x if self.mma_type == "fp8xfp4" else x.to(torch.bfloat16),
                     topk_idx.to(torch.int64), topk_weights.to(torch.float32))
         y = torch.empty(t, self.hidden, dtype=torch.bfloat16, device=self.device)
-        if self.impl == "fused":
+        if self.impl == "mega":
             return self._impl(y, self.buffer, None, activation_clamp=self.activation_clamp)
         return self._impl(y, self.buffer, None, self.activation_clamp, validate=not capturing)
 

@@ -1,4 +1,4 @@
-"""Mega MoE (``megamoe.mega``: FP8 x FP4 in one launch, BF16 staged) on 1, 2 and 4 GPUs against the FP32 reference and the legacy path.
+"""Mega MoE (``megamoe.mega``: FP8 x FP4 in one launch, BF16 staged) on 1, 2 and 4 GPUs against the FP32 reference and the staged path.
 
 A protocol bug hangs or traps (and so poisons) a CUDA context, so every test runs this file as a
 subprocess with a timeout (``python test_mega_gpu.py one|two|four|hang``) and shows its output on failure:
@@ -7,12 +7,12 @@ one progress line per rank and call, the contract errors, and any ``megamoe debu
 * ``one`` / ``two`` / ``four``: one buffer (T_max = 32, H = I = 512, 8 experts per rank, top-4), every case
   three calls with fresh inputs (the first in debug mode: timeouts, device checks, poisoned rings
   and combine area), ``y`` poisoned with NaN before each call; outputs within the contract tolerances
-  of the FP32 reference and bit for bit equal to the legacy low-latency path with the same SM90
-  GEMMs, recv stats equal to the legacy path's. Cases: ragged routing with
+  of the FP32 reference and bit for bit equal to the staged low-latency path with the same SM90
+  GEMMs, recv stats equal to the staged path's. Cases: ragged routing with
   masked slots and uneven T, skewed routing (every token to the first k experts, all on rank 0), a
   rank with 0 tokens, 1 token per rank, T = T_max with a clamp, silu with the IEEE exp and division
   (``fast_math=False``, both paths), and ``bf16_mega_moe`` on a BF16 buffer
-  (against its reference and the legacy torch-GEMM path); two GPUs also T = T_max and skewed on a buffer
+  (against its reference and the staged torch-GEMM path); two GPUs also T = T_max and skewed on a buffer
   whose ring (128 rows) is smaller than the call's pool blocks (ring blocks reused within the call; one GPU's
   default ring is 128 rows already), and the skewed small-ring case again at H = I = 2048, where every CTA runs
   several tiles (the tile hand-off from the producer warp to the consumers wraps around its slots); then a CUDA
@@ -112,21 +112,21 @@ def _expected(p: dict, weights: dict, rank: int, device, clamp) -> tuple[torch.T
     return ref[start : start + p["x"][rank].shape[0]], torch.bincount(mine, minlength=E_PER_RANK).int()
 
 
-def _check(rank: int, what: str, y, ref, stats, want_stats, y_legacy=None, bitwise=True, inter=I) -> None:
+def _check(rank: int, what: str, y, ref, stats, want_stats, y_staged=None, bitwise=True, inter=I) -> None:
     from megamoe.numerics import check_moe_output, rel_fro_error
 
     errs = check_moe_output(y, ref, inter, what)
     assert not y.isnan().any(), f"{what}: NaN in y (a row was not written or read poisoned data)"
     if not torch.equal(stats, want_stats):
         raise AssertionError(f"{what}: recv stats {stats.tolist()}, want {want_stats.tolist()}")
-    # The legacy path with the same SM90 GEMMs rounds at the same points, in the same order: bit for bit.
-    if bitwise and y_legacy is not None and not torch.equal(y, y_legacy):
-        raise AssertionError(f"{what}: differs from the legacy path with the same SM90 GEMMs (rel_fro="
-                             f"{rel_fro_error(y, y_legacy):.2e}); the contract fixes every rounding point")
-    vs_legacy = "" if y_legacy is None else (
-        f", vs legacy: {'bitwise equal' if torch.equal(y, y_legacy) else 'differs'} "
-        f"(rel_fro={rel_fro_error(y, y_legacy):.2e})")
-    _say(rank, f"{what}: ok rel_fro={errs['rel_fro']:.2e} max_row_rel={errs['max_row_rel']:.2e}{vs_legacy}")
+    # The staged path with the same SM90 GEMMs rounds at the same points, in the same order: bit for bit.
+    if bitwise and y_staged is not None and not torch.equal(y, y_staged):
+        raise AssertionError(f"{what}: differs from the staged path with the same SM90 GEMMs (rel_fro="
+                             f"{rel_fro_error(y, y_staged):.2e}); the contract fixes every rounding point")
+    vs_staged = "" if y_staged is None else (
+        f", vs staged: {'bitwise equal' if torch.equal(y, y_staged) else 'differs'} "
+        f"(rel_fro={rel_fro_error(y, y_staged):.2e})")
+    _say(rank, f"{what}: ok rel_fro={errs['rel_fro']:.2e} max_row_rel={errs['max_row_rel']:.2e}{vs_staged}")
 
 
 def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
@@ -146,9 +146,9 @@ def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
         l1, l2 = local_experts(p["l1"], rank, num_ranks, device), local_experts(p["l2"], rank, num_ranks, device)
         fill_buffer(buf, p["x"][rank].to(device), p["topk_idx"][rank].to(device), p["topk_weights"][rank].to(device))
         t = p["x"][rank].shape[0]
-        y_legacy = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=device)
-        stats_legacy = torch.full((E_PER_RANK,), 7, dtype=torch.int32, device=device)
-        StagedMoE(l1, l2, "low_latency", "sm90" if fp8 else "torch", fast_math)(y_legacy, buf, stats_legacy,
+        y_staged = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=device)
+        stats_staged = torch.full((E_PER_RANK,), 7, dtype=torch.int32, device=device)
+        StagedMoE(l1, l2, "low_latency", "sm90" if fp8 else "torch", fast_math)(y_staged, buf, stats_staged,
                                                                              activation_clamp=clamp)
         y = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=device)
         stats = torch.full((E_PER_RANK,), 7, dtype=torch.int32, device=device)
@@ -156,8 +156,8 @@ def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
         moe(y, buf, stats, activation_clamp=clamp, debug=debug)
         ref, counts = _expected(p, p, rank, device, clamp)
         # BF16: torch's grouped GEMM over different row counts may tile K differently: no bitwise claim.
-        _check(rank, what, y, ref, stats, stats_legacy, y_legacy, bitwise=fp8, inter=inter)
-        assert torch.equal(stats_legacy, counts + 7), f"{what}: legacy stats disagree with the routing"
+        _check(rank, what, y, ref, stats, stats_staged, y_staged, bitwise=fp8, inter=inter)
+        assert torch.equal(stats_staged, counts + 7), f"{what}: staged stats disagree with the routing"
         if fp8 and gen == GENERATIONS - 1:
             _check_trace(rank, what, y, moe, buf, clamp, counts)
         if "ring" in case:  # rank 0 receives more rows than its ring holds: it reuses ring blocks
