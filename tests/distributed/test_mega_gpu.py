@@ -296,7 +296,7 @@ def _hang(rank, group, device, flag: str) -> None:
 
 
 def _main(mode: str, *args: str) -> None:
-    from launch.spawn import spawn
+    from helpers.spawn import spawn
 
     if mode == "hang":
         spawn(_hang, 2, args[0], use_cuda=True)
@@ -309,8 +309,8 @@ def _main(mode: str, *args: str) -> None:
 
 
 def _run(*args: str, timeout: int, expect_exit_zero: bool = True, **env: str) -> str:
-    environ = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-                   MEGAMOE_DEBUG_TIMEOUT_S=DEBUG_TIMEOUT_S)
+    path = [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]  # megamoe, then helpers.spawn
+    environ = dict(os.environ, PYTHONPATH=os.pathsep.join(path), MEGAMOE_DEBUG_TIMEOUT_S=DEBUG_TIMEOUT_S)
     environ.pop("MEGAMOE_DEBUG", None)
     environ.update(env)
     start = time.perf_counter()

@@ -17,7 +17,7 @@ from test_nn import (
     hf_prefix,
 )
 
-from launch.spawn import spawn
+from helpers.spawn import spawn
 from megamoe.inputs import random_tokens
 from megamoe.nn import EPMoE, expert_range, moe_block_from_config
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from launch.spawn import spawn
+from helpers.spawn import spawn
 from megamoe import distributed_reference_moe, get_symm_buffer_for_mega_moe, reference_moe
 from megamoe.inputs import fill_buffer, global_problem, local_experts
 from megamoe.numerics import check_moe_output

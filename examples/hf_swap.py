@@ -1,6 +1,6 @@
 """Swap a Hugging Face MoE model's MoE blocks for megamoe.nn expert-parallel blocks and compare.
 
-    torchrun --nproc-per-node 2 bench/example_hf_swap.py [--model-dir DIR] [--mma-type bf16] [--mode low_latency]
+    torchrun --nproc-per-node 2 examples/hf_swap.py [--model-dir DIR] [--mma-type bf16] [--mode low_latency]
 
 DIR: a local Qwen3-MoE, Mixtral or DeepSeek-V3 checkpoint (safetensors). Without it a tiny random
 Qwen3-MoE is built and saved to a temporary directory. Each rank runs the whole model on its own

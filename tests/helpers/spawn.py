@@ -1,6 +1,6 @@
 """Run a function on N local processes joined in one process group: torchrun's job, in-process.
 
-Tests and examples use it where a pytest process must start the ranks itself. Each worker gets the
+Tests use it where a pytest process must start the ranks itself. Each worker gets the
 environment torchrun would set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and is
 initialised by ``megamoe.dist.init_from_env``, so spawned and torchrun-launched code share one path.
 """

@@ -1,0 +1,1 @@
+"""Test helpers: ``spawn`` runs a function on N local processes joined in one process group."""
