@@ -1,25 +1,29 @@
 """A/B of megamoe builds on the EP MoE benchmark, alternated in one session.
 
-A GPU's state drifts between sessions and machines (power cap, clocks: the same build's flash 128 tokens/rank ran
-515-577 us over one session), so a change is only judged against its base timed in the same session, in turns.
+A GPU's state (power cap, clocks) drifts within a session and more between sessions and machines
+(bench/findings/measurement-caveats.md), so a change is only judged against its base timed in the same session, in
+turns.
 
     python bench/ab.py prepare main new=wip/x        # here: each ref's package and tests into .ab/<label>/
     python bench/ab.py run --nproc 2 --rounds 2 --out bench/results/NAME.json -- --preset flash --tokens 1,8 \\
         --paths mega --routings 8                    # on the GPU machine (carry .ab): the builds in turns
 
-``prepare`` exports ``megamoe/``, ``tests/`` and ``pyproject.toml`` (``.ab`` is git-ignored; a build's GPU tests run
-in its directory: ``cd .ab/new && python -m pytest -m gpu tests/...``). ``run`` starts ``torchrun --nproc-per-node N
--m megamoe.bench ARGS --json ...`` once per build and round, round by round, each with the build's package first on
-PYTHONPATH and its own CuTe DSL cache. A run that fails, reports an incorrect row or ran another megamoe than its
-build's (source digest) fails the A/B (exit 1): a time is never kept without its check. It prints us per point and
-build (every round, and the ratio of the mean to the first build's) and writes one receipt: the builds (ref, commit,
-source digest), the environment, every run's rows (rewritten after each checked run: a cut-short A/B keeps its runs,
-``"complete": false``).
+``prepare`` exports ``megamoe/``, ``tests/`` and ``pyproject.toml`` of each git ref (``git archive``: the only step
+that needs git), or copies them from a directory holding a megamoe tree (a path: ``.``, ``/...``, ``./...`` or ``../...``, e.g.
+``new=../other-checkout``: its files as they are; no git needed). ``.ab`` is git-ignored; a build's GPU tests run in its directory: ``cd .ab/new && python -m
+pytest -m gpu tests/...``. ``run`` starts ``python -m torch.distributed.run --standalone --nproc-per-node N -m
+megamoe.bench ARGS --json ...`` (this interpreter: no ``torchrun`` on PATH needed) once per build and round, round by
+round, each with the build's package first on PYTHONPATH and its own CuTe DSL cache. A run that fails, reports an
+incorrect row or ran another megamoe than its build's (source digest) fails the A/B (exit 1): a time is never kept
+without its check. It prints us per point and build (every round, and the ratio of the mean to the first build's)
+and writes one receipt: the builds (ref, commit or None for a copied directory, source digest), the environment,
+every run's rows (rewritten after each checked run: a cut-short A/B keeps its runs, ``"complete": false``).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import re
@@ -27,6 +31,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -39,27 +44,57 @@ BUILDS_FILE = "builds.json"
 EXPORTED = ("megamoe", "tests", "pyproject.toml")
 
 
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
+def _git(*args: str, text: bool = True) -> str | bytes:
+    """``git ARGS`` in this checkout; a clear SystemExit where git or the checkout is missing."""
+    try:
+        proc = subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True, text=text)
+    except FileNotFoundError:
+        raise SystemExit(f"bench/ab.py: `git {' '.join(args)}` needs git, not found on PATH (a directory holding a "
+                         "megamoe tree needs no git: give its path instead of a ref)") from None
+    except subprocess.CalledProcessError as err:
+        stderr = err.stderr.decode(errors="replace") if isinstance(err.stderr, bytes) else err.stderr
+        raise SystemExit(f"bench/ab.py: `git {' '.join(args)}` failed in {ROOT} (not a git checkout, or an unknown "
+                         f"ref?): {stderr.strip()}") from None
+    return proc.stdout.strip() if text else proc.stdout
+
+
+def _is_tree(ref: str) -> bool:
+    """Whether ``ref`` is a path (``.``, or starting with ``/``, ``./`` or ``../``: never read as a git ref) to a
+    directory holding a megamoe tree, copied as it is, rather than a git ref."""
+    is_path = ref in (".", "..") or ref.startswith(("/", "./", "../"))
+    return is_path and (Path(ref) / "megamoe" / "__init__.py").is_file()
 
 
 def prepare(specs: list[str], directory: Path) -> list[dict]:
-    """Each ``[label=]ref``'s ``megamoe/``, ``tests/`` and ``pyproject.toml`` (``git archive``) into
-    ``directory/<label>``; the label defaults to the ref with '/' as '_'. Replaces ``directory``. Returns the builds
-    (label, ref, commit, source digest)."""
+    """Each ``[label=]ref``'s ``megamoe/``, ``tests/`` and ``pyproject.toml`` into ``directory/<label>``: ``git
+    archive`` of a git ref, or a copy of a directory holding a megamoe tree (a path: ``.``, or starting with ``/``,
+    ``./`` or ``../``; ``commit`` None; no git needed). The label defaults to the ref with '/' as '_' (a directory:
+    its name). Replaces ``directory``. Returns the builds (label, ref, commit, source digest)."""
     builds = []
     for spec in specs:
         label, _, ref = spec.rpartition("=")
-        label = label or ref.replace("/", "_")
-        if not re.fullmatch(r"[\w.@-]+", label) or any(b["label"] == label for b in builds):
+        label = label or (Path(ref).resolve().name if _is_tree(ref) else ref.replace("/", "_"))
+        if not re.fullmatch(r"[\w.@-]+", label) or label in (".", "..") or any(b["label"] == label for b in builds):
             raise SystemExit(f"build label {label!r} (from {spec!r}) must be unique, letters, digits, . _ @ -")
-        builds.append({"label": label, "ref": ref, "commit": _git("rev-parse", "--verify", f"{ref}^{{commit}}")})
+        builds.append({"label": label, "ref": ref, "commit": None})
+    for b in builds:
+        if not _is_tree(b["ref"]):
+            b["commit"] = _git("rev-parse", "--verify", f"{b['ref']}^{{commit}}")
     shutil.rmtree(directory, ignore_errors=True)
     for b in builds:
         dest = directory / b["label"]
         dest.mkdir(parents=True)
-        archive = subprocess.run(["git", "archive", b["commit"], *EXPORTED], cwd=ROOT, check=True, capture_output=True)
-        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+        if b["commit"] is None:
+            for name in EXPORTED:
+                src = Path(b["ref"]) / name
+                if src.is_dir():
+                    shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+                elif src.exists():
+                    shutil.copy2(src, dest / name)
+        else:
+            archive = _git("archive", b["commit"], *EXPORTED, text=False)
+            with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+                tar.extractall(dest, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
         b["megamoe_source"] = source_digest(dest / "megamoe")
     (directory / BUILDS_FILE).write_text(json.dumps(builds, indent=1))
     return builds
@@ -81,7 +116,8 @@ def run(directory: Path, bench_args: list[str], nproc: int, rounds: int, timeout
                 path = os.pathsep.join(filter(None, [str(build_dir), os.environ.get("PYTHONPATH")]))
                 env = dict(os.environ, PYTHONPATH=path,
                            CUTE_DSL_CACHE_DIR=os.path.join(cache_root, b["label"]))
-                cmd = ["torchrun", "--nproc-per-node", str(nproc), "-m", "megamoe.bench", *bench_args, "--json", str(run_json)]
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                       "-m", "megamoe.bench", *bench_args, "--json", str(run_json)]
                 try:
                     proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
                 except subprocess.TimeoutExpired:
@@ -133,7 +169,8 @@ def main(argv: list[str] | None = None) -> dict | list:
     argv = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(prog="bench/ab.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    pp = sub.add_parser("prepare", help="export each [label=]ref's package and tests into --dir")
+    pp = sub.add_parser("prepare", help="export each [label=]ref's package and tests into --dir (a ref: a git ref, "
+                        "or a directory holding a megamoe tree)")
     pp.add_argument("refs", nargs="+")
     pr = sub.add_parser("run", help="run the prepared builds in turns; benchmark arguments after --")
     pr.add_argument("--nproc", type=int, default=1)
@@ -146,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict | list:
     if args.command == "prepare":
         builds = prepare(args.refs, args.dir)
         for b in builds:
-            print(f"{b['label']}: {b['ref']} {b['commit'][:12]} megamoe {b['megamoe_source']}")
+            print(f"{b['label']}: {b['ref']} {(b['commit'] or 'copied')[:12]} megamoe {b['megamoe_source']}")
         return builds
     if args.rounds < 1 or args.nproc < 1:
         raise SystemExit("--rounds and --nproc must be >= 1")

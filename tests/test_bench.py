@@ -98,16 +98,18 @@ def test_gemm_bench_alternative_configs_differ_from_the_choice():
 
 
 def test_ab_runs_the_builds_in_turn_each_its_own_source(tmp_path):
-    """bench/ab.py: two builds of HEAD run in turn (one torchrun each, tiny preset on CPU) into one receipt and a
-    summary line per point, the receipt rewritten after every checked run; a build that runs another megamoe than its
-    own (digest) fails the A/B and leaves the runs before it as a partial receipt; labels are unique."""
+    """bench/ab.py: two builds of this tree (copied: no git needed) run in turn (one ``python -m
+    torch.distributed.run`` each: no torchrun on PATH needed; tiny preset on CPU) into one receipt and a summary
+    line per point, the receipt rewritten after every checked run; a build that runs another megamoe than its own
+    (digest) fails the A/B and leaves the runs before it as a partial receipt; labels are unique."""
     import json
 
     from bench import ab
 
-    d = tmp_path / "ab"
-    builds = ab.prepare(["base=HEAD", "new=HEAD"], d)
-    assert [b["label"] for b in builds] == ["base", "new"] and builds[0]["megamoe_source"] == builds[1]["megamoe_source"]
+    d, tree = tmp_path / "ab", str(ab.ROOT)
+    builds = ab.prepare([f"base={tree}", f"new={tree}"], d)
+    assert [b["label"] for b in builds] == ["base", "new"] and all(b["commit"] is None for b in builds)
+    assert builds[0]["megamoe_source"] == builds[1]["megamoe_source"] == source_digest(ab.ROOT / "megamoe")
     args = ["--preset", "tiny", "--tokens", "1", "--paths", "low_latency", "--warmup", "1", "--iters", "1"]
     receipt = ab.run(d, args, nproc=1, rounds=1, timeout=300, out=tmp_path / "ab.json")
     assert [(r["build"], r["round"]) for r in receipt["runs"]] == [("base", 1), ("new", 1)]
@@ -122,7 +124,22 @@ def test_ab_runs_the_builds_in_turn_each_its_own_source(tmp_path):
     cut = json.loads((tmp_path / "cut.json").read_text())  # the run checked before the failed one, marked partial
     assert not cut["complete"] and [(r["build"], r["round"]) for r in cut["runs"]] == [("base", 1)]
     with pytest.raises(SystemExit, match="must be unique"):
-        ab.prepare(["x=HEAD", "x=HEAD"], d)
+        ab.prepare([f"x={tree}", f"x={tree}"], d)
+
+
+def test_ab_needs_git_only_for_a_git_ref(tmp_path, monkeypatch):
+    """Without git on PATH, a git ref fails with a message naming git (before ``--dir`` is touched); a directory
+    holding a megamoe tree still prepares."""
+    from bench import ab
+
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    keep = tmp_path / "ab" / "kept"
+    keep.mkdir(parents=True)
+    with pytest.raises(SystemExit, match="needs git, not found on PATH"):
+        ab.prepare([f"base={ab.ROOT}", "new=HEAD"], tmp_path / "ab")
+    assert keep.is_dir()
+    (build,) = ab.prepare([f"base={ab.ROOT}"], tmp_path / "ab")
+    assert (tmp_path / "ab" / "base" / "megamoe" / "__init__.py").is_file() and build["commit"] is None
 
 
 @pytest.mark.gpu
