@@ -16,7 +16,6 @@ import torch
 
 from ..checks import fail
 
-SM90_ARCH = "sm_90a"
 _cache: dict[Hashable, Any] = {}
 
 

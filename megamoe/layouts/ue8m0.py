@@ -21,7 +21,6 @@ SCALES_PER_INT32 = 4
 PACKED_BLOCK_K = BLOCK_K * SCALES_PER_INT32
 """Elements of K covered by one packed int32 of scales (128)."""
 MIN_EXPONENT = -127
-MAX_EXPONENT = 127
 
 assert sys.byteorder == "little", "packed UE8M0 views assume a little-endian host"
 
