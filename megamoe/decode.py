@@ -15,8 +15,8 @@
 
 ``path="auto"`` (default) picks warp decode for ``T <= crossover`` and the grouped path above it.
 The crossover is measured, not guessed: ``MEASURED_CROSSOVERS`` holds the largest batch at which warp
-decode was faster in ``python -m megamoe.bench decode`` (receipt in ``bench/results``); other shapes
-use the rule derived from those points (``default_crossover``). The two paths differ by the FP8
+decode was faster in ``python -m megamoe.bench decode``; other shapes use the rule derived from those
+points (``default_crossover``). The two paths differ by the FP8
 contract's error (the grouped path quantizes activations), never more than ``moe_tolerances``.
 
 The decoder holds the weights in two layouts: canonical (SIMT warp decode) and the Mega MoE layout of
@@ -39,12 +39,9 @@ MEASURED_CROSSOVERS: dict[tuple[int, int, int, int], int] = {
     (7168, 3072, 48, 6): 4,
     (7168, 3072, 192, 6): 4,
 }
-"""(hidden, intermediate, experts, top-k) -> the largest batch where warp decode beat the grouped path:
-H200, 2026-11-30, ``bench/results/decode/2026-11-30_decode_token_major_all_h200.json`` (batches 1, 2, 4, 8, 16, 32, 64; warp
-decode as the decoder runs it vs grouped, us: flash 32 experts 134.4 vs 163.4 at 16, 180.5 vs 178.1 at 32; flash
-128: 288.9 vs 294.4 at 16, 452.3 vs 404.2 at 32; pro 48: 215.7 vs 240.8 at 4, 340.8 vs 332.1 at 8 (within 3%; the
-two receipts before, ``decode/2026-11-30_decode_natural_x_h200.txt`` and ``decode/2026-11-30_decode_chunk_major_scales_h200.txt``,
-had 338.6 vs 333.3 and 327.6 vs 331.9 there); pro 192: 243.8 vs 258.7 at 4, 460.0 vs 443.5 at 8)."""
+"""(hidden, intermediate, experts, top-k) -> the largest batch (of 1, 2, 4, 8, ..., 64) where warp decode, as the
+decoder runs it, beat the grouped path on one H200 (``bench/results/decode/2026-11-30_decode_token_major_all_h200.json``;
+the times and the close calls: bench/findings/warp-decode-crossover.md)."""
 
 
 def default_crossover(hidden: int, inter: int, experts: int, topk: int) -> int:

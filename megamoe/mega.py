@@ -179,9 +179,9 @@ def check_mega_call(y, sym_buffer, stats, activation, activation_clamp, fast_mat
 
 MEGA_FOUR_WG_MIN_ROWS = 1.0
 """Expected rows per local expert from which ``tile_config`` gives the one-launch kernel 256-row weight tiles on four
-consumer warpgroups (measured slower at 0.25 rows per expert, faster at 4-24)."""
+consumer warpgroups (slower below a row per expert, faster from a few; see ``tile_config``)."""
 MEGA_FOUR_WG_MAX_TILE_TOKENS = 32
-"""Widest token tile ``tile_config`` runs on four consumer warpgroups (the widest measured)."""
+"""Widest token tile ``tile_config`` runs on four consumer warpgroups (the widest measured on them)."""
 
 
 def tile_config(layout, num_tokens: int, num_sms: int):
@@ -191,17 +191,15 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     blocks).
 
     Decode-sized calls whose 128-row L1 tiles (over the local experts expected to get a row) would not occupy every
-    two-CTA slot run 64-row weight tiles on three CTAs per SM instead: flash EP2 at 1 token/rank (~190 such tiles for
-    264 slots) ran 0.94x the time over five alternated rounds; pro (~280 tiles) ran 1.04x, 8 tokens/rank 1.02-1.04x,
-    so only the former qualify (2 x H200, 2026-11-30, ``bench/results/mega/2026-11-30_mega_three_cta_ab_h200.json``).
+    two-CTA slot run 64-row weight tiles on three CTAs per SM instead: the smaller tiles pay only where they fill
+    slots the larger ones leave idle (faster for flash EP2 at 1 token/rank; slower where the 128-row tiles already
+    fill the slots, as for pro at 1 token/rank, and at 8 tokens/rank).
 
     From ``MEGA_FOUR_WG_MIN_ROWS`` expected rows per expert, token tiles up to ``MEGA_FOUR_WG_MAX_TILE_TOKENS`` rows
-    run 256-row weight tiles on four consumer warpgroups (``select_config``), one CTA per SM: against the 128-row tiles (2 x
-    H200, EP2, builds in turns, every row checked; ``bench/results/mega/2026-12-01_mega_four_wg_ab_h200.txt``) flash
-    128 tokens/rank 503.1 / 499.8 vs 514.1 / 533.1 us, 512 649.5 / 632.4 vs 742.1 / 733.4 (1.05x, 1.14x), pro 128
-    1888.0 vs 1955.6, 512 2360.8 vs 2585.1 (1.04x, 1.09x); at 8 tokens/rank (0.25-0.4 rows per expert) flash 172.5 vs
-    172.6 / 170.5, pro 433.7 vs 409.3 (slower); at flash 1 token/rank 55.5 vs 55.6 / 55.3 on the three-CTA tiles,
-    which stay."""
+    run 256-row weight tiles on four consumer warpgroups (``select_config``), one CTA per SM: faster than the 128-row
+    tiles from a few rows per expert (128 and 512 tokens/rank), slower below one (8 tokens/rank); decode-sized calls
+    keep the three-CTA tiles. Both thresholds come from alternated A/Bs with every row checked
+    (bench/findings/mega-small-calls.md, bench/findings/four-consumer-warpgroups.md)."""
     from .kernels import sm90
 
     rows_per_expert = min(layout.num_ranks * num_tokens * layout.num_topk / layout.num_experts, layout.num_ring_tokens // 2)

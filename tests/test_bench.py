@@ -91,7 +91,7 @@ def test_gemm_bench_alternative_configs_differ_from_the_choice():
             assert configs[0] == select_config(rows, 4096, 4096, mma)
             alternative = mma == "bf16" or (mma == "fp8" and rows == 4096)
             assert len(set(configs)) == len(configs) == (2 if alternative else 1), (rows, mma, configs)
-            if mma == "bf16" and rows <= 64:  # the four-warpgroup tile against the 128-row tile it replaced
+            if mma == "bf16" and rows <= 64:  # the four-warpgroup tile against the 128-row tile
                 assert (configs[0].tile_n, configs[1].tile_n) == (256, 128)
                 assert configs[1].ctas_per_sm == (2 if configs[1].tile_tokens <= 32 else 1)
             assert kernel_configs(p, mma, False) == configs[:1]

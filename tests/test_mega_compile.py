@@ -172,9 +172,8 @@ def test_bf16_call_validation(cpu_call):
 
 def test_tile_config_three_ctas_only_where_l1_tiles_leave_slots_idle():
     """Decode-sized calls run 64-row weight tiles on three CTAs per SM only where 128-row L1 tiles would not fill the
-    two-CTA slots: measured faster for flash EP2 at 1 token/rank (about 6 local experts x 32 tiles < 264 slots),
-    slower for pro at 1 token/rank (6 x 48 > 264) and for 8 tokens/rank (bench/results/
-    mega/2026-11-30_mega_three_cta_ab_h200.json)."""
+    two-CTA slots: flash EP2 at 1 token/rank (about 6 local experts x 32 tiles < 264 slots), not pro at 1 token/rank
+    (6 x 48 > 264) nor 8 tokens/rank (the reasons: ``tile_config``)."""
     from megamoe.mega import tile_config
 
     def cfg(preset, ranks, tokens, sms=132):
@@ -191,9 +190,8 @@ def test_tile_config_three_ctas_only_where_l1_tiles_leave_slots_idle():
 
 def test_tile_config_four_warpgroups_from_one_row_per_expert():
     """From one expected row per local expert (``MEGA_FOUR_WG_MIN_ROWS``), token tiles up to 32 rows run 256-row weight
-    tiles on four consumer warpgroups, one CTA per SM: measured faster at 128 and 512 tokens/rank (4-24 rows per
-    expert), slower for pro at 8 tokens/rank (0.25 rows; bench/results/mega/2026-12-01_mega_four_wg_ab_h200.txt); wider
-    token tiles keep the 128-row tiles, decode-sized calls the 128- or 64-row ones."""
+    tiles on four consumer warpgroups, one CTA per SM (the reasons: ``tile_config``); wider token tiles keep the
+    128-row tiles, decode-sized calls the 128- or 64-row ones."""
     from megamoe.mega import tile_config
 
     shapes = {"flash": (256, 6, 4096, 2048), "pro": (384, 6, 7168, 3072)}

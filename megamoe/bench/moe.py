@@ -1,10 +1,11 @@
 """The EP MoE benchmark: ``torchrun --nproc-per-node N -m megamoe.bench [--preset ...] [--tokens ...]``.
 
-For every tokens-per-rank point: fresh random inputs, a correctness check of every path (``staged-GEMM-MODE``:
-the staged baseline, ``StagedMoE``, in mode ``normal`` or ``low_latency`` with torch's or megamoe's SM90 GEMMs;
-``mega``: the Mega MoE path, ``MegaMoE``, on Hopper) against the distributed FP32 reference on those inputs, then timing (warm-up, CUDA events around
-each call after a cross-rank barrier, median per rank, the slowest rank reported). Without GPUs it
-runs the tiny preset on CPU with gloo and says so.
+For every tokens-per-rank point: fresh random inputs, a correctness check of every path against the distributed
+FP32 reference on those inputs, then timing (warm-up, CUDA events around each call after a cross-rank barrier, median
+per rank, the slowest rank reported). Paths: ``staged-GEMM-MODE``, the staged baseline (``StagedMoE``) in mode
+``normal`` or ``low_latency`` with torch's (``torch``) or megamoe's SM90 (``sm90``) GEMMs, e.g.
+``staged-sm90-low_latency``; ``mega``, the Mega MoE path (``MegaMoE``) on Hopper. ``--paths`` picks them by any part
+of the name. Without GPUs it runs the tiny preset on CPU with gloo and says so.
 
 Columns: ``us`` time per call; ``TFLOP/s`` useful FLOPs ``6 * routed_rows * H * I`` per rank over
 time; ``weights GB/s`` bytes of the expert weights this path reads (BF16 with the torch GEMM, FP4 with the SM90 one) for

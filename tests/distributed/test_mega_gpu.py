@@ -22,7 +22,7 @@ one progress line per rank and call, the contract errors, and any ``megamoe debu
 * ``hang``: rank 1 never calls; rank 0's debug-mode call must trap with the diagnostic naming
   ``ready[src=1]`` (printf and the host-mapped record) instead of hanging.
 
-    python -m pytest -q -m gpu tests/distributed/test_mega_gpu.py     # ~60 s on 2 x H200
+    python -m pytest -q -m gpu tests/distributed/test_mega_gpu.py
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ GENERATIONS = 3
 SMALL_RING = 128  # ring rows of the small-ring cases: rank 0 receives more rows, so it reuses ring blocks
 WIDE = (2048, 2048)  # (H, I) of the case whose CTAs run several tiles each (L1: 32 column tiles per pool block)
 DEBUG_TIMEOUT_S = "60"  # debug-mode spin-wait timeout inside the subprocesses: above the JIT compile of a rank
-# whose config (its own T) is new to it while its peer has it compiled already and waits at `ready` (a 5 s limit
-# once timed out there, 2026-12-01: full_clamped after skewed_to_rank0 compiled rank 0's config only)
+# whose config (its own T) is new to it while its peer has it compiled already and waits at `ready` (seconds: a
+# few-second limit times out there)
 CASES = {
     1: [
         ("ragged_masked", dict(tokens=[29], masked=0.25)),
