@@ -59,7 +59,7 @@ def test_path_choice_and_validation():
 def test_warp_path_picks_its_weights(monkeypatch):
     """With the grouped path, warp decode gets both weights in the Mega MoE layout at every batch (tensor-core
     kernels); without it the canonical weights (per-pair SIMT kernels)."""
-    from megamoe.kernels import warp_decode
+    from megamoe.kernels.decode import simt as warp_decode
 
     seen = []
     monkeypatch.setattr(warp_decode, "moe_decode",

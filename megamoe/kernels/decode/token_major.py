@@ -32,10 +32,10 @@ import torch
 from cutlass import Float32, Int32, Int64, cute
 from cutlass.cutlass_dsl import dsl_user_op
 
-from ..checks import fail
-from . import ptx, runtime
-from .weight_layout import BF16_ACC_SHIFT, CHUNK_BYTES, K_CHUNK, ROW_BLOCK
-from .warp_decode import (
+from ...checks import fail
+from .. import ptx, runtime
+from ..weight_layout import BF16_ACC_SHIFT, CHUNK_BYTES, K_CHUNK, ROW_BLOCK
+from .simt import (
     WARP,
     _fma,
     _ptr,

@@ -57,13 +57,13 @@ from cutlass import Float32, Int32, Int64, cute
 from cutlass._mlir.dialects import math as mlir_math
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from ..checks import check_multiple, check_range, check_tensor, fail
-from ..layouts import PACKED_BLOCK_K
-from ..layouts.weights import check_chunk_major_scales
-from ..numerics import check_activation_clamp
-from . import ptx, runtime
-from . import dequant
-from .weight_layout import BF16_ACC_SHIFT, BF16_WORDS, CHUNK_BYTES, K_CHUNK, ROW_BLOCK
+from ...checks import check_multiple, check_range, check_tensor, fail
+from ...layouts import PACKED_BLOCK_K
+from ...layouts.weights import check_chunk_major_scales
+from ...numerics import check_activation_clamp
+from .. import ptx, runtime
+from .. import dequant
+from ..weight_layout import BF16_ACC_SHIFT, BF16_WORDS, CHUNK_BYTES, K_CHUNK, ROW_BLOCK
 
 WARPS_PER_CTA = 8
 """Warps per CTA of the kernels (256 threads) but ``_GateUpMMA``; every warp works alone."""
@@ -850,7 +850,7 @@ def check_decode_inputs(x, topk_idx, topk_weights, l1, l2, activation_clamp=None
         check_tensor("l1[0]", w1, shape=(experts, two_inter, hidden // per_byte))
     _check_scales("l1[1]", s1, experts, two_inter, hidden, mega)
     if mega2:
-        from .expert_major_decode import MAX_EXPERTS
+        from .expert_major import MAX_EXPERTS
 
         check_range("l1[0].shape[0] (experts)", experts, 1, MAX_EXPERTS)
         check_tensor("l2[0]", w2, shape=(experts, hidden // ROW_BLOCK, inter // K_CHUNK, ROW_BLOCK, BF16_WORDS),
@@ -904,8 +904,8 @@ def moe_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp=None, out=Non
     layout = weight_layout_of(l1[0])
     y = out if out is not None else torch.empty(tokens, hidden, dtype=torch.bfloat16, device=x.device)
     if weight_layout_of(l2[0]) == "mega":
-        from .expert_major_decode import moe_decode_by_expert
-        from .token_major_decode import TOKEN_MAJOR_MAX_TOKENS, moe_decode_by_token, supports
+        from .expert_major import moe_decode_by_expert
+        from .token_major import TOKEN_MAJOR_MAX_TOKENS, moe_decode_by_token, supports
 
         if tokens <= TOKEN_MAJOR_MAX_TOKENS and supports(topk, inter):
             return moe_decode_by_token(x, topk_idx, topk_weights, l1, l2, activation_clamp, y)

@@ -52,9 +52,9 @@ import torch
 from cutlass import Float32, Int32, Int64, cute
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from . import ptx, runtime
-from .weight_layout import BF16_ACC_SHIFT
-from .warp_decode import (
+from .. import ptx, runtime
+from ..weight_layout import BF16_ACC_SHIFT
+from .simt import (
     ACT_LOAD,
     WARP,
     WARPS_PER_CTA,
@@ -71,7 +71,7 @@ from .warp_decode import (
     token_rows,
     x_order_for,
 )
-from .warp_ops import nth_set_bit, warp_inclusive_sum
+from ..warp_ops import nth_set_bit, warp_inclusive_sum
 
 COLUMNS = 8
 """Pairs per pass of a warp over its rows (the N side of ``mma.m16n8k16``); an expert routed by more pairs

@@ -1,0 +1,1 @@
+"""Warp-decode MoE kernels (CuTe DSL, sm_90a)."""
