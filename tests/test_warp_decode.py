@@ -1,4 +1,4 @@
-"""Warp-decode MoE kernels (``megamoe.kernels.decode.simt``).
+"""Warp-decode MoE kernels (``megamoe.kernels.decode``).
 
 CPU: every kernel variant compiles for sm_90a (``CUTE_DSL_ARCH``, set by conftest) and bad inputs
 raise ``ValueError`` naming the tensor before anything touches CUDA. GPU (``-m gpu``): outputs match
@@ -112,11 +112,11 @@ def test_token_major_tuning_is_checked(tuning, match):
 
 def test_mma_order_matches_the_natural_loads():
     """``a`` (expert-major) and ``x`` above ``NATURAL_X_MAX_TOKENS`` sit in MMA order (``mma_position``: a
-    permutation; ``interleave_tokens(x, "mma")`` puts every element there), read with ``_ld_mma_chunk``; smaller
-    batches' ``x`` is read in its natural order with ``_ld_natural_chunk``: both must hand lane
+    permutation; ``interleave_tokens(x, "mma")`` puts every element there), read with ``mma.ld_mma_chunk``; smaller
+    batches' ``x`` is read in its natural order with ``mma.ld_natural_chunk``: both must hand lane
     q the same elements as word j of a 128-wide chunk (the pair 16 j + 2 q, + 1 of the m16n8k16 B fragment), and
     each of a lane's 16-byte MMA-order loads must be one column's 64 contiguous bytes across the 4 lanes q."""
-    from megamoe.kernels.decode.simt import interleave_tokens, mma_position
+    from megamoe.kernels.decode.common import interleave_tokens, mma_position
 
     gen = torch.Generator().manual_seed(4)
     for hidden in (128, 640, 4096):
@@ -125,7 +125,7 @@ def test_mma_order_matches_the_natural_loads():
         x = torch.randn(2, hidden, generator=gen).to(torch.bfloat16)
         assert torch.equal(interleave_tokens(x, "mma")[:, pos], x)
     for q in range(4):
-        for j in range(16):  # _ld_mma_chunk: byte 64 (j // 4) + 16 q + 4 (j % 4); _ld_natural_chunk: byte 16 j + 4 q
+        for j in range(16):  # ld_mma_chunk: byte 64 (j // 4) + 16 q + 4 (j % 4); ld_natural_chunk: byte 16 j + 4 q
             mma_elem = (64 * (j // 4) + 16 * q + 4 * (j % 4)) // 2
             natural_elem = (16 * j + 4 * q) // 2
             assert [mma_position(natural_elem), mma_position(natural_elem + 1)] == [mma_elem, mma_elem + 1]
@@ -140,9 +140,9 @@ def test_mma_order_matches_the_natural_loads():
 @pytest.mark.parametrize("k", [640, 1152, 4096])
 @pytest.mark.parametrize("per_chunk", [4, 8])
 def test_interleaved_layout_is_a_coalesced_permutation(fmt, k, per_chunk):
-    from megamoe.kernels.decode.simt import _FMT, WARP
+    from megamoe.kernels.decode.common import VECTOR_FORMATS, WARP
 
-    f = _FMT[fmt]
+    f = VECTOR_FORMATS[fmt]
     i = torch.arange(k)
     pos = f.interleaved_offset(i, per_chunk)
     assert pos.unique().numel() == k and int(pos.max()) < f.interleaved_row(k)
@@ -157,14 +157,14 @@ def test_interleaved_layout_is_a_coalesced_permutation(fmt, k, per_chunk):
 
 
 def test_interleave_tokens_gathers_every_element():
-    from megamoe.kernels.decode.simt import _FMT, interleave_tokens
+    from megamoe.kernels.decode.common import VECTOR_FORMATS, interleave_tokens
 
     gen = torch.Generator().manual_seed(3)
     for fmt, hidden in (("fp4", 1152), ("fp8", 4096)):
         x = torch.randn(3, hidden, generator=gen).to(torch.bfloat16)
         xi = interleave_tokens(x, fmt)
-        assert xi.shape == (3, _FMT[fmt].interleaved_row(hidden))
-        assert torch.equal(xi[:, _FMT[fmt].interleaved_offset(torch.arange(hidden), 8)], x)
+        assert xi.shape == (3, VECTOR_FORMATS[fmt].interleaved_row(hidden))
+        assert torch.equal(xi[:, VECTOR_FORMATS[fmt].interleaved_offset(torch.arange(hidden), 8)], x)
 
 
 def _valid_cpu_inputs(fmt="fp4"):
@@ -225,7 +225,7 @@ def _bad_cases():
 
 @pytest.mark.parametrize("case", sorted(_bad_cases()))
 def test_bad_inputs_raise_before_launch(case):
-    from megamoe.kernels.decode.simt import moe_decode
+    from megamoe.kernels.decode import moe_decode
 
     kwargs, message = _bad_cases()[case]
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
@@ -233,7 +233,7 @@ def test_bad_inputs_raise_before_launch(case):
 
 
 def test_fp8_inputs_pass_shape_checks():
-    from megamoe.kernels.decode.simt import check_decode_inputs
+    from megamoe.kernels.decode import check_decode_inputs
 
     assert check_decode_inputs(**_valid_cpu_inputs("fp8")) == ("fp8", 256, 128)
     assert check_decode_inputs(**_valid_cpu_inputs("fp4")) == ("fp4", 256, 128)
@@ -263,7 +263,7 @@ CASES = {
 
 def _run_case(name, seed=0, l1_layout="canonical"):
     from megamoe.kernels.sm90 import prepare_fp4_weights, prepare_fp4_weights_l1
-    from megamoe.kernels.decode.simt import moe_decode
+    from megamoe.kernels.decode import moe_decode
 
     tokens, hidden, inter, experts, topk, fmt, clamp, masked, hot = CASES[name]
     x, idx, wts, l1, l2 = _problem(tokens, hidden, inter, experts, topk, fmt, seed, "cuda", masked, hot)
@@ -341,7 +341,7 @@ def test_token_major_splits_match_reference(tuning, tokens):
 
 @pytest.mark.gpu
 def test_repeat_calls_are_deterministic_and_fill_out():
-    from megamoe.kernels.decode.simt import moe_decode
+    from megamoe.kernels.decode import moe_decode
 
     x, idx, wts, l1, l2 = _problem(7, 1024, 512, 8, 4, "fp4", 3, "cuda")
     y1 = moe_decode(x, idx, wts, l1, l2)
