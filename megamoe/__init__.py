@@ -39,7 +39,7 @@ __all__ = [
 def __getattr__(name: str):
     """``megamoe.moe_decode``: the warp-decode kernels' entry (imported on first use: it loads the DSL)."""
     if name == "moe_decode":
-        from .kernels.warp_decode import moe_decode
+        from .kernels.decode import moe_decode
 
         return moe_decode
     raise AttributeError(f"module 'megamoe' has no attribute {name!r}")

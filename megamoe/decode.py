@@ -107,7 +107,7 @@ class MoEDecoder:
         slot), ``topk_weights`` float32 ``[T, k]``; ``out``: optional destination. CUDA-graph capturable
         once each path used has run outside capture."""
         from .inputs import fill_buffer
-        from .kernels.warp_decode import moe_decode
+        from .kernels.decode import moe_decode
 
         if path not in PATHS:
             fail("path", f"must be one of {PATHS}, got {path!r}")

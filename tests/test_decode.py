@@ -59,10 +59,10 @@ def test_path_choice_and_validation():
 def test_warp_path_picks_its_weights(monkeypatch):
     """With the grouped path, warp decode gets both weights in the Mega MoE layout at every batch (tensor-core
     kernels); without it the canonical weights (per-pair SIMT kernels)."""
-    from megamoe.kernels import warp_decode
+    from megamoe.kernels import decode as decode_kernels
 
     seen = []
-    monkeypatch.setattr(warp_decode, "moe_decode",
+    monkeypatch.setattr(decode_kernels, "moe_decode",
                         lambda x, idx, wts, l1, l2, *a: seen.append((l1[0].dtype, l2[0].dtype)))
     gen = torch.Generator().manual_seed(4)
     mega, canonical = torch.int32, torch.uint8

@@ -1,4 +1,4 @@
-"""Warp-decode MoE kernels (``megamoe.kernels.warp_decode``).
+"""Warp-decode MoE kernels (``megamoe.kernels.decode``).
 
 CPU: every kernel variant compiles for sm_90a (``CUTE_DSL_ARCH``, set by conftest) and bad inputs
 raise ``ValueError`` naming the tensor before anything touches CUDA. GPU (``-m gpu``): outputs match
@@ -51,7 +51,7 @@ def _problem(tokens, hidden, inter, experts, topk, fmt, seed, device, masked_rat
 @pytest.mark.parametrize("has_clamp", [False, True])
 def test_kernels_compile_for_sm90(fmt, has_clamp):
     from megamoe.kernels import runtime
-    from megamoe.kernels.warp_decode import compile_kernels
+    from megamoe.kernels.decode.simt import compile_kernels
 
     if not torch.cuda.is_available():
         assert runtime.compile_only_arch() == "sm_90a"
@@ -69,7 +69,7 @@ def test_kernels_compile_for_sm90(fmt, has_clamp):
 
 @pytest.mark.parametrize("has_clamp", [False, True])
 def test_expert_major_kernels_compile_for_sm90(has_clamp):
-    from megamoe.kernels import expert_major_decode as em
+    from megamoe.kernels.decode import expert_major as em
 
     for hidden, inter, topk in ((4096, 2048, 6), (7168, 3072, 8), (1152, 640, 1)):
         assert all(em.compile_kernels(hidden, inter, has_clamp, topk))
@@ -79,7 +79,7 @@ def test_expert_major_kernels_compile_for_sm90(has_clamp):
 
 @pytest.mark.parametrize("has_clamp", [False, True])
 def test_token_major_kernels_compile_for_sm90(has_clamp):
-    from megamoe.kernels import token_major_decode as tm
+    from megamoe.kernels.decode import token_major as tm
 
     for hidden, inter, topk in ((4096, 2048, 6), (7168, 3072, 8), (1152, 640, 1)):
         assert all(tm.compile_kernels(hidden, inter, has_clamp, topk))
@@ -90,7 +90,7 @@ def test_token_major_kernels_compile_for_sm90(has_clamp):
 
 def test_token_major_default_tuning_and_support():
     """gate_up parts of >= 14 chunks; down at 24 warps per SM where shared memory allows (module constants)."""
-    from megamoe.kernels import token_major_decode as tm
+    from megamoe.kernels.decode import token_major as tm
 
     assert tm.default_tuning(4096, 2048, 6) == (2, 6, 1, 4)  # flash: 48 KiB of staged rows per down CTA
     assert tm.default_tuning(7168, 3072, 6) == (4, 6, 2, 2)  # pro: 72 KiB, two CTAs of 12 warps
@@ -104,7 +104,7 @@ def test_token_major_default_tuning_and_support():
                                           ((4, 6, 1, 2), "top-k 33"), ((4, 0, 1, 2), "tuning\\[1\\]"),
                                           ((4, 6, 1, 4), "shared memory")])
 def test_token_major_tuning_is_checked(tuning, match):
-    from megamoe.kernels.token_major_decode import check_tuning
+    from megamoe.kernels.decode.token_major import check_tuning
 
     with pytest.raises(ValueError, match=match):
         check_tuning(7168, 3072, 33 if "33" in match else 6, tuning)
@@ -112,11 +112,11 @@ def test_token_major_tuning_is_checked(tuning, match):
 
 def test_mma_order_matches_the_natural_loads():
     """``a`` (expert-major) and ``x`` above ``NATURAL_X_MAX_TOKENS`` sit in MMA order (``mma_position``: a
-    permutation; ``interleave_tokens(x, "mma")`` puts every element there), read with ``_ld_mma_chunk``; smaller
-    batches' ``x`` is read in its natural order with ``_ld_natural_chunk``: both must hand lane
+    permutation; ``interleave_tokens(x, "mma")`` puts every element there), read with ``mma.ld_mma_chunk``; smaller
+    batches' ``x`` is read in its natural order with ``mma.ld_natural_chunk``: both must hand lane
     q the same elements as word j of a 128-wide chunk (the pair 16 j + 2 q, + 1 of the m16n8k16 B fragment), and
     each of a lane's 16-byte MMA-order loads must be one column's 64 contiguous bytes across the 4 lanes q."""
-    from megamoe.kernels.warp_decode import interleave_tokens, mma_position
+    from megamoe.kernels.decode.common import interleave_tokens, mma_position
 
     gen = torch.Generator().manual_seed(4)
     for hidden in (128, 640, 4096):
@@ -125,7 +125,7 @@ def test_mma_order_matches_the_natural_loads():
         x = torch.randn(2, hidden, generator=gen).to(torch.bfloat16)
         assert torch.equal(interleave_tokens(x, "mma")[:, pos], x)
     for q in range(4):
-        for j in range(16):  # _ld_mma_chunk: byte 64 (j // 4) + 16 q + 4 (j % 4); _ld_natural_chunk: byte 16 j + 4 q
+        for j in range(16):  # ld_mma_chunk: byte 64 (j // 4) + 16 q + 4 (j % 4); ld_natural_chunk: byte 16 j + 4 q
             mma_elem = (64 * (j // 4) + 16 * q + 4 * (j % 4)) // 2
             natural_elem = (16 * j + 4 * q) // 2
             assert [mma_position(natural_elem), mma_position(natural_elem + 1)] == [mma_elem, mma_elem + 1]
@@ -140,9 +140,9 @@ def test_mma_order_matches_the_natural_loads():
 @pytest.mark.parametrize("k", [640, 1152, 4096])
 @pytest.mark.parametrize("per_chunk", [4, 8])
 def test_interleaved_layout_is_a_coalesced_permutation(fmt, k, per_chunk):
-    from megamoe.kernels.warp_decode import _FMT, WARP
+    from megamoe.kernels.decode.common import VECTOR_FORMATS, WARP
 
-    f = _FMT[fmt]
+    f = VECTOR_FORMATS[fmt]
     i = torch.arange(k)
     pos = f.interleaved_offset(i, per_chunk)
     assert pos.unique().numel() == k and int(pos.max()) < f.interleaved_row(k)
@@ -157,14 +157,14 @@ def test_interleaved_layout_is_a_coalesced_permutation(fmt, k, per_chunk):
 
 
 def test_interleave_tokens_gathers_every_element():
-    from megamoe.kernels.warp_decode import _FMT, interleave_tokens
+    from megamoe.kernels.decode.common import VECTOR_FORMATS, interleave_tokens
 
     gen = torch.Generator().manual_seed(3)
     for fmt, hidden in (("fp4", 1152), ("fp8", 4096)):
         x = torch.randn(3, hidden, generator=gen).to(torch.bfloat16)
         xi = interleave_tokens(x, fmt)
-        assert xi.shape == (3, _FMT[fmt].interleaved_row(hidden))
-        assert torch.equal(xi[:, _FMT[fmt].interleaved_offset(torch.arange(hidden), 8)], x)
+        assert xi.shape == (3, VECTOR_FORMATS[fmt].interleaved_row(hidden))
+        assert torch.equal(xi[:, VECTOR_FORMATS[fmt].interleaved_offset(torch.arange(hidden), 8)], x)
 
 
 def _valid_cpu_inputs(fmt="fp4"):
@@ -225,7 +225,7 @@ def _bad_cases():
 
 @pytest.mark.parametrize("case", sorted(_bad_cases()))
 def test_bad_inputs_raise_before_launch(case):
-    from megamoe.kernels.warp_decode import moe_decode
+    from megamoe.kernels.decode import moe_decode
 
     kwargs, message = _bad_cases()[case]
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
@@ -233,7 +233,7 @@ def test_bad_inputs_raise_before_launch(case):
 
 
 def test_fp8_inputs_pass_shape_checks():
-    from megamoe.kernels.warp_decode import check_decode_inputs
+    from megamoe.kernels.decode import check_decode_inputs
 
     assert check_decode_inputs(**_valid_cpu_inputs("fp8")) == ("fp8", 256, 128)
     assert check_decode_inputs(**_valid_cpu_inputs("fp4")) == ("fp4", 256, 128)
@@ -263,7 +263,7 @@ CASES = {
 
 def _run_case(name, seed=0, l1_layout="canonical"):
     from megamoe.kernels.sm90 import prepare_fp4_weights, prepare_fp4_weights_l1
-    from megamoe.kernels.warp_decode import moe_decode
+    from megamoe.kernels.decode import moe_decode
 
     tokens, hidden, inter, experts, topk, fmt, clamp, masked, hot = CASES[name]
     x, idx, wts, l1, l2 = _problem(tokens, hidden, inter, experts, topk, fmt, seed, "cuda", masked, hot)
@@ -308,9 +308,9 @@ def test_token_major_with_one_part_equals_expert_major(name):
     down takes its packed pass (hi and lo of up to 4 pairs as the columns of one operand) where an expert has at
     most 4 pairs (one and two tokens) and unpacked passes of 8 pairs where it has more ("ragged-hot": 13 tokens on
     the same 6 experts)."""
-    from megamoe.kernels.expert_major_decode import moe_decode_by_expert
+    from megamoe.kernels.decode.expert_major import moe_decode_by_expert
     from megamoe.kernels.sm90 import prepare_fp4_weights, prepare_fp4_weights_l1
-    from megamoe.kernels.token_major_decode import moe_decode_by_token
+    from megamoe.kernels.decode.token_major import moe_decode_by_token
 
     _, _, (x, idx, wts, l1, l2, clamp) = _run_case(name)
     l1k, l2k = prepare_fp4_weights_l1(*l1, mma="bf16"), prepare_fp4_weights(*l2, mma="bf16")
@@ -327,7 +327,7 @@ def test_token_major_splits_match_reference(tuning, tokens):
     """gate_up and down split over K parts (the shapes' defaults leave one-part gate_ups here), one and four tokens,
     masked slots: same tolerance as every path."""
     from megamoe.kernels.sm90 import prepare_fp4_weights, prepare_fp4_weights_l1
-    from megamoe.kernels.token_major_decode import moe_decode_by_token
+    from megamoe.kernels.decode.token_major import moe_decode_by_token
 
     x, idx, wts, l1, l2 = _problem(tokens, 2048, 1024, 16, 6, "fp4", 5, "cuda")
     idx[0, 1], idx[-1, 4] = -1, 16  # masked, out of range
@@ -341,7 +341,7 @@ def test_token_major_splits_match_reference(tuning, tokens):
 
 @pytest.mark.gpu
 def test_repeat_calls_are_deterministic_and_fill_out():
-    from megamoe.kernels.warp_decode import moe_decode
+    from megamoe.kernels.decode import moe_decode
 
     x, idx, wts, l1, l2 = _problem(7, 1024, 512, 8, 4, "fp4", 3, "cuda")
     y1 = moe_decode(x, idx, wts, l1, l2)

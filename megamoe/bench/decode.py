@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         print("megamoe.bench decode needs a CUDA GPU (Hopper); nothing to measure here.")
         return
-    from ..kernels import warp_decode
+    from ..kernels import decode as warp_decode
 
     device = torch.device("cuda")
     rows_kw = {} if args.down_rows is None else {"down_rows": args.down_rows}

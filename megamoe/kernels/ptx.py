@@ -275,3 +275,116 @@ def f32x2_to_bf16x2(lo, hi, *, loc=None, ip=None) -> Int32:
     """Two FP32 -> two BF16 (round to nearest even), ``lo`` in the low half."""
     args = [ir_arg(hi, Float32, loc, ip), ir_arg(lo, Float32, loc, ip)]
     return Int32(volatile_asm([T.i32()], args, "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", loc, ip)[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# Read-only loads, prefetch, cp.async, conversions and the BF16 tensor-core MMA (first used by the decode kernels,
+# ``megamoe.kernels.decode``).
+#
+# ``ld_v4``, ``ld_v4_if`` and ``ld_nc_u32`` are PURE blocks (no side effects, no memory clobber): the compiler may
+# move, merge or drop them like arithmetic, which lets it issue a warp's weight loads early and keep them in flight.
+# Use them only for memory nothing writes while the kernel runs (weights, inputs, a finished earlier launch's output).
+
+from cutlass._mlir.dialects import math as _mlir_math  # noqa: E402 (appended block)
+
+
+@dsl_user_op
+def ld_v4(addr, cache: str, floats: bool = False, *, loc=None, ip=None) -> list:
+    """16 bytes at the global address ``addr`` (16-byte aligned) as 4 Int32 words, or 4 Float32 when ``floats``:
+    ``ld.global{cache}.v4`` (``cache`` the qualifiers, e.g. ``".nc"`` or ``".nc.L1::no_allocate.L2::256B"``). Pure."""
+    ty, reg, kind, cls = (T.f32(), "f", "f32", Float32) if floats else (T.i32(), "r", "b32", Int32)
+    vals = inline_asm([ty] * 4, [ir_arg(addr, Int64, loc, ip)], f"ld.global{cache}.v4.{kind} {{$0, $1, $2, $3}}, [$4];",
+                      ",".join([f"={reg}"] * 4 + ["l"]), loc, ip, side_effects=False)
+    return [cls(v) for v in vals]
+
+
+@dsl_user_op
+def ld_v4_if(addr, on, cache: str, *, loc=None, ip=None) -> list:
+    """``ld_v4`` of 4 words when ``on`` (Int32) is nonzero, else four zero words (no memory access, no branch). Pure."""
+    text = (
+        "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n"
+        f"@p ld.global{cache}.v4.b32 {{$0, $1, $2, $3}}, [$4];\n}}"
+    )
+    args = [ir_arg(addr, Int64, loc, ip), ir_arg(on, Int32, loc, ip)]
+    return [Int32(v) for v in inline_asm([T.i32()] * 4, args, text, "=r,=r,=r,=r,l,r", loc, ip, side_effects=False)]
+
+
+@dsl_user_op
+def ld_nc_u32(addr, *, loc=None, ip=None) -> Int32:
+    """The word at the global address ``addr`` through the read-only path (``ld.global.nc``). Pure."""
+    return Int32(inline_asm([T.i32()], [ir_arg(addr, Int64, loc, ip)], "ld.global.nc.b32 $0, [$1];", "=r,l", loc, ip,
+                            side_effects=False)[0])
+
+
+@dsl_user_op
+def ld_shared_v4(addr, *, loc=None, ip=None) -> list:
+    """16 bytes at the shared-memory address ``addr`` (Int32) as 4 words. Volatile (no memory clobber): it stays
+    after the ``cp_async_wait_all`` that filled the memory."""
+    vals = volatile_asm([T.i32()] * 4, [ir_arg(addr, Int32, loc, ip)], "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
+                        "=r,=r,=r,=r,r", loc, ip)
+    return [Int32(v) for v in vals]
+
+
+@dsl_user_op
+def prefetch_bulk_l2(addr, nbytes: int, *, loc=None, ip=None) -> None:
+    """Start fetching ``nbytes`` (a multiple of 16, 16-byte aligned) at the global address ``addr`` into L2
+    (``cp.async.bulk.prefetch.L2``); no registers, no wait."""
+    volatile_asm([], [ir_arg(addr, Int64, loc, ip)], f"cp.async.bulk.prefetch.L2.global [$0], {nbytes};", "l", loc, ip)
+
+
+@dsl_user_op
+def cp_async_16_if(dst, src, on, *, loc=None, ip=None) -> None:
+    """Start copying 16 bytes from the global address ``src`` to the shared address ``dst`` (Int32) when ``on``
+    (Int32, nonzero): ``cp.async.cg`` (through L2). Wait with ``cp_async_wait_all``."""
+    text = "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p cp.async.cg.shared.global [$0], [$1], 16;\n}"
+    args = [ir_arg(dst, Int32, loc, ip), ir_arg(src, Int64, loc, ip), ir_arg(on, Int32, loc, ip)]
+    volatile_asm([], args, text, "r,l,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def cp_async_wait_all(*, loc=None, ip=None) -> None:
+    """Wait for this thread's ``cp.async`` copies (``cp.async.wait_all``)."""
+    volatile_asm([], [], "cp.async.wait_all;", "~{memory}", loc, ip)
+
+
+@dsl_user_op
+def opaque_i64(v, *, loc=None, ip=None) -> Int64:
+    """``v``, through a volatile ``mov`` the compiler may not hoist or fold (e.g. to keep loop-invariant addresses,
+    and so the loads they feed, inside a loop)."""
+    return Int64(volatile_asm([T.i64()], [ir_arg(v, Int64, loc, ip)], "mov.b64 $0, $1;", "=l,l", loc, ip)[0])
+
+
+@dsl_user_op
+def fma(a, b, c, *, loc=None, ip=None) -> Float32:
+    """``a * b + c`` in FP32 with one rounding."""
+    return Float32(_mlir_math.fma(ir_arg(a, Float32, loc, ip), ir_arg(b, Float32, loc, ip), ir_arg(c, Float32, loc, ip),
+                                  loc=loc, ip=ip))
+
+
+def e4m3x2_to_f32x2_ptx(src: str, lo: int, hi: int) -> str:
+    """PTX text (for a block declaring ``.reg .b32 p`` and ``.reg .b16 l, h``): the two E4M3 bytes of the b16
+    register ``src`` -> the FP32 outputs ``$lo`` (low byte) and ``$hi``, exact (``cvt.rn.f16x2.e4m3x2``, then
+    ``cvt.f32.f16``)."""
+    return f"cvt.rn.f16x2.e4m3x2 p, {src};\nmov.b32 {{l, h}}, p;\ncvt.f32.f16 ${lo}, l;\ncvt.f32.f16 ${hi}, h;\n"
+
+
+@dsl_user_op
+def e4m3x4_to_f32x4(word, *, loc=None, ip=None) -> list:
+    """4 E4M3 bytes (little-endian) -> 4 FP32 values (exact), in byte order. Pure."""
+    text = (
+        "{\n.reg .b16 b0, b1, l, h;\n.reg .b32 p;\nmov.b32 {b0, b1}, $4;\n"
+        + e4m3x2_to_f32x2_ptx("b0", 0, 1) + e4m3x2_to_f32x2_ptx("b1", 2, 3) + "}"
+    )
+    vals = inline_asm([T.f32()] * 4, [ir_arg(word, Int32, loc, ip)], text, "=f,=f,=f,=f,r", loc, ip, side_effects=False)
+    return [Float32(v) for v in vals]
+
+
+@dsl_user_op
+def mma_m16n8k16_bf16(acc: list, a: list, b: list, *, loc=None, ip=None) -> list:
+    """``mma.sync.aligned.m16n8k16.row.col`` BF16 x BF16 + FP32 -> FP32: ``acc`` the 4 floats of the C fragment,
+    ``a`` 4 and ``b`` 2 bf16x2 words (PTX fragment order); returns the 4 floats of D. Pure."""
+    args = [ir_arg(v, Float32, loc, ip) for v in acc] + [ir_arg(v, Int32, loc, ip) for v in a + b]
+    text = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$8, $9, $10, $11}, "
+            "{$12, $13}, {$4, $5, $6, $7};")
+    vals = inline_asm([T.f32()] * 4, args, text, "=f,=f,=f,=f,f,f,f,f,r,r,r,r,r,r", loc, ip, side_effects=False)
+    return [Float32(v) for v in vals]

@@ -1,16 +1,16 @@
 """Warp decode for a few tokens on tensor cores, split over K and slots inside a CTA (sm_90a, CuTe DSL).
 
 At a few tokens nearly every routed expert is read by one (token, slot) pair, so the expert-major kernels
-(``expert_major_decode``) have one real MMA column per pass and too few warps: flash (H 4096, I 2048, top-6)
+(``expert_major``) have one real MMA column per pass and too few warps: flash (H 4096, I 2048, top-6)
 gives 1536 warps of 16 rows each, about 12 per SM. Here the same rows are split further and the partial
 sums meet in shared memory, in a fixed order, inside one CTA:
 
-* ``gate_up`` over L1 in the Mega MoE layout (``_GateUpMMA``'s warp: 8 neurons of one pair, 16 kernel-layout rows
-  as the M side of ``mma.m16n8k16``, ``x`` read by ``b_order``) with each warp's K range cut into ``split``
+* ``GateUpSplit`` over L1 in the Mega MoE layout (``mma.GateUpMMA``'s warp: 8 neurons of one pair, 16 kernel-layout
+  rows as the M side of ``mma.m16n8k16``, ``x`` read in ``x_order``) with each warp's K range cut into ``split``
   consecutive parts streamed by ``split`` warps of one CTA; part 0's lanes add the parts' gate and up sums in part
   order, apply the optional clamp and ``silu(gate) * up`` (FP32) and store ``a`` as the two BF16 planes the
   expert-major down reads (``hi = bf16(a)``, ``lo = bf16(a - hi)``, ``[2, T*k, I]``, MMA order).
-* ``down`` over L2 in the Mega MoE layout: a CTA owns 16 outputs ``y[t, h:h+16]`` of one token; its warps are
+* ``DownSplit`` over L2 in the Mega MoE layout: a CTA owns 16 outputs ``y[t, h:h+16]`` of one token; its warps are
   (slot j, K part p), ``k * split`` of them, each copying its part of ``hi`` and ``lo`` into shared memory once
   (``cp.async``; B operands then come from ``ld.shared``: 77-86 registers instead of 141-144, so 24 warps per SM)
   and streaming rows ``h:h+16`` of ``W2[e_j]`` over its K part against them (one MMA per weight fragment, ``hi`` in
@@ -30,26 +30,12 @@ import cutlass
 import cutlass.utils as utils
 import torch
 from cutlass import Float32, Int32, Int64, cute
-from cutlass.cutlass_dsl import dsl_user_op
 
-from ..checks import fail
-from . import ptx, runtime
-from .weight_layout import BF16_ACC_SHIFT, CHUNK_BYTES, K_CHUNK, ROW_BLOCK
-from .warp_decode import (
-    WARP,
-    _fma,
-    _ptr,
-    _swiglu,
-    b_lane,
-    hi_lo_column_sums,
-    mma_position,
-    mma_rows,
-    mma_stream,
-    run_planes_gate_up,
-    slots_view,
-    token_rows,
-    x_order_for,
-)
+from ...checks import fail
+from .. import ptx, runtime
+from ..weight_layout import BF16_ACC_SHIFT, CHUNK_BYTES, K_CHUNK, ROW_BLOCK
+from .common import WARP, gmem_ptr, mma_position, run_planes_gate_up, slots_view, swiglu, token_rows, x_order_for
+from .mma import b_lane, hi_lo_column_sums, mma_rows, mma_stream
 
 GATE_UP_WARPS_PER_CTA = 4
 """Warps per gate_up CTA (``GATE_UP_WARPS_PER_CTA / split`` neuron blocks of 8, ``split`` K parts each)."""
@@ -57,86 +43,43 @@ GATE_UP_CTAS_PER_SM = 6
 """Launch bound of gate_up: 6 CTAs of 4 warps per SM (80 registers)."""
 GATE_UP_MIN_PART_CHUNKS = 14
 """gate_up splits K into the most parts (4, 2 or 1) that leave each at least this many 128-wide chunks (flash, H 4096:
-2 parts; pro, H 7168: 4). H200, 2026-11-30, one token, all checked (``bench/results/``
-``decode/2026-11-30_decode_token_major_h200.txt``, ``decode/2026-11-30_decode_token_major_smem_h200.txt``), us: flash 32 experts
-2 parts 27.2-27.3 vs 4 parts 27.3-27.4 and 26.5-26.6 vs 26.8-26.9 (staged down); pro 48 4 parts 64.5-64.8 vs 2
-parts 68.8-69.1 and 63.3-63.4 vs 67.1-67.5."""
+2 parts; pro, H 7168: 4): the faster split of each at one token (``bench/results/decode/``
+``2026-11-30_decode_token_major_h200.txt``)."""
 SMEM_BUDGET = runtime.H100_SMEM_PER_SM - 8 * 1024
 """Shared memory per SM the down CTAs may take (the SM's, less the 1 KiB the system reserves for each of up to 8)."""
 TOKEN_MAJOR_MAX_TOKENS = 4
-"""Largest batch ``warp_decode.moe_decode`` runs these kernels for (both weights in the Mega MoE layout, a shape
-``supports`` accepts); larger batches take the expert-major kernels, which read each routed expert once per batch.
-H200, 2026-11-30, token- vs expert-major, all checked (``bench/results/decode/2026-11-30_decode_token_major_t2_4_h200.txt``),
-us: 3 tokens flash 32 / 128 experts 63.5 vs 67.6-67.7, 67.5-67.8 vs 86.0-86.3, pro 48 / 192 164.4-164.6 vs
-182.4-183.4, 168.1-168.2 vs 195.4-197.1; 4 tokens 81.7 vs 80.7 (flash 32: 1% slower), 86.6 vs 97.0-97.3, 209.3-223.0
-vs 219.2-221.3, 217.4-222.9 vs 251.8-253.1; 2 tokens 12-24% faster on all four."""
+"""Largest batch ``api.moe_decode`` runs these kernels for (both weights in the Mega MoE layout, a shape ``supports``
+accepts); larger batches take the expert-major kernels, which read each routed expert once per batch. At 2 to 4
+tokens these kernels are as fast or faster (``bench/results/decode/2026-11-30_decode_token_major_t2_4_h200.txt``)."""
 MAX_TOPK = 32
 """Most slots per token: the down CTA has a warp per slot (and K part), at most 1024 threads."""
 
 
-def stage_bytes(topk: int, inter: int, split: int) -> int:
-    """Shared memory of one down CTA of ``split`` K parts: its warps' staged ``a`` rows (hi and lo, BF16, every
-    slot's whole K) and their partial sums."""
-    return 4 * topk * inter + 4 * 16 * topk * split
+# --------------------------------------------------------------------------------------------------
+# Device helpers
 
 
-def supports(topk: int, inter: int) -> bool:
-    """Whether a down CTA fits: top-k at most ``MAX_TOPK`` and its staged rows within one SM's shared memory."""
-    return topk <= MAX_TOPK and stage_bytes(topk, inter, 1) <= SMEM_BUDGET
-
-
-def default_tuning(hidden: int, inter: int, topk: int) -> tuple:
-    """(gate_up K parts, gate_up CTAs per SM, down K parts, down CTAs per SM) for a shape: gate_up by
-    ``GATE_UP_MIN_PART_CHUNKS``; down at 24 warps per SM (77-86 registers) where shared memory allows, unsplit on 4
-    CTAs per SM (flash: 26.5-26.6 us at one token vs 27.0 split on 2), else split in two on 2 (pro: 63.3-63.4 vs
-    66.8-67.2 unsplit on 3; receipt ``decode/2026-11-30_decode_token_major_smem_h200.txt``), else as many unsplit CTAs as
-    fit."""
-    chunks = hidden // K_CHUNK
-    gate_up = next(p for p in (4, 2, 1) if p == 1 or (chunks % p == 0 and chunks // p >= GATE_UP_MIN_PART_CHUNKS))
-    if 4 * stage_bytes(topk, inter, 1) <= SMEM_BUDGET:
-        down = (1, 4)
-    elif 2 * stage_bytes(topk, inter, 2) <= SMEM_BUDGET and (inter // K_CHUNK) % 2 == 0 and 2 * topk <= MAX_TOPK:
-        down = (2, 2)
-    else:
-        down = (1, max(SMEM_BUDGET // stage_bytes(topk, inter, 1), 1))
-    return (gate_up, GATE_UP_CTAS_PER_SM) + down
-
-
-def _k_part(rows: tuple, b: Int64, part, chunks: int, b_bytes_per_chunk: int) -> tuple:
+def k_part(rows: tuple, b: Int64, part, chunks: int, b_bytes_per_chunk: int) -> tuple:
     """``mma_rows`` addresses and a B lane address moved to K chunk ``part * chunks``."""
     return ((rows[0] + Int64(part) * (chunks * ROW_BLOCK * CHUNK_BYTES), rows[1] + Int64(part) * (chunks * rows[2] * 4),
              rows[2]), b + Int64(part) * (chunks * b_bytes_per_chunk))
 
 
-@dsl_user_op
-def _cp_async16_if(dst: Int32, src: Int64, on, *, loc=None, ip=None) -> None:
-    """Start copying 16 bytes from global ``src`` to shared ``dst`` (``cp.async.cg``, through L2) when ``on``."""
-    text = "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p cp.async.cg.shared.global [$0], [$1], 16;\n}"
-    args = [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip),
-            Int32(on).ir_value(loc=loc, ip=ip)]
-    ptx.inline_asm([], args, text, "r,l,r,~{memory}", loc, ip, side_effects=True)
-
-
-@dsl_user_op
-def _cp_async_wait_all(*, loc=None, ip=None) -> None:
-    """Wait for this thread's ``cp.async`` copies."""
-    ptx.inline_asm([], [], "cp.async.wait_all;", "~{memory}", loc, ip, side_effects=True)
-
-
 @cute.jit
-def _stage_rows(copies: list, nbytes: int, lane: Int32):
+def stage_rows(copies: list, nbytes: int, lane: Int32):
     """The warp copies ``nbytes`` (a multiple of 16) from global ``src`` to shared ``dst`` for every ``(dst, src)`` of
     ``copies`` and waits for them once (every copy issued before the wait; visible to the whole warp after it)."""
     vecs = nbytes // 16
     for dst, src in copies:
         for i in cutlass.range_constexpr((vecs + WARP - 1) // WARP):
             v = lane + i * WARP
-            _cp_async16_if(dst + v * 16, src + Int64(v) * 16, Int32(v < vecs) if (i + 1) * WARP > vecs else Int32(1))
-    _cp_async_wait_all()
+            ptx.cp_async_16_if(dst + v * 16, src + Int64(v) * 16,
+                               Int32(v < vecs) if (i + 1) * WARP > vecs else Int32(1))
+    ptx.cp_async_wait_all()
     cute.arch.sync_warp()
 
 
-class _GateUpSplit:
+class GateUpSplit:
     """``a`` planes of every valid pair from L1 in the Mega MoE layout (module docstring)."""
 
     def __init__(self, hidden: int, inter: int, has_clamp: bool, x_order: str, split: int, min_ctas: int):
@@ -178,8 +121,8 @@ class _GateUpSplit:
         up = Float32(0.0)
         if valid:
             rows = mma_rows(w, sf, e, Int64(block) * 16, 2 * inter, hidden, lane)
-            rows, lane_x = _k_part(rows, b_lane(x.toint() + Int64(t) * (hidden * 2), q, self.x_order), part, chunks,
-                                   K_CHUNK * 2)
+            rows, lane_x = k_part(rows, b_lane(x.toint() + Int64(t) * (hidden * 2), q, self.x_order), part, chunks,
+                                  K_CHUNK * 2)
             acc = mma_stream(rows, chunks * K_CHUNK, [lane_x], b_order=self.x_order)
             gate = acc[0] + acc[4]
             up = acc[2] + acc[6]
@@ -191,8 +134,8 @@ class _GateUpSplit:
             for p in cutlass.range_constexpr(1, split):
                 gate = gate + sums[wi + p, gl, 0]
                 up = up + sums[wi + p, gl, 1]
-            val = _swiglu(gate * Float32(2.0**BF16_ACC_SHIFT), up * Float32(2.0**BF16_ACC_SHIFT), clamp,
-                          self.has_clamp)
+            val = swiglu(gate * Float32(2.0**BF16_ACC_SHIFT), up * Float32(2.0**BF16_ACC_SHIFT), clamp,
+                         self.has_clamp)
             out = cute.make_tensor(planes_ptr, cute.make_layout((2 * pairs * inter,)))
             hi = val.to(cutlass.BFloat16)
             at = Int64(pair) * inter + mma_position(block * 8 + gl)
@@ -200,7 +143,7 @@ class _GateUpSplit:
             out[at + Int64(pairs) * inter] = (val - hi.to(Float32)).to(cutlass.BFloat16)
 
 
-class _DownSplit:
+class DownSplit:
     """``y`` from the ``a`` planes and L2 in the Mega MoE layout, slots combined in the CTA (module docstring)."""
 
     def __init__(self, hidden: int, inter: int, topk: int, split: int, min_ctas: int):
@@ -238,10 +181,10 @@ class _DownSplit:
         if (e >= 0) & (e < experts):
             rows = mma_rows(w, sf, e, Int64(block) * 16, hidden, inter, lane)
             hi = planes.toint() + (Int64(t) * topk + j) * (inter * 2)
-            rows, hi = _k_part(rows, hi, part, chunks, K_CHUNK * 2)
+            rows, hi = k_part(rows, hi, part, chunks, K_CHUNK * 2)
             # this warp's hi and lo parts of a, copied to shared memory once: B loads of a few cycles
             hi_s = stage.iterator.toint() + wi * (2 * part_bytes)
-            _stage_rows([(hi_s, hi), (hi_s + part_bytes, hi + Int64(pairs) * (inter * 2))], part_bytes, lane)
+            stage_rows([(hi_s, hi), (hi_s + part_bytes, hi + Int64(pairs) * (inter * 2))], part_bytes, lane)
             # one B operand, hi in the even columns and lo in the odd ones (lane q = 0 sums columns 0 and 1)
             acc = mma_stream(rows, chunks * K_CHUNK, [b_lane(hi_s + (gl % 2) * part_bytes, q, "mma")], b_shared=True)
             row_g, row_g8 = hi_lo_column_sums(acc)
@@ -258,8 +201,39 @@ class _DownSplit:
                         v = v + sums[s * split + p, lane]
                     es = idx[t, s]
                     if (es >= 0) & (es < experts):
-                        total = _fma(wts[t, s], v * Float32(2.0**BF16_ACC_SHIFT), total)
+                        total = ptx.fma(wts[t, s], v * Float32(2.0**BF16_ACC_SHIFT), total)
                 y[t, block * 16 + lane] = total.to(cutlass.BFloat16)
+
+
+# --------------------------------------------------------------------------------------------------
+# Host side
+
+
+def stage_bytes(topk: int, inter: int, split: int) -> int:
+    """Shared memory of one down CTA of ``split`` K parts: its warps' staged ``a`` rows (hi and lo, BF16, every
+    slot's whole K) and their partial sums."""
+    return 4 * topk * inter + 4 * 16 * topk * split
+
+
+def supports(topk: int, inter: int) -> bool:
+    """Whether a down CTA fits: top-k at most ``MAX_TOPK`` and its staged rows within one SM's shared memory."""
+    return topk <= MAX_TOPK and stage_bytes(topk, inter, 1) <= SMEM_BUDGET
+
+
+def default_tuning(hidden: int, inter: int, topk: int) -> tuple:
+    """(gate_up K parts, gate_up CTAs per SM, down K parts, down CTAs per SM) for a shape: gate_up by
+    ``GATE_UP_MIN_PART_CHUNKS``; down at 24 warps per SM (77-86 registers) where shared memory allows: unsplit on 4
+    CTAs per SM (flash), else split in two on 2 (pro), the faster of the two at one token
+    (``bench/results/decode/2026-11-30_decode_token_major_smem_h200.txt``); else as many unsplit CTAs as fit."""
+    chunks = hidden // K_CHUNK
+    gate_up = next(p for p in (4, 2, 1) if p == 1 or (chunks % p == 0 and chunks // p >= GATE_UP_MIN_PART_CHUNKS))
+    if 4 * stage_bytes(topk, inter, 1) <= SMEM_BUDGET:
+        down = (1, 4)
+    elif 2 * stage_bytes(topk, inter, 2) <= SMEM_BUDGET and (inter // K_CHUNK) % 2 == 0 and 2 * topk <= MAX_TOPK:
+        down = (2, 2)
+    else:
+        down = (1, max(SMEM_BUDGET // stage_bytes(topk, inter, 1), 1))
+    return (gate_up, GATE_UP_CTAS_PER_SM) + down
 
 
 def compile_kernels(hidden: int, inter: int, has_clamp: bool, topk: int, tuning: tuple | None = None,
@@ -274,14 +248,15 @@ def compile_kernels(hidden: int, inter: int, has_clamp: bool, topk: int, tuning:
     split_gu, ctas_gu, split_dn, ctas_dn = tuning
     i32, i64, bf16, f32 = cutlass.Int32, cutlass.Int64, cutlass.BFloat16, cutlass.Float32
     gate_up = runtime.compiled(
-        ("token_major.gate_up", hidden, inter, has_clamp, x_order, split_gu, ctas_gu),
-        lambda: cute.compile(_GateUpSplit(hidden, inter, has_clamp, x_order, split_gu, ctas_gu), _ptr(bf16), _ptr(i64),
-                             _ptr(i32), _ptr(i32), _ptr(bf16), Int32(1), Int32(1), Int32(1), Float32(0.0),
-                             make_fake_stream()))
+        ("decode.token_major.gate_up", hidden, inter, has_clamp, x_order, split_gu, ctas_gu),
+        lambda: cute.compile(GateUpSplit(hidden, inter, has_clamp, x_order, split_gu, ctas_gu), gmem_ptr(bf16),
+                             gmem_ptr(i64), gmem_ptr(i32), gmem_ptr(i32), gmem_ptr(bf16), Int32(1), Int32(1), Int32(1),
+                             Float32(0.0), make_fake_stream()))
     down = runtime.compiled(
-        ("token_major.down", hidden, inter, topk, split_dn, ctas_dn),
-        lambda: cute.compile(_DownSplit(hidden, inter, topk, split_dn, ctas_dn), _ptr(bf16), _ptr(i64), _ptr(f32),
-                             _ptr(i32), _ptr(i32), _ptr(bf16), Int32(1), Int32(1), make_fake_stream()))
+        ("decode.token_major.down", hidden, inter, topk, split_dn, ctas_dn),
+        lambda: cute.compile(DownSplit(hidden, inter, topk, split_dn, ctas_dn), gmem_ptr(bf16), gmem_ptr(i64),
+                             gmem_ptr(f32), gmem_ptr(i32), gmem_ptr(i32), gmem_ptr(bf16), Int32(1), Int32(1),
+                             make_fake_stream()))
     return gate_up, down
 
 
@@ -304,7 +279,7 @@ def check_tuning(hidden: int, inter: int, topk: int, tuning: tuple) -> None:
 
 def moe_decode_by_token(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: tuple, l2: tuple,
                          activation_clamp: float | None, y: torch.Tensor, tuning: tuple | None = None) -> torch.Tensor:
-    """``warp_decode.moe_decode``'s path up to ``TOKEN_MAJOR_MAX_TOKENS`` tokens with both weights in the Mega MoE
+    """``api.moe_decode``'s path up to ``TOKEN_MAJOR_MAX_TOKENS`` tokens with both weights in the Mega MoE
     layout (inputs validated there; ``y`` bfloat16 ``[T, H]``). Allocates the ``a`` planes ``[2, T*k, I]`` BF16
     (caching allocator, no sync). ``tuning``: as ``compile_kernels`` takes it."""
     tokens, topk = topk_idx.shape
@@ -314,7 +289,7 @@ def moe_decode_by_token(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
     stream = runtime.current_stream()
     planes = run_planes_gate_up(gate_up, x, topk_idx, l1, activation_clamp, order, stream)
     i32, i64, bf16, f32 = cutlass.Int32, cutlass.Int64, cutlass.BFloat16, cutlass.Float32
-    down(_ptr(bf16, planes.data_ptr()), _ptr(i64, topk_idx.data_ptr()), _ptr(f32, topk_weights.data_ptr()),
-         _ptr(i32, l2[0].data_ptr()), _ptr(i32, l2[1].data_ptr()), _ptr(bf16, y.data_ptr()), tokens, l1[0].shape[0],
-         stream)
+    down(gmem_ptr(bf16, planes.data_ptr()), gmem_ptr(i64, topk_idx.data_ptr()), gmem_ptr(f32, topk_weights.data_ptr()),
+         gmem_ptr(i32, l2[0].data_ptr()), gmem_ptr(i32, l2[1].data_ptr()), gmem_ptr(bf16, y.data_ptr()), tokens,
+         l1[0].shape[0], stream)
     return y

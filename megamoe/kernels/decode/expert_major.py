@@ -1,11 +1,11 @@
 """Expert-major warp decode on tensor cores: each expert's weight rows are read once per batch (sm_90a, CuTe DSL).
 
-``kernels.warp_decode`` gives every (token t, slot j) pair its own warps, so an expert routed by n pairs
-has its rows streamed n times: at T = 8, top-6 over 32 experts, 48 pair-reads of ~26 distinct experts.
-Here a warp owns 16 weight rows of one expert and multiplies them with the activations of every pair
-routed to that expert, 8 pairs at a time as the N = 8 columns of ``mma.m16n8k16`` (weights the M side,
-decoded from the Mega MoE layout exactly as ``_GateUpMMA`` does). Bytes read follow the distinct experts
-of the batch, like the grouped path, while keeping warp decode's structure (no token permutation, no
+The per-pair kernels (``simt``, ``mma.GateUpMMA``) give every (token t, slot j) pair its own warps, so an expert
+routed by n pairs has its rows streamed n times: at T = 8, top-6 over 32 experts, 48 pair-reads of ~26 distinct
+experts. Here a warp owns 16 weight rows of one expert and multiplies them with the activations of every pair
+routed to that expert, 8 pairs at a time as the N = 8 columns of ``mma.m16n8k16`` (weights the M side, decoded
+from the Mega MoE layout by ``mma.mma_stream``). Bytes read follow the distinct experts of the batch, like the
+grouped path, while keeping warp decode's structure (no token permutation, no
 shared memory, no cross-warp synchronization).
 
 A warp finds its pairs itself: lanes compare 32 routing ids at a time with its expert (``vote.ballot``),
@@ -16,32 +16,26 @@ all idle or all busy. Ids outside ``[0, E)`` (-1: masked) match no expert.
 Three kernels (up to ``NATURAL_X_MAX_TOKENS`` tokens ``x`` is read in its natural order, above it gathered into MMA
 order first):
 
-* ``gate_up`` over L1 in the Mega MoE layout (``int32 [E, 2I/64, H/128, 64, 16]``, gate/up rows interleaved by
+* ``GateUpByExpert`` over L1 in the Mega MoE layout (``int32 [E, 2I/64, H/128, 64, 16]``, gate/up rows interleaved by
   8): warp = (expert, 8 neurons); lane ``(g, q)`` ends with the gate and up sums of neuron ``8b + g`` for
   columns ``2q, 2q + 1``, applies the optional clamp and ``silu(gate) * up`` in FP32 and stores ``a`` for
   each real pair as two BF16 planes ``hi = bf16(a)``, ``lo = bf16(a - hi)`` (``a_planes`` ``[2, T*k, I]``,
   MMA order), so that ``hi + lo`` carries ``a`` to 2**-17 relative.
-* ``down`` over L2 in the same layout (``int32 [E, H, I/128, 16]``): warp = (expert, 16 outputs); B
+* ``DownByExpert`` over L2 in the same layout (``int32 [E, H/64, I/128, 64, 16]``): warp = (expert, 16 outputs); B
   operands ``hi`` and ``lo`` (two MMAs per weight fragment, exact products, FP32 sums), except for an expert
   routed by at most ``COLUMNS / 2`` pairs: one packed pass with pair p's ``hi`` and ``lo`` in columns 2p and
   2p + 1 of one operand (one MMA per fragment, the same sums, the same bits); stores ``o [T*k, H]`` FP32 for
-  each real pair (the routing weight is not applied yet). The packed pass made the calls 2-4% faster at 8-16
-  tokens (H200, ``bench/results/decode/2026-12-01_decode_expert_down_packed_h200.txt``).
-* ``combine``: ``y[t, h] = bf16(sum_j w_tj * o[t*k + j, h])`` in FP32 over the valid slots in slot order
+  each real pair (the routing weight is not applied yet).
+* ``Combine``: ``y[t, h] = bf16(sum_j w_tj * o[t*k + j, h])`` in FP32 over the valid slots in slot order
   (masked slots are skipped, whatever ``o`` holds for them).
 
-Numerics: those of ``warp_decode`` (exact weights, BF16 ``x``, FP32 sums, one BF16 rounding of ``y``),
+Numerics: those of the family (exact weights, BF16 ``x``, FP32 sums, one BF16 rounding of ``y``),
 except that the down projection reads ``a`` as ``hi + lo`` (relative error <= 2**-17 per element, far
 below the final BF16 rounding) and FP32 summation order is the tensor cores'.
 
-Performance (H200, ncu at flash / 32 experts / T = 8): gate_up 79 us at 62% of DRAM bandwidth, down 51 us at
-47-49%; both latency bound (about 4 warps per scheduler resident, one eligible; issue slots 40-49% busy;
-the pass loop makes ptxas use ~125 registers, so 2 CTAs per SM). Tried and measured slower on the same
-benchmark (2026-11-29), so not kept: two 16-row tiles per warp sharing each B load (35-45% slower: half the
-warps), 3 CTAs per SM at 80 registers (spills; 5-15% slower from T = 4), programmatic dependent launch of
-down and combine (with an L2 prefetch of down's rows: 7-25% slower; without: within run-to-run noise), and
-staging each pass's B rows once per CTA in shared memory with ``cp.async`` (3-40% slower: the copy and two
-barriers per pass are exposed).
+Both MMA kernels are latency bound (few resident warps, one eligible per scheduler; the pass loop needs ~125
+registers, so 2 CTAs per SM). Alternatives measured slower and not kept (two row tiles per warp, 3 CTAs per SM,
+programmatic dependent launch, B rows staged in shared memory): ``bench/findings/warp-decode-expert-major.md``.
 """
 
 from __future__ import annotations
@@ -50,28 +44,22 @@ import cutlass
 import cutlass.utils as utils
 import torch
 from cutlass import Float32, Int32, Int64, cute
-from cutlass.cutlass_dsl import T, dsl_user_op
 
-from . import ptx, runtime
-from .weight_layout import BF16_ACC_SHIFT
-from .warp_decode import (
+from .. import ptx, runtime
+from ..warp_ops import nth_set_bit, warp_inclusive_sum
+from ..weight_layout import BF16_ACC_SHIFT
+from .common import (
     ACT_LOAD,
     WARP,
     WARPS_PER_CTA,
-    _fma,
-    _ld16,
-    _ptr,
-    _swiglu,
-    b_lane,
-    hi_lo_column_sums,
+    gmem_ptr,
     mma_position,
-    mma_rows,
-    mma_stream,
     run_planes_gate_up,
+    swiglu,
     token_rows,
     x_order_for,
 )
-from .warp_ops import nth_set_bit, warp_inclusive_sum
+from .mma import b_lane, hi_lo_column_sums, mma_rows, mma_stream
 
 COLUMNS = 8
 """Pairs per pass of a warp over its rows (the N side of ``mma.m16n8k16``); an expert routed by more pairs
@@ -88,15 +76,12 @@ COMBINE_VEC = 4
 """Outputs per thread of the combine kernel (one 16-byte FP32 load per slot)."""
 
 
-@dsl_user_op
-def _opaque(v: Int64, *, loc=None, ip=None) -> Int64:
-    """``v``, through an inline-PTX move the compiler may not hoist or fold."""
-    return Int64(ptx.inline_asm([T.i64()], [Int64(v).ir_value(loc=loc, ip=ip)], "mov.b64 $0, $1;", "=l,l", loc, ip,
-                                side_effects=True)[0])
+# --------------------------------------------------------------------------------------------------
+# Roles: the routed expert and the pairs of a warp
 
 
 @cute.jit
-def _find_routed(idx: cute.Tensor, e: Int32, lane: Int32, want: Int32) -> tuple:
+def find_routed(idx: cute.Tensor, e: Int32, lane: Int32, want: Int32) -> tuple:
     """Scan of the flat routing ``idx`` for expert ``e``: (the pair, a flat index into ``idx``, of rank ``want``
     among those routed to ``e``, lowest pair first, per lane, -1 when there are fewer; the number of pairs routed
     to ``e``, the same in every lane)."""
@@ -116,7 +101,7 @@ def _find_routed(idx: cute.Tensor, e: Int32, lane: Int32, want: Int32) -> tuple:
 
 
 @cute.jit
-def _mark_routed_experts(idx: cute.Tensor, experts: Int32, bitmap: cute.Tensor, tidx: Int32):
+def mark_routed_experts(idx: cute.Tensor, experts: Int32, bitmap: cute.Tensor, tidx: Int32):
     """Whole CTA: ``bitmap`` (32 words in shared memory) gets bit ``e`` set for every expert ``e`` in ``[0, E)``
     that some pair routes to."""
     if tidx < BITMAP_WORDS:
@@ -131,7 +116,7 @@ def _mark_routed_experts(idx: cute.Tensor, experts: Int32, bitmap: cute.Tensor, 
 
 
 @cute.jit
-def _nth_routed_expert(bitmap: cute.Tensor, lane: Int32, n: Int32) -> Int32:
+def nth_routed_expert(bitmap: cute.Tensor, lane: Int32, n: Int32) -> Int32:
     """The routed expert of rank ``n`` (0-based, lowest id first) in ``bitmap``, in every lane; -1 if fewer."""
     word = bitmap[lane]
     count = cute.arch.popc(word)
@@ -143,19 +128,23 @@ def _nth_routed_expert(bitmap: cute.Tensor, lane: Int32, n: Int32) -> Int32:
     return cutlass.select_(owner != 0, e, Int32(-1))
 
 
-class _ByExpert:
+# --------------------------------------------------------------------------------------------------
+# The pass loop and the kernels
+
+
+class ByExpert:
     """The launch and pass loop both expert-major kernels share. Warp ``w`` of the grid serves the routed
     expert of rank ``w / blocks`` (rows ``16 * (w % blocks) ..`` of it, ``blocks = rows_per_expert / 16``, a
-    multiple of 8 since H and I are multiples of 128: a CTA serves one expert); the grid covers ``min(E, T * k)`` experts, the most a batch can
-    route to, and warps beyond the distinct routed experts return at once. For each pass of up to ``COLUMNS``
-    routed pairs a warp streams its rows (``mma_stream``, K = ``k``) against ``self.b_lanes(..)`` and hands
-    the C fragments to ``self.epilogue(..)``."""
+    multiple of 8 since H and I are multiples of 128: a CTA serves one expert); the grid covers ``min(E, T * k)``
+    experts, the most a batch can route to, and warps beyond the distinct routed experts return at once. For each
+    pass of up to ``COLUMNS`` routed pairs a warp streams its rows (``mma_stream``, K = ``k``) against
+    ``self.b_lanes(..)`` and hands the C fragments to ``self.epilogue(..)``."""
 
     k: int
     rows_per_expert: int
     b_order: str  # of the B rows (``mma_stream``)
     tuning: tuple  # (chunks in flight, CTAs per SM)
-    packed_pairs = 0  # experts routed by at most this many pairs take one packed pass (``_DownByExpert``)
+    packed_pairs = 0  # experts routed by at most this many pairs take one packed pass (``DownByExpert``)
 
     @cute.jit
     def __call__(self, b: cute.Pointer, idx: cute.Pointer, w: cute.Pointer, sf: cute.Pointer, out: cute.Pointer,
@@ -177,11 +166,11 @@ class _ByExpert:
         rank = warp // blocks
         block = warp - rank * blocks
         bitmap = utils.SmemAllocator().allocate_tensor(Int32, cute.make_layout(BITMAP_WORDS), byte_alignment=16)
-        _mark_routed_experts(idx, experts, bitmap, tidx)
-        e = _nth_routed_expert(bitmap, lane, rank)
+        mark_routed_experts(idx, experts, bitmap, tidx)
+        e = nth_routed_expert(bitmap, lane, rank)
         if e >= 0:
             first_row = Int64(block) * 16
-            _, count = _find_routed(idx, e, lane, Int32(-1))
+            _, count = find_routed(idx, e, lane, Int32(-1))
             if cutlass.const_expr(self.packed_pairs > 0):
                 if count <= self.packed_pairs:  # one packed pass instead of the unpacked ones below
                     self.packed_pass(b, idx, w, sf, out, e, block, lane)
@@ -189,8 +178,8 @@ class _ByExpert:
             for start in cutlass.range(0, count, COLUMNS, unroll=1):
                 # Addressed through an opaque copy made in the loop: otherwise the weight loads, invariant
                 # across passes, are hoisted out of it all at once (hundreds of registers, spills).
-                rows = mma_rows(w, sf, e, _opaque(first_row), self.rows_per_expert, self.k, lane)
-                found, _ = _find_routed(idx, e, lane, start + lane % COLUMNS)  # lane c < 8: column c's pair
+                rows = mma_rows(w, sf, e, ptx.opaque_i64(first_row), self.rows_per_expert, self.k, lane)
+                found, _ = find_routed(idx, e, lane, start + lane % COLUMNS)  # lane c < 8: column c's pair
                 b_pair = cute.arch.shuffle_sync(found, lane // 4)
                 b_lanes = self.b_lanes(b, cutlass.max(b_pair, Int32(0)), topk, idx.shape[0], q)
                 acc = mma_stream(rows, self.k, b_lanes, self.tuning[0], self.b_order)
@@ -198,7 +187,7 @@ class _ByExpert:
                 self.epilogue(acc, pairs, out, idx.shape[0], block, lane, clamp)
 
 
-class _GateUpByExpert(_ByExpert):
+class GateUpByExpert(ByExpert):
     """``a_planes`` for every routed pair from L1 in the Mega MoE layout (module docstring)."""
 
     def __init__(self, hidden: int, inter: int, has_clamp: bool, tuning: tuple, x_order: str):
@@ -219,7 +208,7 @@ class _GateUpByExpert(_ByExpert):
         for c in cutlass.range_constexpr(2):
             gate = (acc[c] + acc[4 + c]) * Float32(2.0**BF16_ACC_SHIFT)
             up = (acc[2 + c] + acc[6 + c]) * Float32(2.0**BF16_ACC_SHIFT)
-            val = _swiglu(gate, up, clamp, self.has_clamp)
+            val = swiglu(gate, up, clamp, self.has_clamp)
             if pairs[c] >= 0:
                 hi = val.to(cutlass.BFloat16)
                 at = Int64(pairs[c]) * self.inter + pos
@@ -227,7 +216,7 @@ class _GateUpByExpert(_ByExpert):
                 planes[at + Int64(total_pairs) * self.inter] = (val - hi.to(Float32)).to(cutlass.BFloat16)
 
 
-class _DownByExpert(_ByExpert):
+class DownByExpert(ByExpert):
     """``o [T*k, H]`` (FP32, routing weight not applied) for every routed pair from L2 in the Mega MoE layout."""
 
     packed_pairs = COLUMNS // 2
@@ -253,7 +242,7 @@ class _DownByExpert(_ByExpert):
         """Rows ``16 * block ..`` of expert ``e`` times the ``hi`` and ``lo`` rows of its (at most
         ``packed_pairs``) pairs in one pass: one MMA per weight fragment instead of two."""
         rows = mma_rows(w, sf, e, Int64(block) * 16, self.rows_per_expert, self.k, lane)
-        found, _ = _find_routed(idx, e, lane, lane % COLUMNS)  # lane c < 8: pair c
+        found, _ = find_routed(idx, e, lane, lane % COLUMNS)  # lane c < 8: pair c
         b_pair = cute.arch.shuffle_sync(found, lane // 8)
         acc = mma_stream(rows, self.k, [self.packed_b_lane(a, cutlass.max(b_pair, Int32(0)), idx.shape[0], lane)],
                          self.tuning[0], self.b_order)
@@ -285,7 +274,7 @@ class _DownByExpert(_ByExpert):
                     out[Int64(pairs[c]) * self.hidden + row + 8 * r] = v * Float32(2.0**BF16_ACC_SHIFT)
 
 
-class _Combine:
+class Combine:
     """``y[t, h] = bf16(sum_j w_tj * o[t*k + j, h])`` over valid slots in slot order; ``COMBINE_VEC`` outputs
     per thread, top-k compiled in."""
 
@@ -311,11 +300,15 @@ class _Combine:
             for j in cutlass.range_constexpr(topk):
                 e = idx[t, j]
                 valid = (e >= 0) & (e < experts)
-                vals = _ld16(o.toint() + ((Int64(t) * topk + j) * hidden + h) * 4, ACT_LOAD, True)
+                vals = ptx.ld_v4(o.toint() + ((Int64(t) * topk + j) * hidden + h) * 4, ACT_LOAD, True)
                 for v in cutlass.range_constexpr(COMBINE_VEC):
-                    acc[v] = Float32(cutlass.select_(valid, _fma(wts[t, j], vals[v], acc[v]), acc[v]))
+                    acc[v] = Float32(cutlass.select_(valid, ptx.fma(wts[t, j], vals[v], acc[v]), acc[v]))
             for v in cutlass.range_constexpr(COMBINE_VEC):
                 y[t, h + v] = acc[v].to(cutlass.BFloat16)
+
+
+# --------------------------------------------------------------------------------------------------
+# Host side
 
 
 def compile_kernels(hidden: int, inter: int, has_clamp: bool, topk: int, tuning: tuple = (DEPTH, MIN_CTAS_PER_SM),
@@ -329,23 +322,23 @@ def compile_kernels(hidden: int, inter: int, has_clamp: bool, topk: int, tuning:
     sizes = (Int32(1), Int32(1), Int32(1))  # tokens, top-k, experts
 
     def build(kernel, b_dtype, out_dtype):
-        return lambda: cute.compile(kernel, _ptr(b_dtype), _ptr(cutlass.Int64), _ptr(i32), _ptr(i32), _ptr(out_dtype),
-                                    *sizes, Float32(0.0), make_fake_stream())
+        return lambda: cute.compile(kernel, gmem_ptr(b_dtype), gmem_ptr(cutlass.Int64), gmem_ptr(i32), gmem_ptr(i32),
+                                    gmem_ptr(out_dtype), *sizes, Float32(0.0), make_fake_stream())
 
-    gate_up = runtime.compiled(("expert_major.gate_up", hidden, inter, has_clamp, tuning, x_order),
-                               build(_GateUpByExpert(hidden, inter, has_clamp, tuning, x_order), bf16, bf16))
-    down = runtime.compiled(("expert_major.down", hidden, inter, tuning),
-                            build(_DownByExpert(hidden, inter, tuning), bf16, f32))
-    combine = runtime.compiled(("expert_major.combine", hidden, topk), lambda: cute.compile(
-        _Combine(hidden, topk), _ptr(f32), _ptr(cutlass.Int64), _ptr(f32), _ptr(bf16), Int32(1), Int32(1),
-        make_fake_stream()))
+    gate_up = runtime.compiled(("decode.expert_major.gate_up", hidden, inter, has_clamp, tuning, x_order),
+                               build(GateUpByExpert(hidden, inter, has_clamp, tuning, x_order), bf16, bf16))
+    down = runtime.compiled(("decode.expert_major.down", hidden, inter, tuning),
+                            build(DownByExpert(hidden, inter, tuning), bf16, f32))
+    combine = runtime.compiled(("decode.expert_major.combine", hidden, topk), lambda: cute.compile(
+        Combine(hidden, topk), gmem_ptr(f32), gmem_ptr(cutlass.Int64), gmem_ptr(f32), gmem_ptr(bf16), Int32(1),
+        Int32(1), make_fake_stream()))
     return gate_up, down, combine
 
 
 def moe_decode_by_expert(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1: tuple, l2: tuple,
                          activation_clamp: float | None, y: torch.Tensor,
                          tuning: tuple = (DEPTH, MIN_CTAS_PER_SM)) -> torch.Tensor:
-    """The expert-major path of ``warp_decode.moe_decode`` (inputs already validated there: ``l1``, ``l2`` in
+    """The expert-major path of ``api.moe_decode`` (inputs already validated there: ``l1``, ``l2`` in
     the Mega MoE layout, ``y`` bfloat16 ``[T, H]``). Allocates ``a_planes`` ``[2, T*k, I]`` BF16 and
     ``o [T*k, H]`` FP32 (caching allocator, no sync)."""
     tokens, topk = topk_idx.shape
@@ -358,9 +351,9 @@ def moe_decode_by_expert(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: 
     o = torch.empty(tokens * topk, hidden, dtype=torch.float32, device=x.device)
     clamp = 0.0 if activation_clamp is None else float(activation_clamp)
     i32, bf16, f32 = cutlass.Int32, cutlass.BFloat16, cutlass.Float32
-    idx = _ptr(cutlass.Int64, topk_idx.data_ptr())
-    down(_ptr(bf16, planes.data_ptr()), idx, _ptr(i32, l2[0].data_ptr()), _ptr(i32, l2[1].data_ptr()),
-         _ptr(f32, o.data_ptr()), tokens, topk, experts, clamp, stream)
-    combine(_ptr(f32, o.data_ptr()), idx, _ptr(f32, topk_weights.data_ptr()), _ptr(bf16, y.data_ptr()), tokens,
-            experts, stream)
+    idx = gmem_ptr(cutlass.Int64, topk_idx.data_ptr())
+    down(gmem_ptr(bf16, planes.data_ptr()), idx, gmem_ptr(i32, l2[0].data_ptr()), gmem_ptr(i32, l2[1].data_ptr()),
+         gmem_ptr(f32, o.data_ptr()), tokens, topk, experts, clamp, stream)
+    combine(gmem_ptr(f32, o.data_ptr()), idx, gmem_ptr(f32, topk_weights.data_ptr()), gmem_ptr(bf16, y.data_ptr()),
+            tokens, experts, stream)
     return y
