@@ -40,6 +40,7 @@ from megamoe.kernels.sm90 import (
     TILE_COUNTER_SLOTS,
     GemmConfig,
     compile_grouped_gemm,
+    compile_l1_l2,
     grouped_gemm_fp8_fp4_contiguous,
     grouped_gemm_fp8_fp4_l1_l2_contiguous,
     grouped_gemm_fp8_fp4_masked,
@@ -162,12 +163,18 @@ _COMPILE_CHILD = """
 import json, os, re, shutil, subprocess, sys
 from megamoe import symm_buffer_layout
 from megamoe.kernels.comm import EpCommConfig
-from megamoe.kernels.sm90 import GemmConfig, compile_grouped_gemm
+from megamoe.kernels import sm90
 ptxas, report = shutil.which("ptxas"), []
 for i, (cfg, mode, epilogue, mega, debug, trace, folded, fast) in enumerate(json.loads(sys.argv[1])):
     try:
-        comm = None if mega is None else EpCommConfig(symm_buffer_layout(*mega), debug, True, trace)
-        ptx = compile_grouped_gemm(GemmConfig(**cfg), mode, epilogue, debug, comm, folded, fast).__ptx__  # the PTX text
+        cfg = sm90.GemmConfig(**cfg)
+        if epilogue != "l1_l2":
+            kernel = sm90.compile_grouped_gemm(cfg, mode, epilogue, folded, fast)
+        elif mega is None:
+            kernel = sm90.compile_l1_l2(cfg, debug, fast)
+        else:
+            kernel = sm90.compile_mega_moe(cfg, EpCommConfig(symm_buffer_layout(*mega), debug, True, trace), fast)
+        ptx = kernel.__ptx__  # the PTX text
         ptx = (ptx.decode() if isinstance(ptx, bytes) else ptx).replace("\\0", "")
         build = {"wgmma": "wgmma.mma_async" in ptx, "calls": len(re.findall(r"^\\s*call(\\.uni)?\\s", ptx, re.M)),
                  "pdl": [ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents")],
@@ -265,11 +272,6 @@ def test_ptxas_reports_no_wgmma_serialization(sm90a_builds):
         assert any("C7510" in line for line in build["ptxas"])
 
 
-def test_debug_build_only_for_the_fused_launch():
-    with pytest.raises(ValueError, match="debug"):
-        compile_grouped_gemm(GemmConfig(), "offsets", "bf16", debug=True)
-
-
 def test_compile_takes_fast_math_as_a_bool():
     with pytest.raises(TypeError, match="`fast_math` must be a bool"):
         compile_grouped_gemm(GemmConfig(), "offsets", "swiglu_fp8", fast_math=None)
@@ -321,8 +323,8 @@ def test_config_validation():
     for bad in (dict(tile_tokens=128), dict(mma="fp8"), dict(tile_tokens=16, ctas_per_sm=2)):  # four warpgroups' rules
         with pytest.raises(ValueError, match="config.tile_n` 256 needs mma='bf16', ctas_per_sm=1 and tile_tokens <= 64"):
             GemmConfig(tile_n=256, **bad)
-    with pytest.raises(ValueError, match="config.tile_n` must be 64 or 128 for the 'l1_l2' epilogue without Mega MoE"):
-        compile_grouped_gemm(GemmConfig(tile_tokens=16, tile_n=256), "offsets", "l1_l2")
+    with pytest.raises(ValueError, match="config.tile_n` must be 64 or 128 for the one-launch L1/L2 kernel without Mega MoE"):
+        compile_l1_l2(GemmConfig(tile_tokens=16, tile_n=256))
     with pytest.raises(ValueError, match="config.stages"):
         GemmConfig(stages=1)
     with pytest.raises(ValueError, match="config.ctas_per_sm"):

@@ -7,6 +7,8 @@ preparation), ``counters`` (the separate launches' tile counters), ``api`` (the 
 
 from .api import (
     compile_grouped_gemm,
+    compile_l1_l2,
+    compile_mega_moe,
     grouped_gemm_fp8_fp4_contiguous,
     grouped_gemm_fp8_fp4_l1_l2_contiguous,
     grouped_gemm_fp8_fp4_masked,
@@ -28,5 +30,5 @@ __all__ = [
     # entry points
     "grouped_gemm_fp8_fp4_contiguous", "grouped_gemm_fp8_fp4_masked", "grouped_gemm_fp8_fp4_swiglu_contiguous",
     "grouped_gemm_fp8_fp4_swiglu_masked", "grouped_gemm_fp8_fp4_l1_l2_contiguous", "mega_moe_sm90",
-    "compile_grouped_gemm",
+    "compile_grouped_gemm", "compile_l1_l2", "compile_mega_moe",
 ]

@@ -21,41 +21,60 @@ from ...layouts.weights import check_chunk_major_scales
 from ...numerics import check_activation_clamp, check_fast_math
 from .. import runtime
 from ..weight_layout import BF16_WORDS, CHUNK_BYTES, K_CHUNK, ROW_BLOCK, check_blocked_layout
+from .args import EpilogueArgs, GemmArgs, GroupArgs, MegaArgs, SecondGemmArgs
 from .config import EPILOGUES, GROUP_MODES, K_MULTIPLE, SWIGLU_EPILOGUES, GemmConfig, select_config, sync_words
 from .counters import tile_counters
 from .weights import LAYOUTS
 
-def _weight_args(b, b_sf):
-    """5-D blocked kernel-layout weights of either mode and their scales -> CuTe tensors in kernel mode order."""
+def _gemm_args(a, a_sf, b, b_sf) -> GemmArgs:
+    """Torch operands of one GEMM (2-D tokens, 5-D blocked kernel-layout weights of either mode) -> CuTe tensors in
+    kernel mode order; ``a_sf`` None stays None. Folded FP8 scales (``b_sf`` with K/128 + 1 chunk rows) add their last
+    row, the weight rows' FP32 scales, as ``(N, E)``."""
     e, blocks, chunks, rows, _ = b.shape
     w = b.view(torch.uint8).view(e, blocks, chunks, rows, CHUNK_BYTES)
     w = w.permute(3, 1, 4, 2, 0)  # (row, block, byte, chunk, E)
-    sfw = b_sf.permute(2, 1, 0)  # (N, K/128, E), N contiguous
-    return runtime.to_cute(w, leading_dim=2), runtime.to_cute(sfw, leading_dim=0)
-
-
-def _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, group_a, group_b, second=None):
-    """Torch tensors (2-D token views, 5-D blocked kernel-layout weights of either mode) -> CuTe tensors in kernel mode
-    order; ``a_sf`` None (BF16 mode) stays None. ``second``: the "l1_l2" epilogue's ``(a2, b2, b2_sf, row_ptrs)``
-    (its tokens [M, I] bf16, weights, scales, row addresses int64 [M]), else None. Folded FP8-mode scales
-    (``b_sf`` with K/128 + 1 chunk rows) add their last row, the weight rows' FP32 scales, as ``(N, E)``."""
-    extra = (None,) * 4
-    if second is not None:
-        a2, b2, b2_sf, row_ptrs = second
-        extra = (runtime.to_cute(a2, leading_dim=1), *_weight_args(b2, b2_sf),
-                 runtime.to_cute(row_ptrs, leading_dim=0, align=8))
-    return (
+    w_sf = b_sf.permute(2, 1, 0)  # (N, K/128, E), N contiguous
+    return GemmArgs(
         runtime.to_cute(a, leading_dim=1),
         None if a_sf is None else runtime.to_cute(a_sf, leading_dim=1),
-        *_weight_args(b, b_sf),
-        runtime.to_cute(out, leading_dim=1),
-        runtime.to_cute(out_sf, leading_dim=1, align=4),
-        runtime.to_cute(row_weights, leading_dim=0, align=row_weights.element_size()),
-        runtime.to_cute(group_a, leading_dim=0, align=4),
-        runtime.to_cute(group_b, leading_dim=0, align=4),
-        *extra,
+        runtime.to_cute(w, leading_dim=2),
+        runtime.to_cute(w_sf, leading_dim=0),
         runtime.to_cute(b_sf[:, -1].view(torch.float32).t(), leading_dim=0) if _folded(b, b_sf) else None,
     )
+
+
+def _epilogue_args(out=None, out_sf=None, rows=None, clamp=None) -> EpilogueArgs:
+    """Torch epilogue operands (None: absent) -> ``EpilogueArgs``."""
+    import cutlass
+
+    return EpilogueArgs(
+        None if out is None else runtime.to_cute(out, leading_dim=1),
+        None if out_sf is None else runtime.to_cute(out_sf, leading_dim=1, align=4),
+        None if rows is None else runtime.to_cute(rows, leading_dim=0, align=rows.element_size()),
+        None if clamp is None else cutlass.Float32(clamp),
+    )
+
+
+def _group_args(group_a, group_b, num_groups: int, max_m: int) -> GroupArgs:
+    import cutlass
+
+    return GroupArgs(runtime.to_cute(group_a, leading_dim=0, align=4), runtime.to_cute(group_b, leading_dim=0, align=4),
+                     cutlass.Int32(num_groups), cutlass.Int32(max_m))
+
+
+def _second_args(a2, b2, b2_sf, row_ptrs, timeout_ns: int) -> SecondGemmArgs:
+    import cutlass
+
+    return SecondGemmArgs(_gemm_args(a2, None, b2, b2_sf), runtime.to_cute(row_ptrs, leading_dim=0, align=8),
+                          cutlass.Int64(timeout_ns))
+
+
+def _mega_args(me, num_tokens, base, peers, stats, record, y) -> MegaArgs:
+    import cutlass
+
+    i32, i64 = cutlass.Int32, cutlass.Int64
+    return MegaArgs(i32(me), i32(num_tokens), i64(base), i64(_address(peers)), i64(_address(stats)), i64(record),
+                    i64(_address(y)))
 
 
 def _folded(b: torch.Tensor, b_sf: torch.Tensor) -> bool:
@@ -63,88 +82,136 @@ def _folded(b: torch.Tensor, b_sf: torch.Tensor) -> bool:
     return b.dtype == torch.uint8 and b_sf.shape[1] == b.shape[2] + 1
 
 
-def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "bf16", debug: bool = False, comm=None,
-                         folded: bool = False, fast_math: bool = True):
-    """Compile (and cache) the kernel for ``config`` (incl. its MMA mode), ``group_mode``, ``epilogue``, ``folded``
-    (FP8 mode: the weights' scales folded into the decode, ``weight_layout.fold_fp8_scales``), ``fast_math``
-    (SwiGLU epilogues, "l1_l2" included: approximate exp and reciprocal in silu; ignored by the others),
-    ``debug`` ("l1_l2" only: the build whose waits can time out and report; its wgmmas run serialized) and
-    ``comm`` ("l1_l2" only: an ``comm.EpCommConfig`` makes it the one-launch Mega MoE kernel for that buffer
-    layout, ``mega_moe_sm90``); works on a CPU with ``CUTE_DSL_ARCH=sm_90a``. Shapes are dynamic: one compile
-    serves every M, N, K, E."""
+def _address(t: torch.Tensor | None) -> int:
+    """A tensor's device address, 0 for None (the kernel's "absent")."""
+    return 0 if t is None else t.data_ptr()
+
+
+_COMPILE_M, _COMPILE_N, _COMPILE_K, _COMPILE_E = 128, 256, 512, 2
+"""Shapes of the placeholder operands a compile traces with (every shape is dynamic in the compiled kernel)."""
+
+
+def _placeholder_gemm(config: GemmConfig, n: int, k: int, folded: bool = False) -> GemmArgs:
+    m, e = _COMPILE_M, _COMPILE_E
+    if config.mma == "bf16":
+        a, a_sf = torch.empty(m, k, dtype=torch.bfloat16), None
+        b = torch.empty(e, n // ROW_BLOCK, k // 128, ROW_BLOCK, BF16_WORDS, dtype=torch.int32)
+    else:
+        a, a_sf = torch.empty(m, k, dtype=torch.float8_e4m3fn), torch.empty(m, k // 128, dtype=torch.int32)
+        b = torch.empty(e, n // ROW_BLOCK, k // 128, ROW_BLOCK, CHUNK_BYTES, dtype=torch.uint8)
+    return _gemm_args(a, a_sf, b, torch.empty(e, k // 128 + int(folded), n, dtype=torch.int32))
+
+
+def _compile(kernel, gemm: GemmArgs, second, epi: EpilogueArgs, mega: MegaArgs):
+    import cutlass
+    import cutlass.cute as cute
+
+    groups = torch.zeros(_COMPILE_E + 1, dtype=torch.int32)
+    return cute.compile(kernel, gemm, second, epi, _group_args(groups, groups, _COMPILE_E, _COMPILE_M),
+                        cutlass.Int64(0), mega, cutlass.Int32(1), runtime.current_stream())
+
+
+def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "bf16", folded: bool = False,
+                         fast_math: bool = True):
+    """Compile (and cache) the separate-launch grouped GEMM (``gemm.GroupedGemmSm90``) for ``config`` (incl. its MMA
+    mode), ``group_mode``, ``epilogue``, ``folded`` (FP8 mode: the weights' scales folded into the decode,
+    ``weight_layout.fold_fp8_scales``) and ``fast_math`` (SwiGLU epilogues: approximate exp and reciprocal in silu;
+    ignored by the others). Works on a CPU with ``CUTE_DSL_ARCH=sm_90a``; shapes are dynamic."""
     if group_mode not in GROUP_MODES:
         fail("group_mode", f"must be one of {GROUP_MODES}, got {group_mode!r}")
     if epilogue not in EPILOGUES:
         fail("epilogue", f"must be one of {EPILOGUES}, got {epilogue!r}")
-    if debug and epilogue != "l1_l2":
-        fail("debug", f"applies to the 'l1_l2' epilogue only (the only kernel here that waits), got {epilogue!r}")
-    if comm is not None and (epilogue != "l1_l2" or group_mode != "offsets" or comm.debug != debug):
-        fail("comm", f"needs the 'l1_l2' epilogue, 'offsets' groups and the same debug flag, got {epilogue!r}, "
-             f"{group_mode!r}, debug={debug} vs {comm.debug}")
-    if epilogue == "l1_l2" and comm is None and config.consumer_warpgroups > 2:
-        fail("config.tile_n", f"must be 64 or 128 for the 'l1_l2' epilogue without Mega MoE communication (four "
-             f"consumer warpgroups are tested in the Mega MoE kernel only), got {config.tile_n}")
-    if folded and (config.mma != "fp8" or comm is not None or epilogue == "l1_l2"):
-        fail("folded", f"applies to FP8-mode single GEMMs only, got mma={config.mma!r}, epilogue={epilogue!r}")
+    if folded and config.mma != "fp8":
+        fail("folded", f"applies to FP8-mode GEMMs only, got mma={config.mma!r}")
     check_fast_math(fast_math)
     fast_math = fast_math or epilogue not in SWIGLU_EPILOGUES  # one build where silu is not computed
 
     def build():
-        import cutlass
-        import cutlass.cute as cute
+        from .gemm import GroupedGemmSm90
 
-        m, n, k, e = 128, 256, 512, 2
-        if config.mma == "bf16":
-            a, a_sf = torch.empty(m, k, dtype=torch.bfloat16), None
-            b = torch.empty(e, n // ROW_BLOCK, k // 128, ROW_BLOCK, BF16_WORDS, dtype=torch.int32)
-        else:
-            a, a_sf = torch.empty(m, k, dtype=torch.float8_e4m3fn), torch.empty(m, k // 128, dtype=torch.int32)
-            b = torch.empty(e, n // ROW_BLOCK, k // 128, ROW_BLOCK, CHUNK_BYTES, dtype=torch.uint8)
-        b_sf = torch.empty(e, k // 128 + int(folded), n, dtype=torch.int32)
-        second = None
+        m, n = _COMPILE_M, _COMPILE_N
         if epilogue == "swiglu_fp8":
-            out = torch.empty(m, n // 8, dtype=torch.int32)
-        elif epilogue in ("swiglu_fp8_bf16", "l1_l2"):
-            out = torch.empty(m, n // 4, dtype=torch.int32)
+            epi = _epilogue_args(torch.empty(m, n // 8, dtype=torch.int32), torch.empty(m, n // 64, dtype=torch.uint8),
+                                 torch.empty(m, dtype=torch.float32), float("inf"))
+        elif epilogue == "swiglu_fp8_bf16":
+            epi = _epilogue_args(torch.empty(m, n // 4, dtype=torch.int32), None, torch.empty(m, dtype=torch.float32),
+                                 float("inf"))
+        elif epilogue == "bf16_scatter":
+            epi = _epilogue_args(rows=torch.empty(m, dtype=torch.int64))
         else:
-            out = torch.empty(m, n, dtype=torch.bfloat16)
-        if epilogue == "l1_l2":  # second GEMM: K = n / 2, N = k
-            second = (torch.empty(m, n // 2, dtype=torch.bfloat16),
-                      torch.empty(e, k // ROW_BLOCK, n // 2 // 128, ROW_BLOCK, BF16_WORDS, dtype=torch.int32),
-                      torch.empty(e, n // 2 // 128, k, dtype=torch.int32), torch.empty(m, dtype=torch.int64))
-        out_sf = torch.empty(m, n // 64, dtype=torch.uint8)
-        row_weights = torch.empty(m, dtype=torch.int64 if epilogue == "bf16_scatter" else torch.float32)
-        groups = torch.zeros(e + 1, dtype=torch.int32)
-        args = _cute_args(a, a_sf, b, b_sf, out, out_sf, row_weights, groups, groups, second)
-        from .gemm import Sm90Fp4GroupedGemm
+            epi = _epilogue_args(torch.empty(m, n, dtype=torch.bfloat16))
+        kernel = GroupedGemmSm90(config, group_mode, epilogue, folded, fast_math)
+        return _compile(kernel, _placeholder_gemm(config, n, _COMPILE_K, folded), None, epi, MegaArgs.none())
 
-        kernel = Sm90Fp4GroupedGemm(config, group_mode, epilogue, debug, comm, folded, fast_math)
-        z32, z64 = cutlass.Int32(0), cutlass.Int64(0)
-        return cute.compile(
-            kernel, *args, cutlass.Int32(e), cutlass.Int32(m), cutlass.Float32(float("inf")), z64, z64,
-            z32, z32, z64, z64, z64, z64, z64, cutlass.Int32(1), runtime.current_stream(),
-        )
-
-    return runtime.compiled(("sm90_fp4_grouped_gemm", config, group_mode, epilogue, debug, comm, folded, fast_math),
-                            build)
+    return runtime.compiled(("sm90.grouped_gemm", config, group_mode, epilogue, folded, fast_math), build)
 
 
-_DUMMIES: dict = {}
+def _compile_fused(config: GemmConfig, debug: bool, comm, fast_math: bool):
+    """The one-launch L1/L2 kernel (``l1_l2.FusedL1L2Sm90``), or with ``comm`` the Mega MoE kernel
+    (``mega_moe.MegaMoESm90``) for that buffer layout."""
+    check_fast_math(fast_math)
+    if config.mma != "bf16":
+        fail("config.mma", f"must be 'bf16' for the one-launch L1/L2 kernels, got {config.mma!r}")
+
+    def build():
+        m, n, k = _COMPILE_M, _COMPILE_N, _COMPILE_K
+        if comm is None:
+            from .l1_l2 import FusedL1L2Sm90
+
+            kernel, mega = FusedL1L2Sm90(config, debug, fast_math), MegaArgs.none()
+        else:
+            from .mega_moe import MegaMoESm90
+
+            kernel, mega = MegaMoESm90(config, comm, fast_math), _mega_args(0, 0, 0, None, None, 0, None)
+        second = SecondGemmArgs(_placeholder_gemm(config, k, n // 2), runtime.to_cute(
+            torch.empty(m, dtype=torch.int64), leading_dim=0, align=8), None)
+        import cutlass
+
+        second = second._replace(timeout_ns=cutlass.Int64(0))
+        epi = _epilogue_args(torch.empty(m, n // 4, dtype=torch.int32), None, torch.empty(m, dtype=torch.float32),
+                             float("inf"))
+        return _compile(kernel, _placeholder_gemm(config, n, k), second, epi, mega)
+
+    return runtime.compiled(("sm90.l1_l2", config, debug, comm, fast_math), build)
 
 
-def _dummies(device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Placeholder (out_sf, row_weights, out) operands for the epilogues that never touch them."""
-    key = str(device)
-    if key not in _DUMMIES:
-        _DUMMIES[key] = (torch.zeros(1, 16, dtype=torch.uint8, device=device),
-                         torch.zeros(4, dtype=torch.float32, device=device),
-                         torch.zeros(1, 64, dtype=torch.bfloat16, device=device))
-    return _DUMMIES[key]
+def compile_l1_l2(config: GemmConfig, debug: bool = False, fast_math: bool = True):
+    """Compile (and cache) L1 + L2 in one launch (``l1_l2.FusedL1L2Sm90``; ``debug``: the build whose waits time out
+    and report, its wgmmas serialized by the printf). Two consumer warpgroups at most."""
+    if config.consumer_warpgroups > 2:
+        fail("config.tile_n", f"must be 64 or 128 for the one-launch L1/L2 kernel without Mega MoE communication (four "
+             f"consumer warpgroups are tested in the Mega MoE kernel only), got {config.tile_n}")
+    return _compile_fused(config, debug, None, fast_math)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Python entry points
-# ----------------------------------------------------------------------------------------------------
+def compile_mega_moe(config: GemmConfig, comm, fast_math: bool = True):
+    """Compile (and cache) the Mega MoE kernel (``mega_moe.MegaMoESm90``) for ``comm`` (the buffer's
+    ``comm.EpCommConfig``; its ``debug`` selects the debug build, ``trace`` the trace build)."""
+    return _compile_fused(config, comm.debug, comm, fast_math)
+
+
+def _launch(kernel, config: GemmConfig, device, gemm: GemmArgs, second, epi: EpilogueArgs, groups: GroupArgs, sync,
+            mega: MegaArgs, max_tiles: int | None) -> None:
+    """Launch a compiled kernel on every CTA slot of the GPU (``max_tiles``: at most that many CTAs; None: all, the
+    Mega MoE kernel runs on every slot, tiles or not)."""
+    import cutlass
+
+    num_ctas = torch.cuda.get_device_properties(device).multi_processor_count * config.ctas_per_sm
+    if max_tiles is not None:
+        num_ctas = min(num_ctas, max_tiles)
+    kernel(gemm, second, epi, groups, cutlass.Int64(_address(sync)), mega, cutlass.Int32(num_ctas),
+           runtime.current_stream())
+
+
+def _launch_gemm(config, group_mode, epilogue, a, a_sf, b, b_sf, epi: EpilogueArgs, group_a, group_b, num_groups,
+                 max_m, max_tiles, fast_math=True) -> None:
+    """Compile (cached) and launch a separate grouped GEMM on the stream's tile counters."""
+    if max_tiles <= 0 or a.shape[0] == 0:
+        return
+    kernel = compile_grouped_gemm(config, group_mode, epilogue, _folded(b, b_sf), fast_math)
+    _launch(kernel, config, a.device, _gemm_args(a, a_sf, b, b_sf), None, epi,
+            _group_args(group_a, group_b, num_groups, max_m), tile_counters(a.device), MegaArgs.none(), max_tiles)
+
 
 def _weights_mode(b: torch.Tensor, name: str = "b") -> str:
     """The MMA mode the kernel-layout weights ``b`` (called ``name``) were prepared for (from their dtype)."""
@@ -245,43 +312,6 @@ def _check_operands(a, a_sf, b, b_sf, groups, counts=None, *, masked: bool, swig
     return mma, k, e, n
 
 
-def _launch(config, group_mode, epilogue, a2, a_sf2, b, b_sf, out2, out_sf2, row_weights, group_a, group_b,
-            num_groups, max_m, clamp, max_tiles, second=None, sync=None, timeout_ns=0, mega=None, fast_math=True):
-    """Compile (cached) and launch one variant (``fast_math``: ``compile_grouped_gemm``'s);
-    ``second``/``sync``/``timeout_ns``: the "l1_l2" epilogue's second-GEMM operands (``_cute_args``), its zeroed
-    int32 counters (``sync_words``) and spin-wait limit (> 0: the debug build). ``mega``: the Mega MoE kernel's
-    ``(comm, me, num_tokens, base, peers, stats, record, y)`` (``mega_moe_sm90``): it runs on every CTA slot, tiles
-    or not."""
-    if mega is None and (max_tiles <= 0 or a2.shape[0] == 0):
-        return
-    import cutlass
-
-    comm, *comm_args = (None, 0, 0, 0, None, None, 0, None) if mega is None else mega
-    kernel = compile_grouped_gemm(config, group_mode, epilogue, timeout_ns > 0, comm, _folded(b, b_sf), fast_math)
-    num_ctas = torch.cuda.get_device_properties(a2.device).multi_processor_count * config.ctas_per_sm
-    if mega is None:
-        num_ctas = min(num_ctas, max_tiles)
-    if mega is None and epilogue != "l1_l2":
-        sync = tile_counters(a2.device)
-    if epilogue == "bf16":
-        out_sf2, row_weights, _ = _dummies(a2.device)
-    elif epilogue == "bf16_scatter":  # row_weights holds the row addresses
-        out_sf2, _, out2 = _dummies(a2.device)
-    elif out_sf2 is None:  # "swiglu_fp8_bf16" writes no scales
-        out_sf2 = _dummies(a2.device)[0]
-    args = _cute_args(a2, a_sf2, b, b_sf, out2, out_sf2, row_weights, group_a, group_b, second)
-    me, num_tokens, base, peers, stats, record, y = comm_args
-    kernel(*args, cutlass.Int32(num_groups), cutlass.Int32(max_m), cutlass.Float32(clamp), cutlass.Int64(_address(sync)),
-           cutlass.Int64(timeout_ns), cutlass.Int32(me), cutlass.Int32(num_tokens), cutlass.Int64(base),
-           cutlass.Int64(_address(peers)), cutlass.Int64(_address(stats)), cutlass.Int64(record), cutlass.Int64(_address(y)),
-           cutlass.Int32(num_ctas), runtime.current_stream())
-
-
-def _address(t: torch.Tensor | None) -> int:
-    """A tensor's device address, 0 for None (the kernel's "absent")."""
-    return 0 if t is None else t.data_ptr()
-
-
 def grouped_gemm_fp8_fp4_contiguous(
     a: torch.Tensor,
     a_sf: torch.Tensor | None,
@@ -328,8 +358,9 @@ def grouped_gemm_fp8_fp4_contiguous(
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
     max_tiles = (m // cfg.tile_tokens + e) * (n // cfg.tile_n)
     mode = "offsets" if counts is None else "offsets_counts"
-    _launch(cfg, mode, epilogue, a, a_sf, b, b_sf, out, None, out_row_ptrs, offsets,
-            offsets if counts is None else counts, e, 0, float("inf"), max_tiles)
+    epi = _epilogue_args(out) if out_row_ptrs is None else _epilogue_args(rows=out_row_ptrs)
+    _launch_gemm(cfg, mode, epilogue, a, a_sf, b, b_sf, epi, offsets, offsets if counts is None else counts, e, 0,
+                 max_tiles)
     return out
 
 
@@ -357,10 +388,8 @@ def grouped_gemm_fp8_fp4_masked(
     cfg = _resolve_config(config, max_m if expected_m is None else expected_m, n, k, mma)
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
     max_tiles = e * math.ceil(max_m / cfg.tile_tokens) * (n // cfg.tile_n)
-    _launch(
-        cfg, "masked", "bf16", a.view(e * max_m, k), _rows_view(a_sf, e * max_m), b, b_sf,
-        out.view(e * max_m, n), None, None, masked_m, masked_m, e, max_m, float("inf"), max_tiles,
-    )
+    _launch_gemm(cfg, "masked", "bf16", a.view(e * max_m, k), _rows_view(a_sf, e * max_m), b, b_sf,
+                 _epilogue_args(out.view(e * max_m, n)), masked_m, masked_m, e, max_m, max_tiles)
     return out
 
 
@@ -432,8 +461,8 @@ def grouped_gemm_fp8_fp4_swiglu_contiguous(
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
     max_tiles = (m // cfg.tile_tokens + e) * (n // cfg.tile_n)
     mode = "offsets" if counts is None else "offsets_counts"
-    _launch(cfg, mode, epilogue, a, a_sf, b, b_sf, out_k, out_sf_k, row_weights,
-            offsets, offsets if counts is None else counts, e, 0, clamp_value, max_tiles, fast_math=fast_math)
+    _launch_gemm(cfg, mode, epilogue, a, a_sf, b, b_sf, _epilogue_args(out_k, out_sf_k, row_weights, clamp_value),
+                 offsets, offsets if counts is None else counts, e, 0, max_tiles, fast_math)
     return out, out_sf
 
 
@@ -496,9 +525,11 @@ def grouped_gemm_fp8_fp4_l1_l2_contiguous(
     cfg = _resolve_config(config, m / max(e, 1), math.gcd(n1, k), k, "bf16", four_warpgroups=False)
     _check_device(a, b1=b1, b1_sf=b1_sf, b2=b2, b2_sf=b2_sf, act=act)
     max_tiles = (m // cfg.tile_tokens + e) * ((n1 + k) // cfg.tile_n)
-    _launch(cfg, "offsets", "l1_l2", a, None, b1, b1_sf, act_k, None, row_weights, offsets, offsets, e, 0,
-            _bf16_clamp(clamp), max_tiles, second=(act, b2, b2_sf, out_row_ptrs), sync=sync, timeout_ns=timeout_ns,
-            fast_math=fast_math)
+    if max_tiles > 0 and m > 0:
+        kernel = compile_l1_l2(cfg, timeout_ns > 0, fast_math)
+        _launch(kernel, cfg, a.device, _gemm_args(a, None, b1, b1_sf), _second_args(act, b2, b2_sf, out_row_ptrs, timeout_ns),
+                _epilogue_args(act_k, None, row_weights, _bf16_clamp(clamp)), _group_args(offsets, offsets, e, 0), sync,
+                MegaArgs.none(), max_tiles)
     return act
 
 
@@ -522,10 +553,11 @@ def mega_moe_sm90(comm, a: torch.Tensor, b1: torch.Tensor, b1_sf: torch.Tensor, 
     ``[CTAs, 8]`` (debug reports), or in the trace build (``comm.trace``) a ``timeline.trace_buffer``;
     ``fast_math``: the L1 epilogue's silu (``grouped_gemm_fp8_fp4_swiglu_contiguous``)."""
     m, inter = act.shape
-    _launch(config, "offsets", "l1_l2", a, None, b1, b1_sf, act.view(torch.int32).view(m, inter // 2), None,
-            row_weights, offsets, offsets, b1.shape[0], 0, _bf16_clamp(clamp), None, second=(act, b2, b2_sf, row_ptrs),
-            sync=sync, timeout_ns=timeout_ns, mega=(comm, me, num_tokens, base, peers, stats, record, y),
-            fast_math=fast_math)
+    kernel = compile_mega_moe(config, comm, fast_math)
+    _launch(kernel, config, a.device, _gemm_args(a, None, b1, b1_sf), _second_args(act, b2, b2_sf, row_ptrs, timeout_ns),
+            _epilogue_args(act.view(torch.int32).view(m, inter // 2), None, row_weights, _bf16_clamp(clamp)),
+            _group_args(offsets, offsets, b1.shape[0], 0), sync, _mega_args(me, num_tokens, base, peers, stats, record, y),
+            None)
 
 
 def grouped_gemm_fp8_fp4_swiglu_masked(
@@ -557,8 +589,7 @@ def grouped_gemm_fp8_fp4_swiglu_masked(
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
     max_tiles = e * math.ceil(max_m / cfg.tile_tokens) * (n // cfg.tile_n)
     rows = e * max_m
-    _launch(
-        cfg, "masked", epilogue, a.view(rows, k), _rows_view(a_sf, rows), b, b_sf, out_k, out_sf_k,
-        row_weights.view(rows), masked_m, masked_m, e, max_m, clamp_value, max_tiles, fast_math=fast_math,
-    )
+    _launch_gemm(cfg, "masked", epilogue, a.view(rows, k), _rows_view(a_sf, rows), b, b_sf,
+                 _epilogue_args(out_k, out_sf_k, row_weights.view(rows), clamp_value), masked_m, masked_m, e, max_m,
+                 max_tiles, fast_math)
     return out, out_sf

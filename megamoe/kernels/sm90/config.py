@@ -47,8 +47,8 @@ faster than 64-row tiles at 256-1024 rows per expert (H200, 2026-12-01)."""
 MIN_WIDE_STAGES = 3
 """One-CTA BF16-mode tiles load two 128-K chunks per stage where at least this many such stages fit."""
 GROUP_MODES = ("offsets", "offsets_counts", "masked")
-EPILOGUES = ("bf16", "swiglu_fp8", "swiglu_fp8_bf16", "bf16_scatter", "l1_l2")
-SWIGLU_EPILOGUES = ("swiglu_fp8", "swiglu_fp8_bf16", "l1_l2")
+EPILOGUES = ("bf16", "swiglu_fp8", "swiglu_fp8_bf16", "bf16_scatter")
+SWIGLU_EPILOGUES = ("swiglu_fp8", "swiglu_fp8_bf16")
 """The epilogues that compute silu (``fast_math`` selects how)."""
 SCATTER_PAD = 8
 """BF16 elements of padding per staged row of the scatter epilogue (rows stay 16-byte aligned)."""

@@ -1,0 +1,171 @@
+"""Epilogues of the SM90 grouped GEMM kernels: what a consumer warpgroup does with its tile's FP32 accumulator.
+
+The accumulator of a consumer thread holds, at value ``i = c + 2*r + 4*j``, weight row ``g + 8r`` (of its warp's 16
+rows of the warpgroup's 64) and token column ``8j + 2q + c`` (``cC[i]`` gives both). Rows past the group
+(``row_end``) are never stored.
+
+* ``Bf16Store``: ``out[m, n] = bf16(acc)``.
+* ``ScatterRows``: the same values, row m stored at the address ``row_addr[m]`` (e.g. a peer rank's combine slot),
+  staged in shared memory so each row leaves as whole 128-byte lines.
+* ``SwigluQuant``: L1's ``megamoe.numerics`` steps 2-5 on interleaved gate/up rows: FP8 + packed UE8M0 scales
+  per 32 columns, or the same quantized values dequantized (exactly) to BF16.
+
+Each is called as ``epilogue(acc, cC, ctidx, smem, args, row0, row_end, n_tile)``: ``args`` an ``args.EpilogueArgs``,
+``smem`` its shared-memory staging tile (None for ``Bf16Store``).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32, Int64
+
+from .. import dequant, ptx
+from .config import SCATTER_PAD, GemmConfig, named_barriers
+
+
+class Epilogue:
+    """Tile shape and each consumer warpgroup's own named barrier (``config.named_barriers``)."""
+
+    smem_floats = 0  # FP32 words of shared memory per token row the epilogue stages (0: none)
+
+    def __init__(self, config: GemmConfig):
+        self.tile_tokens = config.tile_tokens
+        self.tile_n = config.tile_n
+        self.barrier_id0 = named_barriers(config.consumer_warpgroups)[0]
+
+    def barrier(self, wg):
+        """Consumer warpgroup wg's 128 threads."""
+        return pipeline.NamedBarrier(barrier_id=self.barrier_id0 + wg, num_threads=128)
+
+
+class Bf16Store(Epilogue):
+    """BF16 rows ``out[m, n0 + row]`` (``args.out``: (M, N) bf16), stored only for token rows inside the group."""
+
+    @cute.jit
+    def __call__(self, acc, cC, ctidx, smem, args, row0, row_end, n_tile):
+        n0 = n_tile * self.tile_n
+        for j in cutlass.range_constexpr(self.tile_tokens // 8):
+            for c in cutlass.range_constexpr(2):
+                m = row0 + cC[c + 4 * j][1]
+                if m < row_end:
+                    for r in cutlass.range_constexpr(2):
+                        i = c + 2 * r + 4 * j
+                        args.out[m, n0 + cC[i][0]] = acc[i].to(cutlass.BFloat16)
+
+
+class ScatterRows(Epilogue):
+    """BF16 rows to per-row addresses (``args.rows``: (M,) int64): each consumer warpgroup stages its 64 columns x
+    tile_tokens rows in shared memory (``smem``: (tokens, ``stride``) bf16, rows padded by ``SCATTER_PAD``), then
+    stores each row's 128 bytes with eight 16-byte stores (lanes 8r..8r+7 of a warp: one row), so peer memory
+    receives whole 128-byte lines."""
+
+    def __init__(self, config: GemmConfig):
+        super().__init__(config)
+        self.stride = config.tile_n + SCATTER_PAD  # BF16 elements per staged row
+
+    @cute.jit
+    def __call__(self, acc, cC, ctidx, smem, args, row0, row_end, n_tile):
+        tt = self.tile_tokens
+        wg = ctidx // 128
+        barrier = self.barrier(wg)
+        for j in cutlass.range_constexpr(tt // 8):
+            for c in cutlass.range_constexpr(2):
+                for r in cutlass.range_constexpr(2):
+                    i = c + 2 * r + 4 * j
+                    smem[cC[i][1], cC[i][0]] = acc[i].to(cutlass.BFloat16)
+        barrier.arrive_and_wait()
+        words = cute.make_tensor(
+            cute.recast_ptr(smem.iterator, dtype=Int32),
+            cute.make_layout((tt, self.stride // 2), stride=(self.stride // 2, 1)),
+        )
+        t = ctidx % 128
+        col = 64 * wg + 8 * (t % 8)  # first of this lane's 8 columns in the tile
+        vals = cute.make_rmem_tensor((4,), Int32)
+        for pass_ in cutlass.range_constexpr((tt + 15) // 16):
+            tok = 16 * pass_ + t // 8
+            m = row0 + tok
+            if (tok < tt) & (m < row_end):
+                cute.autovec_copy(cute.local_tile(words[tok, None], (4,), (col // 8,)), vals)
+                addr = Int64(args.rows[m]) + Int64(n_tile * self.tile_n + col) * 2
+                ptx.st_global_v4(addr, [vals[0], vals[1], vals[2], vals[3]], Int32(1))
+        barrier.arrive_and_wait()  # the staged tile is read before the next tile overwrites it
+
+
+class SwigluQuant(Epilogue):
+    """``megamoe.numerics`` steps 2-5 for one tile of interleaved (``SWIGLU_GRANULARITY`` 8) gate/up rows.
+
+    Accumulator rows g and g+8 of a 16-row group are gate and up of intermediate column ``(row // 16) * 8 + row % 8``;
+    each consumer warpgroup owns 32 consecutive columns, i.e. one UE8M0 block per token. Phase 1: every thread writes
+    ``silu(gate) * up`` (BF16-rounded, clamped inputs, FP32 math) to shared memory (``smem``: (tokens, ``stride``)
+    float32); phase 2: thread t of the warpgroup takes token t, multiplies by its routing weight (``args.rows``: (M,)
+    float32), quantizes the 32 values (smallest power-of-two scale with amax / scale <= 448, RNE) and stores 32 FP8
+    bytes (``args.out``: (M, N/8) int32 view of FP8 [M, N/2]) and one scale byte (``args.out_sf``: (M, N/64) uint8 view of the
+    packed UE8M0 scales) -- or, ``bf16_out``, the same quantized values times their scale as BF16 (exact; ``args.out``:
+    (M, N/4) int32 view of BF16 [M, N/2]). ``fast_math``: silu with ``ex2.approx`` and ``rcp.approx`` (a few FP32
+    ulps, as ``megamoe.numerics`` allows; the IEEE exp and division cost the L1 GEMM about a sixth of its time at
+    large batches: ``bench/findings/swiglu-fast-math.md``), else the IEEE forms."""
+
+    def __init__(self, config: GemmConfig, fast_math: bool, bf16_out: bool):
+        super().__init__(config)
+        self.fast_math = fast_math
+        self.bf16_out = bf16_out
+        self.stride = config.tile_n // 2 + 4  # FP32 activations per staged token row (padded)
+
+    @cute.jit
+    def __call__(self, acc, cC, ctidx, smem, args, row0, row_end, n_tile):
+        wg = ctidx // 128
+        barrier = self.barrier(wg)
+        for j in cutlass.range_constexpr(self.tile_tokens // 8):
+            for c in cutlass.range_constexpr(2):
+                row = cC[c + 4 * j][0]
+                gate = acc[c + 4 * j].to(cutlass.BFloat16).to(Float32)
+                up = acc[c + 2 + 4 * j].to(cutlass.BFloat16).to(Float32)
+                gate = cutlass.min(gate, args.clamp)
+                up = cutlass.max(cutlass.min(up, args.clamp), -args.clamp)
+                if cutlass.const_expr(self.fast_math):
+                    silu = gate * cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-gate, fastmath=True))
+                else:
+                    silu = gate / (Float32(1.0) + Float32(cute.math.exp(-gate)))
+                smem[cC[c + 4 * j][1], (row // 16) * 8 + row % 8] = silu * up
+        barrier.arrive_and_wait()
+        t = ctidx % 128
+        m = row0 + t
+        if t < self.tile_tokens:
+            if m < row_end:
+                weight = Float32(args.rows[m])
+                vals = cute.make_rmem_tensor((32,), Float32)
+                amax = Float32(0.0)
+                for v in cutlass.range_constexpr(32):
+                    vals[v] = smem[t, 32 * wg + v] * weight
+                    amax = cutlass.max(amax, cutlass.max(vals[v], -vals[v]))
+                # Smallest e with amax <= 448 * 2^e: amax = 1.f * 2^(E-127) and 448 = 1.75 * 2^8, so
+                # e = E - 135 + (f > 0.75), at least -127 (also for amax = 0 and subnormals).
+                bits = ptx.f32_bits(amax)
+                e = ((bits >> 23) & Int32(0xFF)) - Int32(135)
+                if (bits & Int32(0x7FFFFF)) > Int32(0x600000):
+                    e = e + Int32(1)
+                e = cutlass.max(e, Int32(-127))
+                inv_scale = ptx.bits_to_f32((Int32(127) - e) << 23)  # 2^-e, exact
+                words = cute.make_rmem_tensor((8,), Int32)
+                for w in cutlass.range_constexpr(8):
+                    words[w] = ptx.f32x4_to_e4m3x4(
+                        vals[4 * w] * inv_scale,
+                        vals[4 * w + 1] * inv_scale,
+                        vals[4 * w + 2] * inv_scale,
+                        vals[4 * w + 3] * inv_scale,
+                    )
+                block = n_tile * (self.tile_n // 64) + wg  # 32-wide block of the intermediate dim
+                if cutlass.const_expr(self.bf16_out):
+                    scale = dequant.ue8m0_code_to_f32(e + Int32(127))  # 2^e, exact
+                    halves = cute.make_rmem_tensor((16,), Int32)
+                    for w in cutlass.range_constexpr(8):
+                        h0, h1 = ptx.e4m3x4_to_bf16x4(words[w], scale)
+                        halves[2 * w] = h0
+                        halves[2 * w + 1] = h1
+                    cute.autovec_copy(halves, cute.local_tile(args.out[m, None], (16,), (block,)))
+                else:
+                    cute.autovec_copy(words, cute.local_tile(args.out[m, None], (8,), (block,)))
+                    args.out_sf[m, block] = (e + Int32(127)).to(cutlass.Uint8)
+        barrier.arrive_and_wait()

@@ -1,0 +1,387 @@
+"""The consumer warpgroups' K loops of the SM90 grouped GEMM kernels: FP4 weights dequantized in registers into
+the A fragment of an RS wgmma (weights = wgmma M, 64 rows per consumer warpgroup; tokens = wgmma N from shared
+memory), one FP32 accumulator per tile.
+
+Each mainloop is an object the kernel holds (``GroupedGemmSm90.mainloop``): ``tiled_mma`` builds the kernel's MMA,
+``fragments`` the per-thread registers and views once per kernel, ``tile`` runs one tile's K loop (``k_tiles``
+pipeline stages of ``cps`` 128-K chunks: waits for each stage, frees every stage it used) into ``acc`` and returns the
+advanced consumer pipeline states ``(state, release)``.
+
+* ``Bf16Mainloop``: BF16 tokens; weights decoded with their per-32 scale folded in to exact BF16
+  (``dequant.decode_e2m1x8_bf16``), ``m64 x N x k16`` bf16 wgmmas into one accumulator over the whole K -- no
+  promotion, wgmmas back to back (one group per 32-K block, up to three in flight while the next block decodes).
+* ``Fp8Block32Mainloop``: FP8 tokens with UE8M0 scales per 32 K; weights decoded to E4M3; each 32-K block's
+  ``k32`` wgmma into a fresh temporary, promoted in FP32 with the tokens' (and, unless folded, the weights') scales.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import warpgroup
+
+from .. import dequant
+from ..weight_layout import BF16_ACC_SHIFT, E4M3_LUT_HI, E4M3_LUT_LO, K_CHUNK
+from .config import DEFERRED_MAX_TILE_TOKENS, GemmConfig, named_barriers, token_widths
+
+
+def make_tiled_mma(a_dtype, tokens: int, consumer_warpgroups: int):
+    """The consumer warpgroups' RS wgmma: 64 weight rows per warpgroup (A from registers) x ``tokens`` token
+    columns (B from shared memory), both K-major, FP32 accumulator."""
+    return sm90_utils.make_trivial_tiled_mma(
+        a_dtype, a_dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
+        (consumer_warpgroups, 1, 1), (64, tokens), a_source=warpgroup.OperandSource.RMEM,
+    )
+
+
+class Mainloop:
+    """What every mainloop shares: the tile shape, the pipeline geometry and this thread's weight rows."""
+
+    a_dtype = None  # the wgmma operand type (class attribute of each mainloop)
+
+    def __init__(self, config: GemmConfig, stages: int, cps: int):
+        self.tile_tokens = config.tile_tokens
+        self.tile_n = config.tile_n
+        self.num_consumer_wg = config.consumer_warpgroups
+        self.stages = stages
+        self.cps = cps  # 128-K chunks per pipeline stage
+
+    def tiled_mma(self, tokens: int):
+        return make_tiled_mma(self.a_dtype, tokens, self.num_consumer_wg)
+
+    @cute.jit
+    def common_fragments(self, tiled_mma, ctidx, sA, sW, k_elems: cutlass.Constexpr[int]):
+        """Registers and views both modes use: the A fragment (as int32 words: ``frag``), the B fragments of every
+        stage, the accumulator, this thread's weight rows (``wrow0``, ``wrow1``: rows g and g + 8 of its warp's 16),
+        its 16-byte segment ``q`` of a chunk row, the accumulator coordinates ``cC`` (value i = c + 2*r + 4*j is
+        weight row g + 8r, token column 8j + 2q + c) and the weight words of every stage slot."""
+        tt, tn = self.tile_tokens, self.tile_n
+        thr_mma = tiled_mma.get_slice(ctidx)
+        # Register A fragment, ((1, 2, 2), 1, k blocks): per (row r, k-half h) of each k block (FP8: k32, four
+        # e4m3 in a word; BF16: k16, two bf16).
+        tCrA = thr_mma.make_fragment_A(thr_mma.partition_shape_A((tn, K_CHUNK)))
+        frag = cute.recast_tensor(tCrA, Int32)
+        tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sA))  # (MMA, MMA_N, k blocks, stage slots)
+        # Explicit ((2, 2, tt/8), 1, 1): partition_shape_C drops the unit mode at tt == 8, which cute.gemm rejects.
+        acc_shape = ((2, 2, tt // 8), 1, 1)
+        acc = cute.make_rmem_tensor(acc_shape, Float32)
+        cA = thr_mma.partition_A(cute.make_identity_tensor((tn, K_CHUNK)))
+        q = cA[(0, 0, 0), 0, 0][1] // k_elems
+        wrow0 = cA[(0, 0, 0), 0, 0][0]
+        wrow1 = cA[(0, 1, 0), 0, 0][0]
+        cC = thr_mma.partition_C(cute.make_identity_tensor((tn, tt)))
+        sW_words = cute.make_tensor(  # (word, quad, row, slot)
+            cute.recast_ptr(sW.iterator, dtype=Int32),
+            cute.make_layout((4, 4, tn, self.stages * self.cps), stride=(1, 4, 16, tn * 16)),
+        )
+        wbuf = cute.make_rmem_tensor((4, 2), Int32)  # (word, r): FP8 k32 block kb / BF16 k16 blocks 2w, 2w+1
+        sfw_words = cute.make_rmem_tensor((2,), Int32)  # the packed scale words of rows wrow0, wrow1
+        return SimpleNamespace(tCrA=tCrA, frag=frag, tCrB=tCrB, acc_shape=acc_shape, acc=acc, q=q, wrow0=wrow0,
+                               wrow1=wrow1, cC=cC, sW_words=sW_words, wbuf=wbuf, sfw_words=sfw_words)
+
+
+class Bf16Mainloop(Mainloop):
+    """BF16 tokens x weights decoded to exact BF16 (scales folded in), one accumulator over the whole K.
+
+    Pipeline: one wgmma group per 32-K block (two k16 wgmmas), up to three groups in flight while the next block
+    is decoded: block kb's fragment registers are rewritten after ``wait_group(3)`` retires the previous chunk's
+    block-kb group, and stage kt-1 is released inside stage kt once its last group has retired (stage 0 of a tile is
+    peeled: a data-dependent branch between wgmmas makes ptxas serialize them). The decoded weights carry a factor
+    ``2**-BF16_ACC_SHIFT``; the accumulator is multiplied back (exact) after the K loop.
+
+    Token widths (``config.token_widths``): a tile whose rows fit the first n of its tokens multiplies only those
+    (wgmma N = n; one K loop per width, picked per tile); the accumulator columns past n stay 0 and are not stored.
+    """
+
+    a_dtype = cutlass.BFloat16
+
+    @cute.jit
+    def fragments(self, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sScale):
+        f = self.common_fragments(tiled_mma, ctidx, sA, sW, 2)
+        f.mult = cute.make_rmem_tensor((2, 2), Int32)  # (k32 block pair, r): two BF16 decode multipliers
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        # Per width its MMA, the token fragments of the first n rows of sA and the first n/8 accumulator column
+        # groups; the full width is the tile's own.
+        tt = self.tile_tokens
+        f.widths = token_widths(tt)
+        f.mmas, f.accs, f.tCrBs = [], [], []
+        for n in f.widths:
+            if cutlass.const_expr(n == tt):
+                f.mmas.append(tiled_mma)
+                f.accs.append(f.acc)
+                f.tCrBs.append(f.tCrB)
+            else:
+                mma_n = self.tiled_mma(n)
+                mma_n.set(warpgroup.Field.ACCUMULATE, True)
+                thr_n = mma_n.get_slice(ctidx)
+                sA_n = cute.local_tile(sA, (n, K_CHUNK, self.stages * self.cps), (0, 0, 0))
+                f.mmas.append(mma_n)
+                f.tCrBs.append(thr_n.make_fragment_B(thr_n.partition_B(sA_n)))
+                f.accs.append(cute.make_tensor(f.acc.iterator, cute.make_layout(((2, 2, n // 8), 1, 1))))
+        f.sSFW = sSFW
+        return f
+
+    @cute.jit
+    def tile(self, ab_pipeline, state, release, f, k_tiles, row0, row_end, row_scale, n_tile, group):
+        """One tile's K loop into ``f.acc`` (zeroed by the caller) on the narrowest token width holding its rows
+        ``[row0, row_end)``, then the accumulator's scale undone. ``row_scale``, ``n_tile``, ``group``: unused."""
+        if cutlass.const_expr(len(f.widths) == 1):
+            state, release = self.k_loop(ab_pipeline, state, release, k_tiles, f.mmas[0], f.accs[0], f, f.tCrBs[0])
+        else:
+            rows = cutlass.max(row_end - row0, 1)
+            step = f.widths[0]
+            width = cutlass.min((rows + step - 1) // step, len(f.widths)) - 1
+            for w in cutlass.range_constexpr(len(f.widths)):  # every branch runs a whole K loop
+                if width == w:
+                    state, release = self.k_loop(ab_pipeline, state, release, k_tiles, f.mmas[w], f.accs[w], f,
+                                                 f.tCrBs[w])
+        f.acc.store(f.acc.load() * Float32(2.0**BF16_ACC_SHIFT))  # undo the decode's 2**-P (exact)
+        return state, release
+
+    @cute.jit
+    def k_loop(self, ab_pipeline, state, release, k_tiles, tiled_mma, acc, f, tCrB):
+        """``k_tiles`` stages into ``acc`` (``tiled_mma``'s token width)."""
+        ab_pipeline.consumer_wait(state)
+        for h in cutlass.range_constexpr(self.cps):
+            self.load_chunk(state, h, f)
+            for kb in cutlass.range_constexpr(4):
+                warpgroup.wait_group(3)
+                self.block(tiled_mma, acc, f, tCrB, state.index * self.cps + h, kb)
+        state.advance()
+        for kt in cutlass.range(1, k_tiles, unroll=1):
+            ab_pipeline.consumer_wait(state)
+            for h in cutlass.range_constexpr(self.cps):
+                self.load_chunk(state, h, f)
+                for kb in cutlass.range_constexpr(4):
+                    # Block kb's registers were last read by the previous chunk's block-kb wgmmas, four groups
+                    # ago: at most three may still be pending.
+                    warpgroup.wait_group(3)
+                    if cutlass.const_expr(h == 0 and kb == 3):  # every group of stage kt-1 is done: free it
+                        ab_pipeline.consumer_release(release)
+                        release.advance()
+                    self.block(tiled_mma, acc, f, tCrB, state.index * self.cps + h, kb)
+            state.advance()
+        warpgroup.wait_group(0)
+        ab_pipeline.consumer_release(release)
+        release.advance()
+        return state, release
+
+    @cute.jit
+    def load_chunk(self, state, h: cutlass.Constexpr[int], f):
+        """Chunk h of stage ``state`` (waited for): this thread's weight words of rows wrow0/wrow1 (one 16-byte
+        load each) and the BF16 decode multipliers of its four 32-K blocks, two per word."""
+        s = state.index
+        cute.autovec_copy(f.sW_words[None, f.q, f.wrow0, s * self.cps + h], f.wbuf[None, 0])
+        cute.autovec_copy(f.sW_words[None, f.q, f.wrow1, s * self.cps + h], f.wbuf[None, 1])
+        f.sfw_words[0] = f.sSFW[f.wrow0, h, s]
+        f.sfw_words[1] = f.sSFW[f.wrow1, h, s]
+        for r in cutlass.range_constexpr(2):
+            for p in cutlass.range_constexpr(2):
+                f.mult[p, r] = dequant.ue8m0_to_bf16_multiplier_pair(f.sfw_words[r], p)
+
+    @cute.jit
+    def block(self, tiled_mma, acc, f, tCrB, slot, kb: cutlass.Constexpr[int]):
+        """Decode 32-K block kb (word kb of both rows) into the fragment registers of k16 blocks 2kb, 2kb+1 and
+        issue their wgmmas (tokens of stage slot ``slot``) as one group."""
+        for r in cutlass.range_constexpr(2):
+            d0, d1, d2, d3 = dequant.decode_e2m1x8_bf16(f.wbuf[kb, r], f.mult[kb // 2, r], kb % 2)
+            f.frag[(0, r, 0), 0, 2 * kb] = d0
+            f.frag[(0, r, 1), 0, 2 * kb] = d1
+            f.frag[(0, r, 0), 0, 2 * kb + 1] = d2
+            f.frag[(0, r, 1), 0, 2 * kb + 1] = d3
+        warpgroup.fence()
+        for kk in cutlass.range_constexpr(2 * kb, 2 * kb + 2):
+            cute.gemm(tiled_mma, acc, f.tCrA[(None, None, kk)], tCrB[(None, None, kk, slot)], acc)
+        warpgroup.commit_group()
+
+
+class Fp8Block32Mainloop(Mainloop):
+    """FP8 tokens with one UE8M0 scale per 32 K x weights decoded to E4M3, promoted in FP32 every 32-K block.
+
+    ``acc += tmp * 2^sa[token, kb]`` (folded weight scales, ``weight_layout.fold_fp8_scales``: the decode applies
+    each block's scale relative to its row's, and the tile ends with each row times its FP32 scale) or ``acc += tmp *
+    (2^sb[row, kb] * 2^sa[token, kb])`` (absolute scales). Two temporaries alternate so the promotion of block kb
+    overlaps the wgmma of kb+1; token tiles up to ``DEFERRED_MAX_TILE_TOKENS`` rows give each of a chunk's four blocks
+    its own temporary and wait once per chunk; wide tiles (``config.wide_fp8``) run each block as two wgmmas of half
+    the tokens, one promoted while the other runs, with the tokens' scales converted to FP32 once per chunk into
+    shared memory (``stage_token_scales``). One FP32 multiply-add per accumulator and 32-K block is the floor of any
+    exact per-32 promotion, as many as the SM issues at the FP8 tensor rate.
+    """
+
+    a_dtype = cutlass.Float8E4M3FN
+
+    def __init__(self, config: GemmConfig, stages: int, cps: int, folded: bool):
+        super().__init__(config, stages, cps)
+        self.folded = folded
+        self.wide = config.wide_fp8
+        self.deferred = config.tile_tokens <= DEFERRED_MAX_TILE_TOKENS
+        self.scale_barrier_id = named_barriers(self.num_consumer_wg)[0]  # wide tiles: each warpgroup's own
+
+    @cute.jit
+    def fragments(self, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sScale):
+        f = self.common_fragments(tiled_mma, ctidx, sA, sW, 4)
+        tt = self.tile_tokens
+        n_cols = tt // 8
+        f.tmp0 = cute.make_rmem_tensor(f.acc_shape, Float32)
+        f.tmp1 = cute.make_rmem_tensor(f.acc_shape, Float32)
+        f.tmps = (f.tmp0, f.tmp1, cute.make_rmem_tensor(f.acc_shape, Float32), cute.make_rmem_tensor(f.acc_shape, Float32))
+        f.sfa_words = cute.make_rmem_tensor((2, n_cols), Int32)  # (c, j)
+        f.sw = cute.make_rmem_tensor((2,), Float32)
+        f.sa = cute.make_rmem_tensor((2, n_cols), Float32)
+        f.lut_lo = Int32(E4M3_LUT_LO)
+        f.lut_hi = Int32(E4M3_LUT_HI)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+        f.tiled_mma = tiled_mma
+        if cutlass.const_expr(self.wide):
+            # Each k32 block as two wgmmas of half the tokens (their own temporaries, together one tile's worth of
+            # registers), so one half's promotion overlaps the other half's wgmma.
+            half = tt // 2
+            f.half_mma = self.tiled_mma(half)
+            f.half_mma.set(warpgroup.Field.ACCUMULATE, False)
+            thr_half = f.half_mma.get_slice(ctidx)
+            f.half_B = [thr_half.make_fragment_B(thr_half.partition_B(
+                cute.local_tile(sA, (half, K_CHUNK, self.stages * self.cps), (h, 0, 0)))) for h in range(2)]
+            half_shape = ((2, 2, half // 8), 1, 1)
+            f.halves = (cute.make_rmem_tensor(half_shape, Float32), cute.make_rmem_tensor(half_shape, Float32))
+        f.ctidx = ctidx
+        f.sSFW, f.sSFA, f.sScale = sSFW, sSFA, sScale
+        return f
+
+    @cute.jit
+    def tile(self, ab_pipeline, state, release, f, k_tiles, row0, row_end, row_scale, n_tile, group):
+        """One tile's K loop into ``f.acc`` (zeroed by the caller); folded scales: then each weight row times its
+        scale (``row_scale``: (N, E) float32, row ``n_tile * tile_n + ...`` of expert ``group``). ``release``: unused
+        (returned as is)."""
+        acc, cC, ctidx, frag, wbuf, sfw_words, sfa_words = f.acc, f.cC, f.ctidx, f.frag, f.wbuf, f.sfw_words, f.sfa_words
+        n_cols = self.tile_tokens // 8
+        for kt in cutlass.range(k_tiles, unroll=1):
+            ab_pipeline.consumer_wait(state)
+            s = state.index
+            if cutlass.const_expr(self.wide):
+                self.stage_token_scales(f.sSFA, f.sScale, ctidx, kt, s)
+            # Packed scale words of this 128-K chunk, the weights' (one per row): absolute codes, or folded into the
+            # decode tables.
+            sfw_words[0] = f.sSFW[f.wrow0, 0, s]
+            sfw_words[1] = f.sSFW[f.wrow1, 0, s]
+            # FP4 -> E4M3 into the A fragment (one 16-byte load per weight row).
+            cute.autovec_copy(f.sW_words[None, f.q, f.wrow0, s], wbuf[None, 0])
+            cute.autovec_copy(f.sW_words[None, f.q, f.wrow1, s], wbuf[None, 1])
+            for kb in cutlass.range_constexpr(4):
+                for r in cutlass.range_constexpr(2):
+                    if cutlass.const_expr(self.folded):
+                        t_lo, t_hi = dequant.fold_luts(sfw_words[r], kb)
+                        lo, hi = dequant.decode_e2m1x8(wbuf[kb, r], t_lo, t_hi)
+                    else:
+                        lo, hi = dequant.decode_e2m1x8(wbuf[kb, r], f.lut_lo, f.lut_hi)
+                    frag[(0, r, 0), 0, kb] = lo
+                    frag[(0, r, 1), 0, kb] = hi
+            if cutlass.const_expr(self.wide):
+                # This warpgroup's token scales of the chunk are in shared memory.
+                pipeline.NamedBarrier(barrier_id=self.scale_barrier_id + ctidx // 128, num_threads=128).arrive_and_wait()
+                # Step u = (block kb, token half h) = divmod(u, 2): issue u, wait for u - 1, promote it (its
+                # temporary is the one step u + 1 writes).
+                for u in cutlass.range_constexpr(9):
+                    if cutlass.const_expr(u < 8):
+                        warpgroup.fence()
+                        cute.gemm(f.half_mma, f.halves[u % 2], f.tCrA[(None, None, u // 2)],
+                                  f.half_B[u % 2][(None, None, u // 2, s)], f.halves[u % 2])
+                        warpgroup.commit_group()
+                    if cutlass.const_expr(u > 0):
+                        warpgroup.wait_group(1 if u < 8 else 0)
+                        self.promote_wide(acc, f.halves[(u - 1) % 2], (u - 1) // 2, (u - 1) % 2, f.sScale, f.q, kt % 2,
+                                          ctidx // 128, sfw_words, f.sw)
+            else:
+                # The tokens' packed scale words: word (kt % 4) of each 4-word box row.
+                w = kt % 4
+                for j in cutlass.range_constexpr(n_cols):
+                    for c in cutlass.range_constexpr(2):
+                        sfa_words[c, j] = f.sSFA[cC[c + 4 * j][1], w, s]
+                if cutlass.const_expr(self.deferred):
+                    warpgroup.fence()
+                    for kb in cutlass.range_constexpr(4):
+                        cute.gemm(f.tiled_mma, f.tmps[kb], f.tCrA[(None, None, kb)], f.tCrB[(None, None, kb, s)],
+                                  f.tmps[kb])
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    for kb in cutlass.range_constexpr(4):
+                        self.promote(acc, f.tmps[kb], kb, sfw_words, sfa_words, f.sw, f.sa)
+                else:
+                    for kb in cutlass.range_constexpr(4):
+                        tmp = f.tmp0 if kb % 2 == 0 else f.tmp1
+                        warpgroup.fence()
+                        cute.gemm(f.tiled_mma, tmp, f.tCrA[(None, None, kb)], f.tCrB[(None, None, kb, s)], tmp)
+                        warpgroup.commit_group()
+                        if cutlass.const_expr(kb > 0):
+                            warpgroup.wait_group(1)
+                            self.promote(acc, f.tmp1 if kb % 2 == 0 else f.tmp0, kb - 1, sfw_words, sfa_words,
+                                         f.sw, f.sa)
+                    warpgroup.wait_group(0)
+                    self.promote(acc, f.tmp1, 3, sfw_words, sfa_words, f.sw, f.sa)
+            ab_pipeline.consumer_release(state)
+            state.advance()
+        if cutlass.const_expr(self.folded):
+            # The weight rows' scales, left out of the decode (exact power-of-two products).
+            for r in cutlass.range_constexpr(2):
+                scale = Float32(row_scale[n_tile * self.tile_n + cC[2 * r][0], group])
+                for j in cutlass.range_constexpr(n_cols):
+                    for c in cutlass.range_constexpr(2):
+                        acc[c + 2 * r + 4 * j] = acc[c + 2 * r + 4 * j] * scale
+        return state, release
+
+    @cute.jit
+    def promote(self, acc, tmp, kb: cutlass.Constexpr[int], sfw_words, sfa_words, sw, sa):
+        """acc += tmp * 2^(sb[row, kb]) * 2^(sa[token, kb]) (exact power-of-two scaling, one FP32 add)."""
+        n_cols = self.tile_tokens // 8
+        if cutlass.const_expr(not self.folded):
+            for r in cutlass.range_constexpr(2):
+                sw[r] = dequant.ue8m0_to_f32(sfw_words[r], kb)
+        for j in cutlass.range_constexpr(n_cols):
+            for c in cutlass.range_constexpr(2):
+                sa[c, j] = dequant.ue8m0_to_f32(sfa_words[c, j], kb)
+        for j in cutlass.range_constexpr(n_cols):
+            for r in cutlass.range_constexpr(2):
+                for c in cutlass.range_constexpr(2):
+                    i = c + 2 * r + 4 * j  # flat index of accumulator value (c, r, j)
+                    if cutlass.const_expr(self.folded):
+                        acc[i] = acc[i] + tmp[i] * sa[c, j]
+                    else:
+                        acc[i] = acc[i] + tmp[i] * (sw[r] * sa[c, j])
+
+    @cute.jit
+    def stage_token_scales(self, sSFA, sScale, ctidx, kt, s):
+        """Wide tiles: thread m of each consumer warpgroup converts token m's four UE8M0 codes of chunk ``kt`` (stage
+        ``s``) to FP32 into its warpgroup's table half ``kt % 2`` (``sScale``); a named barrier of the warpgroup
+        follows before any promotion reads them."""
+        m = ctidx % 128
+        word = sSFA[m, kt % 4, s]
+        j = m // 8
+        for kb in cutlass.range_constexpr(4):
+            sScale[(j % 2) * 2 + m % 2, j // 2, (m % 8) // 2, kb, kt % 2, ctidx // 128] = dequant.ue8m0_to_f32(word, kb)
+
+    @cute.jit
+    def promote_wide(self, acc, tmp, kb: cutlass.Constexpr[int], h: cutlass.Constexpr[int], sScale, q, parity, wg,
+                     sfw_words, sw):
+        """``promote`` for wide tiles, token half ``h`` (``tmp``: its temporary): the token scales of block kb from this
+        warpgroup's table half ``parity`` (one 16-byte load per two column groups)."""
+        if cutlass.const_expr(not self.folded):
+            for r in cutlass.range_constexpr(2):
+                sw[r] = dequant.ue8m0_to_f32(sfw_words[r], kb)
+        v = cute.make_rmem_tensor((4,), Float32)
+        pairs = self.tile_tokens // 32  # column-group pairs per half
+        for jp in cutlass.range_constexpr(pairs):
+            cute.autovec_copy(sScale[None, h * pairs + jp, q, kb, parity, wg], v)
+            for u in cutlass.range_constexpr(4):
+                j = 2 * jp + u // 2  # column group within the half
+                c = u % 2
+                for r in cutlass.range_constexpr(2):
+                    i = c + 2 * r + 4 * j
+                    a = i + 4 * self.tile_tokens // 16 * h  # the same value's index in the whole tile
+                    if cutlass.const_expr(self.folded):
+                        acc[a] = acc[a] + tmp[i] * v[u]
+                    else:
+                        acc[a] = acc[a] + tmp[i] * (sw[r] * v[u])
