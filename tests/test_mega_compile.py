@@ -1,5 +1,5 @@
 """Mega MoE on a CPU: both staged EP kernels (the BF16 path's) compile for sm_90a (debug and not; the one-launch
-kernel's compile checks are in test_grouped_gemm.py), the host validates every argument before any device work, and the debug-report plumbing formats what the kernels write.
+kernel's compile checks are in test_sm90_compile.py), the host validates every argument before any device work, and the debug-report plumbing formats what the kernels write.
 GPU behaviour: tests/distributed/test_mega_gpu.py (-m gpu)."""
 
 from __future__ import annotations

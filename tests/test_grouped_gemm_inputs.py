@@ -1,0 +1,179 @@
+"""Grouped GEMM entry points on a CPU: bad arguments raise ValueError naming the tensor before any launch.
+
+Every ``grouped_gemm_fp8_fp4_*`` entry (contiguous, masked, SwiGLU, fused L1/L2) in both MMA modes: wrong dtypes,
+shapes, layouts and options are named; with every shape right, the CPU tensors themselves are refused last.
+"""
+
+import pytest
+import torch
+
+from megamoe.kernels.sm90 import (
+    GemmConfig,
+    grouped_gemm_fp8_fp4_contiguous,
+    grouped_gemm_fp8_fp4_l1_l2_contiguous,
+    grouped_gemm_fp8_fp4_masked,
+    grouped_gemm_fp8_fp4_swiglu_contiguous,
+)
+from megamoe.kernels.weight_layout import from_sm90_weight_layout
+
+
+def _cpu_inputs(m=40, n=128, k=512, e=3):
+    a = torch.zeros(m, k, dtype=torch.float8_e4m3fn)
+    a_sf = torch.zeros(m, k // 128, dtype=torch.int32)
+    b = torch.zeros(e, n // 64, k // 128, 64, 64, dtype=torch.uint8)
+    b_sf = torch.zeros(e, k // 128, n, dtype=torch.int32)
+    offsets = torch.zeros(e + 1, dtype=torch.int32)
+    return dict(a=a, a_sf=a_sf, b=b, b_sf=b_sf, offsets=offsets)
+
+
+@pytest.mark.parametrize(
+    "name,change,pattern",
+    [
+        ("a", lambda d: d.update(a=d["a"].to(torch.bfloat16)), "`a` must have dtype float8_e4m3fn"),
+        ("a", lambda d: d.update(a=d["a"][:, :384].contiguous(), a_sf=d["a_sf"][:, :3].contiguous()), "of 512"),
+        ("a", lambda d: d.update(a=d["a"].t().contiguous().t()), "`a` must be contiguous"),
+        ("a_sf", lambda d: d.update(a_sf=d["a_sf"][:, :2]), "`a_sf` must have shape"),
+        ("a_sf", lambda d: d.update(a_sf=d["a_sf"].to(torch.int64)), "`a_sf` must have dtype int32"),
+        ("b", lambda d: d.update(b=from_sm90_weight_layout(d["b"])), "`b` must be 5-D"),
+        ("b", lambda d: d.update(b=d["b"][..., :32].contiguous()), "SM90 fp8-mode weight layout"),
+        ("b", lambda d: d.update(b=d["b"][:, :, :, :32].contiguous()), "SM90 fp8-mode weight layout"),
+        ("b_sf", lambda d: d.update(b_sf=d["b_sf"][:2]), "`b_sf` must have shape"),
+        ("b_sf", lambda d: d.update(b_sf=d["b_sf"].transpose(1, 2).contiguous()),
+         r"`b_sf` must be the chunk-major scales \[E, K/128, N\] = \[3, 4, 128\]"),
+        ("offsets", lambda d: d.update(offsets=d["offsets"][:-1]), "`offsets` must have shape"),
+        ("offsets", lambda d: d.update(offsets=d["offsets"].long()), "`offsets` must have dtype int32"),
+        ("out", lambda d: d.update(out=torch.empty(40, 128, dtype=torch.float32)), "`out` must have dtype bfloat16"),
+        ("out", lambda d: d.update(out=torch.empty(41, 128, dtype=torch.bfloat16)), "`out` must have shape"),
+        ("counts", lambda d: d.update(counts=torch.zeros(2, dtype=torch.int32)), "`counts` must have shape"),
+        ("out_row_ptrs", lambda d: d.update(out_row_ptrs=torch.zeros(40, dtype=torch.int32)),
+         "`out_row_ptrs` must have dtype int64"),
+        ("out_row_ptrs", lambda d: d.update(out_row_ptrs=torch.zeros(39, dtype=torch.int64)),
+         "`out_row_ptrs` must have shape"),
+        ("out", lambda d: d.update(out=torch.empty(40, 128, dtype=torch.bfloat16),
+                                   out_row_ptrs=torch.zeros(40, dtype=torch.int64)), "`out` must be None"),
+        ("a", lambda d: None, "`a` must be a CUDA tensor"),  # all shapes right: the device check fires last
+        ("a", lambda d: d.update(out_row_ptrs=torch.zeros(40, dtype=torch.int64)), "`a` must be a CUDA tensor"),
+    ],
+)
+def test_contiguous_validation(name, change, pattern):
+    args = _cpu_inputs()
+    change(args)
+    with pytest.raises(ValueError, match=pattern):
+        grouped_gemm_fp8_fp4_contiguous(**args)
+
+
+def _cpu_inputs_bf16(m=40, n=128, k=512, e=3):
+    return {"a": torch.zeros(m, k, dtype=torch.bfloat16), "a_sf": None,
+            "b": torch.zeros(e, n // 64, k // 128, 64, 16, dtype=torch.int32),
+            "b_sf": torch.zeros(e, k // 128, n, dtype=torch.int32), "offsets": torch.zeros(e + 1, dtype=torch.int32)}
+
+
+@pytest.mark.parametrize(
+    "change,pattern",
+    [
+        (lambda d: d.update(a=d["a"].to(torch.float8_e4m3fn)), "`a` must have dtype bfloat16 .*dequantize_fp8"),
+        (lambda d: d.update(a_sf=torch.zeros(40, 4, dtype=torch.int32)), "`a_sf` must be None"),
+        (lambda d: d.update(b=d["b"].float()), "`b` must be a kernel weight layout"),
+        (lambda d: d.update(b=d["b"][..., :8].contiguous()), "SM90 bf16-mode weight layout"),
+        (lambda d: d.update(config=GemmConfig(mma="fp8")), "config.mma"),
+        (lambda d: d.update(a=d["a"][:, :384].contiguous()), "of 512"),
+        (lambda d: None, "`a` must be a CUDA tensor"),  # all shapes right: the device check fires last
+    ],
+)
+def test_bf16_mode_validation(change, pattern):
+    args = _cpu_inputs_bf16()
+    change(args)
+    with pytest.raises(ValueError, match=pattern):
+        grouped_gemm_fp8_fp4_contiguous(**args)
+
+
+def test_fp8_mode_needs_token_scales():
+    args = _cpu_inputs()
+    args["a_sf"] = None
+    with pytest.raises(ValueError, match="`a_sf` is required"):
+        grouped_gemm_fp8_fp4_contiguous(**args)
+    args = _cpu_inputs()
+    with pytest.raises(ValueError, match="config.mma"):
+        grouped_gemm_fp8_fp4_contiguous(**args, config=GemmConfig())
+
+
+def test_masked_validation():
+    e, max_m, k, n = 3, 16, 512, 64
+    a = torch.zeros(e, max_m, k, dtype=torch.float8_e4m3fn)
+    a_sf = torch.zeros(e, max_m, k // 128, dtype=torch.int32)
+    b = torch.zeros(e, n // 64, k // 128, 64, 64, dtype=torch.uint8)
+    b_sf = torch.zeros(e, k // 128, n, dtype=torch.int32)
+    mm = torch.zeros(e, dtype=torch.int32)
+    with pytest.raises(ValueError, match="`a` must have one slab per expert"):
+        grouped_gemm_fp8_fp4_masked(a[:2], a_sf[:2], b, b_sf, mm)
+    with pytest.raises(ValueError, match="`masked_m` must have shape"):
+        grouped_gemm_fp8_fp4_masked(a, a_sf, b, b_sf, mm[:2])
+    with pytest.raises(ValueError, match="`a_sf` must have shape"):
+        grouped_gemm_fp8_fp4_masked(a, a_sf[:, :8], b, b_sf, mm)
+    with pytest.raises(ValueError, match="`out` must have shape"):
+        grouped_gemm_fp8_fp4_masked(a, a_sf, b, b_sf, mm, out=torch.empty(e, max_m + 1, n, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="`a` must be a CUDA tensor"):
+        grouped_gemm_fp8_fp4_masked(a, a_sf, b, b_sf, mm)
+
+
+def test_swiglu_validation():
+    args = _cpu_inputs(n=256)
+    args["b"], args["b_sf"] = args["b"][:, :2].contiguous(), args["b_sf"][:, :, :128].contiguous()
+    with pytest.raises(ValueError, match="multiple of 256"):
+        grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(40))
+    args = _cpu_inputs(n=256)
+    with pytest.raises(ValueError, match="`row_weights` must have shape"):
+        grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(39))
+    with pytest.raises(ValueError, match="`row_weights` must have dtype float32"):
+        grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(40, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="`out_sf` must have shape"):
+        grouped_gemm_fp8_fp4_swiglu_contiguous(
+            **args, row_weights=torch.zeros(40), out_sf=torch.zeros(40, 2, dtype=torch.int32)
+        )
+    with pytest.raises(ValueError, match="`clamp` must be positive"):
+        grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(40), clamp=-1.0)
+    with pytest.raises(ValueError, match="`out_dtype` must be torch.float8_e4m3fn"):
+        grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(40), out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="`out_sf` must be None with out_dtype=torch.bfloat16"):
+        grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(40), out_dtype=torch.bfloat16,
+                                               out_sf=torch.zeros(40, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="`out` must have dtype bfloat16"):
+        grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(40), out_dtype=torch.bfloat16,
+                                               out=torch.zeros(40, 128, dtype=torch.float8_e4m3fn))
+    with pytest.raises(TypeError, match="`fast_math` must be a bool"):
+        grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(40), fast_math=1)
+    with pytest.raises(ValueError, match="`a` must be a CUDA tensor"):
+        grouped_gemm_fp8_fp4_swiglu_contiguous(**args, row_weights=torch.zeros(40), clamp=7.0)
+
+
+def _l1_l2_cpu_inputs(hidden=512, inter=512, m=40, e=3):
+    """Valid-shaped CPU operands of the fused L1/L2 entry (BF16-mode layouts)."""
+    z = torch.zeros
+    return dict(
+        a=z(m, hidden, dtype=torch.bfloat16),
+        b1=z(e, 2 * inter // 64, hidden // 128, 64, 16, dtype=torch.int32), b1_sf=z(e, hidden // 128, 2 * inter, dtype=torch.int32),
+        offsets=z(e + 1, dtype=torch.int32), row_weights=z(m),
+        b2=z(e, hidden // 64, inter // 128, 64, 16, dtype=torch.int32), b2_sf=z(e, inter // 128, hidden, dtype=torch.int32),
+        out_row_ptrs=z(m, dtype=torch.int64),
+    )
+
+
+@pytest.mark.parametrize("change,pattern", [
+    (dict(b1=torch.zeros(3, 16, 4, 64, 64, dtype=torch.uint8)), "fused L1/L2 launch is BF16 mode only"),
+    (dict(b2=torch.zeros(2, 8, 4, 64, 16, dtype=torch.int32)), "must hold the same 3 experts"),
+    (dict(b2=torch.zeros(3, 8, 8, 64, 16, dtype=torch.int32)), "must hold K/128 = 4 chunks"),
+    (dict(out_row_ptrs=torch.zeros(40, dtype=torch.int32)), "`out_row_ptrs` must have dtype int64"),
+    (dict(row_weights=torch.zeros(39)), "`row_weights` must have shape"),
+    (dict(sync=torch.zeros(4, dtype=torch.int32)), "`sync` must have shape"),
+    (dict(act=torch.zeros(40, 512, dtype=torch.float32)), "`act` must have dtype bfloat16"),
+    (dict(timeout_ns=-1), "`timeout_ns` must be"),
+    ({}, "`a` must be a CUDA tensor"),
+])
+def test_l1_l2_validation(change, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        grouped_gemm_fp8_fp4_l1_l2_contiguous(**{**_l1_l2_cpu_inputs(), **change})
+    with pytest.raises(ValueError, match=r"`I \(rows of b1 / 2\)` must be a multiple of 512"):
+        grouped_gemm_fp8_fp4_l1_l2_contiguous(**_l1_l2_cpu_inputs(inter=256))
+    with pytest.raises(TypeError, match="`fast_math` must be a bool"):
+        grouped_gemm_fp8_fp4_l1_l2_contiguous(**_l1_l2_cpu_inputs(), fast_math="yes")
+

@@ -1,0 +1,288 @@
+"""SM90 grouped GEMM kernels on a CPU: every variant compiles for sm_90a, and the tile configurations.
+
+Compiles (one child process that keeps the PTX): every release variant of the grouped GEMM (both MMA modes, every
+token tile, group mode and epilogue, folded FP8 scales), the one-launch L1/L2 kernel and the one-launch Mega MoE
+kernel, the IEEE-silu builds and the debug builds. Each release build issues wgmma and calls no function (ptxas would
+serialize its wgmmas; with a ``ptxas`` on PATH its advisories are checked too) and waits for the previous grid
+before touching global memory. Configs: ``token_widths``, ``select_config`` and ``GemmConfig`` validation.
+CPU only; the GPU results are in test_grouped_gemm.py.
+"""
+
+import os
+
+import pytest
+
+from megamoe.kernels.sm90 import (
+    GemmConfig,
+    compile_grouped_gemm,
+    compile_l1_l2,
+    select_config,
+    token_widths,
+)
+
+# Every code path of both MMA modes: each token tile (tile_tokens=8 has its own accumulator shape), one and
+# two (and, BF16 mode, four) consumer warpgroups, one and two CTAs per SM, the three group modes, the five epilogues.
+COMPILE_CASES = [
+    (GemmConfig(tile_tokens=8, tile_n=128, mma="fp8"), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=16, tile_n=128, mma="fp8"), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=32, tile_n=128, mma="fp8"), "offsets_counts", "bf16"),
+    (GemmConfig(tile_tokens=64, tile_n=128, mma="fp8"), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=64, tile_n=64, mma="fp8"), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=8, tile_n=64, mma="fp8"), "masked", "bf16"),
+    (GemmConfig(tile_tokens=64, tile_n=128, stages=4, mma="fp8"), "masked", "bf16"),
+    (GemmConfig(tile_tokens=64, tile_n=128, mma="fp8"), "offsets", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=8, tile_n=64, mma="fp8"), "offsets_counts", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=16, tile_n=128, mma="fp8"), "masked", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, mma="fp8"), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=16, tile_n=128, ctas_per_sm=2, mma="fp8"), "offsets", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=128, tile_n=64, mma="fp8"), "offsets_counts", "bf16"),
+    (GemmConfig(tile_tokens=128, tile_n=128, mma="fp8"), "masked", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=8, tile_n=128), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=16, tile_n=128, ctas_per_sm=2), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=32, tile_n=128), "offsets_counts", "bf16"),
+    (GemmConfig(tile_tokens=64, tile_n=64), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=128, tile_n=128), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=128, tile_n=64, stages=3), "masked", "bf16"),
+    (GemmConfig(tile_tokens=128, tile_n=128), "offsets", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=8, tile_n=64), "offsets_counts", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=16, tile_n=128, ctas_per_sm=2), "masked", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=128, tile_n=128), "offsets", "swiglu_fp8_bf16"),
+    (GemmConfig(tile_tokens=8, tile_n=64), "offsets_counts", "swiglu_fp8_bf16"),
+    (GemmConfig(tile_tokens=16, tile_n=128, ctas_per_sm=2), "masked", "swiglu_fp8_bf16"),
+    (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "bf16_scatter"),
+    (GemmConfig(tile_tokens=128, tile_n=128), "offsets", "bf16_scatter"),
+    (GemmConfig(tile_tokens=32, tile_n=64), "offsets_counts", "bf16_scatter"),
+    (GemmConfig(tile_tokens=16, tile_n=256), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=64, tile_n=256), "masked", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=32, tile_n=256), "offsets_counts", "swiglu_fp8_bf16"),
+    (GemmConfig(tile_tokens=8, tile_n=256), "offsets", "bf16_scatter"),
+    (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "l1_l2"),
+    (GemmConfig(tile_tokens=32, tile_n=64), "offsets", "l1_l2"),
+    (GemmConfig(tile_tokens=128, tile_n=128), "offsets", "l1_l2"),
+]
+# FP8 mode with folded weight scales (``fold_fp8_scales``): every FP8 promotion path (8-row deferred, the
+# alternating pair, wide tiles), both epilogues.
+FOLDED_CASES = [
+    (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, mma="fp8"), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=16, tile_n=64, mma="fp8"), "masked", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=64, tile_n=128, mma="fp8"), "offsets_counts", "bf16"),
+    (GemmConfig(tile_tokens=128, tile_n=128, mma="fp8"), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=128, tile_n=128, mma="fp8"), "offsets", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=128, tile_n=64, mma="fp8"), "masked", "bf16"),
+]
+# The one-launch Mega MoE kernel ("l1_l2" with the comm phases) for SymmBuffer layouts (symm_buffer_layout
+# arguments: ranks, experts, T_max, top-k, H, I): every CTA-per-SM mode, four consumer warpgroups, a wide hidden size,
+# 8 ranks.
+MEGA_CASES = [
+    (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), (2, 256, 64, 8, 4096, 2048)),
+    (GemmConfig(tile_tokens=64, tile_n=128), (8, 256, 128, 8, 7168, 2048)),
+    (GemmConfig(tile_tokens=16, tile_n=64, ctas_per_sm=2), (1, 8, 33, 3, 512, 1024)),
+    (GemmConfig(tile_tokens=16, tile_n=128, ctas_per_sm=2), (2, 256, 128, 6, 4096, 2048)),
+    (GemmConfig(tile_tokens=32, tile_n=128, ctas_per_sm=2), (2, 384, 512, 6, 7168, 3072)),
+    (GemmConfig(tile_tokens=8, tile_n=64, ctas_per_sm=3), (2, 256, 64, 6, 4096, 2048)),
+    (GemmConfig(tile_tokens=8, tile_n=256), (2, 256, 64, 6, 4096, 2048)),
+    (GemmConfig(tile_tokens=32, tile_n=256), (2, 384, 512, 6, 7168, 3072)),
+    (GemmConfig(tile_tokens=16, tile_n=256), (8, 256, 128, 8, 7168, 2048)),
+]
+
+
+# The fused launch's debug builds (timed waits, printf): their function call serializes the wgmmas, by design.
+DEBUG_CASES = [(GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "l1_l2", None),
+               (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "l1_l2", MEGA_CASES[0][1])]
+# SwiGLU epilogues with the IEEE exp and division (fast_math=False; every other case: approximate), the Mega MoE kernel
+# included.
+IEEE_SILU_CASES = [
+    (GemmConfig(tile_tokens=128, tile_n=128), "offsets", "swiglu_fp8_bf16", None),
+    (GemmConfig(tile_tokens=16, tile_n=128, ctas_per_sm=2, mma="fp8"), "masked", "swiglu_fp8", None),
+    (GemmConfig(tile_tokens=128, tile_n=128), "offsets", "l1_l2", None),
+    (MEGA_CASES[6][0], "offsets", "l1_l2", MEGA_CASES[6][1]),
+]
+# (config, group mode, epilogue, Mega MoE layout or None, trace build, folded FP8 scales, fast_math): the trace
+# build is a release build too.
+RELEASE_CASES = ([(c, m, e, None, False, False, True) for c, m, e in COMPILE_CASES]
+                 + [(c, m, e, None, False, True, True) for c, m, e in FOLDED_CASES]
+                 + [(c, "offsets", "l1_l2", lay, False, False, True) for c, lay in MEGA_CASES]
+                 + [(MEGA_CASES[0][0], "offsets", "l1_l2", MEGA_CASES[0][1], True, False, True)]
+                 + [(c, m, e, lay, False, False, False) for c, m, e, lay in IEEE_SILU_CASES])
+
+_COMPILE_CHILD = """
+import json, os, re, shutil, subprocess, sys
+from megamoe import symm_buffer_layout
+from megamoe.kernels.comm import EpCommConfig
+from megamoe.kernels import sm90
+ptxas, report = shutil.which("ptxas"), []
+for i, (cfg, mode, epilogue, mega, debug, trace, folded, fast) in enumerate(json.loads(sys.argv[1])):
+    try:
+        cfg = sm90.GemmConfig(**cfg)
+        if epilogue != "l1_l2":
+            kernel = sm90.compile_grouped_gemm(cfg, mode, epilogue, folded, fast)
+        elif mega is None:
+            kernel = sm90.compile_l1_l2(cfg, debug, fast)
+        else:
+            kernel = sm90.compile_mega_moe(cfg, EpCommConfig(symm_buffer_layout(*mega), debug, True, trace), fast)
+        ptx = kernel.__ptx__  # the PTX text
+        ptx = (ptx.decode() if isinstance(ptx, bytes) else ptx).replace("\\0", "")
+        build = {"wgmma": "wgmma.mma_async" in ptx, "calls": len(re.findall(r"^\\s*call(\\.uni)?\\s", ptx, re.M)),
+                 "pdl": [ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents")],
+                 # the memory instructions laid out before the (first) wait for the previous grid
+                 "before_wait": sorted(set(re.findall(
+                     r"^\\s*(?:@!?%p\\d+\\s+)?((?:ld|st|atom|red|cp|mbarrier|prefetch|fence|bar|membar)\\.[\\w.:]*)",
+                     ptx[: ptx.find("griddepcontrol.wait")], re.M)))}
+        if ptxas:  # its performance advisories (C75xx), e.g. C7510: wgmma serialized, and why
+            path = os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], f"case{i}.ptx")
+            open(path, "w").write(ptx)
+            out = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True)
+            build["ptxas"] = [l for l in out.stderr.splitlines() if "(C75" in l or "error" in l]
+        report.append(build)
+    except Exception as exc:  # reported per case by the test
+        report.append({"error": f"{type(exc).__name__}: {exc}"})
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def sm90a_builds(tmp_path_factory):
+    """Compile every case of RELEASE_CASES and DEBUG_CASES (debug) for sm_90a in one child process
+    that keeps the PTX (the DSL reads its dump settings at import); per case: wgmma present, call count, and
+    where a ``ptxas`` is on PATH, its C75xx advisories for that PTX."""
+    import dataclasses
+    import json
+    import subprocess
+    import sys
+
+    cases = [(dataclasses.asdict(c), m, e, lay, False, trace, folded, fast)
+             for c, m, e, lay, trace, folded, fast in RELEASE_CASES]
+    cases += [(dataclasses.asdict(c), m, e, lay, True, False, False, True) for c, m, e, lay in DEBUG_CASES]
+    # No file cache: a kernel loaded from it comes without its PTX.
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DISABLE_FILE_CACHING="1",
+               CUTE_DSL_DUMP_DIR=str(tmp_path_factory.mktemp("ptx")))
+    done = subprocess.run([sys.executable, "-c", _COMPILE_CHILD, json.dumps(cases)], env=env,
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+RELEASE_IDS = [f"{c.mma}-{c.tile_tokens}x{c.tile_n}x{c.ctas_per_sm}-{m}-{e}"
+               + ("" if lay is None else "-mega-r%d-e%d-h%d" % (lay[0], lay[1], lay[4]))
+               + ("-trace" if trace else "") + ("-folded" if folded else "") + ("" if fast else "-ieee-silu")
+               for c, m, e, lay, trace, folded, fast in RELEASE_CASES]
+
+
+@pytest.mark.parametrize("case", range(len(RELEASE_CASES)), ids=RELEASE_IDS)
+def test_compiles_for_sm90a_without_wgmma_serialization(sm90a_builds, case):
+    """Every release variant compiles, issues wgmma, and calls no function: ptxas serializes every wgmma of a
+    kernel that contains a call (C7510, "wgmma pipeline crossing function boundary"), e.g. a printf."""
+    build = sm90a_builds[case]
+    assert "error" not in build, build.get("error")
+    assert build["wgmma"], "no wgmma.mma_async in the PTX"
+    assert build["calls"] == 0, f"{build['calls']} function call(s) in the PTX: ptxas would serialize its wgmmas"
+
+
+# Before ``griddepcontrol.wait`` a kernel may set up shared memory and read its parameters; a separate launch may
+# also read the group bounds and TMA-prefetch weights into L2 (``prefetch_first_tile``: a guess, harmless if
+# stale). Nothing else may touch global memory before the previous grid on the stream has finished.
+BEFORE_WAIT_ALWAYS = ("ld.param.", "ld.shared.", "st.shared.", "mbarrier.init.", "fence.mbarrier_init.", "bar.sync",
+                      "prefetch.tensormap")
+BEFORE_WAIT_SEPARATE = ("ld.global.", "cp.async.bulk.prefetch.tensor.")
+
+
+@pytest.mark.parametrize("case", range(len(RELEASE_CASES)), ids=RELEASE_IDS)
+def test_programmatic_dependent_waits_before_global_memory(sm90a_builds, case):
+    """Every release variant is launched as a programmatic dependent: one wait, one launch of the next grid, and
+    before the wait only the memory instructions above (PTX layout order)."""
+    build = sm90a_builds[case]
+    assert "error" not in build, build.get("error")
+    assert build["pdl"] == [1, 1], build["pdl"]
+    separate = RELEASE_CASES[case][2] != "l1_l2"
+    allowed = BEFORE_WAIT_ALWAYS + (BEFORE_WAIT_SEPARATE if separate else ())
+    early = [op for op in build["before_wait"] if not op.startswith(allowed)]
+    assert not early, f"global-memory instructions before griddepcontrol.wait: {early}"
+
+
+def test_debug_builds_compile_and_the_call_check_sees_their_printf(sm90a_builds):
+    for build in sm90a_builds[len(RELEASE_CASES):]:
+        assert "error" not in build, build.get("error")
+        assert build["wgmma"] and build["calls"] >= 1, build  # the check above can see a call
+
+
+def test_ptxas_reports_no_wgmma_serialization(sm90a_builds):
+    """Any cause ptxas names (a call, register shortage, an ill-formed pipeline), every release variant; the
+    debug build's C7510 shows the check can see one. Needs a ptxas on PATH (the CUDA toolkit's)."""
+    if "ptxas" not in sm90a_builds[0]:
+        pytest.skip("no ptxas on PATH")
+    advisories = {i: b["ptxas"] for i, b in enumerate(sm90a_builds[: len(RELEASE_CASES)]) if b["ptxas"]}
+    assert not advisories, "ptxas advisories: " + "; ".join(
+        f"{RELEASE_CASES[i][0].describe(RELEASE_CASES[i][2])} {RELEASE_CASES[i][1]} mega={RELEASE_CASES[i][3]} "
+        f"trace={RELEASE_CASES[i][4]} fast_math={RELEASE_CASES[i][6]}: {a}"
+        for i, a in advisories.items())
+    for build in sm90a_builds[len(RELEASE_CASES):]:
+        assert any("C7510" in line for line in build["ptxas"])
+
+
+def test_compile_takes_fast_math_as_a_bool():
+    with pytest.raises(TypeError, match="`fast_math` must be a bool"):
+        compile_grouped_gemm(GemmConfig(), "offsets", "swiglu_fp8", fast_math=None)
+
+
+def test_token_widths():
+    assert token_widths(8) == (8,) and token_widths(16) == (8, 16) and token_widths(32) == (16, 32)
+    assert token_widths(64) == (32, 64)
+    assert token_widths(128) == (32, 64, 96, 128)
+
+
+def test_select_config():
+    # BF16 mode up to 64-row token tiles: 256-row weight tiles (four consumer warpgroups) where N allows, but not for
+    # the one-launch L1/L2 and Mega MoE kernels (four_warpgroups=False), which keep two CTAs per SM up to 32-row token tiles.
+    assert select_config(1, 4096, 4096) == GemmConfig(tile_tokens=8, tile_n=256, ctas_per_sm=1, mma="bf16")
+    assert select_config(1, 4096, 4096, four_warpgroups=False) == GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, mma="bf16")
+    assert select_config(1, 4224, 4096) == GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, mma="bf16")
+    assert select_config(64, 7168, 3072).tile_n == 256 and select_config(65, 7168, 3072).tile_n == 128
+    assert select_config(33, 4096, 4096).ctas_per_sm == 1
+    assert select_config(16, 4096, 4096) == GemmConfig(tile_tokens=32, tile_n=256, ctas_per_sm=1, mma="bf16")
+    assert select_config(16, 4096, 4096, four_warpgroups=False) == GemmConfig(tile_tokens=32, tile_n=128, ctas_per_sm=2)
+    assert select_config(9, 4096, 4096).tile_tokens == 16 and select_config(10, 4096, 4096).tile_tokens == 32
+    assert select_config(24, 4096, 4096).tile_tokens == 32
+    assert select_config(1, 4096, 4096, mma="fp8") == GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, mma="fp8")
+    assert select_config(33, 4096, 4096, mma="fp8").ctas_per_sm == 1
+    assert select_config(12, 4096, 4096, mma="fp8").tile_tokens == 16
+    # 8 rows expected at most 4 (+ 2 sd of a Poisson count <= 8), 16 beyond in BF16 mode (8-wide K loops for <= 8 rows)
+    assert select_config(4, 4096, 4096).tile_tokens == 8 and select_config(4.5, 4096, 4096).tile_tokens == 16
+    assert select_config(6, 4096, 4096, mma="fp8").tile_tokens == 8
+    assert select_config(4096, 4096, 4096).tile_tokens == 128
+    assert select_config(4096, 4096, 4096, mma="fp8").tile_tokens == 128
+    assert select_config(64, 4096, 4096, mma="fp8").tile_tokens == 64
+    assert select_config(64, 192, 512).tile_n == 64
+    cfg = select_config(33, 4096, 2048)
+    assert "tile_tokens=64" in cfg.describe() and "mma=bf16" in cfg.describe()
+    assert cfg.num_stages() * cfg.chunks_per_stage() >= 4  # 128-K chunks in flight
+    assert select_config(200, 4096, 4096).num_stages("swiglu_fp8") >= 3
+    with pytest.raises(ValueError, match="`mma` must be one of"):
+        select_config(1, 4096, 4096, mma="fp16")
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="config.tile_tokens"):
+        GemmConfig(tile_tokens=24)
+    with pytest.raises(ValueError, match="config.tile_tokens"):
+        GemmConfig(tile_tokens=256, mma="fp8")
+    with pytest.raises(ValueError, match="config.tile_n"):
+        GemmConfig(tile_n=192)
+    for bad in (dict(tile_tokens=128), dict(mma="fp8"), dict(tile_tokens=16, ctas_per_sm=2)):  # four warpgroups' rules
+        with pytest.raises(ValueError, match="config.tile_n` 256 needs mma='bf16', ctas_per_sm=1 and tile_tokens <= 64"):
+            GemmConfig(tile_n=256, **bad)
+    with pytest.raises(ValueError, match="config.tile_n` must be 64 or 128 for the one-launch L1/L2 kernel without Mega MoE"):
+        compile_l1_l2(GemmConfig(tile_tokens=16, tile_n=256))
+    with pytest.raises(ValueError, match="config.stages"):
+        GemmConfig(stages=1)
+    with pytest.raises(ValueError, match="config.ctas_per_sm"):
+        GemmConfig(tile_tokens=64, ctas_per_sm=2)
+    with pytest.raises(ValueError, match="config.ctas_per_sm"):
+        GemmConfig(tile_tokens=32, ctas_per_sm=2, mma="fp8")
+    with pytest.raises(ValueError, match="config.ctas_per_sm.*or 3 with tile_n=64"):
+        GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=3)
+    with pytest.raises(ValueError, match="config.ctas_per_sm"):
+        GemmConfig(tile_tokens=16, tile_n=64, ctas_per_sm=3)
+    with pytest.raises(ValueError, match="config.ctas_per_sm"):
+        GemmConfig(tile_tokens=8, tile_n=64, ctas_per_sm=3, mma="fp8")
+    with pytest.raises(ValueError, match="config.mma"):
+        GemmConfig(mma="int8")
+
