@@ -29,21 +29,17 @@ the one-launch L1/L2 kernel without communication keeps two consumer warpgroups 
 TWO_CTA_TILE_TOKENS = {"bf16": 32, "fp8": 16}
 """Largest token tile that may run two CTAs per SM (``GemmConfig.ctas_per_sm``), per MMA mode."""
 DEFERRED_MAX_TILE_TOKENS = 8
-"""FP8 mode: token tiles up to this many rows issue a 128-K chunk's four k32 wgmmas into four temporaries and
-promote them after one wait. H200, 2026-11-30, A/B in turns, all checked (``bench/results/``
-``gemm/2026-11-30_gemm_fp8_deferred_promotion_h200.json``): 8-row tiles 2-6% faster on flash / pro L1 / L2 at EP8 and
-EP128 (flash L1 EP8 one row 106.6-106.9 vs 109.9-111.3 us); 16-row tiles (8 registers per temporary, spilling)
-2-3% faster at EP8, 3% slower in one round of tiles (EP128), so they keep the alternating pair."""
+"""FP8 block-32 mode: token tiles up to this many rows issue a 128-K chunk's four k32 wgmmas into four temporaries and
+promote them after one wait (measured faster at 8 rows; 16-row tiles spill: ``bench/findings/fp8-mode-promotion.md``)."""
 THREE_CTA_TILE_TOKENS = 8
 """Three CTAs per SM: BF16 mode, 64-row weight tiles (one consumer warpgroup) and token tiles of this many rows
 (80 registers per thread, 256 threads per CTA)."""
 MAX_CTAS_PER_SM = 3
 """Most CTAs per SM any config runs (``GemmConfig.ctas_per_sm``): host buffers with one row per CTA are sized by it."""
 WIDE_FP8_TILE_TOKENS = 128
-"""FP8 mode, token tiles of this many rows (one per thread of a consumer warpgroup): each 32-K block as two wgmmas
-``m64 n64 k32`` into their own temporaries (with the accumulator, 128 registers), one promoted while the other runs;
-the tokens' scales as FP32 in shared memory, converted once per chunk (``GemmConfig.scale_table_bytes``). 1.87-1.98x
-faster than 64-row tiles at 256-1024 rows per expert (H200, 2026-12-01)."""
+"""FP8 block-32 mode, token tiles of this many rows (one per thread of a consumer warpgroup): each 32-K block as two
+wgmmas ``m64 n64 k32`` into their own temporaries (with the accumulator, 128 registers), one promoted while the other
+runs; the tokens' scales as FP32 in shared memory, converted once per chunk (``GemmConfig.scale_table_bytes``)."""
 MIN_WIDE_STAGES = 3
 """One-CTA BF16-mode tiles load two 128-K chunks per stage where at least this many such stages fit."""
 GROUP_MODES = ("offsets", "offsets_counts", "masked")
@@ -248,17 +244,10 @@ def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "b
     Weight tile 128 rows (two consumer warpgroups) when N allows it, else 64; in BF16 mode with token tiles up to
     ``FOUR_WG_MAX_TILE_TOKENS`` rows 256 (four consumer warpgroups, one CTA per SM) where N allows it and
     ``four_warpgroups`` (False for the one-launch L1/L2 kernel without communication, which takes two at most;
-    ``mega.tile_config`` sets it for the Mega MoE kernel by measurement): 16 consumer
-    warps per SM share one token tile in shared memory, where two CTAs of 128-row tiles each load and hold their own;
-    H200, 2026-12-01, flash and pro L1 / L2 at EP8 and EP2, every point checked
-    (``bench/results/gemm/2026-12-01_gemm_four_consumer_wg_h200.json``): against the 128-row tiles
-    1.08-1.14x at 1 row per expert (flash L2 EP8 47.8 -> 42.1 us, pro L1 EP8 286.7 -> 259.8), 1.07-1.12x at 4,
-    1.04-1.12x at 16 (32-row token tiles), 1.03-1.15x at 64. Otherwise two CTAs per SM up to
-    ``TWO_CTA_TILE_TOKENS``: measured on an H200 (flash L1/L2, EP8, 2026-11-29), 1 and 16 rows per expert ran 8-16%
-    faster in BF16 mode (e.g. L1 1 row/expert 91.9 vs 106.9 us) and faster in FP8 mode (hiding per-k32 promotion
-    waits); 32-row BF16 tiles on two CTAs per SM: pro EP2 Mega MoE at 512 tokens/rank (16 rows/expert) 2623-2626
-    vs 2994-3004 us on 16-row tiles (2026-11-30). FP8 mode's 128-row tiles (from 65 expected rows) ran 1.87-1.98x
-    faster than main's 64-row tiles at 256 and 1024 rows per expert (flash, pro, L1, L2, EP8; 2026-12-01)."""
+    ``mega.tile_config`` sets it for the Mega MoE kernel by measurement): 16 consumer warps per SM share one token tile
+    in shared memory, where two CTAs of 128-row tiles each load and hold their own. Otherwise two CTAs per SM up to
+    ``TWO_CTA_TILE_TOKENS`` (they hide each other's waits). Every choice here was measured against its alternatives
+    (``bench/findings/four-consumer-warpgroups.md``, ``bench/findings/fp8-mode-promotion.md``)."""
     del k  # the stage count is chosen from shared memory alone
     if mma not in MMA_MODES:
         fail("mma", f"must be one of {MMA_MODES}, got {mma!r}")
