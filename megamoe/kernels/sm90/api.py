@@ -22,7 +22,8 @@ from ...numerics import check_activation_clamp, check_fast_math
 from .. import runtime
 from ..weight_layout import BF16_WORDS, CHUNK_BYTES, K_CHUNK, ROW_BLOCK, check_blocked_layout
 from .args import EpilogueArgs, GemmArgs, GroupArgs, MegaArgs, SecondGemmArgs
-from .config import EPILOGUES, GROUP_MODES, K_MULTIPLE, SWIGLU_EPILOGUES, GemmConfig, select_config, sync_words
+from .config import (EPILOGUES, FOUR_WG_FP8_MAX_TILE_TOKENS, GROUP_MODES, K_MULTIPLE, SWIGLU_EPILOGUES, GemmConfig,
+                     select_config, sync_words)
 from .counters import tile_counters
 from .weights import LAYOUTS
 
@@ -97,7 +98,8 @@ def _placeholder_gemm(config: GemmConfig, n: int, k: int, folded: bool = False) 
         a, a_sf = torch.empty(m, k, dtype=torch.bfloat16), None
         b = torch.empty(e, n // ROW_BLOCK, k // 128, ROW_BLOCK, BF16_WORDS, dtype=torch.int32)
     else:
-        a, a_sf = torch.empty(m, k, dtype=torch.float8_e4m3fn), torch.empty(m, k // 128, dtype=torch.int32)
+        sf_dtype = torch.float32 if config.token_block == 128 else torch.int32
+        a, a_sf = torch.empty(m, k, dtype=torch.float8_e4m3fn), torch.empty(m, k // 128, dtype=sf_dtype)
         b = torch.empty(e, n // ROW_BLOCK, k // 128, ROW_BLOCK, CHUNK_BYTES, dtype=torch.uint8)
     return _gemm_args(a, a_sf, b, torch.empty(e, k // 128 + int(folded), n, dtype=torch.int32))
 
@@ -123,6 +125,8 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
         fail("epilogue", f"must be one of {EPILOGUES}, got {epilogue!r}")
     if folded and config.mma != "fp8":
         fail("folded", f"applies to FP8-mode GEMMs only, got mma={config.mma!r}")
+    if config.token_block == 128 and not folded:
+        fail("folded", "must be True with per-128 token scales (config.token_block=128)")
     check_fast_math(fast_math)
     fast_math = fast_math or epilogue not in SWIGLU_EPILOGUES  # one build where silu is not computed
 
@@ -131,8 +135,10 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
 
         m, n = _COMPILE_M, _COMPILE_N
         if epilogue == "swiglu_fp8":
-            epi = _epilogue_args(torch.empty(m, n // 8, dtype=torch.int32), torch.empty(m, n // 64, dtype=torch.uint8),
-                                 torch.empty(m, dtype=torch.float32), float("inf"))
+            out_sf = (torch.empty(m, n // 256, dtype=torch.float32) if config.token_block == 128
+                      else torch.empty(m, n // 64, dtype=torch.uint8))
+            epi = _epilogue_args(torch.empty(m, n // 8, dtype=torch.int32), out_sf, torch.empty(m, dtype=torch.float32),
+                                 float("inf"))
         elif epilogue == "swiglu_fp8_bf16":
             epi = _epilogue_args(torch.empty(m, n // 4, dtype=torch.int32), None, torch.empty(m, dtype=torch.float32),
                                  float("inf"))
@@ -255,14 +261,28 @@ def _check_tokens(a: torch.Tensor, a_sf: torch.Tensor | None, ndim: int, mma: st
             fail("a", f"must have dtype float8_e4m3fn for FP8-mode weights ({LAYOUTS['fp8'][2]}), got "
                  f"{str(a.dtype).removeprefix('torch.')}; BF16 tokens need weights prepared with mma='bf16'")
         if a_sf is None:
-            fail("a_sf", "is required with FP8 tokens: packed UE8M0 scales int32 [..., K/128]")
+            fail("a_sf", "is required with FP8 tokens: packed UE8M0 scales int32 [..., K/128] (recipe (1, 1, 32)) or "
+                 "FP32 scales float32 [..., K/128] (recipe (1, 1, 128))")
     check_tensor("a", a, contiguous=True)
     k = a.shape[-1]
     check_multiple("a.shape[-1] (K)", k, K_MULTIPLE, "packed UE8M0 scale rows must be 16-byte aligned for TMA")
     if mma == "fp8":
-        check_tensor("a_sf", a_sf, dtype=torch.int32, shape=(*a.shape[:-1], k // K_CHUNK), device=a.device,
-                     contiguous=True)
+        if not isinstance(a_sf, torch.Tensor) or a_sf.dtype not in (torch.int32, torch.float32):
+            fail("a_sf", "must be int32 packed UE8M0 scales [..., K/128] (recipe (1, 1, 32)) or float32 scales "
+                 f"[..., K/128] (one per 128 K, recipe (1, 1, 128)), got {getattr(a_sf, 'dtype', type(a_sf).__name__)}")
+        check_tensor("a_sf", a_sf, shape=(*a.shape[:-1], k // K_CHUNK), device=a.device, contiguous=True)
     return k
+
+
+def _token_block(a_sf: torch.Tensor | None, b: torch.Tensor, b_sf: torch.Tensor, name: str = "b_sf") -> int:
+    """The tokens' scale block (``GemmConfig.token_block``): 128 for FP32 scales, which need folded weight scales."""
+    if a_sf is None or a_sf.dtype != torch.float32:
+        return 32
+    if not _folded(b, b_sf):
+        fail(name, "must be folded weight scales int32 [E, K/128 + 1, N] (prepare_fp4_weights(..., mma='fp8', "
+             "fold=True)) with FP32 per-128 token scales (recipe (1, 1, 128)): a token's 128-K chunk is promoted once, "
+             "so the 32-blocks' weight scales must be in the dequantized values")
+    return 128
 
 
 def _check_device(a: torch.Tensor, **tensors: torch.Tensor | None) -> None:
@@ -274,13 +294,23 @@ def _check_device(a: torch.Tensor, **tensors: torch.Tensor | None) -> None:
 
 
 def _resolve_config(config: GemmConfig | None, rows_per_expert: float, n: int, k: int, mma: str,
-                    four_warpgroups: bool = True) -> GemmConfig:
+                    four_warpgroups: bool = True, token_block: int = 32, swiglu: bool = False) -> GemmConfig:
+    """The caller's config, checked against the operands, or ``select_config``'s. The per-128 SwiGLU epilogue (``swiglu``
+    with ``token_block`` 128) needs 256-row weight tiles: 128 intermediate columns, one scale block."""
     if config is None:
-        return select_config(rows_per_expert, n, k, mma, four_warpgroups)
+        if swiglu and token_block == 128:
+            tokens = next((t for t in (8, 16, 32) if t >= rows_per_expert), FOUR_WG_FP8_MAX_TILE_TOKENS)
+            return GemmConfig(tile_tokens=tokens, tile_n=256, mma=mma, token_block=128)
+        return select_config(rows_per_expert, n, k, mma, four_warpgroups, token_block)
     if not isinstance(config, GemmConfig):
         raise TypeError(f"megamoe: `config` must be a GemmConfig or None, got {type(config).__name__}")
     if config.mma != mma:
         fail("config.mma", f"is {config.mma!r} but the weights are in the {mma}-mode layout {LAYOUTS[mma][2]}")
+    if config.token_block != token_block:
+        fail("config.token_block", f"is {config.token_block} but the token scales are per {token_block} K")
+    if swiglu and token_block == 128 and config.tile_n != 256:
+        fail("config.tile_n", f"must be 256 for the per-128 SwiGLU epilogue (one tile: 128 intermediate columns, one "
+             f"scale block), got {config.tile_n}")
     if n % config.tile_n:
         fail("config.tile_n", f"must divide N={n}, got {config.tile_n}")
     return config
@@ -354,7 +384,7 @@ def grouped_gemm_fp8_fp4_contiguous(
             fail("out", "must be None when out_row_ptrs gives the row addresses")
         check_tensor("out_row_ptrs", out_row_ptrs, dtype=torch.int64, shape=(m,), device=a.device, contiguous=True)
         epilogue = "bf16_scatter"
-    cfg = _resolve_config(config, m / max(e, 1), n, k, mma)
+    cfg = _resolve_config(config, m / max(e, 1), n, k, mma, token_block=_token_block(a_sf, b, b_sf))
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
     max_tiles = (m // cfg.tile_tokens + e) * (n // cfg.tile_n)
     mode = "offsets" if counts is None else "offsets_counts"
@@ -385,7 +415,8 @@ def grouped_gemm_fp8_fp4_masked(
     if out is None:
         out = torch.empty(e, max_m, n, dtype=torch.bfloat16, device=a.device)
     check_tensor("out", out, dtype=torch.bfloat16, shape=(e, max_m, n), device=a.device, contiguous=True)
-    cfg = _resolve_config(config, max_m if expected_m is None else expected_m, n, k, mma)
+    cfg = _resolve_config(config, max_m if expected_m is None else expected_m, n, k, mma,
+                          token_block=_token_block(a_sf, b, b_sf))
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
     max_tiles = e * math.ceil(max_m / cfg.tile_tokens) * (n // cfg.tile_n)
     _launch_gemm(cfg, "masked", "bf16", a.view(e * max_m, k), _rows_view(a_sf, e * max_m), b, b_sf,
@@ -397,9 +428,10 @@ SWIGLU_OUT_DTYPES = {torch.float8_e4m3fn: "swiglu_fp8", torch.bfloat16: "swiglu_
 """L1 output dtype -> epilogue: FP8 + packed UE8M0 scales, or the same quantized values as BF16."""
 
 
-def _swiglu_outputs(rows: tuple[int, ...], inter: int, out, out_sf, out_dtype, device, name: str = "out"):
-    """Check or allocate the L1 outputs (``out`` called ``name``); returns (epilogue, out, out_sf or None, kernel
-    views of both)."""
+def _swiglu_outputs(rows: tuple[int, ...], inter: int, out, out_sf, out_dtype, device, name: str = "out",
+                    token_block: int = 32):
+    """Check or allocate the L1 outputs (``out`` called ``name``; ``token_block`` 128: FP32 scales per 128 columns);
+    returns (epilogue, out, out_sf or None, kernel views of both)."""
     if out_dtype not in SWIGLU_OUT_DTYPES:
         fail("out_dtype", f"must be torch.float8_e4m3fn (FP8 + UE8M0 scales) or torch.bfloat16 (the same quantized "
              f"values in BF16), got {out_dtype}")
@@ -411,11 +443,21 @@ def _swiglu_outputs(rows: tuple[int, ...], inter: int, out, out_sf, out_dtype, d
         if out_sf is not None:
             fail("out_sf", "must be None with out_dtype=torch.bfloat16 (the values carry their scales)")
         return "swiglu_fp8_bf16", out, None, out.view(torch.int32).view(n_rows, inter // 2), None
+    sf_dtype = torch.float32 if token_block == 128 else torch.int32
     if out_sf is None:
-        out_sf = torch.empty(*rows, inter // K_CHUNK, dtype=torch.int32, device=device)
-    check_tensor("out_sf", out_sf, dtype=torch.int32, shape=(*rows, inter // K_CHUNK), device=device, contiguous=True)
-    return ("swiglu_fp8", out, out_sf, out.view(torch.int32).view(n_rows, inter // 4),
-            out_sf.view(torch.uint8).view(n_rows, inter // 32))
+        out_sf = torch.empty(*rows, inter // K_CHUNK, dtype=sf_dtype, device=device)
+    check_tensor("out_sf", out_sf, dtype=sf_dtype, shape=(*rows, inter // K_CHUNK), device=device, contiguous=True)
+    sf_view = out_sf.view(n_rows, inter // K_CHUNK) if token_block == 128 else out_sf.view(torch.uint8).view(n_rows, inter // 32)
+    return "swiglu_fp8", out, out_sf, out.view(torch.int32).view(n_rows, inter // 4), sf_view
+
+
+def _swiglu_recipe(token_block: int, out_dtype, n: int) -> None:
+    """Recipe (1, 1, 128)'s L1 output: FP8 with one FP32 scale per 128 intermediate columns (256 weight rows)."""
+    if token_block == 128:
+        if out_dtype != torch.float8_e4m3fn:
+            fail("out_dtype", f"must be torch.float8_e4m3fn with per-128 token scales (recipe (1, 1, 128): FP8 + FP32 "
+                 f"scales per 128 columns), got {out_dtype}")
+        check_multiple("b.shape[1] * 64 (2I)", n, 256, "recipe (1, 1, 128) quantizes per 128 intermediate columns")
 
 
 def _bf16_clamp(clamp: float | None) -> float:
@@ -455,9 +497,11 @@ def grouped_gemm_fp8_fp4_swiglu_contiguous(
     mma, k, e, n = _check_operands(a, a_sf, b, b_sf, offsets, counts, masked=False, swiglu=True)
     m = a.shape[0]
     check_tensor("row_weights", row_weights, dtype=torch.float32, shape=(m,), device=a.device, contiguous=True)
-    epilogue, out, out_sf, out_k, out_sf_k = _swiglu_outputs((m,), n // 2, out, out_sf, out_dtype, a.device)
+    tb = _token_block(a_sf, b, b_sf)
+    _swiglu_recipe(tb, out_dtype, n)
+    epilogue, out, out_sf, out_k, out_sf_k = _swiglu_outputs((m,), n // 2, out, out_sf, out_dtype, a.device, token_block=tb)
     clamp_value = _bf16_clamp(clamp)
-    cfg = _resolve_config(config, m / max(e, 1), n, k, mma)
+    cfg = _resolve_config(config, m / max(e, 1), n, k, mma, token_block=tb, swiglu=True)
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
     max_tiles = (m // cfg.tile_tokens + e) * (n // cfg.tile_n)
     mode = "offsets" if counts is None else "offsets_counts"
@@ -583,9 +627,12 @@ def grouped_gemm_fp8_fp4_swiglu_masked(
     mma, k, e, n = _check_operands(a, a_sf, b, b_sf, masked_m, masked=True, swiglu=True)
     max_m = a.shape[1]
     check_tensor("row_weights", row_weights, dtype=torch.float32, shape=(e, max_m), device=a.device, contiguous=True)
-    epilogue, out, out_sf, out_k, out_sf_k = _swiglu_outputs((e, max_m), n // 2, out, out_sf, out_dtype, a.device)
+    tb = _token_block(a_sf, b, b_sf)
+    _swiglu_recipe(tb, out_dtype, n)
+    epilogue, out, out_sf, out_k, out_sf_k = _swiglu_outputs((e, max_m), n // 2, out, out_sf, out_dtype, a.device,
+                                                             token_block=tb)
     clamp_value = _bf16_clamp(clamp)
-    cfg = _resolve_config(config, max_m if expected_m is None else expected_m, n, k, mma)
+    cfg = _resolve_config(config, max_m if expected_m is None else expected_m, n, k, mma, token_block=tb, swiglu=True)
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
     max_tiles = e * math.ceil(max_m / cfg.tile_tokens) * (n // cfg.tile_n)
     rows = e * max_m

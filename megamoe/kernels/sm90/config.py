@@ -20,12 +20,18 @@ SMEM_CAPACITY = 232448  # bytes of shared memory one CTA may use on sm_90 (227 K
 K_MULTIPLE = 512
 N_MULTIPLE = ROW_BLOCK  # weight rows: whole row blocks of the kernel layouts (64 per warpgroup tile)
 MMA_MODES = ("bf16", "fp8")
+TOKEN_BLOCKS = (32, 128)
+"""K elements per token scale in FP8 mode (``GemmConfig.token_block``): the recipes (1, 1, 32) and (1, 1, 128)."""
 TILE_TOKENS_CHOICES = {"bf16": (8, 16, 32, 64, 128), "fp8": (8, 16, 32, 64, 128)}
 TILE_N_CHOICES = (64, 128, 256)
 FOUR_WG_MAX_TILE_TOKENS = 64
 """BF16 mode, 256-row weight tiles (four consumer warpgroups, one CTA per SM, 104-112 registers per consumer thread):
 the largest token tile whose accumulator fits them. Separate launches and the Mega MoE kernel (``named_barriers``);
 the one-launch L1/L2 kernel without communication keeps two consumer warpgroups (not run with four)."""
+FOUR_WG_FP8_MAX_TILE_TOKENS = 32
+"""FP8 mode with per-128 token scales on four consumer warpgroups (``tile_n`` 256: the per-128 SwiGLU epilogue's 128
+intermediate columns): the largest token tile whose accumulator, temporary and two fragment buffers fit 112
+registers."""
 TWO_CTA_TILE_TOKENS = {"bf16": 32, "fp8": 16}
 """Largest token tile that may run two CTAs per SM (``GemmConfig.ctas_per_sm``), per MMA mode."""
 DEFERRED_MAX_TILE_TOKENS = 8
@@ -75,8 +81,11 @@ class GemmConfig:
     ctas_per_sm: 1, or 2 for token tiles up to ``TWO_CTA_TILE_TOKENS`` (two co-resident CTAs, each with half the shared memory and
         no register rebalancing, hide each other's waits), or 3 for BF16-mode 64-row weight tiles of
         ``THREE_CTA_TILE_TOKENS`` tokens (finer work for the Mega MoE's decode-sized calls: ``mega.tile_config``).
-    mma: "bf16" (BF16 tokens, weights from ``prepare_fp4_weights(..., mma="bf16")``) or "fp8" (FP8 tokens +
-        UE8M0 scales, FP8-mode weights); see the module docstring.
+    mma: "bf16" (BF16 tokens, weights from ``prepare_fp4_weights(..., mma="bf16")``) or "fp8" (FP8 tokens, FP8-mode
+        weights).
+    token_block: FP8 mode, the K elements one token scale covers: 32 (packed UE8M0 scales, recipe (1, 1, 32): an FP32
+        promotion every 32 K) or 128 (one FP32 scale per 128 K, recipe (1, 1, 128): one promotion per 128-K chunk;
+        folded weight scales only). BF16 mode: 32 (unused).
     """
 
     tile_tokens: int = 64
@@ -84,10 +93,14 @@ class GemmConfig:
     stages: int | None = None
     ctas_per_sm: int = 1
     mma: str = "bf16"
+    token_block: int = 32
 
     def __post_init__(self):
         if self.mma not in MMA_MODES:
             fail("config.mma", f"must be one of {MMA_MODES}, got {self.mma!r}")
+        if self.token_block not in TOKEN_BLOCKS or (self.mma == "bf16" and self.token_block != 32):
+            fail("config.token_block", f"must be one of {TOKEN_BLOCKS} (128: FP8 mode only), got {self.token_block} "
+                 f"with mma={self.mma!r}")
         allowed = {
             1: True,
             2: self.tile_tokens <= TWO_CTA_TILE_TOKENS[self.mma],
@@ -102,10 +115,12 @@ class GemmConfig:
                  f"got {self.tile_tokens}")
         if self.tile_n not in TILE_N_CHOICES:
             fail("config.tile_n", f"must be one of {TILE_N_CHOICES}, got {self.tile_n}")
-        if self.tile_n == 256 and not (self.mma == "bf16" and self.ctas_per_sm == 1
-                                       and self.tile_tokens <= FOUR_WG_MAX_TILE_TOKENS):
-            fail("config.tile_n", f"256 needs mma='bf16', ctas_per_sm=1 and tile_tokens <= {FOUR_WG_MAX_TILE_TOKENS}; "
-                 f"got mma={self.mma}, ctas_per_sm={self.ctas_per_sm}, tile_tokens={self.tile_tokens}")
+        four_wg_tokens = FOUR_WG_MAX_TILE_TOKENS if self.mma == "bf16" else FOUR_WG_FP8_MAX_TILE_TOKENS
+        if self.tile_n == 256 and not ((self.mma == "bf16" or self.token_block == 128) and self.ctas_per_sm == 1
+                                       and self.tile_tokens <= four_wg_tokens):
+            fail("config.tile_n", f"256 needs mma='bf16' (or FP8 with token_block=128), ctas_per_sm=1 and tile_tokens "
+                 f"<= {FOUR_WG_MAX_TILE_TOKENS} ({FOUR_WG_FP8_MAX_TILE_TOKENS} in FP8 mode); got mma={self.mma}, "
+                 f"token_block={self.token_block}, ctas_per_sm={self.ctas_per_sm}, tile_tokens={self.tile_tokens}")
         if self.stages is not None:
             check_range("config.stages", self.stages, 2, self.max_stages())
 
@@ -154,7 +169,7 @@ class GemmConfig:
     def wide_fp8(self) -> bool:
         """FP8 mode with ``WIDE_FP8_TILE_TOKENS``-row token tiles: two 64-token wgmmas per 32-K block, the tokens'
         per-32 scales converted to FP32 once per chunk into shared memory (``scale_table_bytes``)."""
-        return self.mma == "fp8" and self.tile_tokens >= WIDE_FP8_TILE_TOKENS
+        return self.mma == "fp8" and self.token_block == 32 and self.tile_tokens >= WIDE_FP8_TILE_TOKENS
 
     def scale_table_bytes(self) -> int:
         """Wide FP8 tiles: per consumer warpgroup two chunks' FP32 token scales, 4 blocks x 4 lane quads x
@@ -174,7 +189,7 @@ class GemmConfig:
 
     def describe(self, epilogue: str = "bf16") -> str:
         return (
-            f"sm90 fp4 swapAB mma={self.mma} tile_tokens={self.tile_tokens} tile_n={self.tile_n} "
+            f"sm90 fp4 swapAB mma={self.mma}{'x128' if self.token_block == 128 else ''} tile_tokens={self.tile_tokens} tile_n={self.tile_n} "
             f"stages={self.num_stages(epilogue)}x{K_CHUNK * self.chunks_per_stage(epilogue)}K ctas/SM={self.ctas_per_sm} "
             f"epilogue={epilogue}"
         )
@@ -234,7 +249,7 @@ def token_widths(tile_tokens: int) -> tuple[int, ...]:
 
 
 def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "bf16",
-                  four_warpgroups: bool = True) -> GemmConfig:
+                  four_warpgroups: bool = True, token_block: int = 32) -> GemmConfig:
     """Heuristic config for ``mma`` mode from the expected rows per expert (tokens) and the problem's N, K.
 
     Token tile: the smallest tile_tokens choice covering the expected group (the largest beyond); in BF16 mode, up
@@ -260,4 +275,5 @@ def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "b
     ctas = 2 if tile_tokens <= TWO_CTA_TILE_TOKENS[mma] else 1
     if mma == "bf16" and four_warpgroups and tile_tokens <= FOUR_WG_MAX_TILE_TOKENS and n % 256 == 0:
         tile_n, ctas = 256, 1
-    return GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas, mma=mma)
+    return GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas, mma=mma,
+                      token_block=token_block if mma == "fp8" else 32)

@@ -9,6 +9,7 @@ rows of the warpgroup's 64) and token column ``8j + 2q + c`` (``cC[i]`` gives bo
   staged in shared memory so each row leaves as whole 128-byte lines.
 * ``SwigluQuant``: L1's ``megamoe.numerics`` steps 2-5 on interleaved gate/up rows: FP8 + packed UE8M0 scales
   per 32 columns, or the same quantized values dequantized (exactly) to BF16.
+* ``SwigluQuant128``: the same steps of recipe (1, 1, 128): FP8 + one FP32 scale per 128 columns.
 
 Each is called as ``epilogue(acc, cC, ctidx, smem, args, row0, row_end, n_tile)``: ``args`` an ``args.EpilogueArgs``,
 ``smem`` its shared-memory staging tile (None for ``Bf16Store``).
@@ -114,9 +115,8 @@ class SwigluQuant(Epilogue):
         self.stride = config.tile_n // 2 + 4  # FP32 activations per staged token row (padded)
 
     @cute.jit
-    def __call__(self, acc, cC, ctidx, smem, args, row0, row_end, n_tile):
-        wg = ctidx // 128
-        barrier = self.barrier(wg)
+    def stage_activations(self, acc, cC, smem, args):
+        """Phase 1: ``silu(gate) * up`` of this thread's accumulator pairs into the staging tile (token, column)."""
         for j in cutlass.range_constexpr(self.tile_tokens // 8):
             for c in cutlass.range_constexpr(2):
                 row = cC[c + 4 * j][0]
@@ -129,6 +129,12 @@ class SwigluQuant(Epilogue):
                 else:
                     silu = gate / (Float32(1.0) + Float32(cute.math.exp(-gate)))
                 smem[cC[c + 4 * j][1], (row // 16) * 8 + row % 8] = silu * up
+
+    @cute.jit
+    def __call__(self, acc, cC, ctidx, smem, args, row0, row_end, n_tile):
+        wg = ctidx // 128
+        barrier = self.barrier(wg)
+        self.stage_activations(acc, cC, smem, args)
         barrier.arrive_and_wait()
         t = ctidx % 128
         m = row0 + t
@@ -169,3 +175,51 @@ class SwigluQuant(Epilogue):
                     cute.autovec_copy(words, cute.local_tile(args.out[m, None], (8,), (block,)))
                     args.out_sf[m, block] = (e + Int32(127)).to(cutlass.Uint8)
         barrier.arrive_and_wait()
+
+
+class SwigluQuant128(SwigluQuant):
+    """Recipe (1, 1, 128) of ``SwigluQuant``: the 32 columns of each of the four consumer warpgroups (``tile_n`` 256:
+    128 intermediate columns per tile) form one scale block per token. Phase 2: thread t of each warpgroup takes
+    token t's 32 values times its routing weight and their amax, which the four warpgroups exchange through the
+    padding columns of the staging tile (a barrier of all consumer threads); then ``amax = max(amax_128, 1e-4)``,
+    ``q = e4m3_rne_sat(v * (448 / amax))`` (``megamoe.numerics``), 32 FP8 bytes per thread (``args.out``: (M, N/8)
+    int32 view of FP8 [M, N/2]) and the FP32 scale ``amax / 448`` of the block (``args.out_sf``: (M, N/256) float32),
+    stored by warpgroup 0."""
+
+    def __init__(self, config: GemmConfig, fast_math: bool):
+        super().__init__(config, fast_math, bf16_out=False)
+        assert config.consumer_warpgroups == 4 and self.stride >= 128 + 4
+        self.all_barrier_id = named_barriers(4)[2]
+
+    @cute.jit
+    def __call__(self, acc, cC, ctidx, smem, args, row0, row_end, n_tile):
+        wg = ctidx // 128
+        barrier = self.barrier(wg)
+        self.stage_activations(acc, cC, smem, args)
+        barrier.arrive_and_wait()
+        t = ctidx % 128
+        m = row0 + t
+        vals = cute.make_rmem_tensor((32,), Float32)
+        if t < self.tile_tokens:
+            weight = Float32(0.0)
+            if m < row_end:
+                weight = Float32(args.rows[m])
+            amax = Float32(0.0)
+            for v in cutlass.range_constexpr(32):
+                vals[v] = smem[t, 32 * wg + v] * weight
+                amax = cutlass.max(amax, cutlass.max(vals[v], -vals[v]))
+            smem[t, 128 + wg] = amax  # the padding columns
+        pipeline.NamedBarrier(barrier_id=self.all_barrier_id, num_threads=512).arrive_and_wait()
+        if t < self.tile_tokens:
+            if m < row_end:
+                amax = cutlass.max(cutlass.max(smem[t, 128], smem[t, 129]), cutlass.max(smem[t, 130], smem[t, 131]))
+                amax = cutlass.max(amax, Float32(1e-4))
+                inv = Float32(448.0) / amax
+                words = cute.make_rmem_tensor((8,), Int32)
+                for w in cutlass.range_constexpr(8):
+                    words[w] = ptx.f32x4_to_e4m3x4(vals[4 * w] * inv, vals[4 * w + 1] * inv, vals[4 * w + 2] * inv,
+                                                   vals[4 * w + 3] * inv)
+                cute.autovec_copy(words, cute.local_tile(args.out[m, None], (8,), (n_tile * 4 + wg,)))
+                if wg == 0:
+                    args.out_sf[m, n_tile] = amax / Float32(448.0)
+        pipeline.NamedBarrier(barrier_id=self.all_barrier_id, num_threads=512).arrive_and_wait()

@@ -47,8 +47,8 @@ from .. import ptx
 from ..weight_layout import CHUNK_BYTES, K_CHUNK, ROW_BLOCK
 from .args import EpilogueArgs, GemmArgs, GroupArgs, MegaArgs
 from .config import FINISHED, NEXT_TILE, SCATTER_PAD, TILE_SLOTS, TILE_WORDS, GemmConfig
-from .epilogues import Bf16Store, ScatterRows, SwigluQuant
-from .mainloops import Bf16Mainloop, Fp8Block32Mainloop
+from .epilogues import Bf16Store, ScatterRows, SwigluQuant, SwigluQuant128
+from .mainloops import Bf16Mainloop, Fp8Block32Mainloop, Fp8Block128Mainloop
 from .tile_scheduler import GroupTiles, TileChannel
 
 
@@ -116,11 +116,16 @@ class GroupedGemmSm90:
         self.tiles = GroupTiles(group_mode, self.tile_tokens)
         if self.bf16:
             self.mainloop = Bf16Mainloop(config, self.stages, self.cps)
+        elif config.token_block == 128:
+            assert folded  # the per-128 recipe multiplies folded weights (api checks)
+            self.mainloop = Fp8Block128Mainloop(config, self.stages, self.cps)
         else:
             self.mainloop = Fp8Block32Mainloop(config, self.stages, self.cps, folded)
         self.epilogue = self.make_epilogue(epilogue, fast_math)
 
     def make_epilogue(self, epilogue: str, fast_math: bool):
+        if epilogue == "swiglu_fp8" and self.cfg.token_block == 128:
+            return SwigluQuant128(self.cfg, fast_math)
         if epilogue.startswith("swiglu"):
             return SwigluQuant(self.cfg, fast_math, bf16_out=epilogue == "swiglu_fp8_bf16")
         return ScatterRows(self.cfg) if epilogue == "bf16_scatter" else Bf16Store(self.cfg)

@@ -385,3 +385,123 @@ class Fp8Block32Mainloop(Mainloop):
                         acc[a] = acc[a] + tmp[i] * v[u]
                     else:
                         acc[a] = acc[a] + tmp[i] * (sw[r] * v[u])
+
+
+class Fp8Block128Mainloop(Mainloop):
+    """FP8 tokens with one FP32 scale per 128 K (recipe (1, 1, 128)) x weights decoded to E4M3 with their block scales
+    folded in relative to their row (``weight_layout.fold_fp8_scales``): one FP32 promotion per 128-K chunk.
+
+    Per chunk: its four 32-K blocks of both rows decoded into one of two A-fragment buffers (the folded lookup tables
+    make every ``v * 2^d`` an exact E4M3 value), its four ``k32`` wgmmas into one temporary (the first overwrites it),
+    then ``acc += tmp * s_token`` (one FP32 multiply-add per accumulator and 128 K: a quarter of the block-32
+    promotion). Software pipeline per warpgroup: while chunk c's wgmmas run, the warpgroup loads chunk c's token scales
+    and decodes chunk c + 1 into the other buffer; then it waits, frees chunk c's stage, promotes and issues chunk
+    c + 1's wgmmas at once. Only the promotion leaves this warpgroup's tensor work idle, and the other warpgroup's
+    wgmmas fill it. Chunks go in pairs (one per fragment buffer: registers cannot be indexed at run time); the last
+    pair is peeled, so no data-dependent branch lies between two wgmmas (ptxas would serialize them all). After the K
+    loop each weight row is multiplied by its FP32 scale (exact: a power of two).
+    """
+
+    a_dtype = cutlass.Float8E4M3FN
+
+    @cute.jit
+    def fragments(self, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sScale):
+        f = self.common_fragments(tiled_mma, ctidx, sA, sW, 4)
+        thr_mma = tiled_mma.get_slice(ctidx)
+        f.tCrA2 = thr_mma.make_fragment_A(thr_mma.partition_shape_A((self.tile_n, K_CHUNK)))  # the second buffer
+        f.frag2 = cute.recast_tensor(f.tCrA2, Int32)
+        f.tmp = cute.make_rmem_tensor(f.acc_shape, Float32)
+        f.sa = cute.make_rmem_tensor((2, self.tile_tokens // 8), Float32)  # (c, j): token 8j + 2q + c
+        # A chunk's first wgmma overwrites the temporary, the other three accumulate (the field is set once, here:
+        # an MMA whose field changes inside a loop cannot be used after it).
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+        f.mma_first = tiled_mma
+        f.mma_acc = self.tiled_mma(self.tile_tokens)
+        f.mma_acc.set(warpgroup.Field.ACCUMULATE, True)
+        # The tokens' FP32 scales: (token, 4 chunks, stage), 32-bit words of the same TMA box as block-32 mode's.
+        f.sSFA = cute.make_tensor(cute.recast_ptr(sSFA.iterator, dtype=Float32), sSFA.layout)
+        f.sSFW = sSFW
+        return f
+
+    @cute.jit
+    def decode(self, f, frag, s):
+        """Chunk of stage ``s`` (waited for): this thread's two weight rows, E2M1 -> E4M3 with the folded block scales,
+        into ``frag``."""
+        wbuf, sfw_words = f.wbuf, f.sfw_words
+        sfw_words[0] = f.sSFW[f.wrow0, 0, s]
+        sfw_words[1] = f.sSFW[f.wrow1, 0, s]
+        cute.autovec_copy(f.sW_words[None, f.q, f.wrow0, s], wbuf[None, 0])
+        cute.autovec_copy(f.sW_words[None, f.q, f.wrow1, s], wbuf[None, 1])
+        for kb in cutlass.range_constexpr(4):
+            for r in cutlass.range_constexpr(2):
+                t_lo, t_hi = dequant.fold_luts(sfw_words[r], kb)
+                lo, hi = dequant.decode_e2m1x8(wbuf[kb, r], t_lo, t_hi)
+                frag[(0, r, 0), 0, kb] = lo
+                frag[(0, r, 1), 0, kb] = hi
+
+    @cute.jit
+    def issue(self, f, tCrA, s):
+        """The chunk's four k32 wgmmas (A: ``tCrA``, tokens of stage ``s``) into ``f.tmp``, as one group."""
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(4):
+            cute.gemm(f.mma_first if kb == 0 else f.mma_acc, f.tmp, tCrA[(None, None, kb)], f.tCrB[(None, None, kb, s)],
+                      f.tmp)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def token_scales(self, f, kt, s):
+        """This thread's token scales of chunk ``kt`` (word kt % 4 of each token's 4-chunk box in stage ``s``)."""
+        for j in cutlass.range_constexpr(self.tile_tokens // 8):
+            for c in cutlass.range_constexpr(2):
+                f.sa[c, j] = f.sSFA[f.cC[c + 4 * j][1], kt % 4, s]
+
+    @cute.jit
+    def promote(self, f):
+        """acc += tmp * s_token (the chunk's wgmmas retired)."""
+        acc, tmp, sa = f.acc, f.tmp, f.sa
+        for j in cutlass.range_constexpr(self.tile_tokens // 8):
+            for r in cutlass.range_constexpr(2):
+                for c in cutlass.range_constexpr(2):
+                    i = c + 2 * r + 4 * j
+                    acc[i] = acc[i] + tmp[i] * sa[c, j]
+
+    @cute.jit
+    def step(self, ab_pipeline, f, ahead, state, kt, tCrA, next_frag):
+        """Chunk ``kt`` (stage ``state``, decoded into ``tCrA``): issue its wgmmas, read its token scales, decode chunk
+        kt + 1 (stage ``ahead``, waited for here) into ``next_frag`` when given, wait, free chunk kt's stage, promote.
+        Returns the advanced states."""
+        s = state.index
+        self.issue(f, tCrA, s)
+        self.token_scales(f, kt, s)
+        if cutlass.const_expr(next_frag is not None):
+            ab_pipeline.consumer_wait(ahead)
+            self.decode(f, next_frag, ahead.index)
+            ahead.advance()
+        warpgroup.wait_group(0)
+        ab_pipeline.consumer_release(state)
+        state.advance()
+        self.promote(f)
+        return ahead, state
+
+    @cute.jit
+    def tile(self, ab_pipeline, state, release, f, k_tiles, row0, row_end, row_scale, n_tile, group):
+        """One tile's K loop into ``f.acc`` (zeroed by the caller; ``k_tiles`` is even: 512 | K), then each weight row
+        times its scale (``row_scale``: (N, E) float32, row ``n_tile * tile_n + ...`` of expert ``group``).
+        ``state``: the stage to wait for next; ``release``: the next to free (they stay equal between tiles)."""
+        ahead = state
+        ab_pipeline.consumer_wait(ahead)
+        self.decode(f, f.frag, ahead.index)
+        ahead.advance()
+        for kp in cutlass.range(k_tiles // 2 - 1, unroll=1):
+            ahead, release = self.step(ab_pipeline, f, ahead, release, 2 * kp, f.tCrA, f.frag2)
+            ahead, release = self.step(ab_pipeline, f, ahead, release, 2 * kp + 1, f.tCrA2, f.frag)
+        ahead, release = self.step(ab_pipeline, f, ahead, release, k_tiles - 2, f.tCrA, f.frag2)
+        ahead, release = self.step(ab_pipeline, f, ahead, release, k_tiles - 1, f.tCrA2, None)
+        acc, cC = f.acc, f.cC
+        n_cols = self.tile_tokens // 8
+        for r in cutlass.range_constexpr(2):
+            scale = Float32(row_scale[n_tile * self.tile_n + cC[2 * r][0], group])
+            for j in cutlass.range_constexpr(n_cols):
+                for c in cutlass.range_constexpr(2):
+                    acc[c + 2 * r + 4 * j] = acc[c + 2 * r + 4 * j] * scale
+        return ahead, release
