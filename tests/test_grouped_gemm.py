@@ -61,8 +61,13 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 
 
 def _tokens64(a: torch.Tensor, a_sf: torch.Tensor | None) -> torch.Tensor:
-    """Exact token values: FP8 + scales dequantized, or BF16 tokens (a_sf None) as they are."""
-    return (a if a_sf is None else dequantize_fp8(a, a_sf)).double()
+    """Exact token values: FP8 + scales dequantized (packed UE8M0 per 32, or FP32 per 128), or BF16 tokens (a_sf
+    None) as they are."""
+    if a_sf is None:
+        return a.double()
+    if a_sf.dtype == torch.float32:
+        return (a.double().unflatten(-1, (-1, 128)) * a_sf.double()[..., None]).flatten(-2)
+    return dequantize_fp8(a, a_sf).double()
 
 
 def _check_rows(out: torch.Tensor, a, a_sf, b, b_sf, row_expert: torch.Tensor, what: str) -> None:
@@ -683,3 +688,126 @@ def test_bf16_swiglu(layout, tile_tokens, tile_n, clamp, fast_math):
     differ = (out_bf16[valid].view(torch.int16) != want.view(torch.int16)).sum().item()
     assert differ == 0, f"swiglu {layout} BF16 output: {differ} values differ from the FP8 output's dequantization"
     assert torch.isnan(out_bf16[~valid].float()).all(), f"swiglu {layout} BF16 output: padding rows written"
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU correctness, recipe (1, 1, 128): FP8 tokens with one FP32 scale per 128 K, folded FP4 weights
+# ----------------------------------------------------------------------------------------------------
+
+
+def _quantize_128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Hopper per-128 token recipe, written here independently of the library: amax over each 128-block
+    (floored at 1e-4), q = e4m3(x * (448 / amax)), scale = amax / 448, in FP32."""
+    xb = x.float().unflatten(-1, (-1, 128))
+    amax = xb.abs().amax(-1).clamp(min=1e-4)
+    q = (xb * (448.0 / amax)[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).flatten(-2)
+    return q, amax / 448.0
+
+
+def _recipe128_case(counts, n, k, gen, lead_pad=2, tail_pad=7):
+    """Contiguous tokens of recipe 128 (rows spanning many scales), NaN padding rows, folded L1-style weights."""
+    e = len(counts)
+    group = torch.cat([torch.full((c,), i, dtype=torch.int64) for i, c in enumerate(counts)])
+    layout = contiguous_layout(group, e)
+    m = lead_pad + layout.num_rows + tail_pad
+    x = torch.randn(m, k // 128, 128, generator=gen) * torch.exp2(torch.randint(-6, 7, (m, k // 128, 1), generator=gen).float())
+    a, a_sf = (t.cuda() for t in _quantize_128(x.flatten(-2)))
+    row_expert = torch.full((m,), -1, dtype=torch.int64)
+    row_expert[layout.row_index + lead_pad] = group
+    pad = (row_expert < 0).cuda()
+    a.view(torch.uint8)[pad] = 0x7F  # NaN in E4M3
+    a_sf[pad] = float("nan")
+    offsets = (layout.offsets + lead_pad).to(torch.int32).cuda()
+    return a, a_sf, offsets, row_expert.cuda()
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("tile_tokens,tile_n,ctas", [(8, 128, 2), (16, 128, 2), (32, 128, 1), (64, 128, 1),
+                                                     (128, 128, 1), (128, 64, 1), (16, 256, 1), (32, 256, 1)])
+def test_recipe128_contiguous_ragged(tile_tokens, tile_n, ctas):
+    gen = torch.Generator().manual_seed(400 + tile_tokens + tile_n)
+    counts, n, k = [0, 1, 37, 5, 0, 130, 64, 1, 200], 512, 1536
+    a, a_sf, offsets, row_expert = _recipe128_case(counts, n, k, gen)
+    w, w_sf = foldable_weights(len(counts), n, k, gen, "cuda")
+    bk, bk_sf = prepare_fp4_weights(w, w_sf, fold=True)
+    out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas, mma="fp8", token_block=128)
+    grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg)
+    torch.cuda.synchronize()
+    _check_rows(out, a, a_sf, w, w_sf, row_expert, f"recipe 128 contiguous {cfg.describe()}")
+    # the default config, in a CUDA graph replayed twice
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out)
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    _check_rows(out, a, a_sf, w, w_sf, row_expert, "recipe 128 contiguous, default config, CUDA graph")
+
+
+@gpu
+@needs_sm90
+def test_recipe128_masked_one_row_and_empty():
+    gen = torch.Generator().manual_seed(411)
+    masked, max_m, n, k = [1, 0, 33, 16], 40, 256, 512
+    e = len(masked)
+    x = torch.randn(e * max_m, k, generator=gen)
+    a, a_sf = (t.cuda() for t in _quantize_128(x))
+    w, w_sf = foldable_weights(e, n, k, gen, "cuda")
+    bk, bk_sf = prepare_fp4_weights(w, w_sf, fold=True)
+    out = torch.full((e, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    grouped_gemm_fp8_fp4_masked(a.view(e, max_m, k), a_sf.view(e, max_m, k // 128), bk, bk_sf,
+                                torch.tensor(masked, dtype=torch.int32, device="cuda"), out=out)
+    torch.cuda.synchronize()
+    row_expert = torch.full((e, max_m), -1, dtype=torch.int64)
+    for i, c in enumerate(masked):
+        row_expert[i, :c] = i
+    _check_rows(out.view(e * max_m, n), a, a_sf, w, w_sf, row_expert.flatten().cuda(), "recipe 128 masked")
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("tile_tokens,clamp", [(8, None), (16, 3.0), (32, None)])
+def test_recipe128_swiglu(tile_tokens, clamp):
+    """L1 with the per-128 SwiGLU epilogue against an FP64 GEMM, the BF16 rounding of gate and up, the clamp, silu,
+    the routing weight and the per-128 quantization, all written here: the dequantized rows within the contract's
+    tolerance, nearly every FP8 byte and scale identical; padding rows keep their poison."""
+    gen = torch.Generator().manual_seed(420 + tile_tokens)
+    counts, inter, k = [0, 1, 37, 5, 0, 70, 1], 256, 1024
+    a, a_sf, offsets, row_expert = _recipe128_case(counts, 2 * inter, k, gen)
+    w1, w1_sf = foldable_weights(len(counts), 2 * inter, k, gen, "cuda")
+    bk, bk_sf = prepare_fp4_weights_l1(w1, w1_sf, fold=True)
+    m = a.shape[0]
+    row_weights = torch.rand(m, generator=gen).cuda()
+    out = torch.full((m, inter), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    out_sf = torch.full((m, inter // 128), float("nan"), dtype=torch.float32, device="cuda")
+    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=256, mma="fp8", token_block=128)
+    grouped_gemm_fp8_fp4_swiglu_contiguous(a, a_sf, bk, bk_sf, offsets, row_weights, clamp=clamp, out=out,
+                                           out_sf=out_sf, config=cfg)
+    torch.cuda.synchronize()
+    valid = (row_expert >= 0).nonzero().flatten()
+    pad = (row_expert < 0).nonzero().flatten()
+    assert bool((out[pad].view(torch.uint8) == 0x7F).all()) and bool(out_sf[pad].isnan().all()), "padding rows written"
+    a64 = _tokens64(a, a_sf)
+    w64 = dequantize_fp4(w1, w1_sf).double()
+    acc = torch.empty(valid.numel(), 2 * inter, dtype=torch.float64, device="cuda")
+    for e in row_expert[valid].unique().tolist():
+        sel = row_expert[valid] == e
+        acc[sel] = a64[valid[sel]] @ w64[e].T
+    gate = acc[:, :inter].to(torch.bfloat16).float()
+    up = acc[:, inter:].to(torch.bfloat16).float()
+    if clamp is not None:
+        c = float(torch.tensor(clamp).to(torch.bfloat16))
+        gate, up = gate.clamp(max=c), up.clamp(-c, c)
+    act = (gate * torch.sigmoid(gate)) * up * row_weights[valid, None]
+    ref_q, ref_sf = _quantize_128(act)
+    got = _tokens64(out[valid], out_sf[valid])
+    ref = _tokens64(ref_q, ref_sf)
+    tol = moe_tolerances(inter)
+    fro, row = rel_fro_error(got, ref), max_row_rel_error(got, ref)
+    same = float((out[valid].view(torch.uint8) == ref_q.view(torch.uint8)).float().mean())
+    same_sf = float(((out_sf[valid] - ref_sf).abs() <= 2.0**-20 * ref_sf).float().mean())
+    assert fro <= tol["rel_fro"] and row <= tol["max_row_rel"] and same >= 0.98 and same_sf >= 0.98, (
+        f"rel_fro={fro:.3e} max_row_rel={row:.3e} identical bytes {100 * same:.2f}% scales {100 * same_sf:.2f}%")

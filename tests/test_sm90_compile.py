@@ -99,8 +99,20 @@ IEEE_SILU_CASES = [
 ]
 # (config, group mode, epilogue, Mega MoE layout or None, trace build, folded FP8 scales, fast_math): the trace
 # build is a release build too.
+# Recipe (1, 1, 128): FP32 per-128 token scales, folded weights; every token tile, one, two and four consumer
+# warpgroups, the per-128 SwiGLU epilogue (256-row tiles), the three group layouts.
+RECIPE128_CASES = [
+    (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, mma="fp8", token_block=128), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=16, tile_n=64, mma="fp8", token_block=128), "masked", "bf16"),
+    (GemmConfig(tile_tokens=64, tile_n=128, mma="fp8", token_block=128), "offsets_counts", "bf16"),
+    (GemmConfig(tile_tokens=128, tile_n=128, mma="fp8", token_block=128), "offsets", "bf16_scatter"),
+    (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=8, tile_n=256, mma="fp8", token_block=128), "masked", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128), "offsets_counts", "swiglu_fp8"),
+]
 RELEASE_CASES = ([(c, m, e, None, False, False, True) for c, m, e in COMPILE_CASES]
                  + [(c, m, e, None, False, True, True) for c, m, e in FOLDED_CASES]
+                 + [(c, m, e, None, False, True, True) for c, m, e in RECIPE128_CASES]
                  + [(c, "offsets", "l1_l2", lay, False, False, True) for c, lay in MEGA_CASES]
                  + [(MEGA_CASES[0][0], "offsets", "l1_l2", MEGA_CASES[0][1], True, False, True)]
                  + [(c, m, e, lay, False, False, False) for c, m, e, lay in IEEE_SILU_CASES])
@@ -161,7 +173,7 @@ def sm90a_builds(tmp_path_factory):
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
-RELEASE_IDS = [f"{c.mma}-{c.tile_tokens}x{c.tile_n}x{c.ctas_per_sm}-{m}-{e}"
+RELEASE_IDS = [f"{c.mma}{'x128' if c.token_block == 128 else ''}-{c.tile_tokens}x{c.tile_n}x{c.ctas_per_sm}-{m}-{e}"
                + ("" if lay is None else "-mega-r%d-e%d-h%d" % (lay[0], lay[1], lay[4]))
                + ("-trace" if trace else "") + ("-folded" if folded else "") + ("" if fast else "-ieee-silu")
                for c, m, e, lay, trace, folded, fast in RELEASE_CASES]
@@ -267,10 +279,16 @@ def test_config_validation():
     with pytest.raises(ValueError, match="config.tile_n"):
         GemmConfig(tile_n=192)
     for bad in (dict(tile_tokens=128), dict(mma="fp8"), dict(tile_tokens=16, ctas_per_sm=2)):  # four warpgroups' rules
-        with pytest.raises(ValueError, match="config.tile_n` 256 needs mma='bf16', ctas_per_sm=1 and tile_tokens <= 64"):
+        with pytest.raises(ValueError, match="config.tile_n` 256 needs mma='bf16' \\(or FP8 with token_block=128\\), ctas_per_sm=1 and tile_tokens <= 64"):
             GemmConfig(tile_n=256, **bad)
     with pytest.raises(ValueError, match="config.tile_n` must be 64 or 128 for the one-launch L1/L2 kernel without Mega MoE"):
         compile_l1_l2(GemmConfig(tile_tokens=16, tile_n=256))
+    with pytest.raises(ValueError, match="config.tile_n` 256 needs"):  # per-128 FP8 on four warpgroups: <= 32 tokens
+        GemmConfig(tile_n=256, tile_tokens=64, mma="fp8", token_block=128)
+    with pytest.raises(ValueError, match="config.token_block"):
+        GemmConfig(token_block=128)  # BF16 mode
+    with pytest.raises(ValueError, match="config.token_block"):
+        GemmConfig(mma="fp8", token_block=64)
     with pytest.raises(ValueError, match="config.stages"):
         GemmConfig(stages=1)
     with pytest.raises(ValueError, match="config.ctas_per_sm"):
