@@ -296,9 +296,6 @@ def main(argv=None) -> int:
     parser.add_argument("--max-gb", type=float, default=100.0, help="skip points needing more device memory")
     parser.add_argument("--json", default=None, help="write all results to this JSON file")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("megamoe.bench gemm: needs a CUDA GPU", file=sys.stderr)
-        return 2
     if args.quick:
         args.presets, args.ep, args.rows = "flash", "8", "1,16,64,1024"
     recipe = RECIPE_128 if args.recipe == 128 else RECIPE_32
@@ -307,6 +304,9 @@ def main(argv=None) -> int:
         parser.error(f"--mma takes bf16 and/or fp8, got {args.mma!r}")
     if recipe == RECIPE_128 and "bf16" in mmas:
         parser.error("--recipe 128 runs FP8 mode only (--mma fp8): FP8 tokens with FP32 scales have no exact BF16 form")
+    if not torch.cuda.is_available():
+        print("megamoe.bench gemm: needs a CUDA GPU", file=sys.stderr)
+        return 2
     points = _points(
         args.presets.split(","), args.layers.split(","),
         [int(x) for x in args.ep.split(",")], [int(x) for x in args.rows.split(",")],
