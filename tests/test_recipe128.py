@@ -8,7 +8,6 @@ in tests/distributed/test_mega_gpu.py."""
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 import pytest
@@ -593,6 +592,18 @@ def emulated_moe(x_q, x_sf, topk_idx, topk_weights, l1, l2, bits: int = 13) -> t
             a, a_sf = l1_epilogue(acc, topk_weights[tok, slot], None, True, recipe)
             o[tok, slot] = bf16_rne(emulated_gemm(a, a_sf, dequantize_fp4(l2[0][e], l2[1][e]), bits))
     return combine_slots(o)
+
+
+def test_l1_epilogue_quantizes_per_128():
+    """R2 of recipe 128: after R1, the clamp and the weighted SwiGLU (as recipe 32), the per-128 quantizer."""
+    acc = torch.randn(3, 512) * 4
+    w = torch.rand(3)
+    a, sf = l1_epilogue(acc, w, 1.5, True, RECIPE_128)
+    assert a.dtype == torch.float8_e4m3fn and a.shape == (3, 256) and sf.dtype == torch.float32 and sf.shape == (3, 2)
+    g = acc[:, :256].to(torch.bfloat16).float().clamp(max=1.5)
+    u = acc[:, 256:].to(torch.bfloat16).float().clamp(-1.5, 1.5)
+    want_a, want_sf = quantize_fp8((g / (1.0 + torch.exp(-g)) * u) * w.unsqueeze(1), recipe=RECIPE_128)
+    assert torch.equal(a.float(), want_a.float()) and torch.equal(sf, want_sf)
 
 
 def test_moe_tolerances_of_both_recipes():
