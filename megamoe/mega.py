@@ -326,8 +326,13 @@ def poison_buffer(buf: SymmBuffer) -> None:
     """Debug: fill the rings (and recipe 128's ring scales), the pool, the row destinations and the combine area with
     NaN / -1 (stream-ordered)."""
     for name in ("l1_acts", "l2_acts", "l1_topk_weights", "l1_acts_sf", "l2_acts_sf"):
-        if hasattr(buf, name):
-            getattr(buf, name).fill_(float("nan"))
+        t = getattr(buf, name, None)
+        if t is None:
+            continue
+        if t.dtype == torch.float8_e4m3fn:  # recipe 128's FP8 rings: the E4M3 NaN byte
+            t.view(torch.uint8).fill_(0x7F)
+        else:
+            t.fill_(float("nan"))
     for name in ("pool", "ring_dest"):
         getattr(buf, name).fill_(-1)  # invalid source codes / addresses (a stale address would be used silently)
     buf.combine.fill_(float("nan"))

@@ -444,6 +444,10 @@ def test_buffer_views_and_fill_buffer_recipe_128():
     buf32 = get_symm_buffer_for_mega_moe(None, 8, 16, 2, 256, 128, device="cpu")
     with pytest.raises(ValueError, match="`x_sf` must have dtype int32"):
         fill_buffer(buf32, pq, idx, w, x_sf=psf)
+    from megamoe.mega import poison_buffer
+
+    poison_buffer(buf)  # debug mode: the FP8 rings and their scales read NaN
+    assert all(getattr(buf, n).float().isnan().all() for n in ("l1_acts", "l1_acts_sf", "l2_acts", "l2_acts_sf"))
     buf.destroy()
 
 
