@@ -31,7 +31,8 @@ capturable, good for decode) replaces step 1-2 by an ``all_gather`` of every tok
 buffer (``num_max_tokens_per_rank`` rows, unused rows masked), runs steps 3 over the worst-case row
 count with device-side group offsets, and returns every (token, slot) row, zeros where another rank
 owns the slot, in one equal-split ``all_to_all``; ids are validated only when ``validate=True``
-(a host sync). NCCL moves the bytes on GPUs, gloo on CPU. Weights are dequantized to BF16 once.
+(a host sync; and recipe (1, 1, 128) with ``gemm="torch"`` on CUDA syncs in torch's FP32 grouped GEMMs, step 3).
+NCCL moves the bytes on GPUs, gloo on CPU. Weights are dequantized to BF16 (recipe 128's torch GEMMs: FP32) once.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from ..inputs import fill_buffer
 from ..layouts import quantize_fp4
 from ..staged import StagedMoE
 from ..mega import K_MULTIPLE, MegaMoE
-from ..numerics import RECIPE_32, check_activation_clamp, check_recipe, describe_recipe
+from ..numerics import RECIPE_32, RECIPE_128, check_activation_clamp, check_recipe, describe_recipe
 from ..symm_buffer import SymmBuffer
 from .checkpoint import Checkpoint, expert_range, read_expert_weights, read_mlp_weights
 
@@ -170,8 +170,12 @@ class EPMoE(nn.Module):
     @property
     def cuda_graph_capturable(self) -> bool:
         """Whether a call can be captured in a CUDA graph (staged low-latency mode, or mega after one
-        eager call)."""
-        return self.impl == "mega" or (self.impl, self.mode) == ("staged", "low_latency")
+        eager call). Not the staged path of recipe (1, 1, 128) on CUDA: its torch GEMMs run in FP32, which torch
+        does as a per-group loop that reads the group sizes on the host."""
+        if self.impl == "mega":
+            return True
+        fp32_gemms = self.recipe == RECIPE_128 and self.device.type == "cuda"
+        return self.mode == "low_latency" and not fp32_gemms
 
     @torch.no_grad()
     def load_experts(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
@@ -248,6 +252,9 @@ class EPMoE(nn.Module):
                  "per rank and call; build the layer with a larger max_tokens or split the batch)")
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if capturing and not self.cuda_graph_capturable:
+            if self.mode == "low_latency":
+                fail("impl", "'staged' with recipe (1, 1, 128) runs torch's FP32 grouped GEMMs, which sync with the "
+                     "host on CUDA and cannot be captured in a CUDA graph; use impl='mega'")
             fail("mode", f"{self.mode!r} of impl {self.impl!r} syncs with the host and cannot be captured in a "
                  "CUDA graph; use mode='low_latency'")
         fill_buffer(self.buffer, x if self.mma_type == "fp8xfp4" else x.to(torch.bfloat16),
