@@ -31,6 +31,7 @@ import torch
 from .checks import check_range, check_tensor, fail
 from .kernels.sm90 import K_MULTIPLE as GROUPED_MULTIPLE
 from .layouts.weights import check_fp4_expert_weights
+from .numerics import RECIPE_32, check_recipe
 
 PATHS = ("auto", "warp_decode", "grouped")
 MEASURED_CROSSOVERS: dict[tuple[int, int, int, int], int] = {
@@ -64,13 +65,19 @@ class MoEDecoder:
     [E, H, I/128])`` (canonical FP4 + packed UE8M0, as ``layouts.quantize_fp4`` makes them); ``num_topk``:
     k of the calls' ``topk_idx``; ``max_tokens``: largest T of a call; ``crossover``: override the
     measured one (``default_crossover``). The grouped path needs H and I multiples of 512; without it
-    ``auto`` always takes warp decode.
+    ``auto`` always takes warp decode. ``recipe``: (1, 1, 32) only (the grouped path's Mega MoE layout is the one
+    warp decode reads; recipe (1, 1, 128) raises: use ``MegaMoE(..., recipe=(1, 1, 128))`` on one rank instead).
     """
 
-    def __init__(self, l1: tuple, l2: tuple, num_topk: int, max_tokens: int, crossover: int | None = None):
+    def __init__(self, l1: tuple, l2: tuple, num_topk: int, max_tokens: int, crossover: int | None = None,
+                 recipe=RECIPE_32):
         from .mega import MegaMoE
         from .symm_buffer import get_symm_buffer_for_mega_moe
 
+        if check_recipe(recipe) != RECIPE_32:
+            fail("recipe", f"must be {RECIPE_32} for MoEDecoder: its warp-decode kernels read the recipe (1, 1, 32) "
+                 f"(BF16-mode) weight layout of the grouped path; got {tuple(recipe)}. For recipe (1, 1, 128) on one "
+                 "GPU run megamoe.MegaMoE(l1, l2, recipe=(1, 1, 128)) with a one-rank buffer of that recipe")
         check_tensor("l1[0]", l1[0], dtype=torch.uint8, ndim=3)
         hidden, inter = 2 * l1[0].shape[2], l1[0].shape[1] // 2
         experts = check_fp4_expert_weights(l1, l2, hidden, inter)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from .checks import check_tensor, fail
 from .layouts import quantize_fp8
+from .layouts.fp8 import describe_recipe, scale_dtype
 from .layouts.ue8m0 import PACKED_BLOCK_K
 from .symm_buffer import SymmBuffer
 
@@ -62,18 +64,35 @@ def random_bf16_weights(num_experts: int, n: int, k: int, gen: torch.Generator, 
 
 
 def fill_buffer(
-    buffer: SymmBuffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+    buffer: SymmBuffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+    x_sf: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Quantize BF16 tokens ``x`` as the buffer's recipe wants and copy inputs into its views.
+    """Quantize tokens ``x [T, H]`` as the buffer's recipe wants and copy inputs into its views.
 
-    Returns what was written: ``(x_q, x_sf)`` (FP8 and packed scales, or BF16 and None).
+    FP8 x FP4 buffers: ``x`` in BF16 (or FP16 / FP32) is quantized here (``layouts.quantize_fp8`` with the buffer's
+    recipe: per-32 UE8M0 scales for (1, 1, 32), per-128 FP32 scales for (1, 1, 128)); or ``x`` already FP8 E4M3
+    with its scales ``x_sf`` in the recipe's format (int32 packed UE8M0 ``[T, H/128]``, or float32 ``[T, H/128]``:
+    any positive FP32 scales, e.g. powers of two), copied as they are. BF16 buffers take BF16 ``x``.
+    Returns what was written: ``(x_q, x_sf)`` (FP8 and scales, or BF16 and None).
     """
     t = x.shape[0]
     buffer.check_num_tokens(t, "x")
-    if buffer.layout.mma_type == "fp8xfp4":
-        x_q, x_sf = quantize_fp8(x)
+    lay = buffer.layout
+    if lay.mma_type == "fp8xfp4":
+        if x.dtype == torch.float8_e4m3fn:
+            if x_sf is None:
+                fail("x_sf", "is required with FP8 tokens: their scales in the buffer's recipe "
+                     f"{describe_recipe(lay.recipe)}")
+            check_tensor("x_sf", x_sf, dtype=scale_dtype(lay.recipe), shape=(t, lay.hidden // PACKED_BLOCK_K))
+            x_q = x
+        else:
+            if x_sf is not None:
+                fail("x_sf", "must be None when x is not FP8 (fill_buffer quantizes x itself)")
+            x_q, x_sf = quantize_fp8(x, recipe=lay.recipe)
         buffer.x_sf[:t] = x_sf
     else:
+        if x_sf is not None:
+            fail("x_sf", "must be None for a BF16 buffer (mma_type='bf16')")
         x_q, x_sf = x, None
     buffer.x[:t] = x_q
     buffer.topk_idx[:t] = topk_idx

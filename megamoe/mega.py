@@ -6,8 +6,12 @@ and combine kernels of ``kernels.comm`` around torch's BF16 grouped GEMMs; the r
 describes ``fp8_fp4_mega_moe``.
 
 ``fp8_fp4_mega_moe(y, l1, l2, sym_buffer, ...)`` computes the numerics contract of ``megamoe.numerics``
-(FP8 x FP4 recipe) for the ``T = y.shape[0]`` tokens the caller copied into the buffer's ``x``, ``x_sf``,
-``topk_idx`` and ``topk_weights`` views; ``l1``/``l2`` come from ``transform_weights_for_mega_moe``. It is
+(FP8 x FP4 recipe of the buffer) for the ``T = y.shape[0]`` tokens the caller copied into the buffer's ``x``,
+``x_sf``, ``topk_idx`` and ``topk_weights`` views; ``l1``/``l2`` come from ``transform_weights_for_mega_moe`` with
+the buffer's recipe. Recipe (1, 1, 32) (the default; described below): BF16-operand rings and weights in the
+BF16-mode layout. Recipe (1, 1, 128): per-128 FP32 token scales, the rings hold FP8 rows with their FP32 scales
+(``l1_acts_sf``, ``l2_acts_sf``), the weights are in the FP8-mode layout with their scales folded into exact E4M3
+(per row, or per row and 128-K chunk), the tiles run FP8 wgmma; the protocol is the same. It is
 collective: every rank of the buffer's group makes the same sequence of calls on the same buffer. One launch on the
 caller's stream, nothing else (no host sync, no host zeroing): ``kernels.sm90.mega_moe_sm90``, every
 CTA slot of the GPU (``tile_config``: three per SM on 64-row weight tiles for decode-sized calls, two on 128-row
@@ -103,29 +107,41 @@ import torch
 
 from .checks import check_multiple, check_tensor, fail
 from .layouts.weights import check_chunk_major_scales, check_fp4_expert_weights
-from .numerics import check_activation_clamp, check_fast_math
+from .numerics import RECIPE_32, RECIPE_128, check_activation_clamp, check_fast_math, check_recipe, describe_recipe
 from .kernels.sm90 import K_MULTIPLE  # H and I must be multiples of it (the GEMM's K granularity)
-from .kernels.weight_layout import BF16_WORDS, ROW_BLOCK
+from .kernels.weight_layout import BF16_WORDS, CHUNK_BYTES, ROW_BLOCK, folded_scale_format
 from .symm_buffer import SymmBuffer
 from .timeline import trace_buffer, trace_buffer_words
 
 DEBUG_ENV = "MEGAMOE_DEBUG"
 DEBUG_TIMEOUT_ENV = "MEGAMOE_DEBUG_TIMEOUT_S"
 DEFAULT_DEBUG_TIMEOUT_S = 10.0
-RECIPE = (1, 1, 32)
-"""Scale granularity (token rows, weight rows, K elements): per-token, per-row, per-32 UE8M0 scales."""
+RECIPE = RECIPE_32
+"""The default recipe (token rows, weight rows, K elements per scale): per-token, per-row, per-32 UE8M0 scales."""
 
 
-def transform_weights_for_mega_moe(l1: tuple, l2: tuple) -> tuple[tuple, tuple]:
-    """Canonical FP4 weights of this rank's experts -> the kernels' operands (once, at load time).
+def transform_weights_for_mega_moe(l1: tuple, l2: tuple, recipe=RECIPE_32, *, return_reports: bool = False):
+    """Canonical FP4 weights of this rank's experts -> the kernels' operands for ``recipe`` (once, at load time).
 
     ``l1 = (uint8 [E_l, 2I, H/2], int32 [E_l, 2I, H/128])`` rows [gate; up], ``l2 = (uint8 [E_l, H, I/2],
     int32 [E_l, H, I/128])``; H and I multiples of 512. Returns ``(l1k, l2k)``: L1 rows interleaved for
-    the SwiGLU epilogue and both in the SM90 kernel's BF16-operand-mode layout (``int32 [E_l, N/64, K/128,
-    64, 16]``, chunk-major scales ``int32 [E_l, K/128, N]``); scale codes outside that mode's exact decode range
-    raise.
+    the SwiGLU epilogue, and
+
+    * recipe (1, 1, 32) (default): both in the SM90 kernel's BF16-operand-mode layout (``int32 [E_l, N/64, K/128,
+      64, 16]``, chunk-major scales ``int32 [E_l, K/128, N]``); scale codes outside that mode's exact decode range
+      raise;
+    * recipe (1, 1, 128): both in the FP8-mode layout (``uint8 [E_l, N/64, K/128, 64, 64]``) with the scales folded
+      into exact E4M3 (``prepare_fp4_weights(..., mma="fp8", fold="auto")``): one FP32 scale per row (``int32 [E_l,
+      K/128 + 1, N]``) where every row of the tensor fits, else one per row and 128-K chunk (``int32 [E_l, 2 * K/128,
+      N]``, with a ``FoldFallbackWarning`` naming the rows); a 128-K chunk whose nonzero blocks span more than 11
+      binades raises, naming expert, row and chunk (weights are never rounded).
+
+    ``return_reports``: also return ``{"l1": FoldReport, "l2": FoldReport}`` (recipe 128; None for recipe 32):
+    which rows folded per row and which needed per-chunk scales (L1 rows named in checkpoint order).
     """
     from .kernels import sm90
+
+    recipe = check_recipe(recipe)
 
     for name, pair in (("l1", l1), ("l2", l2)):
         if not (isinstance(pair, tuple) and len(pair) == 2):
@@ -135,7 +151,13 @@ def transform_weights_for_mega_moe(l1: tuple, l2: tuple) -> tuple[tuple, tuple]:
     check_fp4_expert_weights(l1, l2, hidden, inter)
     check_multiple("hidden (l1[0].shape[2] * 2)", hidden, K_MULTIPLE, "the SM90 grouped GEMM's K granularity")
     check_multiple("intermediate (l1[0].shape[1] / 2)", inter, K_MULTIPLE, "the SM90 grouped GEMM's K granularity")
-    return sm90.prepare_fp4_weights_l1(*l1, mma="bf16"), sm90.prepare_fp4_weights(*l2, mma="bf16")
+    if recipe == RECIPE_32:
+        l1k, l2k, reports = sm90.prepare_fp4_weights_l1(*l1, mma="bf16"), sm90.prepare_fp4_weights(*l2, mma="bf16"), None
+    else:
+        *l1k, r1 = sm90.prepare_fp4_weights_l1(*l1, mma="fp8", fold="auto", return_report=True)
+        *l2k, r2 = sm90.prepare_fp4_weights(*l2, mma="fp8", fold="auto", return_report=True)
+        l1k, l2k, reports = tuple(l1k), tuple(l2k), {"l1": r1, "l2": r2}
+    return (l1k, l2k, reports) if return_reports else (l1k, l2k)
 
 
 def debug_enabled(debug: bool | None) -> bool:
@@ -199,11 +221,14 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     run 256-row weight tiles on four consumer warpgroups (``select_config``), one CTA per SM: faster than the 128-row
     tiles from a few rows per expert (128 and 512 tokens/rank), slower below one (8 tokens/rank); decode-sized calls
     keep the three-CTA tiles. Both thresholds come from alternated A/Bs with every row checked
-    (bench/findings/mega-small-calls.md, bench/findings/four-consumer-warpgroups.md)."""
+    (bench/findings/mega-small-calls.md, bench/findings/four-consumer-warpgroups.md). Recipe (1, 1, 128) buffers get
+    ``select_config``'s FP8-mode choice for the expected rows per expert."""
     from .kernels import sm90
 
     rows_per_expert = min(layout.num_ranks * num_tokens * layout.num_topk / layout.num_experts, layout.num_ring_tokens // 2)
     n = math.gcd(2 * layout.intermediate_hidden, layout.hidden)
+    if layout.recipe == RECIPE_128:  # FP8-mode tiles (the kernels' select_config for FP8 mode)
+        return sm90.select_config(rows_per_expert, n, layout.hidden, "fp8")
     cfg = sm90.select_config(rows_per_expert, n, layout.hidden, four_warpgroups=False)
     touched = layout.num_local_experts * -math.expm1(-rows_per_expert)  # experts with a row (Poisson counts)
     l1_tiles = touched * 2 * layout.intermediate_hidden / 128
@@ -216,23 +241,55 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     return cfg
 
 
-def check_fp4_operands(l1, l2, sym_buffer: SymmBuffer, recipe) -> None:
-    """``fp8_fp4_mega_moe``'s weights (``transform_weights_for_mega_moe``'s operands) and recipe."""
-    if tuple(recipe) != RECIPE:
-        fail("recipe", f"must be {RECIPE} (per-token, per-row, per-32 UE8M0 scales), got {tuple(recipe)}")
+def check_fp4_operands(l1, l2, sym_buffer: SymmBuffer, recipe=None) -> tuple[int, int, int]:
+    """``fp8_fp4_mega_moe``'s weights (``transform_weights_for_mega_moe``'s operands) against the buffer's recipe
+    (``recipe``: None, or the same); returns that recipe."""
     lay = sym_buffer.layout
+    if recipe is not None and check_recipe(recipe) != lay.recipe:
+        fail("recipe", f"must be the buffer's recipe {describe_recipe(lay.recipe)} (or None), got {tuple(recipe)}; "
+             f"allocate the buffer with recipe={tuple(recipe)} for that recipe")
+    recipe = lay.recipe
     e_l, h, i = lay.num_local_experts, lay.hidden, lay.intermediate_hidden
     check_multiple("sym_buffer hidden", h, K_MULTIPLE, "the SM90 grouped GEMM's K granularity")
     check_multiple("sym_buffer intermediate_hidden", i, K_MULTIPLE, "the SM90 grouped GEMM's K granularity")
+    transform = f"transform_weights_for_mega_moe(l1, l2, recipe={recipe})"
     for name, pair, n, kk in (("l1", l1, 2 * i, h), ("l2", l2, h, i)):
         if not (isinstance(pair, tuple) and len(pair) == 2):
             fail(name, "must be the (weights, scales) tuple of transform_weights_for_mega_moe")
-        if isinstance(pair[0], torch.Tensor) and pair[0].dtype == torch.uint8:
-            fail(f"{name}[0]", "is uint8 (canonical FP4 weights?): pass the kernel operands of "
-                 "transform_weights_for_mega_moe(l1, l2), int32 [E/R, N/64, K/128, 64, 16]")
-        check_tensor(f"{name}[0]", pair[0], dtype=torch.int32, shape=(e_l, n // ROW_BLOCK, kk // 128, ROW_BLOCK, BF16_WORDS),
-                     device=sym_buffer.device, contiguous=True)
-        check_chunk_major_scales(f"{name}[1]", pair[1], e_l, n, kk, device=sym_buffer.device)
+        w, sf = pair
+        if isinstance(w, torch.Tensor) and w.dtype == torch.uint8 and w.dim() == 3:
+            layout = ("int32 [E/R, N/64, K/128, 64, 16]" if recipe == RECIPE_32 else
+                      "uint8 [E/R, N/64, K/128, 64, 64] with folded scales")
+            fail(f"{name}[0]", f"is uint8 (canonical FP4 weights?): pass the kernel operands of {transform}, {layout}")
+        if recipe == RECIPE_32:
+            if isinstance(w, torch.Tensor) and w.dtype == torch.uint8:
+                fail(f"{name}[0]", f"is in the FP8-mode layout uint8 [E/R, N/64, K/128, 64, 64] (weights of recipe "
+                     f"(1, 1, 128)), but the buffer holds recipe {describe_recipe(recipe)}: use {transform}, or a "
+                     "buffer allocated with recipe=(1, 1, 128)")
+            check_tensor(f"{name}[0]", w, dtype=torch.int32,
+                         shape=(e_l, n // ROW_BLOCK, kk // 128, ROW_BLOCK, BF16_WORDS), device=sym_buffer.device,
+                         contiguous=True)
+            check_chunk_major_scales(f"{name}[1]", sf, e_l, n, kk, device=sym_buffer.device)
+            continue
+        if isinstance(w, torch.Tensor) and w.dtype == torch.int32:
+            fail(f"{name}[0]", f"is in the BF16-mode layout int32 [E/R, N/64, K/128, 64, 16] (weights of recipe "
+                 f"(1, 1, 32)), but the buffer holds recipe {describe_recipe(recipe)}: use {transform}, or a buffer "
+                 "allocated with recipe=(1, 1, 32)")
+        check_tensor(f"{name}[0]", w, dtype=torch.uint8,
+                     shape=(e_l, n // ROW_BLOCK, kk // 128, ROW_BLOCK, CHUNK_BYTES), device=sym_buffer.device,
+                     contiguous=True)
+        check_tensor(f"{name}[1]", sf, dtype=torch.int32, ndim=3, device=sym_buffer.device, contiguous=True)
+        chunks = kk // 128
+        if tuple(sf.shape) == (e_l, n, chunks):
+            fail(f"{name}[1]", f"has the canonical shape [E/R, N, K/128] = {list(sf.shape)}: pass the folded scales "
+                 f"of {transform}")
+        if sf.shape[0] != e_l or sf.shape[2] != n:
+            fail(f"{name}[1]", f"must be folded chunk-major scales [E/R, K/128 + 1, N] = {[e_l, chunks + 1, n]} or "
+                 f"[E/R, 2 * K/128, N] = {[e_l, 2 * chunks, n]}, got {list(sf.shape)}")
+        if folded_scale_format(sf, chunks) == "absolute":
+            fail(f"{name}[1]", f"holds absolute UE8M0 scales [E/R, K/128, N]; recipe {describe_recipe(recipe)} needs "
+                 f"the weight scales folded into E4M3: {transform}")
+    return recipe
 
 
 @dataclass
@@ -266,10 +323,16 @@ def _state(buf: SymmBuffer) -> _State:
 
 
 def poison_buffer(buf: SymmBuffer) -> None:
-    """Debug: fill the rings, the pool, the row destinations and the combine area with NaN / -1
-    (stream-ordered)."""
-    for name in ("l1_acts", "l2_acts", "l1_topk_weights"):
-        getattr(buf, name).fill_(float("nan"))
+    """Debug: fill the rings (and recipe 128's ring scales), the pool, the row destinations and the combine area with
+    NaN / -1 (stream-ordered)."""
+    for name in ("l1_acts", "l2_acts", "l1_topk_weights", "l1_acts_sf", "l2_acts_sf"):
+        t = getattr(buf, name, None)
+        if t is None:
+            continue
+        if t.dtype == torch.float8_e4m3fn:  # recipe 128's FP8 rings: the E4M3 NaN byte
+            t.view(torch.uint8).fill_(0x7F)
+        else:
+            t.fill_(float("nan"))
     for name in ("pool", "ring_dest"):
         getattr(buf, name).fill_(-1)  # invalid source codes / addresses (a stale address would be used silently)
     buf.combine.fill_(float("nan"))
@@ -314,7 +377,7 @@ def fp8_fp4_mega_moe(
     l2: tuple,
     sym_buffer: SymmBuffer,
     cumulative_local_expert_recv_stats: torch.Tensor | None = None,
-    recipe: tuple = RECIPE,
+    recipe: tuple | None = None,
     activation: str = "swiglu",
     activation_clamp: float | None = None,
     fast_math: bool = True,
@@ -322,11 +385,12 @@ def fp8_fp4_mega_moe(
 ) -> torch.Tensor:
     """Fill ``y [T, H]`` (BF16) with the MoE output of the tokens in ``sym_buffer``'s input views.
 
-    ``l1``, ``l2``: this rank's experts from ``transform_weights_for_mega_moe``. ``sym_buffer``: from
-    ``get_symm_buffer_for_mega_moe(..., mma_type="fp8xfp4")``, any ring size (the default holds every row a
-    rank can receive up to 65536; a smaller ring is reused within the call, module docstring).
-    ``cumulative_local_expert_recv_stats``: optional int32
-    ``[E/R]``, incremented by the rows each local expert received. ``recipe``: (1, 1, 32) only.
+    ``l1``, ``l2``: this rank's experts from ``transform_weights_for_mega_moe`` with the buffer's recipe.
+    ``sym_buffer``: from ``get_symm_buffer_for_mega_moe(..., mma_type="fp8xfp4", recipe=...)``, any ring size (the
+    default holds every row a rank can receive up to 65536; a smaller ring is reused within the call, module
+    docstring). ``cumulative_local_expert_recv_stats``: optional int32
+    ``[E/R]``, incremented by the rows each local expert received. ``recipe``: None (the buffer's) or the buffer's
+    recipe, (1, 1, 32) or (1, 1, 128); weights of the other recipe raise before any launch.
     ``activation_clamp``: ``gate <= c``, ``|up| <= c`` (rounded to BF16). ``fast_math``: silu with approximate
     exp and reciprocal (``ex2.approx``, ``rcp.approx``; the contract allows both), else the IEEE exp and division.
     ``debug``: module docstring (None: ``MEGAMOE_DEBUG``). Collective, asynchronous, CUDA-graph capturable
@@ -356,7 +420,7 @@ def trace_fp8_fp4_mega_moe(
     Returns ``trace``: ``timeline.MegaTimeline.from_buffer(trace)`` reads it once the call is done.
     Asynchronous, CUDA-graph capturable after a first call. Collective."""
     stats = cumulative_local_expert_recv_stats
-    cfg = _check_fp8_fp4_call(y, l1, l2, sym_buffer, stats, "swiglu", activation_clamp, fast_math, RECIPE)
+    cfg = _check_fp8_fp4_call(y, l1, l2, sym_buffer, stats, "swiglu", activation_clamp, fast_math, None)
     num_ctas = _state(sym_buffer).num_ctas * cfg.ctas_per_sm
     if trace is None:
         trace = trace_buffer(num_ctas, y.device)
@@ -385,11 +449,14 @@ def _fp8_fp4_launch(y, l1, l2, buf: SymmBuffer, stats, activation_clamp, fast_ma
     lay = buf.layout
     st = _state(buf)
     num_tokens = y.shape[0]
+    # Recipe (1, 1, 128): the rings' FP32 scales go with the FP8 rings (the L1 operand's and L2's).
+    ring_scales = dict(a_sf=buf.l1_acts_sf, act_sf=buf.l2_acts_sf) if lay.recipe == RECIPE_128 else {}
     sm90.mega_moe_sm90(
         EpCommConfig(lay, debug, stats is not None, trace is not None), buf.l1_acts, *l1, buf.l1_topk_weights,
         *l2, buf.ring_dest, buf.l2_acts, buf.expert_offsets, activation_clamp, cfg,
         st.gemm_sync, buf.rank, num_tokens, buf.buffer.data_ptr(), st.peers, stats,
         (st.record if trace is None else trace).data_ptr(), y, debug_timeout_ns() if debug else 0, fast_math,
+        **ring_scales,
     )
 
 
@@ -442,18 +509,30 @@ def bf16_mega_moe(
 class MegaMoE:
     """The Mega MoE path with this rank's experts prepared once: a drop-in beside ``StagedMoE``.
 
-    ``l1``, ``l2``: canonical FP4 tuples (``fp8_fp4_mega_moe``, transformed here) or BF16 tensors
-    (``bf16_mega_moe``), as ``StagedMoE`` takes them; ``fast_math`` as ``fp8_fp4_mega_moe``'s. Call as
-    ``moe(y, sym_buffer, cumulative_local_expert_recv_stats, activation_clamp=None, debug=None)``.
+    ``l1``, ``l2``: canonical FP4 tuples (``fp8_fp4_mega_moe``, transformed here for ``recipe``) or BF16 tensors
+    (``bf16_mega_moe``; the default recipe only), as ``StagedMoE`` takes them; ``fast_math`` as
+    ``fp8_fp4_mega_moe``'s. ``recipe``: (1, 1, 32) (default) or (1, 1, 128); the buffers it runs on must hold
+    the same. ``fold_reports``: recipe 128's ``FoldReport`` of L1 and L2 (which rows needed per-chunk scales), else
+    None. Call as ``moe(y, sym_buffer, cumulative_local_expert_recv_stats, activation_clamp=None, debug=None)``.
     """
 
-    def __init__(self, l1, l2, fast_math: bool = True):
+    def __init__(self, l1, l2, fast_math: bool = True, recipe=RECIPE_32):
         self.fp8 = isinstance(l1, tuple)
         self.fast_math = check_fast_math(fast_math)
-        self.l1, self.l2 = transform_weights_for_mega_moe(l1, l2) if self.fp8 else (l1, l2)
+        recipe = check_recipe(recipe)
+        if not self.fp8 and recipe != RECIPE_32:
+            fail("recipe", f"applies to FP4 weights (fp8_fp4_mega_moe) only; BF16 weights take the default, got {recipe}")
+        self.recipe = recipe if self.fp8 else None
+        self.fold_reports = None
+        if self.fp8:
+            self.l1, self.l2, self.fold_reports = transform_weights_for_mega_moe(l1, l2, recipe, return_reports=True)
+        else:
+            self.l1, self.l2 = l1, l2
 
     def __call__(self, y: torch.Tensor, sym_buffer: SymmBuffer, cumulative_local_expert_recv_stats=None,
                  activation_clamp: float | None = None, debug: bool | None = None) -> torch.Tensor:
-        run = fp8_fp4_mega_moe if self.fp8 else bf16_mega_moe
-        return run(y, self.l1, self.l2, sym_buffer, cumulative_local_expert_recv_stats,
-                   activation_clamp=activation_clamp, fast_math=self.fast_math, debug=debug)
+        if self.fp8:
+            return fp8_fp4_mega_moe(y, self.l1, self.l2, sym_buffer, cumulative_local_expert_recv_stats, self.recipe,
+                                    activation_clamp=activation_clamp, fast_math=self.fast_math, debug=debug)
+        return bf16_mega_moe(y, self.l1, self.l2, sym_buffer, cumulative_local_expert_recv_stats,
+                             activation_clamp=activation_clamp, fast_math=self.fast_math, debug=debug)

@@ -1,12 +1,15 @@
 """The FP32 reference of the numerics contract, written for clarity, not speed.
 
 It dequantizes with ``megamoe.layouts`` and sums every dot product in float64 (so its only
-roundings are the contract's R1..R4), one expert at a time. ``reference_slot_outputs`` computes
+roundings are the contract's R1..R4), one expert at a time. The token scales tell the recipe: packed int32
+UE8M0 per 32 (recipe (1, 1, 32)), float32 per 128 (recipe (1, 1, 128)); R2 then quantizes the SwiGLU output
+the same way. ``reference_slot_outputs`` computes
 the BF16 rows ``o [T, k, H]`` for the slots that route to a given expert range (zeros elsewhere):
 called with all experts it is the single-process reference; called per rank with its local experts
 and summed over ranks it is the distributed one (each slot is owned by exactly one rank, so the sum
 of one row and zeros is exact). ``reference_decode`` is the float64 reference of the warp-decode path
-(BF16 activations, no rounding).
+(BF16 activations, no rounding). ``recipe_errors`` measures each FP8 recipe against that unquantized result on the
+same inputs.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import torch.distributed as dist
 
 from .dist import rank_and_size
 from .layouts import dequantize_fp4, dequantize_fp8
-from .numerics import bf16_rne, combine_slots, l1_epilogue
+from .layouts import quantize_fp8
+from .numerics import RECIPES, bf16_rne, combine_slots, l1_epilogue, max_row_rel_error, recipe_of_scales, rel_fro_error
 
 
 def _dequant_tokens(x: torch.Tensor, x_sf: torch.Tensor | None) -> torch.Tensor:
-    return dequantize_fp8(x, x_sf).double() if x_sf is not None else x.double()
+    """float64 tokens: FP8 times its scales (exact in float64 for both recipes), or BF16 as is."""
+    return dequantize_fp8(x, x_sf, torch.float64) if x_sf is not None else x.double()
 
 
 def _dequant_weight(w: torch.Tensor | tuple[torch.Tensor, torch.Tensor], e: int) -> torch.Tensor:
@@ -41,13 +46,15 @@ def reference_slot_outputs(
 ) -> torch.Tensor:
     """BF16 ``o [T, k, H]`` for slots whose expert is in ``[first_expert, first_expert + E_l)``.
 
-    ``x``: FP8 ``[T, H]`` with ``x_sf`` int32 ``[T, H/128]``, or BF16 with ``x_sf=None``. ``l1``/``l2``:
-    canonical FP4 ``(weights, scales)`` tuples or BF16 tensors for experts ``first_expert ..``.
+    ``x``: FP8 ``[T, H]`` with ``x_sf`` int32 ``[T, H/128]`` (recipe (1, 1, 32)) or float32 ``[T, H/128]`` (recipe
+    (1, 1, 128)), or BF16 with ``x_sf=None``. ``l1``/``l2``: canonical FP4 ``(weights, scales)`` tuples or BF16
+    tensors for experts ``first_expert ..``. R2 follows the tokens' recipe.
     """
     t, k = topk_idx.shape
     hidden = x.shape[1]
     num_local = (l1[0] if isinstance(l1, tuple) else l1).shape[0]
     fp8 = x_sf is not None
+    recipe = recipe_of_scales(x_sf, "x_sf") if fp8 else None
     o = torch.zeros(t, k, hidden, dtype=torch.bfloat16, device=x.device)
     xd = _dequant_tokens(x, x_sf)
     for e in range(num_local):
@@ -55,7 +62,7 @@ def reference_slot_outputs(
         if tok.numel() == 0:
             continue
         acc = xd[tok] @ _dequant_weight(l1, e).T
-        a, a_sf = l1_epilogue(acc, topk_weights[tok, slot], activation_clamp, fp8)
+        a, a_sf = l1_epilogue(acc, topk_weights[tok, slot], activation_clamp, fp8, recipe)
         ad = _dequant_tokens(a, a_sf)
         o[tok, slot] = bf16_rne(ad @ _dequant_weight(l2, e).T)
     return o
@@ -138,3 +145,18 @@ def reference_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp=None) -
             a = g / (1 + torch.exp(-g)) * u
             y[t] += float(topk_weights[t, j]) * (w2 @ a)
     return y
+
+
+def recipe_errors(x, topk_idx, topk_weights, l1, l2, activation_clamp=None) -> dict[tuple, dict[str, float]]:
+    """Each FP8 recipe's error against the unquantized result, on the same inputs (one process, all experts).
+
+    ``x`` BF16 ``[T, H]`` (unquantized tokens), ``l1``/``l2`` canonical FP4 weights of all experts. The unquantized
+    result is ``reference_decode`` (float64: tokens and SwiGLU outputs never quantized, no rounding; the FP4 weights
+    as they are); each recipe's is ``reference_moe`` on the tokens quantized its way (R1..R4 included). Returns
+    ``{recipe: {"rel_fro", "max_row_rel"}}`` for ``(1, 1, 32)`` and ``(1, 1, 128)``."""
+    exact = reference_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp)
+    out = {}
+    for recipe in RECIPES:
+        y = reference_moe(*quantize_fp8(x, recipe=recipe), topk_idx, topk_weights, l1, l2, activation_clamp)
+        out[recipe] = {"rel_fro": rel_fro_error(y, exact), "max_row_rel": max_row_rel_error(y, exact)}
+    return out

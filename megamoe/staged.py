@@ -13,7 +13,15 @@ numerics contract (``megamoe.numerics``) exactly. One call:
    every FP8 or FP4 value times a power of two is a BF16 value), FP32 accumulation, BF16 out, and the
    SwiGLU-quant step is torch code; with ``gemm="sm90"`` they are megamoe's SM90 grouped GEMMs on the
    FP4 weights in BF16-operand mode (tokens dequantized exactly to BF16), L1 with the SwiGLU-quant
-   epilogue fused (its output: the FP8-quantized values stored as BF16, L2's operand);
+   epilogue fused (its output: the FP8-quantized values stored as BF16, L2's operand). Recipe
+   (1, 1, 128) (``recipe=``, per-128 FP32 token scales; an FP8 value times such a scale is not a BF16
+   value): ``gemm="torch"`` dequantizes tokens and SwiGLU outputs to FP32 (``q * scale``, one FP32
+   rounding, ~2**-24: within the contract's FP32 summation freedom) and runs ``torch._grouped_mm`` in
+   FP32 over the FP32 weights (exact), BF16 at R1 / R3 as the contract rounds (on CUDA torch runs FP32
+   grouped GEMMs as a per-group loop that reads the group sizes on the host: a sync, not capturable);
+   ``gemm="sm90"`` runs the FP8-mode SM90 GEMMs on FP8 tokens with their FP32 scales and the weights
+   folded into exact E4M3 (``prepare_fp4_weights(..., mma="fp8", fold="auto")``), L1's epilogue
+   quantizing per 128 (FP8 + FP32 scales, L2's operand);
 4. combine: every slot's BF16 row returns to its source rank in one ``all_to_all`` and the source
    sums its slots in FP32 in slot order.
 
@@ -23,7 +31,8 @@ capturable, good for decode) replaces step 1-2 by an ``all_gather`` of every tok
 buffer (``num_max_tokens_per_rank`` rows, unused rows masked), runs steps 3 over the worst-case row
 count with device-side group offsets, and returns every (token, slot) row, zeros where another rank
 owns the slot, in one equal-split ``all_to_all``; ids are validated only when ``validate=True``
-(a host sync). NCCL moves the bytes on GPUs, gloo on CPU. Weights are dequantized to BF16 once.
+(a host sync; and recipe (1, 1, 128) with ``gemm="torch"`` on CUDA syncs in torch's FP32 grouped GEMMs, step 3).
+NCCL moves the bytes on GPUs, gloo on CPU. Weights are dequantized to BF16 (recipe 128's torch GEMMs: FP32) once.
 """
 
 from __future__ import annotations
@@ -37,7 +46,8 @@ from .checks import check_multiple, fail
 from .dist import all_gather_rows, all_to_all_rows
 from .layouts import contiguous_layout, dequantize_fp4, dequantize_fp8
 from .layouts.weights import check_bf16_expert_weights, check_fp4_expert_weights
-from .numerics import check_activation_clamp, check_fast_math, combine_slots, l1_epilogue
+from .numerics import (RECIPE_32, RECIPE_128, check_activation_clamp, check_fast_math, check_recipe, combine_slots,
+                       describe_recipe, l1_epilogue)
 from .symm_buffer import SymmBuffer
 
 
@@ -68,26 +78,35 @@ class StagedMoE:
     ``"normal"`` or ``"low_latency"``; ``gemm``: ``"torch"`` or ``"sm90"`` (module docstring; "sm90"
     needs a Hopper GPU and hidden, intermediate multiples of 512). ``fast_math``: the "sm90" L1 epilogue's silu
     with approximate exp and reciprocal (as ``fp8_fp4_mega_moe``'s, whose result it then equals bit for bit);
-    "torch" computes silu with torch's exp and division either way.
+    "torch" computes silu with torch's exp and division either way. ``recipe``: the FP8 x FP4 recipe, (1, 1, 32)
+    (default) or (1, 1, 128) (module docstring); the buffer must hold the same (BF16 weights: the default only).
+    ``fold_reports``: recipe (1, 1, 128) with ``gemm="sm90"``, the ``FoldReport`` of L1 and L2 (else None).
     """
 
     MODES = ("normal", "low_latency")
     GEMMS = ("torch", "sm90")
 
-    def __init__(self, l1, l2, mode: str = "normal", gemm: str = "torch", fast_math: bool = True):
+    def __init__(self, l1, l2, mode: str = "normal", gemm: str = "torch", fast_math: bool = True,
+                 recipe=RECIPE_32):
         self._check_mode(mode)
         if gemm not in self.GEMMS:
             fail("gemm", f"must be one of {self.GEMMS}, got {gemm!r}")
         self.mode, self.gemm, self.fast_math = mode, gemm, check_fast_math(fast_math)
         self.fp8 = isinstance(l1, tuple)
+        recipe = check_recipe(recipe)
+        if not self.fp8 and recipe != RECIPE_32:
+            fail("recipe", f"applies to FP4 weights (fp8xfp4) only; BF16 weights take the default, got {recipe}")
+        self.recipe = recipe if self.fp8 else None
+        self.fold_reports = None
         w1 = l1[0] if self.fp8 else l1
         self.hidden = w1.shape[2] * (2 if self.fp8 else 1) if w1.dim() == 3 else -1
         self.intermediate = w1.shape[1] // 2 if w1.dim() == 3 else -1
         check = check_fp4_expert_weights if self.fp8 else check_bf16_expert_weights
         self.num_local_experts = check(l1, l2, self.hidden, self.intermediate)
         if gemm == "torch":
-            self.w1t = self._bf16(l1).transpose(1, 2)  # [E_l, H, 2I], the K x N operand of _grouped_mm
-            self.w2t = self._bf16(l2).transpose(1, 2)  # [E_l, I, H]
+            dtype = torch.float32 if self.recipe == RECIPE_128 else torch.bfloat16  # exact either way
+            self.w1t = self._dequant(l1, dtype).transpose(1, 2)  # [E_l, H, 2I], the K x N operand of _grouped_mm
+            self.w2t = self._dequant(l2, dtype).transpose(1, 2)  # [E_l, I, H]
             return
         # SM90 FP8 x FP4 grouped GEMMs straight on the FP4 weights (L1 with the fused SwiGLU-quant epilogue).
         from .kernels import sm90
@@ -96,6 +115,11 @@ class StagedMoE:
             fail("gemm", "'sm90' runs the fp8xfp4 recipe; BF16 weights need gemm='torch'")
         for name, k in (("hidden", self.hidden), ("intermediate", self.intermediate)):
             check_multiple(f"{name} (a GEMM K)", k, sm90.K_MULTIPLE, "the SM90 grouped GEMM's K granularity")
+        if self.recipe == RECIPE_128:  # FP8 mode, scales folded into exact E4M3 (per row, else per row and chunk)
+            *self.l1k, rep1 = sm90.prepare_fp4_weights_l1(*l1, mma="fp8", fold="auto", return_report=True)
+            *self.l2k, rep2 = sm90.prepare_fp4_weights(*l2, mma="fp8", fold="auto", return_report=True)
+            self.l1k, self.l2k, self.fold_reports = tuple(self.l1k), tuple(self.l2k), {"l1": rep1, "l2": rep2}
+            return
         self.l1k = sm90.prepare_fp4_weights_l1(*l1, mma="bf16")
         self.l2k = sm90.prepare_fp4_weights(*l2, mma="bf16")
 
@@ -112,13 +136,14 @@ class StagedMoE:
             fail("mode", f"must be one of {cls.MODES}, got {mode!r}")
 
     @staticmethod
-    def _bf16(w) -> torch.Tensor:
+    def _dequant(w, dtype: torch.dtype) -> torch.Tensor:
+        """Canonical FP4 weights dequantized to ``dtype`` (BF16 or FP32: exact), BF16 weights as they are."""
         if not isinstance(w, tuple):
             return w
         q, sf = w
-        out = torch.empty(q.shape[0], q.shape[1], 2 * q.shape[2], dtype=torch.bfloat16, device=q.device)
+        out = torch.empty(q.shape[0], q.shape[1], 2 * q.shape[2], dtype=dtype, device=q.device)
         for e in range(q.shape[0]):  # one expert at a time bounds the FP32 temporaries
-            out[e] = dequantize_fp4(q[e], sf[e], torch.bfloat16)
+            out[e] = dequantize_fp4(q[e], sf[e], dtype)
         return out
 
     def _check_call(self, y: torch.Tensor, buf: SymmBuffer, stats: torch.Tensor | None, clamp: float | None) -> None:
@@ -127,6 +152,10 @@ class StagedMoE:
         have = (lay.mma_type, lay.hidden, lay.intermediate_hidden, lay.num_local_experts)
         if want != have:
             fail("sym_buffer", f"has (mma_type, hidden, intermediate, local experts) = {have}, the weights {want}")
+        if self.fp8 and lay.recipe != self.recipe:
+            fail("sym_buffer", f"holds recipe {describe_recipe(lay.recipe)}, this StagedMoE runs recipe "
+                 f"{describe_recipe(self.recipe)}: allocate the buffer with recipe={self.recipe} or build the "
+                 f"StagedMoE with recipe={lay.recipe}")
         buf.check_call(y, stats)
         check_activation_clamp(clamp)
 
@@ -161,6 +190,8 @@ class StagedMoE:
         if rows == 0:
             return torch.empty(0, self.hidden, dtype=torch.bfloat16, device=dev), dst
         weights = r_w[src_row, src_slot]
+        if self.recipe == RECIPE_128:
+            return self._expert_compute_128(r_x[src_row], r_sf[src_row], weights, grouped, clamp), dst
         a_in = dequantize_fp8(r_x[src_row], r_sf[src_row], torch.bfloat16) if self.fp8 else r_x[src_row]
         if self.gemm == "sm90":  # BF16-operand mode: exact BF16 tokens, FP4 weights decoded with their scales
             from .kernels import sm90
@@ -175,6 +206,22 @@ class StagedMoE:
         a, a_sf = l1_epilogue(h1, weights, clamp, self.fp8)
         a_in = dequantize_fp8(a, a_sf, torch.bfloat16) if self.fp8 else a
         return torch._grouped_mm(a_in, self.w2t, offs=ends), dst
+
+    def _expert_compute_128(self, x, x_sf, weights, grouped, clamp) -> torch.Tensor:
+        """Recipe (1, 1, 128) L1, SwiGLU-quant and L2 on the grouped rows (FP8 ``x [rows, H]``, FP32 ``x_sf``):
+        ``o [rows, H]`` BF16 (module docstring)."""
+        if self.gemm == "sm90":  # FP8 mode: FP8 tokens with FP32 scales per 128, folded E4M3 weights
+            from .kernels import sm90
+
+            a, a_sf = sm90.grouped_gemm_fp8_fp4_swiglu_contiguous(
+                x, x_sf, *self.l1k, grouped.offsets, weights, clamp=clamp, out_dtype=torch.float8_e4m3fn,
+                fast_math=self.fast_math,
+            )
+            return sm90.grouped_gemm_fp8_fp4_contiguous(a, a_sf, *self.l2k, grouped.offsets)
+        ends = grouped.offsets[1:]
+        h1 = torch._grouped_mm(dequantize_fp8(x, x_sf, torch.float32), self.w1t, offs=ends)  # FP32 acc, FP32 out
+        a, a_sf = l1_epilogue(h1, weights, clamp, True, RECIPE_128)  # R1 (BF16), SwiGLU, R2 (per-128 FP8)
+        return torch._grouped_mm(dequantize_fp8(a, a_sf, torch.float32), self.w2t, offs=ends).to(torch.bfloat16)  # R3
 
     def _pack(self, buf: SymmBuffer, rows: torch.Tensor | slice, idx: torch.Tensor) -> tuple[torch.Tensor, list]:
         """Byte rows [top-k ids | top-k weights | token | scales] of the buffer's ``rows``, 16-byte

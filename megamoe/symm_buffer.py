@@ -16,12 +16,14 @@ expert_offsets     int32 [E/R + 1]                   their starts in the L1 ring
 pool               int32 [E/R, R * T_max]            per local expert: source code of each row
 ring_dest          int64 [ring]                      address of each ring row's combine slot (source rank)
 x                  e4m3 / bf16 [T_max, H]            input tokens (FP8, or BF16 for mma "bf16")
-x_sf               int32 [T_max, H/128]              packed UE8M0 token scales (FP8 only)
+x_sf               int32 / float32 [T_max, H/128]    token scales: packed UE8M0 (recipe 32), FP32 (recipe 128)
 topk_idx           int64 [T_max, k]                  routed expert ids, -1 = unused slot
 topk_weights       float32 [T_max, k]                routing weights
-l1_acts            bf16 [ring, H]                    L1 input ring (pulled token rows, FP8 dequantized)
+l1_acts            bf16 / e4m3 [ring, H]             L1 input ring (pulled token rows)
+l1_acts_sf         float32 [ring, H/128]             their FP32 scales (recipe 128 only)
 l1_topk_weights    float32 [ring]                    routing weight of each ring row
-l2_acts            bf16 [ring, I]                    L2 input ring (SwiGLU outputs, FP8-quantized values)
+l2_acts            bf16 / e4m3 [ring, I]             L2 input ring (SwiGLU outputs, FP8-quantized values)
+l2_acts_sf         float32 [ring, I/128]             their FP32 scales (recipe 128 only)
 combine            bf16 [k, T_max, H]                L2 rows written back by expert ranks
 =================  ===============================  =============================================
 
@@ -29,9 +31,14 @@ A source code packs (source rank, token, slot) as ``(src * T_max + token) * k + 
 in ``signals``, ``ready`` and ``done`` only grow (call numbers), so no call needs host-side zeroing;
 ``expert_counts`` is reset by the kernels that use it at the end of each call.
 
-The rings hold the SM90 grouped GEMM's BF16-operand mode inputs: FP8 token rows travel over NVLink
-as FP8 + scales and land dequantized (exact), and the L1 epilogue's FP8-quantized SwiGLU outputs are
-stored as their exact BF16 values, so every rounding point of the contract is kept.
+Recipe (1, 1, 32) (``recipe=(1, 1, 32)``, the default) and BF16: the rings hold the SM90 grouped GEMM's
+BF16-operand mode inputs: FP8 token rows travel over NVLink as FP8 + scales and land dequantized (exact), and the
+L1 epilogue's FP8-quantized SwiGLU outputs are stored as their exact BF16 values, so every rounding point of the
+contract is kept; ``l1_acts_sf`` and ``l2_acts_sf`` do not exist (the sections and offsets of before). Recipe (1, 1, 128): tokens are FP8 with one FP32
+scale per 128 (``x_sf`` float32), and the rings hold the FP8-mode operands, FP8 rows and their FP32 scales
+(``l1_acts`` / ``l2_acts`` e4m3, ``l1_acts_sf`` / ``l2_acts_sf`` float32 per 128): half the ring bytes of BF16
+rows, and no dequantization (a per-128 FP32 scale does not make an exact BF16 value). Every row stride is a
+multiple of 16 bytes (H, I multiples of 128).
 
 ``ring`` (``num_ring_tokens``) bounds the rows in flight on the expert side; by default it holds
 every row a rank can receive (``R * T_max * min(k, E/R)``) up to ``DEFAULT_MAX_RING_TOKENS``,
@@ -49,8 +56,11 @@ import torch.distributed as dist
 from .checks import check_multiple, check_range, check_tensor, fail
 from .dist import rank_and_size
 from .layouts import PACKED_BLOCK_K
+from .layouts.fp8 import RECIPE_32, RECIPE_128, check_recipe, scale_dtype
 
 MMA_TYPES = ("fp8xfp4", "bf16")
+RING_SCALE_SECTIONS = ("l1_acts_sf", "l2_acts_sf")
+"""Sections only recipe (1, 1, 128) buffers have (the FP32 scales of the FP8 rings)."""
 SECTION_ALIGNMENT = 1024
 RING_ALIGNMENT = 128
 DEFAULT_MAX_RING_TOKENS = 65536
@@ -88,6 +98,8 @@ class SymmBufferLayout:
     mma_type: str
     sections: tuple[Section, ...]
     num_bytes: int
+    recipe: tuple[int, int, int] | None = RECIPE_32
+    """The FP8 x FP4 recipe (token scales and ring formats); None for ``mma_type="bf16"``."""
 
     @property
     def num_local_experts(self) -> int:
@@ -106,7 +118,8 @@ class SymmBufferLayout:
 
     def describe(self) -> str:
         """A table of every section's dtype, shape and bytes, and the total."""
-        lines = [f"SymmBuffer {self.mma_type}: {self.num_bytes / 2**20:.1f} MiB per rank"]
+        recipe = "" if self.recipe is None else f" recipe {self.recipe}"
+        lines = [f"SymmBuffer {self.mma_type}{recipe}: {self.num_bytes / 2**20:.1f} MiB per rank"]
         for s in self.sections:
             dtype = str(s.dtype).removeprefix("torch.")
             lines.append(f"  {s.name:<16} {dtype:<14} {str(list(s.shape)):<22} {s.num_bytes:>14,d} B @ {s.offset}")
@@ -133,10 +146,17 @@ def symm_buffer_layout(
     intermediate_hidden: int,
     num_ring_tokens: int | None = None,
     mma_type: str = "fp8xfp4",
+    recipe=RECIPE_32,
 ) -> SymmBufferLayout:
-    """Validate the arguments and compute every section's offset (no allocation)."""
+    """Validate the arguments and compute every section's offset (no allocation). ``recipe``: (1, 1, 32) or
+    (1, 1, 128) for ``mma_type="fp8xfp4"`` (the module docstring); BF16 buffers take the default."""
     if mma_type not in MMA_TYPES:
         fail("mma_type", f"must be one of {MMA_TYPES}, got {mma_type!r}")
+    recipe = check_recipe(recipe)
+    if mma_type == "bf16":
+        if recipe != RECIPE_32:
+            fail("recipe", f"applies to mma_type='fp8xfp4' (FP8 tokens) only, got {recipe} with mma_type='bf16'")
+        recipe = None
     check_range("num_ranks", num_ranks, 1, 1 << 16)
     check_range("num_experts", num_experts, 1, 1 << 20)
     check_multiple("num_experts", num_experts, num_ranks, f"experts are split evenly over {num_ranks} ranks")
@@ -155,7 +175,10 @@ def symm_buffer_layout(
 
     fp8 = mma_type == "fp8xfp4"
     act = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    ring_act = torch.float8_e4m3fn if recipe == RECIPE_128 else torch.bfloat16  # FP8-mode rings for recipe 128
+    ring_sf = recipe == RECIPE_128  # their FP32 scales
     t, k, h, i, ring = num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden, num_ring_tokens
+    blocks_h, blocks_i = h // PACKED_BLOCK_K, i // PACKED_BLOCK_K
     specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
         ("signals", torch.int32, (16,)),
         ("ready", torch.int64, (num_ranks,)),
@@ -165,14 +188,18 @@ def symm_buffer_layout(
         ("pool", torch.int32, (num_local, num_ranks * t)),
         ("ring_dest", torch.int64, (ring,)),
         ("x", act, (t, h)),
-        ("x_sf", torch.int32, (t, h // PACKED_BLOCK_K) if fp8 else (t, 0)),
+        ("x_sf", scale_dtype(recipe) if fp8 else torch.int32, (t, blocks_h) if fp8 else (t, 0)),
         ("topk_idx", torch.int64, (t, k)),
         ("topk_weights", torch.float32, (t, k)),
-        ("l1_acts", torch.bfloat16, (ring, h)),
+        ("l1_acts", ring_act, (ring, h)),
+        ("l1_acts_sf", torch.float32, (ring, blocks_h)),
         ("l1_topk_weights", torch.float32, (ring,)),
-        ("l2_acts", torch.bfloat16, (ring, i)),
+        ("l2_acts", ring_act, (ring, i)),
+        ("l2_acts_sf", torch.float32, (ring, blocks_i)),
         ("combine", torch.bfloat16, (k, t, h)),
     ]
+    if not ring_sf:  # recipe (1, 1, 32) and BF16: BF16 rings, no ring scale sections (the layout of before)
+        specs = [spec for spec in specs if spec[0] not in RING_SCALE_SECTIONS]
     sections = []
     offset = 0
     for name, dtype, shape in specs:
@@ -180,7 +207,7 @@ def symm_buffer_layout(
         sections.append(s)
         offset += -(-s.num_bytes // SECTION_ALIGNMENT) * SECTION_ALIGNMENT
     return SymmBufferLayout(
-        num_ranks, num_experts, t, k, h, i, ring, mma_type, tuple(sections), offset
+        num_ranks, num_experts, t, k, h, i, ring, mma_type, tuple(sections), offset, recipe
     )
 
 
@@ -204,13 +231,15 @@ class SymmBuffer:
         mma_type: str = "fp8xfp4",
         activation: str = "swiglu",
         device: torch.device | str | None = None,
+        recipe=RECIPE_32,
     ):
         if activation != "swiglu":
             fail("activation", f"must be 'swiglu' (the only activation megamoe implements), got {activation!r}")
         self.group = group
         self.rank, num_ranks = rank_and_size(group)
         self.layout = symm_buffer_layout(
-            num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden, num_ring_tokens, mma_type
+            num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden, num_ring_tokens, mma_type,
+            recipe,
         )
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -288,9 +317,12 @@ def get_symm_buffer_for_mega_moe(
     mma_type: str = "fp8xfp4",
     num_ring_tokens: int | None = None,
     device: torch.device | str | None = None,
+    recipe=RECIPE_32,
 ) -> SymmBuffer:
-    """Allocate the SymmBuffer for a Mega MoE layer; ``buffer.layout.describe()`` explains its bytes."""
+    """Allocate the SymmBuffer for a Mega MoE layer; ``buffer.layout.describe()`` explains its bytes. ``recipe``:
+    the FP8 x FP4 recipe, (1, 1, 32) (default: per-32 UE8M0 token scales, BF16 rings) or (1, 1, 128) (per-128 FP32
+    token scales, FP8 rings with FP32 scales)."""
     return SymmBuffer(
         group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
-        num_ring_tokens=num_ring_tokens, mma_type=mma_type, device=device,
+        num_ring_tokens=num_ring_tokens, mma_type=mma_type, device=device, recipe=recipe,
     )

@@ -47,6 +47,31 @@ def test_moe_bench_builds_only_the_selected_paths(monkeypatch):
     assert all(r["correct"] for r in rows)
 
 
+def test_moe_bench_recipe_128(tmp_path):
+    """--recipe 128: buffers, paths, reference and tolerances of recipe (1, 1, 128); the receipt records it."""
+    import json
+
+    from megamoe.numerics import RECIPE_128, moe_tolerances
+
+    out = tmp_path / "r128.json"
+    rows = main(["--preset", "tiny", "--tokens", "1,5", "--recipe", "128", "--warmup", "1", "--iters", "1",
+                 "--json", str(out)])
+    assert rows and all(r["correct"] for r in rows)
+    receipt = json.loads(out.read_text())
+    assert receipt["recipe"] == [1, 1, 128] and receipt["tolerance"] == moe_tolerances(128, RECIPE_128)
+    with pytest.raises(SystemExit):
+        main(["--recipe", "128", "--mma-type", "bf16"])
+    with pytest.raises(SystemExit):
+        main(["--recipe", "64"])
+
+
+def test_gemm_bench_recipe_128_is_fp8_mode_only():
+    from megamoe.bench.gemm import main as gemm_main
+
+    with pytest.raises(SystemExit):
+        gemm_main(["--recipe", "128", "--mma", "bf16,fp8"])
+
+
 def test_moe_bench_rejects_no_routings_and_empty_graphs():
     for bad in (["--routings", "0"], ["--calls-per-graph", "0"]):
         with pytest.raises(SystemExit):

@@ -1,4 +1,4 @@
-"""The staged EP path on one rank (CPU; the same checks on one GPU under -m gpu)."""
+"""The staged EP path on one rank (CPU; the same checks on one GPU under -m gpu), both FP8 x FP4 recipes."""
 
 import pytest
 import torch
@@ -20,6 +20,14 @@ CASES = {
     "ll_ragged_masked": dict(BASE, tokens_per_rank=[37], masked_ratio=0.3, mode="low_latency"),
     "ll_one_token_bf16": dict(BASE, tokens_per_rank=[1], mma_type="bf16", mode="low_latency", clamp=0.5),
     "ll_zero_tokens": dict(BASE, tokens_per_rank=[0], mode="low_latency"),
+    # recipe (1, 1, 128): per-128 FP32 token scales, FP32 torch GEMMs, against the recipe's FP32 reference
+    "r128_one_token": dict(BASE, tokens_per_rank=[1], recipe=(1, 1, 128)),
+    "r128_ragged_masked": dict(BASE, tokens_per_rank=[37], masked_ratio=0.3, recipe=(1, 1, 128)),
+    "r128_empty_experts_clamp": dict(BASE, tokens_per_rank=[20], hot_experts=3, clamp=0.5, recipe=(1, 1, 128)),
+    "r128_zero_tokens": dict(BASE, tokens_per_rank=[0], recipe=(1, 1, 128)),
+    "r128_ll_ragged_masked": dict(BASE, tokens_per_rank=[37], masked_ratio=0.3, mode="low_latency", recipe=(1, 1, 128)),
+    "r128_ll_wide_topk": dict(BASE, experts=16, topk=9, tokens_per_rank=[11], hidden=384, intermediate=256,
+                              mode="low_latency", recipe=(1, 1, 128)),
 }
 
 
@@ -29,7 +37,8 @@ def test_staged_single_rank_cpu(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["one_token", "ragged_masked", "empty_experts_skewed", "zero_tokens", "bf16", "ll_ragged_masked"])
+@pytest.mark.parametrize("name", ["one_token", "ragged_masked", "empty_experts_skewed", "zero_tokens", "bf16", "ll_ragged_masked",
+                                  "r128_ragged_masked", "r128_ll_ragged_masked"])
 def test_staged_single_gpu(name):
     check_staged_against_reference(0, None, torch.device("cuda"), CASES[name])
 
@@ -42,7 +51,12 @@ SM90 = dict(experts=8, topk=3, hidden=512, intermediate=512, seed=3, gemm="sm90"
     dict(SM90, tokens_per_rank=[1]),
     dict(SM90, tokens_per_rank=[45], masked_ratio=0.3, clamp=0.5),
     dict(SM90, tokens_per_rank=[30], hot_experts=3, mode="low_latency"),
-], ids=["one_token", "ragged_masked_clamp", "skewed_low_latency"])
+    dict(SM90, tokens_per_rank=[1], recipe=(1, 1, 128)),
+    dict(SM90, tokens_per_rank=[45], masked_ratio=0.3, clamp=0.5, recipe=(1, 1, 128)),
+    dict(SM90, tokens_per_rank=[30], hot_experts=3, mode="low_latency", recipe=(1, 1, 128)),
+    dict(SM90, tokens_per_rank=[64], masked_ratio=0.1, hidden=1024, recipe=(1, 1, 128)),
+], ids=["one_token", "ragged_masked_clamp", "skewed_low_latency", "r128_one_token", "r128_ragged_masked_clamp",
+        "r128_skewed_low_latency", "r128_partial_tiles_wide"])
 def test_staged_single_gpu_sm90_gemm(case):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm_90 GPU")

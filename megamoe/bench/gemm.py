@@ -11,8 +11,14 @@ weights and FP8 tokens; BF16 mode gets them dequantized to BF16 outside the timi
 checked the same way: ``torch._scaled_grouped_mm`` (FP8 x FP8, rowwise scales) and ``torch._grouped_mm`` (BF16). A
 time is never printed without its run's verdict.
 
-    python -m megamoe.bench.gemm [--quick] [--mma bf16,fp8] [--no-alt] [--presets flash,pro] [--layers l1,l2]
-                                 [--ep 8,2] [--rows 1,4,16,64,256,1024,4096] [--max-gb 100] [--json PATH]
+``--recipe 32`` (default): FP8 tokens with per-32 UE8M0 scales (both modes). ``--recipe 128``: FP8 tokens with
+per-128 FP32 scales (``megamoe.numerics`` recipe (1, 1, 128)), FP8 mode only (such tokens have no exact BF16 form),
+weights folded into E4M3 (``--fold row``: one FP32 scale per row, the default; ``chunk``: per row and 128-K chunk).
+The receipt records the recipe and fold.
+
+    python -m megamoe.bench.gemm [--quick] [--recipe 32|128] [--mma bf16,fp8] [--fold row|chunk] [--no-alt]
+                                 [--presets flash,pro] [--layers l1,l2] [--ep 8,2] [--rows 1,4,16,64,256,1024,4096]
+                                 [--max-gb 100] [--json PATH]
 """
 
 import argparse
@@ -25,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..numerics import rel_fro_error
+from ..numerics import RECIPE_32, RECIPE_128, rel_fro_error
 from .common import environment_receipt, measure_hbm_read_bandwidth, time_graph
 
 PRESETS = {
@@ -90,10 +96,11 @@ def _fill_rows(out: torch.Tensor, make) -> torch.Tensor:
     return out
 
 
-def make_fp4_weights(experts: int, n: int, k: int, mmas=("bf16", "fp8")) -> dict:
+def make_fp4_weights(experts: int, n: int, k: int, mmas=("bf16", "fp8"), fold: str = "row") -> dict:
     """Random FP4 weights (quantized randn) in each mode's kernel layout: ``{mma: (b, b_sf)}`` with b ``int32 [E,
     N/64, K/128, 64, 16]`` and b_sf ``int32 [E, K/128, N]`` (BF16 mode) or ``uint8 [E, N/64, K/128, 64, 64]`` and
-    the folded scales ``int32 [E, K/128 + 1, N]`` (FP8 mode), same values."""
+    the folded scales (FP8 mode; ``fold="row"``: ``int32 [E, K/128 + 1, N]``, ``"chunk"``: ``int32 [E, 2 * K/128,
+    N]``), same values."""
     from megamoe.kernels.weight_layout import BF16_WORDS, CHUNK_BYTES, ROW_BLOCK
     from megamoe.kernels.sm90 import prepare_fp4_weights
     from megamoe.layouts import quantize_fp4
@@ -101,25 +108,29 @@ def make_fp4_weights(experts: int, n: int, k: int, mmas=("bf16", "fp8")) -> dict
     out = {}
     for mma in mmas:
         width, dtype = (BF16_WORDS, torch.int32) if mma == "bf16" else (CHUNK_BYTES, torch.uint8)
+        rows = k // 128 if mma == "bf16" else (k // 128 + 1 if fold == "row" else 2 * k // 128)
         out[mma] = (torch.empty(experts, n // ROW_BLOCK, k // 128, ROW_BLOCK, width, dtype=dtype, device="cuda"),
-                    torch.empty(experts, k // 128 + (mma == "fp8"), n, dtype=torch.int32, device="cuda"))
+                    torch.empty(experts, rows, n, dtype=torch.int32, device="cuda"))
     for e in range(experts):
         canonical = quantize_fp4(torch.randn(1, n, k, device="cuda"))
         for mma, (b, b_sf) in out.items():
-            b[e : e + 1], b_sf[e : e + 1] = prepare_fp4_weights(*canonical, mma=mma, fold=True if mma == "fp8" else None)
+            b[e : e + 1], b_sf[e : e + 1] = prepare_fp4_weights(*canonical, mma=mma, fold=fold if mma == "fp8" else None)
     return out
 
 
-def make_fp8_tokens(p: Point):
-    """Random FP8 tokens (quantized randn) in the contiguous layout and their offsets."""
+def make_fp8_tokens(p: Point, recipe=RECIPE_32):
+    """Random FP8 tokens (quantized randn; ``recipe``'s scales: packed UE8M0 int32 or FP32 per 128) in the
+    contiguous layout and their offsets."""
     from megamoe.layouts import quantize_fp8
+    from megamoe.layouts.fp8 import scale_dtype
 
     m = p.experts * p.rows_per_expert
     a = torch.empty(m, p.k, dtype=torch.float8_e4m3fn, device="cuda")
-    a_sf = torch.empty(m, p.k // 128, dtype=torch.int32, device="cuda")
+    a_sf = torch.empty(m, p.k // 128, dtype=scale_dtype(recipe), device="cuda")
     step = max(1, 2**26 // p.k)
     for r0 in range(0, m, step):
-        a[r0 : r0 + step], a_sf[r0 : r0 + step] = quantize_fp8(torch.randn(min(step, m - r0), p.k, device="cuda"))
+        a[r0 : r0 + step], a_sf[r0 : r0 + step] = quantize_fp8(torch.randn(min(step, m - r0), p.k, device="cuda"),
+                                                               recipe=recipe)
     offsets = torch.arange(p.experts + 1, dtype=torch.int32, device="cuda") * p.rows_per_expert
     return a, a_sf, offsets
 
@@ -129,18 +140,18 @@ def _check_experts(p: Point) -> list[int]:
 
 
 def _check_kernel(p: Point, out, a, a_sf, b, b_sf) -> str:
-    from megamoe.kernels.weight_layout import from_sm90_bf16_weight_layout, from_sm90_weight_layout, unfold_fp8_scales
+    from megamoe.kernels.weight_layout import dequantize_sm90_fp8_weights, from_sm90_bf16_weight_layout
     from megamoe.layouts import dequantize_fp4, dequantize_fp8
 
-    canonical = from_sm90_bf16_weight_layout if b.dtype == torch.int32 else from_sm90_weight_layout
     worst, nan = 0.0, False
     for e in _check_experts(p):
         r0 = e * p.rows_per_expert
         rows = slice(r0, r0 + min(p.rows_per_expert, CHECK_ROWS))
-        # the chunk-major scales [E, K/128, N] transposed back to the canonical [E, N, K/128] (FP8 mode: unfolded)
-        sf = unfold_fp8_scales(b_sf[e : e + 1]) if b.dtype == torch.uint8 else b_sf[e : e + 1].transpose(1, 2)
-        w = dequantize_fp4(canonical(b[e : e + 1]), sf)[0].double()
-        a64 = a[rows].double() if a_sf is None else dequantize_fp8(a[rows], a_sf[rows]).double()
+        if b.dtype == torch.uint8:  # FP8 mode: the folded (or absolute) scales read back exactly
+            w = dequantize_sm90_fp8_weights(b[e : e + 1], b_sf[e : e + 1])[0]
+        else:  # the chunk-major scales [E, K/128, N] transposed back to the canonical [E, N, K/128]
+            w = dequantize_fp4(from_sm90_bf16_weight_layout(b[e : e + 1]), b_sf[e : e + 1].transpose(1, 2))[0].double()
+        a64 = a[rows].double() if a_sf is None else dequantize_fp8(a[rows], a_sf[rows], torch.float64)
         ref = (a64 @ w.T).to(torch.bfloat16)
         got = out[rows]
         nan |= bool(torch.isnan(got.float()).any())
@@ -273,21 +284,29 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", default="l1,l2")
     parser.add_argument("--ep", default="8,2", help="expert-parallel degrees (experts per rank = total / EP)")
     parser.add_argument("--rows", default=",".join(map(str, ROWS_PER_EXPERT)), help="rows per expert")
-    parser.add_argument("--mma", default="bf16,fp8", help="kernel MMA modes to run (bf16, fp8)")
+    parser.add_argument("--recipe", type=int, choices=(32, 128), default=32,
+                        help="token scales: 32 = per-32 UE8M0 (default), 128 = per-128 FP32 (FP8 mode only)")
+    parser.add_argument("--mma", default=None, help="kernel MMA modes to run (bf16, fp8; default bf16,fp8 for recipe "
+                        "32, fp8 for recipe 128)")
+    parser.add_argument("--fold", choices=("row", "chunk"), default="row",
+                        help="FP8-mode weight scales folded per row (default) or per row and 128-K chunk")
     parser.add_argument("--no-alt", action="store_true", help="no alternative config rows")
     parser.add_argument("--quick", action="store_true", help="flash only, EP8, rows 1,16,64,1024")
     parser.add_argument("--no-baselines", action="store_true")
     parser.add_argument("--max-gb", type=float, default=100.0, help="skip points needing more device memory")
     parser.add_argument("--json", default=None, help="write all results to this JSON file")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.presets, args.ep, args.rows = "flash", "8", "1,16,64,1024"
+    recipe = RECIPE_128 if args.recipe == 128 else RECIPE_32
+    mmas = tuple((args.mma or ("fp8" if recipe == RECIPE_128 else "bf16,fp8")).split(","))
+    if any(mma not in ("bf16", "fp8") for mma in mmas):
+        parser.error(f"--mma takes bf16 and/or fp8, got {args.mma!r}")
+    if recipe == RECIPE_128 and "bf16" in mmas:
+        parser.error("--recipe 128 runs FP8 mode only (--mma fp8): FP8 tokens with FP32 scales have no exact BF16 form")
     if not torch.cuda.is_available():
         print("megamoe.bench gemm: needs a CUDA GPU", file=sys.stderr)
         return 2
-    if args.quick:
-        args.presets, args.ep, args.rows = "flash", "8", "1,16,64,1024"
-    mmas = tuple(args.mma.split(","))
-    if any(mma not in ("bf16", "fp8") for mma in mmas):
-        parser.error(f"--mma takes bf16 and/or fp8, got {args.mma!r}")
     points = _points(
         args.presets.split(","), args.layers.split(","),
         [int(x) for x in args.ep.split(",")], [int(x) for x in args.rows.split(",")],
@@ -296,6 +315,8 @@ def main(argv=None) -> int:
     hbm = measure_hbm_read_bandwidth(torch.device("cuda"))
     print("receipt: " + ", ".join(f"{k} {v}" for k, v in receipt.items()))
     print("method: CUDA graph of 10 back-to-back calls, median of 5 replays after 2 warm-up calls")
+    print(f"recipe {recipe}: " + ("FP8 tokens with per-32 UE8M0 scales" if recipe == RECIPE_32 else
+                                  "FP8 tokens with per-128 FP32 scales") + f"; FP8-mode weight scales folded per {args.fold}")
     print(f"HBM read bandwidth (4 GiB reduction, this run): {hbm:.0f} GB/s")
     records = []
     failures = 0
@@ -312,8 +333,8 @@ def main(argv=None) -> int:
         if weights_key != (p.experts, p.n, p.k):
             weights = None
             torch.cuda.empty_cache()
-            weights, weights_key = make_fp4_weights(p.experts, p.n, p.k, mmas), (p.experts, p.n, p.k)
-        tokens = make_fp8_tokens(p)
+            weights, weights_key = make_fp4_weights(p.experts, p.n, p.k, mmas, args.fold), (p.experts, p.n, p.k)
+        tokens = make_fp8_tokens(p, recipe)
         results = [run_kernel(p, weights, tokens, cfg) for mma in mmas for cfg in kernel_configs(p, mma, not args.no_alt)]
         tokens = None
         torch.cuda.empty_cache()
@@ -329,7 +350,8 @@ def main(argv=None) -> int:
         records.append({"point": asdict(p), "results": [asdict(r) for r in results]})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"hbm_read_gbps": hbm, "environment": receipt, "records": records}, f, indent=1)
+            json.dump({"hbm_read_gbps": hbm, "recipe": list(recipe), "fold": args.fold, "environment": receipt,
+                       "records": records}, f, indent=1)
     print(f"{failures} failed correctness checks")
     return 1 if failures else 0
 

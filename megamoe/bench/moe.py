@@ -5,10 +5,13 @@ FP32 reference on those inputs, then timing (warm-up, CUDA events around each ca
 per rank, the slowest rank reported). Paths: ``staged-GEMM-MODE``, the staged baseline (``StagedMoE``) in mode
 ``normal`` or ``low_latency`` with torch's (``torch``) or megamoe's SM90 (``sm90``) GEMMs, e.g.
 ``staged-sm90-low_latency``; ``mega``, the Mega MoE path (``MegaMoE``) on Hopper. ``--paths`` picks them by any part
-of the name. Without GPUs it runs the tiny preset on CPU with gloo and says so.
+of the name. Without GPUs it runs the tiny preset on CPU with gloo and says so. ``--recipe 32|128``: the FP8 x FP4
+recipe (per-32 UE8M0 or per-128 FP32 token scales, ``megamoe.numerics``), checked against that recipe's reference
+and tolerances; the receipt records it.
 
 Columns: ``us`` time per call; ``TFLOP/s`` useful FLOPs ``6 * routed_rows * H * I`` per rank over
-time; ``weights GB/s`` bytes of the expert weights this path reads (BF16 with the torch GEMM, FP4 with the SM90 one) for
+time; ``weights GB/s`` bytes of the expert weights this path reads (BF16 with the torch GEMM, FP32 there for recipe 128,
+FP4 with the SM90 one) for
 experts that received rows; ``FP4 floor us`` the same experts' FP4 bytes over the HBM read bandwidth
 measured in this run (the floor an FP4 kernel could reach); ``a2a GB/s`` bytes this rank sends
 to other ranks (dispatch rows + combine rows) over time.
@@ -36,7 +39,7 @@ from ..dist import init_from_env, rank_and_size
 from ..inputs import fill_buffer, random_bf16_weights, random_fp4_weights, random_routing, random_tokens
 from ..staged import StagedMoE
 from ..mega import MegaMoE, trace_fp8_fp4_mega_moe
-from ..numerics import max_row_rel_error, moe_tolerances, rel_fro_error
+from ..numerics import RECIPE_32, RECIPE_128, max_row_rel_error, moe_tolerances, rel_fro_error
 from ..reference import distributed_reference_moe
 from ..symm_buffer import RING_ALIGNMENT, get_symm_buffer_for_mega_moe, max_recv_rows
 from ..timeline import MegaTimeline, call_spans, format_summary
@@ -63,6 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preset", choices=PRESETS, default=None, help="shape (default: flash on GPUs, tiny on CPU)")
     p.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")], default=None, help="tokens per rank, e.g. 1,8,128")
     p.add_argument("--mma-type", choices=("fp8xfp4", "bf16"), default="fp8xfp4")
+    p.add_argument("--recipe", type=int, choices=(32, 128), default=32,
+                   help="FP8 x FP4 recipe: 32 = (1, 1, 32), per-32 UE8M0 token scales (default); 128 = (1, 1, 128), "
+                   "per-128 FP32 token scales (FP8-mode GEMMs, weights folded into E4M3)")
     p.add_argument("--masked-ratio", type=float, default=0.0, help="probability of a top-k slot being -1")
     p.add_argument("--clamp", type=float, default=None, help="activation clamp (default none)")
     p.add_argument("--warmup", type=int, default=5)
@@ -93,6 +99,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--calls-per-graph must be >= 1, got {args.calls_per_graph}")
     if args.ring_tokens is not None and (args.ring_tokens < RING_ALIGNMENT or args.ring_tokens % RING_ALIGNMENT):
         p.error(f"--ring-tokens must be a positive multiple of {RING_ALIGNMENT}, got {args.ring_tokens}")
+    if args.recipe == 128 and args.mma_type != "fp8xfp4":
+        p.error("--recipe 128 applies to --mma-type fp8xfp4 only")
     return args
 
 
@@ -142,11 +150,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if e % num_ranks:
         raise SystemExit(f"megamoe.bench: {e} experts do not split over {num_ranks} ranks")
     num_local = e // num_ranks
-    tol = moe_tolerances(i)
     fp8 = args.mma_type == "fp8xfp4"
+    recipe = RECIPE_128 if args.recipe == 128 else RECIPE_32
+    tol = moe_tolerances(i, recipe if fp8 else RECIPE_32)
 
     receipt = environment_receipt(device, num_ranks)
-    say(f"megamoe.bench: preset {preset} {shape}, {num_ranks} rank(s), {args.mma_type}, {receipt.get('gpu')}")
+    label = f"{args.mma_type} recipe {recipe}" if fp8 else args.mma_type
+    say(f"megamoe.bench: preset {preset} {shape}, {num_ranks} rank(s), {label}, {receipt.get('gpu')}")
     hbm = measure_hbm_read_bandwidth(device)
     gen = torch.Generator(device=device).manual_seed(args.seed * 1000 + rank)
     if fp8:
@@ -174,16 +184,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     paths, prepared = {}, {}  # prepared: one StagedMoE per GEMM, its weights shared by both modes
     for name, gemm, mode in names:
         if gemm is None:
-            paths[name] = MegaMoE(l1, l2)
+            paths[name] = MegaMoE(l1, l2, recipe=recipe) if fp8 else MegaMoE(l1, l2)
             continue
         if gemm not in prepared:
-            prepared[gemm] = StagedMoE(l1, l2, mode, gemm)
+            prepared[gemm] = StagedMoE(l1, l2, mode, gemm, recipe=recipe) if fp8 else StagedMoE(l1, l2, mode, gemm)
         paths[name] = prepared[gemm].with_mode(mode)
     if args.timeline and not any(isinstance(path, MegaMoE) and path.fp8 for path in paths.values()):
         say("--timeline: no mega FP8 x FP4 path runs here (it needs an SM90 GPU): no timeline")
-    bf16_bytes_per_expert = 3 * h * i * 2
+    torch_bytes_per_expert = 3 * h * i * (4 if fp8 and recipe == RECIPE_128 else 2)  # the torch GEMMs' weights
     fp4_bytes_per_expert = fp4_expert_bytes(h, i)
-    dispatch_row_bytes = k * 12 + (h + h // 32 if fp8 else 2 * h)
+    token_bytes = h + h // 32 if fp8 else 2 * h  # FP8 + one 4-byte scale word per 128 (either recipe), or BF16
+    dispatch_row_bytes = k * 12 + token_bytes
     clock = "CUDA events" if device.type == "cuda" else "CPU wall clock"
 
     def barrier():
@@ -201,7 +212,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         cases = []  # (buffer, top-k ids, reference output), one per routing
         for r in range(args.routings):
             buf = get_symm_buffer_for_mega_moe(group, e, max(t, 1), k, h, i, mma_type=args.mma_type,
-                                               num_ring_tokens=ring, device=device)
+                                               num_ring_tokens=ring, device=device,
+                                               **({"recipe": recipe} if fp8 else {}))
             cpu_gen = torch.Generator().manual_seed(args.seed * 7919 + t * 31 + rank + 104729 * r)
             x = random_tokens(t, h, cpu_gen, device)
             idx, w = random_routing(t, e, k, cpu_gen, args.masked_ratio, device=device)
@@ -221,7 +233,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 touched += _sum_over_ranks(float((stats > 0).sum()), group, device) / num_ranks / len(cases)
                 if mega:  # one pulled row (token, scales, weight) and one combine row per remote slot
                     remote = (idx >= 0) & (idx // num_local != rank)
-                    bytes_out = float(int(remote.sum()) * (h + h // 32 + 4 + 2 * h))
+                    bytes_out = float(int(remote.sum()) * (token_bytes + 4 + 2 * h))
                 elif path.mode == "normal":
                     bytes_out = float(_traffic_bytes(idx, rank, num_ranks, num_local, dispatch_row_bytes, h))
                 else:
@@ -237,7 +249,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 else:
                     path(y, buf, None, activation_clamp=args.clamp, validate=False)
 
-            graphed = (mega or path.mode == "low_latency") and device.type == "cuda"
+            # recipe 128's torch GEMMs run in FP32, a per-group loop with a host sync on CUDA: timed eagerly
+            fp32_torch = not mega and fp8 and recipe == RECIPE_128 and path.gemm == "torch"
+            graphed = (mega or path.mode == "low_latency") and device.type == "cuda" and not fp32_torch
             traced = args.timeline and mega and fp8
             if graphed:
                 times = time_graph(call, args.warmup, args.iters, args.calls_per_graph, before=barrier)
@@ -264,7 +278,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "tflops": 6 * routed * h * i / (us * 1e-6) / 1e12,
                 "routed_rows_per_rank": routed,
                 "experts_touched_per_rank": touched,
-                "weights_gbps": touched * (fp4_bytes_per_expert if mega or path.gemm == "sm90" else bf16_bytes_per_expert)
+                "weights_gbps": touched * (fp4_bytes_per_expert if mega or path.gemm == "sm90" else torch_bytes_per_expert)
                 / (us * 1e-6) / 1e9,
                 "fp4_floor_us": touched * fp4_bytes_per_expert / (hbm * 1e9) * 1e6 if hbm else None,
                 "a2a_gbps": sent / (us * 1e-6) / 1e9,
@@ -283,12 +297,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"barrier; slowest rank; per-row method column; {args.routings} routing(s) per point, the timed "
               "calls cycling through them")
     if lead:
-        _print_table(preset, shape, num_ranks, args.mma_type, hbm, rows, receipt, method)
+        _print_table(preset, shape, num_ranks, label, hbm, rows, receipt, method)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({
                     "benchmark": "megamoe.bench moe", "preset": preset, "shape": shape,
-                    "mma_type": args.mma_type, "masked_ratio": args.masked_ratio, "clamp": args.clamp,
+                    "mma_type": args.mma_type, "recipe": list(recipe) if fp8 else None,
+                    "masked_ratio": args.masked_ratio, "clamp": args.clamp,
                     "routings": args.routings,
                     "hbm_read_gbps": hbm, "warmup": args.warmup, "iters": args.iters, "method": method,
                     "tolerance": tol,

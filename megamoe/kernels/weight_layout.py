@@ -14,7 +14,9 @@ is an E4M3 value). A thread owns, per 32-wide K block ``kb``, ``k = kb*32 + 16*h
 0..3): the PTX ``wgmma .e4m3`` A fragment, four registers of four bytes, ``(row, h)`` major. Segment ``q`` holds
 words ``kb = 0..3`` whose low half is ``h = 0`` and high half ``h = 1``; nibble order inside a byte is unchanged
 (even element in the low nibble). The per-32 scales are applied outside the MMA, or folded (``fold_fp8_scales``)
-relative to their row's scale inside the dequantization: ``v * 2**d`` is exact in E4M3 for d in -5..6.
+relative to their row's scale (or their row and 128-K chunk's: the fallback for rows spanning more than 11 binades)
+inside the dequantization: ``v * 2**d`` is exact in E4M3 for d in -5..6. ``dequantize_sm90_fp8_weights`` reads any
+of these formats back (exactly; the check of the fold).
 
 BF16 layout (``to_sm90_bf16_weight_layout``, int32 ``[E, N/64, K/128, 64, 16]``): E2M1 times its UE8M0 scale is
 exact in BF16, so the MMA needs no scales at all. A thread owns, per 16-wide K block ``kk``, ``k = 16*kk + 8*h +
@@ -49,6 +51,8 @@ sums times 2**-16: (partial) sums below 2**-110 in magnitude are FP32-subnormal 
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -206,38 +210,232 @@ FOLD_LUT_HI = E4M3_LUT_HI - (-FOLD_MIN_SHIFT) * 0x08080808
 """``E4M3_LUT_HI`` likewise (all four bytes)."""
 
 
-def fold_fp8_scales(b: torch.Tensor, b_sf: torch.Tensor) -> torch.Tensor | None:
-    """FP8-mode folded scales of canonical FP4 weights (``uint8 [E, N, K/2]``, ``int32 [E, N, K/128]``), or None
-    where a row's block scales span too many binades.
+FOLD_WINDOW = FOLD_MAX_SHIFT - FOLD_MIN_SHIFT
+"""Binades (11) the nonzero 32-blocks of one folded row (or row chunk) may span: their UE8M0 codes within
+``FOLD_WINDOW`` of each other."""
+FOLD_FORMATS = ("row", "chunk")
+"""Folded FP8-mode scale formats (``fold_fp8_scales``): one FP32 scale per weight row, or per row and 128-K chunk."""
+FOLD_PER = ("row", "chunk", "auto")
+_MIN_BASE = 1
+"""Smallest base code: the FP32 scale ``2**(base - 127)`` stays a normal number (>= 2**-126)."""
+_ZERO_BASE = 127
+"""Base of a row (chunk) without a nonzero block: scale 1.0 (any base is exact there)."""
 
-    Folded, the decode applies each 32-block's scale relative to its row's base: E2M1 ``v`` of a block with UE8M0
-    code ``s`` decodes to the E4M3 ``v * 2**d`` (exact: d = s - base in ``[FOLD_MIN_SHIFT, FOLD_MAX_SHIFT]``; the
-    lookup table's exponents move by d, ``FOLD_LUT_LO/HI``), and the kernel multiplies each FP32 output row by
-    ``2**(base - 127)`` once, after the K loop, instead of every 32-K block's partial sums by the weight scale.
-    base = the row's largest code of a block holding a nonzero value, minus ``FOLD_MAX_SHIFT``; an all-zero
-    block takes any d (clamped). Returns ``int32 [E, K/128 + 1, N]``: chunk-major words of the biased codes
-    ``d - FOLD_MIN_SHIFT`` (byte kb = 32-block kb of the chunk, as the packed scales), then one row of the FP32
-    bits of ``2**(base - 127)``. None if some row has a nonzero block below ``base + FOLD_MIN_SHIFT`` (a spread
-    of more than 11 binades) or a base below code 1 (the row scale would be an FP32 subnormal): such weights
-    keep the absolute scales (``prepare_fp4_weights``). One host sync (weight-load time)."""
+
+class FoldFallbackWarning(UserWarning):
+    """Weights folded per (row, 128-K chunk) because some rows span more binades than one FP32 scale per row allows
+    (``fold_fp8_scales(..., per="auto")``); the message names the rows (``FoldReport``)."""
+
+
+@dataclass(frozen=True)
+class FoldReport:
+    """What folding the per-32 UE8M0 scales of one weight tensor ``[E, N, K]`` into exact E4M3 needed.
+
+    ``format``: the folded format made (``"row"``, ``"chunk"``) or None (not folded: absolute scales, or raised).
+    ``rows_per_row``: rows whose nonzero 32-blocks span at most ``FOLD_WINDOW`` binades (one FP32 scale per row
+    suffices; all-zero rows count here). ``chunk_rows``: ``(expert, row, spread)`` of every row spanning more (they
+    need one FP32 scale per 128-K chunk). ``unfoldable``: ``(expert, row, chunk, spread)`` of every 128-K chunk whose
+    nonzero blocks alone span more (no exact fold exists). ``max_row_spread``: the widest row's span (-1: every row
+    all zero). Rows are numbered as the caller's tensor (``prepare_fp4_weights_l1``: canonical L1 rows, ``[0, I)``
+    gate_proj, ``[I, 2I)`` up_proj)."""
+
+    experts: int
+    rows: int
+    k: int
+    format: str | None
+    rows_per_row: int
+    max_row_spread: int
+    chunk_rows: tuple[tuple[int, int, int], ...]
+    unfoldable: tuple[tuple[int, int, int, int], ...]
+
+    @property
+    def fits_rows(self) -> bool:
+        """Every row fits one FP32 scale (the row format exists)."""
+        return not self.chunk_rows
+
+    @property
+    def fits_chunks(self) -> bool:
+        """Every 128-K chunk fits one FP32 scale (the chunk format exists)."""
+        return not self.unfoldable
+
+    def summary(self, limit: int = 16) -> str:
+        """The report in words: how many rows fit one scale per row, and which need per-chunk scales or cannot be
+        folded (the first ``limit`` of each; the fields hold them all)."""
+        total = self.experts * self.rows
+        text = (f"[{self.experts}, {self.rows}, {self.k}] weights: {self.rows_per_row} of {total} rows fit one FP32 "
+                f"scale per row (nonzero 32-blocks within {FOLD_WINDOW} binades; widest row {self.max_row_spread})")
+        if self.chunk_rows:
+            text += (f"; {len(self.chunk_rows)} rows need one FP32 scale per 128-K chunk: "
+                     + _listing([f"expert {e} row {r} (spread {d})" for e, r, d in self.chunk_rows], limit))
+        if self.unfoldable:
+            text += (f"; {len(self.unfoldable)} 128-K chunks span more than {FOLD_WINDOW} binades even alone (no "
+                     "exact E4M3 fold): "
+                     + _listing([f"expert {e} row {r} chunk {c} (spread {d})" for e, r, c, d in self.unfoldable], limit))
+        fmt = {"row": "one FP32 scale per row", "chunk": "one FP32 scale per row and 128-K chunk"}
+        return text + f"; folded format: {fmt.get(self.format, 'none')}"
+
+
+def _listing(items: list[str], limit: int) -> str:
+    more = f" and {len(items) - limit} more (FoldReport lists them all)" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+def _spread(codes: torch.Tensor, nonzero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top code, top - bottom) over the last dim's nonzero blocks; (-1, -1) where none is nonzero."""
+    top = torch.where(nonzero, codes, torch.full_like(codes, -1)).amax(-1)
+    bottom = torch.where(nonzero, codes, torch.full_like(codes, 1 << 16)).amin(-1)
+    return top, torch.where(top >= 0, top - bottom, torch.full_like(top, -1))
+
+
+def _base(top: torch.Tensor) -> torch.Tensor:
+    """Base code of a row or chunk from its largest nonzero code: ``top - FOLD_MAX_SHIFT``, at least ``_MIN_BASE``
+    (a normal FP32 scale; exact for any spread within the window since codes are >= 0), ``_ZERO_BASE`` if none."""
+    return torch.where(top >= 0, (top - FOLD_MAX_SHIFT).clamp(min=_MIN_BASE), torch.full_like(top, _ZERO_BASE))
+
+
+def _biased_words(codes: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """Chunk-major words ``int32 [E, K/128, N]`` of the biased relative codes ``d - FOLD_MIN_SHIFT`` (byte kb =
+    32-block kb of the chunk) for block codes ``[E, N, K/32]`` against ``base`` broadcast to them (all-zero blocks:
+    d clamped into the window)."""
+    d = codes - base
+    biased = (d.clamp(FOLD_MIN_SHIFT, FOLD_MAX_SHIFT) - FOLD_MIN_SHIFT).to(torch.uint8)
+    return biased.contiguous().view(torch.int32).transpose(1, 2)
+
+
+def _scale_bits(base: torch.Tensor) -> torch.Tensor:
+    """int32 FP32 bits of ``2**(base - 127)`` (base in [1, 254])."""
+    return (base.to(torch.int32) << 23).view(torch.int32)
+
+
+def _fold(b: torch.Tensor, b_sf: torch.Tensor, per: str, row_map: torch.Tensor | None):
+    """``fold_fp8_scales``' work: ``(folded or None, FoldReport)``."""
+    if per not in FOLD_PER:
+        fail("per", f"must be one of {FOLD_PER}, got {per!r}")
+    check_tensor("b", b, dtype=torch.uint8, ndim=3)
+    e, n, half_k = b.shape
+    check_multiple("b.shape[2] * 2 (K)", 2 * half_k, K_CHUNK, "scales are packed per 128-wide K chunk")
+    check_tensor("b_sf", b_sf, dtype=torch.int32, shape=(e, n, 2 * half_k // K_CHUNK))
     codes = unpack_ue8m0(b_sf).to(torch.int32)  # [E, N, K/32]
     nonzero = nonzero_blocks(b)
-    top = torch.where(nonzero, codes, torch.full_like(codes, -1)).amax(-1)  # [E, N]; -1: an all-zero row
-    base = torch.where(top >= 0, top - FOLD_MAX_SHIFT, torch.full_like(top, 127))
-    d = codes - base[..., None]
-    if bool((nonzero & (d < FOLD_MIN_SHIFT)).any()) or bool((base < 1).any()):
-        return None
-    biased = (d.clamp(FOLD_MIN_SHIFT, FOLD_MAX_SHIFT) - FOLD_MIN_SHIFT).to(torch.uint8)
-    words = biased.contiguous().view(torch.int32)  # [E, N, K/128], byte kb = block kb
-    row_scale = (base << 23).view(torch.int32)[:, None, :]  # FP32 bits of 2**(base - 127), [E, 1, N]
-    return torch.cat([words.transpose(1, 2), row_scale], dim=1).contiguous()
+    top, spread = _spread(codes, nonzero)  # [E, N]
+    chunk_codes, chunk_nonzero = codes.unflatten(-1, (-1, 4)), nonzero.unflatten(-1, (-1, 4))
+    chunk_top, chunk_spread = _spread(chunk_codes, chunk_nonzero)  # [E, N, K/128]
+    names = torch.arange(n, device=b.device) if row_map is None else row_map.to(b.device)
+    wide = (spread > FOLD_WINDOW).nonzero().tolist()
+    bad = (chunk_spread > FOLD_WINDOW).nonzero().tolist()
+    chunk_rows = tuple(sorted((x, int(names[r]), int(spread[x, r])) for x, r in wide))
+    unfoldable = tuple(sorted((x, int(names[r]), c, int(chunk_spread[x, r, c])) for x, r, c in bad))
+    fmt = None
+    if not chunk_rows and per in ("row", "auto"):
+        fmt = "row"
+    elif not unfoldable and per in ("chunk", "auto"):
+        fmt = "chunk"
+    report = FoldReport(e, n, 2 * half_k, fmt, e * n - len(chunk_rows), int(spread.max()) if spread.numel() else -1,
+                        chunk_rows, unfoldable)
+    if fmt is None:
+        return None, report
+    if fmt == "row":
+        base = _base(top)  # [E, N]
+        return torch.cat([_biased_words(codes, base[..., None]), _scale_bits(base)[:, None, :]], 1).contiguous(), report
+    base = _base(chunk_top)  # [E, N, K/128]
+    words = _biased_words(codes, base.repeat_interleave(4, dim=-1))
+    return torch.cat([words, _scale_bits(base).transpose(1, 2)], 1).contiguous(), report
 
 
-def unfold_fp8_scales(folded: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``fold_fp8_scales`` for the blocks it encodes: ``int32 [E, K/128 + 1, N]`` -> the canonical
-    packed scales ``int32 [E, N, K/128]`` (an all-zero block's code is its clamped one)."""
+def fold_fp8_scales(b: torch.Tensor, b_sf: torch.Tensor, per: str = "row") -> torch.Tensor | None:
+    """FP8-mode folded scales of canonical FP4 weights (``uint8 [E, N, K/2]``, ``int32 [E, N, K/128]``), or None
+    where no fold of the asked format exists.
+
+    Folded, the decode applies each 32-block's scale relative to a base: E2M1 ``v`` of a block with UE8M0 code ``s``
+    decodes to the E4M3 ``v * 2**d`` (exact: d = s - base in ``[FOLD_MIN_SHIFT, FOLD_MAX_SHIFT]``, a normal E4M3
+    from 2**-6 to 384; the lookup table's exponents move by d, ``FOLD_LUT_LO/HI``), and the kernel multiplies the
+    FP32 sums by the FP32 scale ``2**(base - 127)`` instead of every 32-K block's partial sums by the weight scale.
+    base = the largest code of a block holding a nonzero value, minus ``FOLD_MAX_SHIFT``, and at least 1 (the scale
+    stays a normal FP32; exact for any spread within the window, codes being >= 0); all-zero blocks do not count
+    (their d is clamped into the window), an all-zero row or chunk gets base 127 (scale 1).
+
+    ``per="row"`` (the format of the existing FP8-mode kernels): one base per weight row; ``int32 [E, K/128 + 1,
+    N]``: chunk-major words of the biased codes ``d - FOLD_MIN_SHIFT`` (byte kb = 32-block kb of the chunk, as the
+    packed scales), then one row of the FP32 bits of each row's scale. None if some row's nonzero blocks span more
+    than ``FOLD_WINDOW`` = 11 binades. ``per="chunk"``: one base per (row, 128-K chunk); ``int32 [E, 2 * K/128,
+    N]``: rows ``[0, K/128)`` the biased codes (chunk-major, as above, relative to their chunk's base), rows ``[K/128,
+    2 * K/128)`` the FP32 bits of each (chunk, row) scale (chunk-major). None if the nonzero blocks of some 128-K
+    chunk alone span more than 11 binades. ``per="auto"``: the row format where every row fits, else the chunk
+    format, else None. Which rows needed what: ``fold_report`` (or ``fold_fp8_scales_with_report``). One host sync
+    (weight-load time)."""
+    return _fold(b, b_sf, per, None)[0]
+
+
+def fold_fp8_scales_with_report(b: torch.Tensor, b_sf: torch.Tensor, per: str = "auto",
+                                row_map: torch.Tensor | None = None) -> tuple[torch.Tensor | None, FoldReport]:
+    """``fold_fp8_scales`` and its ``FoldReport``; ``row_map`` (int ``[N]``): the caller's name of each row in the
+    report (e.g. canonical L1 rows before the gate/up interleave)."""
+    return _fold(b, b_sf, per, row_map)
+
+
+def fold_report(b: torch.Tensor, b_sf: torch.Tensor, row_map: torch.Tensor | None = None) -> FoldReport:
+    """Which rows of canonical FP4 weights fold per row, which need per-chunk scales and which chunks cannot be
+    folded (``FoldReport``; its ``format`` is the one ``per="auto"`` makes)."""
+    return _fold(b, b_sf, "auto", row_map)[1]
+
+
+def folded_scale_format(b_sf: torch.Tensor, chunks: int) -> str:
+    """The format of FP8-mode kernel scales ``int32 [E, rows, N]`` of weights with ``chunks`` = K/128 chunks:
+    ``"absolute"`` (rows = K/128, packed UE8M0), ``"row"`` (K/128 + 1) or ``"chunk"`` (2 * K/128; for K = 128 the
+    two folded formats coincide and read as ``"row"``)."""
+    check_tensor("b_sf", b_sf, dtype=torch.int32, ndim=3)
+    formats = {chunks: "absolute", chunks + 1: "row", 2 * chunks: "chunk"}
+    if b_sf.shape[1] not in formats:
+        fail("b_sf", f"must hold K/128 = {chunks} chunk rows (absolute UE8M0 scales), {chunks + 1} (folded per row) "
+             f"or {2 * chunks} (folded per row and 128-K chunk), got shape {list(b_sf.shape)}")
+    return formats[b_sf.shape[1]]
+
+
+def unfold_fp8_scales(folded: torch.Tensor, chunks: int | None = None) -> torch.Tensor:
+    """Inverse of ``fold_fp8_scales`` for the blocks it encodes: folded scales -> the canonical packed scales ``int32
+    [E, N, K/128]`` (an all-zero block's code is its clamped one). ``chunks`` (K/128) tells the format; None reads
+    the row format ``[E, K/128 + 1, N]``."""
     check_tensor("folded", folded, dtype=torch.int32, ndim=3)
-    words = folded[:, :-1].transpose(1, 2).contiguous()  # [E, N, K/128]
-    base = (folded[:, -1] >> 23) & 0xFF  # [E, N]
-    codes = unpack_ue8m0(words).to(torch.int32) + FOLD_MIN_SHIFT + base[..., None]
+    fmt = "row" if chunks is None else folded_scale_format(folded, chunks)
+    if fmt == "absolute":
+        fail("folded", "holds absolute UE8M0 scales (K/128 chunk rows), not folded ones")
+    c = folded.shape[1] - 1 if fmt == "row" else folded.shape[1] // 2
+    words = folded[:, :c].transpose(1, 2).contiguous()  # [E, N, K/128]
+    base = ((folded[:, c:] >> 23) & 0xFF).transpose(1, 2)  # [E, N, 1] or [E, N, K/128]
+    codes = unpack_ue8m0(words).to(torch.int32) + FOLD_MIN_SHIFT + base.repeat_interleave(4 if fmt == "chunk" else 1, -1)
     return codes.to(torch.uint8).view(torch.int32)
+
+
+def dequantize_sm90_fp8_weights(bk: torch.Tensor, bk_sf: torch.Tensor) -> torch.Tensor:
+    """FP8-mode kernel weights (``uint8 [E, N/64, K/128, 64, 64]``) with their scales (absolute ``[E, K/128, N]``,
+    or folded per row / per row and chunk) -> float64 ``[E, N, K]``: what the kernel multiplies, exactly. Folded:
+    each E2M1 value times ``2**d`` is checked to be an exact normal E4M3 (the kernel's decode), then times the FP32
+    row (chunk) scale. Equal to ``layouts.dequantize_fp4`` of the canonical weights wherever the fold is exact."""
+    from ..layouts.fp4 import e2m1_table
+    from ..layouts.ue8m0 import code_to_scale
+
+    canonical = from_sm90_weight_layout(bk)
+    e, n, half_k = canonical.shape
+    chunks = 2 * half_k // K_CHUNK
+    check_tensor("bk_sf", bk_sf, dtype=torch.int32, ndim=3)
+    if bk_sf.shape[0] != e or bk_sf.shape[2] != n:
+        fail("bk_sf", f"must be chunk-major [E, rows, N] with E = {e}, N = {n}, got {list(bk_sf.shape)}")
+    fmt = folded_scale_format(bk_sf, chunks)
+    values = e2m1_table(bk.device).double()[unpack_fp4_codes(canonical).long()]  # [E, N, K]
+    blocks = values.unflatten(-1, (-1, 32))  # [E, N, K/32, 32]
+    if fmt == "absolute":
+        scales = code_to_scale(unpack_ue8m0(bk_sf.transpose(1, 2).contiguous())).double()
+        return (blocks * scales[..., None]).flatten(-2)
+    words = bk_sf[:, :chunks].transpose(1, 2).contiguous()
+    d = unpack_ue8m0(words).to(torch.int32) + FOLD_MIN_SHIFT  # [E, N, K/32]
+    if int(d.max()) > FOLD_MAX_SHIFT:
+        fail("bk_sf", f"holds a biased relative code above {FOLD_MAX_SHIFT - FOLD_MIN_SHIFT}: not folded scales")
+    decoded = blocks * torch.exp2(d.double())[..., None]
+    e4m3 = decoded.to(torch.float8_e4m3fn).double()
+    tiny = (decoded != 0) & (decoded.abs() < 2.0**-6)  # E4M3 subnormal: the decode's table has normals only
+    if not torch.equal(e4m3, decoded) or bool(tiny.any()):
+        fail("bk_sf", "folds a block to values that are not exact normal E4M3 numbers")
+    scale = bk_sf[:, chunks:].view(torch.float32).double().transpose(1, 2)  # [E, N, 1] or [E, N, K/128]
+    if fmt == "chunk":
+        scale = scale.repeat_interleave(4, -1)  # per 32-block
+    return (decoded * scale[..., None]).flatten(-2)

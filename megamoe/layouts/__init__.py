@@ -1,7 +1,9 @@
-"""Data layouts: FP8/FP4 quantization with UE8M0 block scales, weight transforms, grouped row layouts."""
+"""Data layouts: FP8/FP4 quantization (UE8M0 block scales; FP32 per-128 token scales), weight transforms, grouped
+row layouts."""
 
 from .fp4 import E2M1_VALUES, FP4_MAX, as_torch_fp4x2, dequantize_fp4, quantize_fp4
-from .fp8 import FP8_MAX, dequantize_fp8, quantize_fp8
+from .fp8 import (FP8_MAX, RECIPE_32, RECIPE_128, RECIPES, check_recipe, dequantize_fp8, quantize_fp8,
+                  recipe_of_scales)
 from .grouped import (
     ContiguousLayout,
     MaskedLayout,
@@ -20,10 +22,14 @@ __all__ = [
     "E2M1_VALUES",
     "FP4_MAX",
     "FP8_MAX",
+    "RECIPE_32",
+    "RECIPE_128",
+    "RECIPES",
     "ContiguousLayout",
     "MaskedLayout",
     "as_torch_e8m0",
     "as_torch_fp4x2",
+    "check_recipe",
     "contiguous_layout",
     "deinterleave_gate_up",
     "dequantize_fp4",
@@ -34,6 +40,7 @@ __all__ = [
     "pack_ue8m0",
     "quantize_fp4",
     "quantize_fp8",
+    "recipe_of_scales",
     "to_contiguous",
     "to_masked",
     "unpack_ue8m0",

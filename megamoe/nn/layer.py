@@ -3,7 +3,8 @@
 Each rank of the EP group holds the experts ``[r*E/R, (r+1)*E/R)`` in megamoe's canonical layout,
 quantized once at load (FP4 E2M1 with per-32 UE8M0 scales for ``mma_type="fp8xfp4"``, BF16 for
 ``"bf16"``), and a ``SymmBuffer`` sized for ``max_tokens`` tokens per rank. A call quantizes the
-tokens as the recipe wants (FP8 E4M3 with per-32 UE8M0 scales, or BF16), runs the chosen
+tokens as the recipe wants (FP8 E4M3 with per-32 UE8M0 scales for ``recipe=(1, 1, 32)``, the default, or
+with per-128 FP32 scales for ``recipe=(1, 1, 128)``; or BF16), runs the chosen
 implementation over the group with the caller's routing and returns BF16 hidden states; an optional
 shared expert (a dense BF16 SwiGLU MLP, computed locally) is added to the result. The routed part
 follows the numerics contract (``megamoe.numerics``). No gradients flow through it (backward raises).
@@ -40,7 +41,7 @@ from ..inputs import fill_buffer
 from ..layouts import quantize_fp4
 from ..staged import StagedMoE
 from ..mega import K_MULTIPLE, MegaMoE
-from ..numerics import check_activation_clamp
+from ..numerics import RECIPE_32, RECIPE_128, check_activation_clamp, check_recipe, describe_recipe
 from ..symm_buffer import SymmBuffer
 from .checkpoint import Checkpoint, expert_range, read_expert_weights, read_mlp_weights
 
@@ -97,7 +98,9 @@ class EPMoE(nn.Module):
     and ``intermediate`` I (multiples of 128), ``max_tokens``: most tokens per rank and call (sizes the
     SymmBuffer). ``group=None``: one process. ``shared_intermediate``: width of the shared expert
     (0 = none; DeepSeek-V3's ``n_shared_experts * moe_intermediate_size``). ``activation_clamp``: the
-    contract's optional SwiGLU clamp. ``device``: defaults to the current CUDA device, else CPU; the
+    contract's optional SwiGLU clamp. ``recipe``: the FP8 x FP4 recipe, (1, 1, 32) (default) or (1, 1, 128)
+    (per-128 FP32 token scales; ``megamoe.numerics``); BF16 layers take the default. ``device``: defaults to the
+    current CUDA device, else CPU; the
     layer stays there (weights are plain attributes, not moved by ``.to()``). ``buffer``: an existing
     SymmBuffer to use instead of allocating one (layers of a model run one after the other and can
     share one; its layout must match and hold ``max_tokens``; ``destroy`` then leaves it alone).
@@ -123,8 +126,12 @@ class EPMoE(nn.Module):
         activation_clamp: float | None = None,
         device: torch.device | str | None = None,
         buffer: SymmBuffer | None = None,
+        recipe=RECIPE_32,
     ):
         super().__init__()
+        recipe = check_recipe(recipe)
+        if mma_type == "bf16" and recipe != RECIPE_32:
+            fail("recipe", f"applies to mma_type='fp8xfp4' only, got {recipe} with mma_type='bf16'")
         if impl not in IMPLS:
             fail("impl", f"must be one of {tuple(IMPLS)}, got {impl!r}")
         mode = IMPLS[impl][0] if mode is None else mode
@@ -138,7 +145,8 @@ class EPMoE(nn.Module):
         self.local_experts = expert_range(num_experts, rank, num_ranks)
         self._owns_buffer = buffer is None
         if buffer is None:
-            buffer = SymmBuffer(group, num_experts, max_tokens, num_topk, hidden, intermediate, mma_type=mma_type, device=device)
+            buffer = SymmBuffer(group, num_experts, max_tokens, num_topk, hidden, intermediate, mma_type=mma_type, device=device,
+                                recipe=recipe)
         else:
             lay = buffer.layout
             have = (lay.num_ranks, lay.num_experts, lay.num_topk, lay.hidden, lay.intermediate_hidden, lay.mma_type)
@@ -146,9 +154,13 @@ class EPMoE(nn.Module):
             if have != want or lay.num_max_tokens_per_rank < max_tokens:
                 fail("buffer", f"has (ranks, experts, top-k, hidden, intermediate, mma_type) = {have} and room for "
                      f"{lay.num_max_tokens_per_rank} tokens; this layer needs {want} and {max_tokens} tokens")
+            if mma_type == "fp8xfp4" and lay.recipe != recipe:
+                fail("buffer", f"holds recipe {describe_recipe(lay.recipe)}; this layer runs recipe "
+                     f"{describe_recipe(recipe)}")
         self.buffer = buffer
         self.num_experts, self.num_topk, self.hidden, self.intermediate = num_experts, num_topk, hidden, intermediate
         self.max_tokens, self.mma_type, self.impl, self.mode = max_tokens, mma_type, impl, mode
+        self.recipe = recipe if mma_type == "fp8xfp4" else None
         self.activation_clamp, self.device = activation_clamp, self.buffer.device
         self.shared = SharedMLP(hidden, shared_intermediate, self.device) if shared_intermediate else None
         self.w1 = self.w2 = self._impl = None
@@ -158,8 +170,12 @@ class EPMoE(nn.Module):
     @property
     def cuda_graph_capturable(self) -> bool:
         """Whether a call can be captured in a CUDA graph (staged low-latency mode, or mega after one
-        eager call)."""
-        return self.impl == "mega" or (self.impl, self.mode) == ("staged", "low_latency")
+        eager call). Not the staged path of recipe (1, 1, 128) on CUDA: its torch GEMMs run in FP32, which torch
+        does as a per-group loop that reads the group sizes on the host."""
+        if self.impl == "mega":
+            return True
+        fp32_gemms = self.recipe == RECIPE_128 and self.device.type == "cuda"
+        return self.mode == "low_latency" and not fp32_gemms
 
     @torch.no_grad()
     def load_experts(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
@@ -173,7 +189,9 @@ class EPMoE(nn.Module):
             self.w1, self.w2 = quantize_fp4(w1, "w1"), quantize_fp4(w2, "w2")
         else:
             self.w1, self.w2 = w1.to(torch.bfloat16), w2.to(torch.bfloat16)
-        self._impl = MegaMoE(self.w1, self.w2) if self.impl == "mega" else StagedMoE(self.w1, self.w2, self.mode)
+        recipe = RECIPE_32 if self.recipe is None else self.recipe
+        self._impl = (MegaMoE(self.w1, self.w2, recipe=recipe) if self.impl == "mega"
+                      else StagedMoE(self.w1, self.w2, self.mode, recipe=recipe))
 
     @classmethod
     def from_checkpoint(
@@ -192,7 +210,7 @@ class EPMoE(nn.Module):
         """Build the layer from the experts under ``prefix`` (see ``megamoe.nn.checkpoint`` for the
         sources and namings), reading only this rank's experts; H and I come from the weights.
         ``shared_prefix`` (e.g. ``"model.layers.3.mlp.shared_experts."``) loads a shared expert.
-        ``kwargs`` go to the constructor."""
+        ``kwargs`` go to the constructor (``mma_type``, ``recipe``, ``impl``, ...)."""
         ckpt = source if isinstance(source, Checkpoint) else Checkpoint(source)
         rank, num_ranks = rank_and_size(group)
         w1, w2 = read_expert_weights(ckpt, prefix, expert_range(num_experts, rank, num_ranks), naming)
@@ -234,6 +252,9 @@ class EPMoE(nn.Module):
                  "per rank and call; build the layer with a larger max_tokens or split the batch)")
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if capturing and not self.cuda_graph_capturable:
+            if self.mode == "low_latency":
+                fail("impl", "'staged' with recipe (1, 1, 128) runs torch's FP32 grouped GEMMs, which sync with the "
+                     "host on CUDA and cannot be captured in a CUDA graph; use impl='mega'")
             fail("mode", f"{self.mode!r} of impl {self.impl!r} syncs with the host and cannot be captured in a "
                  "CUDA graph; use mode='low_latency'")
         fill_buffer(self.buffer, x if self.mma_type == "fp8xfp4" else x.to(torch.bfloat16),
@@ -253,4 +274,5 @@ class EPMoE(nn.Module):
     def extra_repr(self) -> str:
         return (f"experts={self.local_experts.start}..{self.local_experts.stop - 1} of {self.num_experts}, top_k={self.num_topk}, "
                 f"hidden={self.hidden}, intermediate={self.intermediate}, max_tokens={self.max_tokens}, "
-                f"mma_type={self.mma_type}, impl={self.impl}, mode={self.mode}")
+                f"mma_type={self.mma_type}{'' if self.recipe is None else f', recipe={self.recipe}'}, impl={self.impl}, "
+                f"mode={self.mode}")

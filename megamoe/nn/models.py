@@ -86,7 +86,7 @@ def moe_block_from_config(
 ) -> MoEBlock:
     """The ``MoEBlock`` of the MoE layer whose tensors sit under ``prefix`` (e.g.
     ``"model.layers.3.mlp."``) in ``source``, for a config of a ``MODEL_TYPES`` model. Collective over
-    ``group``; each rank reads only its experts. ``kwargs`` go to ``EPMoE`` (``mma_type``, ``impl``,
+    ``group``; each rank reads only its experts. ``kwargs`` go to ``EPMoE`` (``mma_type``, ``recipe``, ``impl``,
     ``mode``, ``device``, ...)."""
     model_type = config["model_type"] if isinstance(config, Mapping) else config.model_type
     if model_type not in MODEL_TYPES:

@@ -18,7 +18,10 @@ one progress line per rank and call, the contract errors, and any ``megamoe debu
   several tiles (the tile hand-off from the producer warp to the consumers wraps around its slots); then a CUDA
   graph captured once and replayed three times with new inputs
   copied in between. Four ranks: uneven tokens incl. a rank
-  with 0 and one with 1, skewed, full with a clamp, and the graph.
+  with 0 and one with 1, skewed, full with a clamp, and the graph. Recipe (1, 1, 128) (``r128_*`` cases, a buffer of
+  that recipe: per-128 FP32 token scales, FP8 rings, folded FP8-mode weights): the same checks against that recipe's
+  reference and tolerances, bit for bit equal to the staged path with the same SM90 GEMMs (FP8 mode), on 1, 2 and 4
+  GPUs (ragged, skewed, no tokens, one token, full with a clamp, a small ring on two), and its CUDA graph.
 * ``hang``: rank 1 never calls; rank 0's debug-mode call must trap with the diagnostic naming
   ``ready[src=1]`` (printf and the host-mapped record) instead of hanging.
 
@@ -43,6 +46,7 @@ H, I, K, E_PER_RANK, T_MAX = 512, 512, 4, 8, 32
 GENERATIONS = 3
 SMALL_RING = 128  # ring rows of the small-ring cases: rank 0 receives more rows, so it reuses ring blocks
 WIDE = (2048, 2048)  # (H, I) of the case whose CTAs run several tiles each (L1: 32 column tiles per pool block)
+R128 = (1, 1, 128)
 DEBUG_TIMEOUT_S = "60"  # debug-mode spin-wait timeout inside the subprocesses: above the JIT compile of a rank
 # whose config (its own T) is new to it while its peer has it compiled already and waits at `ready` (seconds: a
 # few-second limit times out there)
@@ -55,6 +59,12 @@ CASES = {
         ("full_clamped", dict(tokens=[T_MAX], clamp=0.75, masked=0.1)),
         ("ieee_silu_clamped", dict(tokens=[T_MAX], clamp=0.75, masked=0.1, fast_math=False)),
         ("bf16_ragged_masked", dict(tokens=[29], masked=0.25, mma_type="bf16")),
+        ("r128_ragged_masked", dict(tokens=[29], masked=0.25, recipe=R128)),
+        ("r128_skewed", dict(tokens=[32], hot=K, recipe=R128)),
+        ("r128_one_token", dict(tokens=[1], recipe=R128)),
+        ("r128_no_tokens", dict(tokens=[0], recipe=R128)),
+        ("r128_full_clamped", dict(tokens=[T_MAX], clamp=0.75, masked=0.1, recipe=R128)),
+        ("r128_ieee_silu_wide", dict(tokens=[T_MAX], masked=0.1, fast_math=False, dims=WIDE, recipe=R128)),
     ],
     2: [
         ("ragged_masked_uneven", dict(tokens=[13, 5], masked=0.25)),
@@ -67,12 +77,18 @@ CASES = {
         ("small_ring_ragged", dict(tokens=[T_MAX, 30], masked=0.1, hot=E_PER_RANK, ring=SMALL_RING)),
         ("small_ring_skewed", dict(tokens=[24, 17], hot=K, ring=SMALL_RING)),
         ("wide_small_ring", dict(tokens=[T_MAX, 27], hot=K, ring=SMALL_RING, dims=WIDE)),
+        ("r128_ragged_masked_uneven", dict(tokens=[13, 5], masked=0.25, recipe=R128)),
+        ("r128_zero_token_rank", dict(tokens=[0, 9], recipe=R128)),
+        ("r128_full_clamped", dict(tokens=[T_MAX, T_MAX], clamp=0.75, masked=0.1, recipe=R128)),
+        ("r128_small_ring_skewed", dict(tokens=[24, 17], hot=K, ring=SMALL_RING, recipe=R128)),
     ],
     4: [
         ("ragged_masked_uneven", dict(tokens=[13, 0, 32, 1], masked=0.25)),
         ("skewed_to_rank0", dict(tokens=[24, 17, 3, 30], hot=K)),
         ("full_clamped", dict(tokens=[T_MAX] * 4, clamp=0.75, masked=0.1)),
         ("bf16_uneven", dict(tokens=[13, 0, 32, 1], masked=0.25, mma_type="bf16")),
+        ("r128_ragged_masked_uneven", dict(tokens=[13, 0, 32, 1], masked=0.25, recipe=R128)),
+        ("r128_skewed_to_rank0", dict(tokens=[24, 17, 3, 30], hot=K, recipe=R128)),
     ],
 }
 GRAPH_TOKENS = {1: [9], 2: [9, 4], 4: [9, 4, 0, 17]}
@@ -95,15 +111,15 @@ def _problem(seed: int, tokens: list[int], case: dict) -> dict:
                           case.get("masked", 0.0), case.get("hot"))
 
 
-def _expected(p: dict, weights: dict, rank: int, device, clamp) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's reference rows (FP32 reference on every rank's tokens, all experts) and the rows
+def _expected(p: dict, weights: dict, rank: int, device, clamp, recipe=(1, 1, 32)) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's reference rows (FP32 reference of ``recipe`` on every rank's tokens, all experts) and the rows
     each of its local experts receives."""
     from megamoe import reference_moe
     from megamoe.inputs import local_experts
     from megamoe.layouts import quantize_fp8
 
     x = torch.cat(p["x"]).to(device)
-    q, sf = quantize_fp8(x) if isinstance(weights["l1"], tuple) else (x, None)
+    q, sf = quantize_fp8(x, recipe=recipe) if isinstance(weights["l1"], tuple) else (x, None)
     idx = torch.cat(p["topk_idx"]).to(device)
     ref = reference_moe(q, sf, idx, torch.cat(p["topk_weights"]).to(device),
                         local_experts(weights["l1"], 0, 1, device), local_experts(weights["l2"], 0, 1, device), clamp)
@@ -112,10 +128,11 @@ def _expected(p: dict, weights: dict, rank: int, device, clamp) -> tuple[torch.T
     return ref[start : start + p["x"][rank].shape[0]], torch.bincount(mine, minlength=E_PER_RANK).int()
 
 
-def _check(rank: int, what: str, y, ref, stats, want_stats, y_staged=None, bitwise=True, inter=I) -> None:
+def _check(rank: int, what: str, y, ref, stats, want_stats, y_staged=None, bitwise=True, inter=I,
+           recipe=(1, 1, 32)) -> None:
     from megamoe.numerics import check_moe_output, rel_fro_error
 
-    errs = check_moe_output(y, ref, inter, what)
+    errs = check_moe_output(y, ref, inter, what, recipe)
     assert not y.isnan().any(), f"{what}: NaN in y (a row was not written or read poisoned data)"
     if not torch.equal(stats, want_stats):
         raise AssertionError(f"{what}: recv stats {stats.tolist()}, want {want_stats.tolist()}")
@@ -139,6 +156,7 @@ def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
     h, inter = case.get("dims", (H, I))
     fp8 = case.get("mma_type", "fp8xfp4") == "fp8xfp4"
     fast_math = case.get("fast_math", True)
+    recipe = case.get("recipe", (1, 1, 32))
     for gen in range(GENERATIONS):
         debug = gen == 0
         what = f"{name} {case['tokens']} call {gen}{' (debug)' if debug else ''}"
@@ -148,15 +166,15 @@ def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
         t = p["x"][rank].shape[0]
         y_staged = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=device)
         stats_staged = torch.full((E_PER_RANK,), 7, dtype=torch.int32, device=device)
-        StagedMoE(l1, l2, "low_latency", "sm90" if fp8 else "torch", fast_math)(y_staged, buf, stats_staged,
-                                                                             activation_clamp=clamp)
+        StagedMoE(l1, l2, "low_latency", "sm90" if fp8 else "torch", fast_math, recipe=recipe)(
+            y_staged, buf, stats_staged, activation_clamp=clamp)
         y = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=device)
         stats = torch.full((E_PER_RANK,), 7, dtype=torch.int32, device=device)
-        moe = MegaMoE(l1, l2, fast_math)
+        moe = MegaMoE(l1, l2, fast_math, recipe=recipe)
         moe(y, buf, stats, activation_clamp=clamp, debug=debug)
-        ref, counts = _expected(p, p, rank, device, clamp)
+        ref, counts = _expected(p, p, rank, device, clamp, recipe)
         # BF16: torch's grouped GEMM over different row counts may tile K differently: no bitwise claim.
-        _check(rank, what, y, ref, stats, stats_staged, y_staged, bitwise=fp8, inter=inter)
+        _check(rank, what, y, ref, stats, stats_staged, y_staged, bitwise=fp8, inter=inter, recipe=recipe)
         assert torch.equal(stats_staged, counts + 7), f"{what}: staged stats disagree with the routing"
         if fp8 and gen == GENERATIONS - 1:
             _check_trace(rank, what, y, moe, buf, clamp, counts)
@@ -197,14 +215,16 @@ def _check_trace(rank, what: str, y, moe, buf, clamp, counts) -> None:
 
 
 def _run_graph(rank, device, buf, tokens: list[int]) -> None:
-    """One call captured in a CUDA graph, replayed with new inputs copied into the buffer each time."""
+    """One call captured in a CUDA graph, replayed with new inputs copied into the buffer each time (the buffer's
+    recipe)."""
     from megamoe.inputs import fill_buffer, local_experts
     from megamoe.mega import MegaMoE
 
     case = dict(tokens=tokens, masked=0.2)
+    recipe = buf.layout.recipe
     weights = _problem(900, tokens, case)
     moe = MegaMoE(local_experts(weights["l1"], rank, len(tokens), device),
-                  local_experts(weights["l2"], rank, len(tokens), device))
+                  local_experts(weights["l2"], rank, len(tokens), device), recipe=recipe)
     t = tokens[rank]
     y = torch.full((t, H), float("nan"), dtype=torch.bfloat16, device=device)
     stats = torch.zeros(E_PER_RANK, dtype=torch.int32, device=device)
@@ -217,9 +237,9 @@ def _run_graph(rank, device, buf, tokens: list[int]) -> None:
 
     p = load(901)  # eager warm-up call on the graph's buffers (and a check)
     moe(y, buf, stats)
-    ref, counts = _expected(p, weights, rank, device, None)
+    ref, counts = _expected(p, weights, rank, device, None, recipe)
     want_stats += counts
-    _check(rank, f"graph {tokens} eager warm-up", y, ref, stats, want_stats)
+    _check(rank, f"graph {tokens} recipe {recipe} eager warm-up", y, ref, stats, want_stats, recipe=recipe)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -228,9 +248,9 @@ def _run_graph(rank, device, buf, tokens: list[int]) -> None:
         p = load(902 + replay)
         y.fill_(float("nan"))
         graph.replay()
-        ref, counts = _expected(p, weights, rank, device, None)
+        ref, counts = _expected(p, weights, rank, device, None, recipe)
         want_stats += counts
-        _check(rank, f"graph {tokens} replay {replay}", y, ref, stats, want_stats)
+        _check(rank, f"graph {tokens} recipe {recipe} replay {replay}", y, ref, stats, want_stats, recipe=recipe)
 
 
 def _suite(rank, group, device, num_ranks: int) -> None:
@@ -238,14 +258,14 @@ def _suite(rank, group, device, num_ranks: int) -> None:
     from megamoe.mega import debug_report
 
     def key(case: dict) -> tuple:
-        return case.get("mma_type", "fp8xfp4"), case.get("ring"), case.get("dims", (H, I))
+        return case.get("mma_type", "fp8xfp4"), case.get("ring"), case.get("dims", (H, I)), case.get("recipe", (1, 1, 32))
 
-    bufs = {}  # one buffer per (mma_type, ring, (H, I)), made by every rank in the cases' order (collective)
-    for _, case in [("default", {})] + CASES[num_ranks]:
+    bufs = {}  # one buffer per (mma_type, ring, (H, I), recipe), made by every rank in the cases' order (collective)
+    for _, case in [("default", {}), ("default128", {"recipe": R128})] + CASES[num_ranks]:
         if key(case) not in bufs:
-            mma, ring, (h, i) = key(case)
+            mma, ring, (h, i), recipe = key(case)
             bufs[key(case)] = get_symm_buffer_for_mega_moe(group, E_PER_RANK * num_ranks, T_MAX, K, h, i, mma_type=mma,
-                                                           num_ring_tokens=ring, device=device)
+                                                           num_ring_tokens=ring, device=device, recipe=recipe)
     buf = bufs[key({})]
     _say(rank, f"{num_ranks} GPU(s), {torch.cuda.get_device_name(device)}; ring {buf.layout.num_ring_tokens} rows")
     try:
@@ -254,6 +274,7 @@ def _suite(rank, group, device, num_ranks: int) -> None:
             _run_case(rank, device, bufs[key(case)], name, case, seed=100 * (i + 1))
             _say(rank, f"{name}: {GENERATIONS} calls in {time.perf_counter() - start:.1f} s")
         _run_graph(rank, device, buf, GRAPH_TOKENS[num_ranks])
+        _run_graph(rank, device, bufs[key({"recipe": R128})], GRAPH_TOKENS[num_ranks])
     except BaseException:
         traceback.print_exc()
         _say(rank, f"device debug record: {debug_report(buf)}")
@@ -337,19 +358,19 @@ def _gpus(n: int) -> None:
 @pytest.mark.gpu
 def test_mega_one_gpu():
     _gpus(1)
-    _run("one", timeout=300)
+    _run("one", timeout=600)
 
 
 @pytest.mark.gpu
 def test_mega_two_gpus():
     _gpus(2)
-    _run("two", timeout=300)
+    _run("two", timeout=600)
 
 
 @pytest.mark.gpu
 def test_mega_four_gpus():
     _gpus(4)
-    _run("four", timeout=360)
+    _run("four", timeout=720)
 
 
 @pytest.mark.gpu

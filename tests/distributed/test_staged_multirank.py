@@ -1,4 +1,4 @@
-"""The staged EP path on several ranks: gloo processes on CPU; NCCL on GPUs under -m gpu."""
+"""The staged EP path on several ranks, both FP8 x FP4 recipes: gloo processes on CPU; NCCL on GPUs under -m gpu."""
 
 import pytest
 import torch
@@ -17,6 +17,15 @@ CASES = {
     "r4_uneven_empty_experts": dict(BASE, tokens_per_rank=[3, 17, 1, 0], hot_experts=5, masked_ratio=0.2),
     "r2_ll_uneven_masked": dict(BASE, tokens_per_rank=[13, 5], masked_ratio=0.25, mode="low_latency"),
     "r4_ll_zero_token_rank_bf16": dict(BASE, tokens_per_rank=[3, 0, 8, 1], mma_type="bf16", mode="low_latency"),
+    # recipe (1, 1, 128): uneven tokens, a rank with none, empty experts, masked slots
+    "r2_uneven_masked_r128": dict(BASE, tokens_per_rank=[13, 5], masked_ratio=0.25, recipe=(1, 1, 128)),
+    "r2_zero_token_rank_r128": dict(BASE, tokens_per_rank=[0, 9], clamp=0.75, recipe=(1, 1, 128)),
+    "r2_ll_uneven_masked_r128": dict(BASE, tokens_per_rank=[13, 5], masked_ratio=0.25, mode="low_latency",
+                                     recipe=(1, 1, 128)),
+    "r4_uneven_empty_experts_r128": dict(BASE, tokens_per_rank=[3, 17, 1, 0], hot_experts=5, masked_ratio=0.2,
+                                         recipe=(1, 1, 128)),
+    "r4_ll_zero_token_rank_r128": dict(BASE, tokens_per_rank=[3, 0, 8, 1], masked_ratio=0.2, mode="low_latency",
+                                       recipe=(1, 1, 128)),
 }
 
 
@@ -26,11 +35,11 @@ def test_staged_multirank_gloo(name):
     spawn(check_staged_against_reference, len(case["tokens_per_rank"]), case)
 
 
-def _check_distributed_reference(rank, group, device, tokens_per_rank):
+def _check_distributed_reference(rank, group, device, tokens_per_rank, recipe=(1, 1, 32)):
     """The per-rank reference (local experts + all-reduce) equals the single-process one."""
     n = len(tokens_per_rank)
     p = global_problem(5, tokens_per_rank, 8, 2, 256, 128, masked_ratio=0.2)
-    buf = get_symm_buffer_for_mega_moe(group, 8, max(tokens_per_rank), 2, 256, 128, device=device)
+    buf = get_symm_buffer_for_mega_moe(group, 8, max(tokens_per_rank), 2, 256, 128, device=device, recipe=recipe)
     x_q, x_sf = fill_buffer(buf, p["x"][rank], p["topk_idx"][rank], p["topk_weights"][rank])
     got = distributed_reference_moe(
         x_q, x_sf, p["topk_idx"][rank], p["topk_weights"][rank],
@@ -38,19 +47,21 @@ def _check_distributed_reference(rank, group, device, tokens_per_rank):
     )
     from megamoe.layouts import quantize_fp8
 
-    q, sf = quantize_fp8(torch.cat(p["x"]))
+    q, sf = quantize_fp8(torch.cat(p["x"]), recipe=recipe)
     ref = reference_moe(q, sf, torch.cat(p["topk_idx"]), torch.cat(p["topk_weights"]), p["l1"], p["l2"])
     start = sum(tokens_per_rank[:rank])
-    check_moe_output(got, ref[start : start + tokens_per_rank[rank]], 128, f"rank {rank}")
+    check_moe_output(got, ref[start : start + tokens_per_rank[rank]], 128, f"rank {rank}", recipe)
     buf.destroy()
 
 
-def test_distributed_reference_matches_single_process():
-    spawn(_check_distributed_reference, 2, [6, 3])
+@pytest.mark.parametrize("recipe", [(1, 1, 32), (1, 1, 128)], ids=["recipe32", "recipe128"])
+def test_distributed_reference_matches_single_process(recipe):
+    spawn(_check_distributed_reference, 2, [6, 3], recipe)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["r2_uneven_masked", "r2_zero_token_rank", "r2_skewed_bf16", "r2_ll_uneven_masked"])
+@pytest.mark.parametrize("name", ["r2_uneven_masked", "r2_zero_token_rank", "r2_skewed_bf16", "r2_ll_uneven_masked",
+                                  "r2_uneven_masked_r128", "r2_ll_uneven_masked_r128"])
 def test_staged_two_gpus_nccl(name):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
