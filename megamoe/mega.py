@@ -429,12 +429,20 @@ def trace_fp8_fp4_mega_moe(
     return trace
 
 
+RECIPE_128_NOT_IN_MEGA = (
+    "megamoe: `sym_buffer` holds recipe (1, 1, 128), which the Mega MoE kernel does not run yet (its buffer, weights "
+    "and checks are in place; the one-launch kernel multiplies recipe (1, 1, 32)). Run recipe (1, 1, 128) on the staged "
+    "path with the SM90 kernels: StagedMoE(l1, l2, 'low_latency', gemm='sm90', recipe=(1, 1, 128)), or use recipe "
+    "(1, 1, 32) with the Mega MoE kernel")
+
+
 def _check_fp8_fp4_call(y, l1, l2, buf: SymmBuffer, stats, activation, activation_clamp, fast_math, recipe):
     """Every check of an FP8 x FP4 call, before any device work; returns the launch's ``tile_config``."""
     from .kernels import runtime
 
     check_mega_call(y, buf, stats, activation, activation_clamp, fast_math, "fp8xfp4")
-    check_fp4_operands(l1, l2, buf, recipe)
+    if check_fp4_operands(l1, l2, buf, recipe) == RECIPE_128:
+        raise NotImplementedError(RECIPE_128_NOT_IN_MEGA)
     runtime.require_sm90(y, "y")
     return tile_config(buf.layout, y.shape[0], _state(buf).num_ctas)  # num_ctas: the GPU's SMs
 
@@ -449,14 +457,11 @@ def _fp8_fp4_launch(y, l1, l2, buf: SymmBuffer, stats, activation_clamp, fast_ma
     lay = buf.layout
     st = _state(buf)
     num_tokens = y.shape[0]
-    # Recipe (1, 1, 128): the rings' FP32 scales go with the FP8 rings (the L1 operand's and L2's).
-    ring_scales = dict(a_sf=buf.l1_acts_sf, act_sf=buf.l2_acts_sf) if lay.recipe == RECIPE_128 else {}
     sm90.mega_moe_sm90(
         EpCommConfig(lay, debug, stats is not None, trace is not None), buf.l1_acts, *l1, buf.l1_topk_weights,
         *l2, buf.ring_dest, buf.l2_acts, buf.expert_offsets, activation_clamp, cfg,
         st.gemm_sync, buf.rank, num_tokens, buf.buffer.data_ptr(), st.peers, stats,
         (st.record if trace is None else trace).data_ptr(), y, debug_timeout_ns() if debug else 0, fast_math,
-        **ring_scales,
     )
 
 
