@@ -242,6 +242,12 @@ def _check_weights(b: torch.Tensor, b_sf: torch.Tensor, k: int, device, mma: str
     n = blocks * ROW_BLOCK
     # FP8 mode: absolute scales [E, K/128, N], or folded ones with the row scales after the chunks (fold_fp8_scales).
     folded = isinstance(b_sf, torch.Tensor) and b_sf.ndim == 3 and _folded(b, b_sf)
+    if (mma == "fp8" and chunks > 1 and isinstance(b_sf, torch.Tensor) and b_sf.ndim == 3
+            and b_sf.shape[1] == 2 * chunks):
+        fail(names[1], f"holds folded scales per (row, 128-K chunk) [E, 2 * K/128, N] = {list(b_sf.shape)} (the "
+             "fallback of fold='chunk' / 'auto' for rows whose block scales span more binades than E4M3 holds), which "
+             "the SM90 kernels do not multiply yet: only per-row folded scales (fold='row') or absolute ones (recipe "
+             "(1, 1, 32)); the fold report names the rows that need it")
     check_chunk_major_scales(names[1], b_sf, e, n, k + K_CHUNK * folded, device=device)
     return e, n
 
