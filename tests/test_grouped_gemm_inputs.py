@@ -33,7 +33,7 @@ def _cpu_inputs(m=40, n=128, k=512, e=3):
         ("a", lambda d: d.update(a=d["a"][:, :384].contiguous(), a_sf=d["a_sf"][:, :3].contiguous()), "of 512"),
         ("a", lambda d: d.update(a=d["a"].t().contiguous().t()), "`a` must be contiguous"),
         ("a_sf", lambda d: d.update(a_sf=d["a_sf"][:, :2]), "`a_sf` must have shape"),
-        ("a_sf", lambda d: d.update(a_sf=d["a_sf"].to(torch.int64)), "`a_sf` must have dtype int32"),
+        ("a_sf", lambda d: d.update(a_sf=d["a_sf"].to(torch.int64)), r"`a_sf` must be int32 packed UE8M0 scales \[..., K/128\] \(recipe \(1, 1, 32\)\) or float32"),
         ("b", lambda d: d.update(b=from_sm90_weight_layout(d["b"])), "`b` must be 5-D"),
         ("b", lambda d: d.update(b=d["b"][..., :32].contiguous()), "SM90 fp8-mode weight layout"),
         ("b", lambda d: d.update(b=d["b"][:, :, :, :32].contiguous()), "SM90 fp8-mode weight layout"),

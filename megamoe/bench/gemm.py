@@ -163,15 +163,15 @@ def _weight_bytes(p: Point, bytes_per_weight: float) -> float:
     return p.experts * p.n * p.k * bytes_per_weight
 
 
-def kernel_configs(p: Point, mma: str, alternatives: bool) -> list:
-    """``select_config``'s choice for ``mma``, plus one alternative: in BF16 mode 128-row weight tiles where it
-    picks 256 (two CTAs per SM where the token tile allows), 1 CTA/SM where it picks two, tile_tokens=64 for 128 in
-    either mode."""
+def kernel_configs(p: Point, mma: str, alternatives: bool, token_block: int = 32) -> list:
+    """``select_config``'s choice for ``mma`` (and the tokens' scale block), plus one alternative: in BF16 mode 128-row
+    weight tiles where it picks 256 (two CTAs per SM where the token tile allows), 1 CTA/SM where it picks two,
+    tile_tokens=64 for 128 in either mode."""
     import dataclasses
 
     from megamoe.kernels.sm90 import select_config
 
-    cfg = select_config(p.rows_per_expert, p.n, p.k, mma)
+    cfg = select_config(p.rows_per_expert, p.n, p.k, mma, token_block=token_block)
     configs = [cfg]
     if alternatives and cfg.tile_n == 256:
         configs.append(select_config(p.rows_per_expert, p.n, p.k, mma, four_warpgroups=False))
@@ -198,7 +198,7 @@ def run_kernel(p: Point, weights, tokens, cfg) -> Result:
     us = _time_us(lambda: grouped_gemm_fp8_fp4_contiguous(a, a_sf, b, b_sf, offsets, out=out, config=cfg))
     flops = 2.0 * a.shape[0] * p.n * p.k
     wbytes = _weight_bytes(p, 0.5 + 1 / 32)  # FP4 values + one UE8M0 byte per 32
-    return Result(f"megamoe {cfg.mma} mode", verdict, us, flops / us / 1e6, wbytes / us / 1e3, cfg.describe())
+    return Result(f"megamoe {cfg.mma}{'x128' if cfg.token_block == 128 else ''} mode", verdict, us, flops / us / 1e6, wbytes / us / 1e3, cfg.describe())
 
 
 def _baseline_offsets(p: Point) -> tuple[torch.Tensor, int]:
@@ -335,7 +335,9 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
             weights, weights_key = make_fp4_weights(p.experts, p.n, p.k, mmas, args.fold), (p.experts, p.n, p.k)
         tokens = make_fp8_tokens(p, recipe)
-        results = [run_kernel(p, weights, tokens, cfg) for mma in mmas for cfg in kernel_configs(p, mma, not args.no_alt)]
+        token_block = {"fp8": recipe[2], "bf16": 32}
+        results = [run_kernel(p, weights, tokens, cfg) for mma in mmas
+                   for cfg in kernel_configs(p, mma, not args.no_alt, token_block[mma])]
         tokens = None
         torch.cuda.empty_cache()
         if not args.no_baselines:
