@@ -388,3 +388,11 @@ def mma_m16n8k16_bf16(acc: list, a: list, b: list, *, loc=None, ip=None) -> list
             "{$12, $13}, {$4, $5, $6, $7};")
     vals = inline_asm([T.f32()] * 4, args, text, "=f,=f,=f,=f,f,f,f,f,r,r,r,r,r,r", loc, ip, side_effects=False)
     return [Float32(v) for v in vals]
+
+
+@dsl_user_op
+def barrier_sync(barrier_id, num_threads, *, loc=None, ip=None) -> None:
+    """``barrier.sync id, n`` -- the non-aligned form: correct even where the compiler duplicates it into divergent
+    paths of one warp (tail duplication of a branch around it), where ``bar.sync`` (aligned) would hang."""
+    args = [ir_arg(barrier_id, Int32, loc, ip), ir_arg(num_threads, Int32, loc, ip)]
+    inline_asm([], args, "barrier.sync $0, $1;", "r,r,~{memory}", loc, ip, side_effects=True)

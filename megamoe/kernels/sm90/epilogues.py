@@ -193,10 +193,11 @@ class SwigluQuant128(SwigluQuant):
 
     @cute.jit
     def __call__(self, acc, cC, ctidx, smem, args, row0, row_end, n_tile):
+        # Barriers in their non-aligned form: the compiler duplicates the barrier between the two token-row branches
+        # into both paths, which a warp with rows on both sides takes at different instructions.
         wg = ctidx // 128
-        barrier = self.barrier(wg)
         self.stage_activations(acc, cC, smem, args)
-        barrier.arrive_and_wait()
+        ptx.barrier_sync(self.barrier_id0 + wg, 128)
         t = ctidx % 128
         m = row0 + t
         vals = cute.make_rmem_tensor((32,), Float32)
@@ -209,7 +210,7 @@ class SwigluQuant128(SwigluQuant):
                 vals[v] = smem[t, 32 * wg + v] * weight
                 amax = cutlass.max(amax, cutlass.max(vals[v], -vals[v]))
             smem[t, 128 + wg] = amax  # the padding columns
-        pipeline.NamedBarrier(barrier_id=self.all_barrier_id, num_threads=512).arrive_and_wait()
+        ptx.barrier_sync(self.all_barrier_id, 512)
         if t < self.tile_tokens:
             if m < row_end:
                 amax = cutlass.max(cutlass.max(smem[t, 128], smem[t, 129]), cutlass.max(smem[t, 130], smem[t, 131]))
@@ -222,4 +223,4 @@ class SwigluQuant128(SwigluQuant):
                 cute.autovec_copy(words, cute.local_tile(args.out[m, None], (8,), (n_tile * 4 + wg,)))
                 if wg == 0:
                     args.out_sf[m, n_tile] = amax / Float32(448.0)
-        pipeline.NamedBarrier(barrier_id=self.all_barrier_id, num_threads=512).arrive_and_wait()
+        ptx.barrier_sync(self.all_barrier_id, 512)
