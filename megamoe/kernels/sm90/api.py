@@ -169,11 +169,10 @@ def _compile_fused(config: GemmConfig, debug: bool, comm, fast_math: bool):
             from .mega_moe import MegaMoESm90
 
             kernel, mega = MegaMoESm90(config, comm, fast_math), _mega_args(0, 0, 0, None, None, 0, None)
-        second = SecondGemmArgs(_placeholder_gemm(config, k, n // 2), runtime.to_cute(
-            torch.empty(m, dtype=torch.int64), leading_dim=0, align=8), None)
-        import cutlass
-
-        second = second._replace(timeout_ns=cutlass.Int64(0))
+        a2 = torch.empty(m, n // 2, dtype=torch.bfloat16)
+        b2 = torch.empty(_COMPILE_E, k // ROW_BLOCK, n // 2 // 128, ROW_BLOCK, BF16_WORDS, dtype=torch.int32)
+        second = _second_args(a2, b2, torch.empty(_COMPILE_E, n // 2 // 128, k, dtype=torch.int32),
+                              torch.empty(m, dtype=torch.int64), 0)
         epi = _epilogue_args(torch.empty(m, n // 4, dtype=torch.int32), None, torch.empty(m, dtype=torch.float32),
                              float("inf"))
         return _compile(kernel, _placeholder_gemm(config, n, k), second, epi, mega)

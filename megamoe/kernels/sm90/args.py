@@ -63,3 +63,28 @@ class MegaArgs(NamedTuple):
     def none() -> MegaArgs:
         """No communication (every kernel but the Mega MoE kernel)."""
         return MegaArgs(None, None, None, None, None, None, None)
+
+
+# Device side: what ``GroupedGemmSm90.__call__`` builds from the bundles above and hands to the kernel.
+
+
+class TmaOps(NamedTuple):
+    """One GEMM's TMA atoms and coordinate tensors: tokens, weights, weight scales, FP8 block-32 token scales."""
+
+    atom_a: object
+    a: object  # (M, K)
+    atom_w: object
+    w: object  # ((64, N/64), (64 B, K/128), E)
+    atom_sfw: object
+    sfw: object  # (N, K/128, E)
+    atom_sfa: object = None
+    sfa: object = None  # (M, K/128 words)
+
+
+class SmemLayouts(NamedTuple):
+    """The shared-memory layouts of one kernel's pipeline stages (static)."""
+
+    a: object  # (tile_tokens, 128, stage slots), 128B-swizzled
+    w: object  # (tile_n, 64 B, stage slots)
+    sfw: object  # (tile_n, chunks per stage, stages), chunk-major as in global memory
+    sfa: object  # (tile_tokens, 4 words, stages)

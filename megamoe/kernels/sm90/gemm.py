@@ -34,8 +34,6 @@ Subclasses extend it through hooks (``dims``, ``before_dependency_wait``, ``setu
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -45,31 +43,11 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .. import ptx
 from ..weight_layout import CHUNK_BYTES, K_CHUNK, ROW_BLOCK
-from .args import EpilogueArgs, GemmArgs, GroupArgs, MegaArgs
+from .args import EpilogueArgs, GemmArgs, GroupArgs, MegaArgs, SmemLayouts, TmaOps
 from .config import FINISHED, NEXT_TILE, SCATTER_PAD, TILE_SLOTS, TILE_WORDS, GemmConfig
 from .epilogues import Bf16Store, ScatterRows, SwigluQuant, SwigluQuant128
 from .mainloops import Bf16Mainloop, Fp8Block32Mainloop, Fp8Block128Mainloop
 from .tile_scheduler import GroupTiles, TileChannel
-
-
-class TmaOps(NamedTuple):
-    """One GEMM's TMA atoms and coordinate tensors: tokens, weights, weight scales, FP8 block-32 token scales."""
-
-    atom_a: object
-    a: object  # (M, K)
-    atom_w: object
-    w: object  # ((64, N/64), (64 B, K/128), E)
-    atom_sfw: object
-    sfw: object  # (N, K/128, E)
-    atom_sfa: object = None
-    sfa: object = None  # (M, K/128 words)
-
-
-class SmemLayouts(NamedTuple):
-    a: object  # (tile_tokens, 128, stage slots), 128B-swizzled
-    w: object  # (tile_n, 64 B, stage slots)
-    sfw: object  # (tile_n, chunks per stage, stages), chunk-major as in global memory
-    sfa: object  # (tile_tokens, 4 words, stages)
 
 
 class GroupedGemmSm90:

@@ -25,10 +25,10 @@ from cutlass import Int32, Int64
 from ...scheduler import tiles
 from .. import ptx
 from ..weight_layout import K_CHUNK
-from .args import EpilogueArgs
+from .args import EpilogueArgs, TmaOps
 from .config import ALL_L1, FINISHED, L1_DONE, GemmConfig, named_barriers
 from .epilogues import ScatterRows, SwigluQuant
-from .gemm import GroupedGemmSm90, TmaOps
+from .gemm import GroupedGemmSm90
 
 
 class FusedL1L2Sm90(GroupedGemmSm90):

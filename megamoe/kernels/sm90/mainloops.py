@@ -84,6 +84,16 @@ class Mainloop:
         return SimpleNamespace(tCrA=tCrA, frag=frag, tCrB=tCrB, acc_shape=acc_shape, acc=acc, q=q, wrow0=wrow0,
                                wrow1=wrow1, cC=cC, sW_words=sW_words, wbuf=wbuf, sfw_words=sfw_words)
 
+    @cute.jit
+    def apply_row_scales(self, acc, cC, row_scale, n_tile, group):
+        """Folded weight scales: each weight row of the accumulator times its FP32 scale (``row_scale``: (N, E), row
+        ``n_tile * tile_n + ...`` of expert ``group``), left out of the decode (exact: powers of two)."""
+        for r in cutlass.range_constexpr(2):
+            scale = Float32(row_scale[n_tile * self.tile_n + cC[2 * r][0], group])
+            for j in cutlass.range_constexpr(self.tile_tokens // 8):
+                for c in cutlass.range_constexpr(2):
+                    acc[c + 2 * r + 4 * j] = acc[c + 2 * r + 4 * j] * scale
+
 
 class Bf16Mainloop(Mainloop):
     """BF16 tokens x weights decoded to exact BF16 (scales folded in), one accumulator over the whole K.
@@ -325,12 +335,7 @@ class Fp8Block32Mainloop(Mainloop):
             ab_pipeline.consumer_release(state)
             state.advance()
         if cutlass.const_expr(self.folded):
-            # The weight rows' scales, left out of the decode (exact power-of-two products).
-            for r in cutlass.range_constexpr(2):
-                scale = Float32(row_scale[n_tile * self.tile_n + cC[2 * r][0], group])
-                for j in cutlass.range_constexpr(n_cols):
-                    for c in cutlass.range_constexpr(2):
-                        acc[c + 2 * r + 4 * j] = acc[c + 2 * r + 4 * j] * scale
+            self.apply_row_scales(acc, cC, row_scale, n_tile, group)
         return state, release
 
     @cute.jit
@@ -497,11 +502,5 @@ class Fp8Block128Mainloop(Mainloop):
             ahead, release = self.step(ab_pipeline, f, ahead, release, 2 * kp + 1, f.tCrA2, f.frag)
         ahead, release = self.step(ab_pipeline, f, ahead, release, k_tiles - 2, f.tCrA, f.frag2)
         ahead, release = self.step(ab_pipeline, f, ahead, release, k_tiles - 1, f.tCrA2, None)
-        acc, cC = f.acc, f.cC
-        n_cols = self.tile_tokens // 8
-        for r in cutlass.range_constexpr(2):
-            scale = Float32(row_scale[n_tile * self.tile_n + cC[2 * r][0], group])
-            for j in cutlass.range_constexpr(n_cols):
-                for c in cutlass.range_constexpr(2):
-                    acc[c + 2 * r + 4 * j] = acc[c + 2 * r + 4 * j] * scale
+        self.apply_row_scales(f.acc, f.cC, row_scale, n_tile, group)
         return ahead, release
