@@ -210,7 +210,34 @@ class Bf16Mainloop(Mainloop):
         warpgroup.commit_group()
 
 
-class Fp8Block32Mainloop(Mainloop):
+class Fp8Mainloop(Mainloop):
+    """What the FP8 mainloops share: the E4M3 operand and the decode of a chunk's weights into an A fragment."""
+
+    a_dtype = cutlass.Float8E4M3FN
+    folded = True  # the weights' block scales are in the decode tables (block 32: unless absolute)
+
+    @cute.jit
+    def decode(self, f, frag, s):
+        """The chunk of stage ``s`` (waited for): this thread's two weight rows (one 16-byte load each) and their
+        packed scale words, E2M1 -> E4M3 into ``frag`` -- with the folded block scales (each block's lookup table
+        shifted by its relative exponent), or the plain tables (absolute scales, applied in the promotion)."""
+        wbuf, sfw_words = f.wbuf, f.sfw_words
+        sfw_words[0] = f.sSFW[f.wrow0, 0, s]
+        sfw_words[1] = f.sSFW[f.wrow1, 0, s]
+        cute.autovec_copy(f.sW_words[None, f.q, f.wrow0, s], wbuf[None, 0])
+        cute.autovec_copy(f.sW_words[None, f.q, f.wrow1, s], wbuf[None, 1])
+        for kb in cutlass.range_constexpr(4):
+            for r in cutlass.range_constexpr(2):
+                if cutlass.const_expr(self.folded):
+                    t_lo, t_hi = dequant.fold_luts(sfw_words[r], kb)
+                    lo, hi = dequant.decode_e2m1x8(wbuf[kb, r], t_lo, t_hi)
+                else:
+                    lo, hi = dequant.decode_e2m1x8(wbuf[kb, r], Int32(E4M3_LUT_LO), Int32(E4M3_LUT_HI))
+                frag[(0, r, 0), 0, kb] = lo
+                frag[(0, r, 1), 0, kb] = hi
+
+
+class Fp8Block32Mainloop(Fp8Mainloop):
     """FP8 tokens with one UE8M0 scale per 32 K x weights decoded to E4M3, promoted in FP32 every 32-K block.
 
     ``acc += tmp * 2^sa[token, kb]`` (folded weight scales, ``weight_layout.fold_fp8_scales``: the decode applies
@@ -222,8 +249,6 @@ class Fp8Block32Mainloop(Mainloop):
     shared memory (``stage_token_scales``). One FP32 multiply-add per accumulator and 32-K block is the floor of any
     exact per-32 promotion, as many as the SM issues at the FP8 tensor rate.
     """
-
-    a_dtype = cutlass.Float8E4M3FN
 
     def __init__(self, config: GemmConfig, stages: int, cps: int, folded: bool):
         super().__init__(config, stages, cps)
@@ -243,8 +268,6 @@ class Fp8Block32Mainloop(Mainloop):
         f.sfa_words = cute.make_rmem_tensor((2, n_cols), Int32)  # (c, j)
         f.sw = cute.make_rmem_tensor((2,), Float32)
         f.sa = cute.make_rmem_tensor((2, n_cols), Float32)
-        f.lut_lo = Int32(E4M3_LUT_LO)
-        f.lut_hi = Int32(E4M3_LUT_HI)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
         f.tiled_mma = tiled_mma
         if cutlass.const_expr(self.wide):
@@ -267,29 +290,14 @@ class Fp8Block32Mainloop(Mainloop):
         """One tile's K loop into ``f.acc`` (zeroed by the caller); folded scales: then each weight row times its
         scale (``row_scale``: (N, E) float32, row ``n_tile * tile_n + ...`` of expert ``group``). ``release``: unused
         (returned as is)."""
-        acc, cC, ctidx, frag, wbuf, sfw_words, sfa_words = f.acc, f.cC, f.ctidx, f.frag, f.wbuf, f.sfw_words, f.sfa_words
+        acc, cC, ctidx, frag, sfw_words, sfa_words = f.acc, f.cC, f.ctidx, f.frag, f.sfw_words, f.sfa_words
         n_cols = self.tile_tokens // 8
         for kt in cutlass.range(k_tiles, unroll=1):
             ab_pipeline.consumer_wait(state)
             s = state.index
             if cutlass.const_expr(self.wide):
                 self.stage_token_scales(f.sSFA, f.sScale, ctidx, kt, s)
-            # Packed scale words of this 128-K chunk, the weights' (one per row): absolute codes, or folded into the
-            # decode tables.
-            sfw_words[0] = f.sSFW[f.wrow0, 0, s]
-            sfw_words[1] = f.sSFW[f.wrow1, 0, s]
-            # FP4 -> E4M3 into the A fragment (one 16-byte load per weight row).
-            cute.autovec_copy(f.sW_words[None, f.q, f.wrow0, s], wbuf[None, 0])
-            cute.autovec_copy(f.sW_words[None, f.q, f.wrow1, s], wbuf[None, 1])
-            for kb in cutlass.range_constexpr(4):
-                for r in cutlass.range_constexpr(2):
-                    if cutlass.const_expr(self.folded):
-                        t_lo, t_hi = dequant.fold_luts(sfw_words[r], kb)
-                        lo, hi = dequant.decode_e2m1x8(wbuf[kb, r], t_lo, t_hi)
-                    else:
-                        lo, hi = dequant.decode_e2m1x8(wbuf[kb, r], f.lut_lo, f.lut_hi)
-                    frag[(0, r, 0), 0, kb] = lo
-                    frag[(0, r, 1), 0, kb] = hi
+            self.decode(f, frag, s)
             if cutlass.const_expr(self.wide):
                 # This warpgroup's token scales of the chunk are in shared memory.
                 pipeline.NamedBarrier(barrier_id=self.scale_barrier_id + ctidx // 128, num_threads=128).arrive_and_wait()
@@ -392,7 +400,7 @@ class Fp8Block32Mainloop(Mainloop):
                         acc[a] = acc[a] + tmp[i] * (sw[r] * v[u])
 
 
-class Fp8Block128Mainloop(Mainloop):
+class Fp8Block128Mainloop(Fp8Mainloop):
     """FP8 tokens with one FP32 scale per 128 K (recipe (1, 1, 128)) x weights decoded to E4M3 with their block scales
     folded in relative to their row (``weight_layout.fold_fp8_scales``): one FP32 promotion per 128-K chunk.
 
@@ -406,8 +414,6 @@ class Fp8Block128Mainloop(Mainloop):
     pair is peeled, so no data-dependent branch lies between two wgmmas (ptxas would serialize them all). After the K
     loop each weight row is multiplied by its FP32 scale (exact: a power of two).
     """
-
-    a_dtype = cutlass.Float8E4M3FN
 
     @cute.jit
     def fragments(self, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sScale):
@@ -427,22 +433,6 @@ class Fp8Block128Mainloop(Mainloop):
         f.sSFA = cute.make_tensor(cute.recast_ptr(sSFA.iterator, dtype=Float32), sSFA.layout)
         f.sSFW = sSFW
         return f
-
-    @cute.jit
-    def decode(self, f, frag, s):
-        """Chunk of stage ``s`` (waited for): this thread's two weight rows, E2M1 -> E4M3 with the folded block scales,
-        into ``frag``."""
-        wbuf, sfw_words = f.wbuf, f.sfw_words
-        sfw_words[0] = f.sSFW[f.wrow0, 0, s]
-        sfw_words[1] = f.sSFW[f.wrow1, 0, s]
-        cute.autovec_copy(f.sW_words[None, f.q, f.wrow0, s], wbuf[None, 0])
-        cute.autovec_copy(f.sW_words[None, f.q, f.wrow1, s], wbuf[None, 1])
-        for kb in cutlass.range_constexpr(4):
-            for r in cutlass.range_constexpr(2):
-                t_lo, t_hi = dequant.fold_luts(sfw_words[r], kb)
-                lo, hi = dequant.decode_e2m1x8(wbuf[kb, r], t_lo, t_hi)
-                frag[(0, r, 0), 0, kb] = lo
-                frag[(0, r, 1), 0, kb] = hi
 
     @cute.jit
     def issue(self, f, tCrA, s):
