@@ -8,10 +8,11 @@ describes ``fp8_fp4_mega_moe``.
 ``fp8_fp4_mega_moe(y, l1, l2, sym_buffer, ...)`` computes the numerics contract of ``megamoe.numerics``
 (FP8 x FP4 recipe of the buffer) for the ``T = y.shape[0]`` tokens the caller copied into the buffer's ``x``,
 ``x_sf``, ``topk_idx`` and ``topk_weights`` views; ``l1``/``l2`` come from ``transform_weights_for_mega_moe`` with
-the buffer's recipe. Recipe (1, 1, 32) (the default; described below): BF16-operand rings and weights in the
-BF16-mode layout. Recipe (1, 1, 128): per-128 FP32 token scales, the rings hold FP8 rows with their FP32 scales
-(``l1_acts_sf``, ``l2_acts_sf``), the weights are in the FP8-mode layout with their scales folded into exact E4M3
-(per row, or per row and 128-K chunk), the tiles run FP8 wgmma; the protocol is the same. It is
+the buffer's recipe. The one-launch kernel runs recipe (1, 1, 32) (the default; described below): BF16-operand
+rings and weights in the BF16-mode layout. Recipe (1, 1, 128) (per-128 FP32 token scales; its buffer holds FP8 rings
+with FP32 scales, ``l1_acts_sf`` and ``l2_acts_sf``, its weights the FP8-mode layout with the scales folded into exact
+E4M3) is prepared and checked here, and a call raises NotImplementedError before any launch: the staged path with the
+SM90 GEMMs runs it (``StagedMoE(..., gemm="sm90", recipe=(1, 1, 128))``). It is
 collective: every rank of the buffer's group makes the same sequence of calls on the same buffer. One launch on the
 caller's stream, nothing else (no host sync, no host zeroing): ``kernels.sm90.mega_moe_sm90``, every
 CTA slot of the GPU (``tile_config``: three per SM on 64-row weight tiles for decode-sized calls, two on 128-row
@@ -221,14 +222,11 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     run 256-row weight tiles on four consumer warpgroups (``select_config``), one CTA per SM: faster than the 128-row
     tiles from a few rows per expert (128 and 512 tokens/rank), slower below one (8 tokens/rank); decode-sized calls
     keep the three-CTA tiles. Both thresholds come from alternated A/Bs with every row checked
-    (bench/findings/mega-small-calls.md, bench/findings/four-consumer-warpgroups.md). Recipe (1, 1, 128) buffers get
-    ``select_config``'s FP8-mode choice for the expected rows per expert."""
+    (bench/findings/mega-small-calls.md, bench/findings/four-consumer-warpgroups.md)."""
     from .kernels import sm90
 
     rows_per_expert = min(layout.num_ranks * num_tokens * layout.num_topk / layout.num_experts, layout.num_ring_tokens // 2)
     n = math.gcd(2 * layout.intermediate_hidden, layout.hidden)
-    if layout.recipe == RECIPE_128:  # FP8-mode tiles (the kernels' select_config for FP8 mode)
-        return sm90.select_config(rows_per_expert, n, layout.hidden, "fp8")
     cfg = sm90.select_config(rows_per_expert, n, layout.hidden, four_warpgroups=False)
     touched = layout.num_local_experts * -math.expm1(-rows_per_expert)  # experts with a row (Poisson counts)
     l1_tiles = touched * 2 * layout.intermediate_hidden / 128

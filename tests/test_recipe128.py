@@ -520,15 +520,6 @@ def test_mega_recipe_mismatches_raise_before_launch(mega128):
         MegaMoE(torch.zeros(E, 2 * I, H).bfloat16(), torch.zeros(E, H, I).bfloat16(), recipe=RECIPE_128)
 
 
-def test_mega_tile_config_recipe_128_is_fp8_mode():
-    from megamoe.kernels.sm90 import select_config
-    from megamoe.mega import tile_config
-
-    lay = symm_buffer_layout(2, 256, 512, 6, 4096, 2048, recipe=RECIPE_128)
-    cfg = tile_config(lay, 512, 132)
-    assert cfg.mma == "fp8" and cfg == select_config(2 * 512 * 6 / 256, 4096, 4096, "fp8")
-
-
 def test_staged_recipe_mismatches():
     p = global_problem(0, [4], 8, 2, 256, 128)
     buf32 = get_symm_buffer_for_mega_moe(None, 8, 8, 2, 256, 128, device="cpu")
