@@ -427,11 +427,13 @@ def trace_fp8_fp4_mega_moe(
     return trace
 
 
-RECIPE_128_NOT_IN_MEGA = (
-    "megamoe: `sym_buffer` holds recipe (1, 1, 128), which the Mega MoE kernel does not run yet (its buffer, weights "
-    "and checks are in place; the one-launch kernel multiplies recipe (1, 1, 32)). Run recipe (1, 1, 128) on the staged "
-    "path with the SM90 kernels: StagedMoE(l1, l2, 'low_latency', gemm='sm90', recipe=(1, 1, 128)), or use recipe "
-    "(1, 1, 32) with the Mega MoE kernel")
+def recipe_128_not_in_mega(subject: str) -> NotImplementedError:
+    """The error for recipe (1, 1, 128) on the Mega MoE path (``subject``: what names the recipe, e.g. "`recipe` is")."""
+    return NotImplementedError(
+        f"megamoe: {subject} recipe (1, 1, 128), which the Mega MoE kernel does not run yet (its buffer, weights and "
+        "checks are in place; the one-launch kernel multiplies recipe (1, 1, 32)). Run recipe (1, 1, 128) on the staged "
+        "path with the SM90 kernels: StagedMoE(l1, l2, 'low_latency', gemm='sm90', recipe=(1, 1, 128)), or use recipe "
+        "(1, 1, 32) with the Mega MoE kernel")
 
 
 def _check_fp8_fp4_call(y, l1, l2, buf: SymmBuffer, stats, activation, activation_clamp, fast_math, recipe):
@@ -440,7 +442,7 @@ def _check_fp8_fp4_call(y, l1, l2, buf: SymmBuffer, stats, activation, activatio
 
     check_mega_call(y, buf, stats, activation, activation_clamp, fast_math, "fp8xfp4")
     if check_fp4_operands(l1, l2, buf, recipe) == RECIPE_128:
-        raise NotImplementedError(RECIPE_128_NOT_IN_MEGA)
+        raise recipe_128_not_in_mega("`sym_buffer` holds")
     runtime.require_sm90(y, "y")
     return tile_config(buf.layout, y.shape[0], _state(buf).num_ctas)  # num_ctas: the GPU's SMs
 

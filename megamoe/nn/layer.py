@@ -40,7 +40,7 @@ from ..dist import rank_and_size
 from ..inputs import fill_buffer
 from ..layouts import quantize_fp4
 from ..staged import StagedMoE
-from ..mega import K_MULTIPLE, RECIPE_128_NOT_IN_MEGA, MegaMoE
+from ..mega import K_MULTIPLE, MegaMoE, recipe_128_not_in_mega
 from ..numerics import RECIPE_32, RECIPE_128, check_activation_clamp, check_recipe, describe_recipe
 from ..symm_buffer import SymmBuffer
 from .checkpoint import Checkpoint, expert_range, read_expert_weights, read_mlp_weights
@@ -138,7 +138,7 @@ class EPMoE(nn.Module):
         if mode not in IMPLS[impl]:
             fail("mode", f"must be one of {IMPLS[impl]} for impl {impl!r}, got {mode!r}")
         if impl == "mega" and recipe == RECIPE_128:
-            raise NotImplementedError(RECIPE_128_NOT_IN_MEGA.replace("`sym_buffer` holds", "`recipe` is"))
+            raise recipe_128_not_in_mega("`recipe` is")
         if impl == "mega" and mma_type == "fp8xfp4":
             check_multiple("hidden", hidden, K_MULTIPLE, "impl='mega': the SM90 grouped GEMM's K granularity")
             check_multiple("intermediate", intermediate, K_MULTIPLE, "impl='mega': the SM90 grouped GEMM's K granularity")

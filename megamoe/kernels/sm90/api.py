@@ -435,8 +435,13 @@ SWIGLU_OUT_DTYPES = {torch.float8_e4m3fn: "swiglu_fp8", torch.bfloat16: "swiglu_
 
 def _swiglu_outputs(rows: tuple[int, ...], inter: int, out, out_sf, out_dtype, device, name: str = "out",
                     token_block: int = 32):
-    """Check or allocate the L1 outputs (``out`` called ``name``; ``token_block`` 128: FP32 scales per 128 columns);
-    returns (epilogue, out, out_sf or None, kernel views of both)."""
+    """Check or allocate the L1 outputs (``out`` called ``name``; ``token_block`` 128, recipe (1, 1, 128): FP8 with one
+    FP32 scale per 128 intermediate columns); returns (epilogue, out, out_sf or None, kernel views of both)."""
+    if token_block == 128:
+        if out_dtype != torch.float8_e4m3fn:
+            fail("out_dtype", f"must be torch.float8_e4m3fn with per-128 token scales (recipe (1, 1, 128): FP8 + FP32 "
+                 f"scales per 128 columns), got {out_dtype}")
+        check_multiple("b.shape[1] * 64 (2I)", 2 * inter, 256, "recipe (1, 1, 128) quantizes per 128 intermediate columns")
     if out_dtype not in SWIGLU_OUT_DTYPES:
         fail("out_dtype", f"must be torch.float8_e4m3fn (FP8 + UE8M0 scales) or torch.bfloat16 (the same quantized "
              f"values in BF16), got {out_dtype}")
@@ -454,15 +459,6 @@ def _swiglu_outputs(rows: tuple[int, ...], inter: int, out, out_sf, out_dtype, d
     check_tensor("out_sf", out_sf, dtype=sf_dtype, shape=(*rows, inter // K_CHUNK), device=device, contiguous=True)
     sf_view = out_sf.view(n_rows, inter // K_CHUNK) if token_block == 128 else out_sf.view(torch.uint8).view(n_rows, inter // 32)
     return "swiglu_fp8", out, out_sf, out.view(torch.int32).view(n_rows, inter // 4), sf_view
-
-
-def _swiglu_recipe(token_block: int, out_dtype, n: int) -> None:
-    """Recipe (1, 1, 128)'s L1 output: FP8 with one FP32 scale per 128 intermediate columns (256 weight rows)."""
-    if token_block == 128:
-        if out_dtype != torch.float8_e4m3fn:
-            fail("out_dtype", f"must be torch.float8_e4m3fn with per-128 token scales (recipe (1, 1, 128): FP8 + FP32 "
-                 f"scales per 128 columns), got {out_dtype}")
-        check_multiple("b.shape[1] * 64 (2I)", n, 256, "recipe (1, 1, 128) quantizes per 128 intermediate columns")
 
 
 def _bf16_clamp(clamp: float | None) -> float:
@@ -494,7 +490,8 @@ def grouped_gemm_fp8_fp4_swiglu_contiguous(
     (N = 2I, I % 128 == 0); ``row_weights`` float32 [M]: the routing weight of each row. Per row of a group:
     gate, up = bf16(acc), optional clamp (rounded to BF16), ``(silu(gate) * up) * w`` in FP32, quantized per 32
     columns to FP8 E4M3 with UE8M0 scales like ``layouts.quantize_fp8``. Returns ``(out float8_e4m3fn [M, I],
-    out_sf int32 [M, I/128])`` (the layout FP8-mode L2 consumes), or with ``out_dtype=torch.bfloat16``
+    out_sf int32 [M, I/128])`` (the layout FP8-mode L2 consumes); with FP32 per-128 token scales (recipe (1, 1, 128))
+    quantized per 128 columns with FP32 scales, ``out_sf float32 [M, I/128]`` (256-row weight tiles); or with ``out_dtype=torch.bfloat16``
     ``(out bfloat16 [M, I], None)``: the same quantized values times their scales (exact), the BF16-mode L2
     operand. Rows of no group are not written. ``fast_math``: silu with approximate exp and reciprocal (default)
     or the IEEE exp and division (``megamoe.numerics`` step 4)."""
@@ -503,7 +500,6 @@ def grouped_gemm_fp8_fp4_swiglu_contiguous(
     m = a.shape[0]
     check_tensor("row_weights", row_weights, dtype=torch.float32, shape=(m,), device=a.device, contiguous=True)
     tb = _token_block(a_sf, b, b_sf)
-    _swiglu_recipe(tb, out_dtype, n)
     epilogue, out, out_sf, out_k, out_sf_k = _swiglu_outputs((m,), n // 2, out, out_sf, out_dtype, a.device, token_block=tb)
     clamp_value = _bf16_clamp(clamp)
     cfg = _resolve_config(config, m / max(e, 1), n, k, mma, token_block=tb, swiglu=True)
@@ -633,7 +629,6 @@ def grouped_gemm_fp8_fp4_swiglu_masked(
     max_m = a.shape[1]
     check_tensor("row_weights", row_weights, dtype=torch.float32, shape=(e, max_m), device=a.device, contiguous=True)
     tb = _token_block(a_sf, b, b_sf)
-    _swiglu_recipe(tb, out_dtype, n)
     epilogue, out, out_sf, out_k, out_sf_k = _swiglu_outputs((e, max_m), n // 2, out, out_sf, out_dtype, a.device,
                                                              token_block=tb)
     clamp_value = _bf16_clamp(clamp)
