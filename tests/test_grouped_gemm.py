@@ -34,7 +34,13 @@ from megamoe.layouts import (
     unpack_ue8m0,
 )
 from megamoe.layouts.fp4 import unpack_fp4_codes
-from megamoe.numerics import l1_epilogue, max_row_rel_error, moe_tolerances, rel_fro_error
+from megamoe.numerics import (
+    RECIPE_128,
+    l1_epilogue,
+    max_row_rel_error,
+    moe_tolerances,
+    rel_fro_error,
+)
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 gpu = pytest.mark.gpu
@@ -777,7 +783,10 @@ def test_recipe128_masked_one_row_and_empty():
 def test_recipe128_swiglu(tile_tokens, clamp):
     """L1 with the per-128 SwiGLU epilogue against an FP64 GEMM, the BF16 rounding of gate and up, the clamp, silu,
     the routing weight and the per-128 quantization, all written here: the dequantized rows within the contract's
-    tolerance, nearly every FP8 byte and scale identical; padding rows keep their poison."""
+    tolerance; padding rows keep their poison. The kernel's accumulation (FP32, and reduced-precision FP8 wgmma
+    within each 128 K) may round a gate or up value to the neighbouring BF16 value (one BF16 ulp), which the contract
+    allows: where that value holds its block's amax the scale moves by up to 2**-7 (``megamoe.numerics``), and each
+    FP8 value moves by at most one E4M3 step (2**-3 relative, 2**-9 in the subnormals) plus that coherent shift."""
     gen = torch.Generator().manual_seed(420 + tile_tokens)
     counts, inter, k = [0, 1, 37, 5, 0, 70, 1], 256, 1024
     a, a_sf, offsets, row_expert = _recipe128_case(counts, 2 * inter, k, gen)
@@ -809,9 +818,12 @@ def test_recipe128_swiglu(tile_tokens, clamp):
     ref_q, ref_sf = _quantize_128(act)
     got = _tokens64(out[valid], out_sf[valid])
     ref = _tokens64(ref_q, ref_sf)
-    tol = moe_tolerances(inter)
+    tol = moe_tolerances(inter, RECIPE_128)
     fro, row = rel_fro_error(got, ref), max_row_rel_error(got, ref)
-    same = float((out[valid].view(torch.uint8) == ref_q.view(torch.uint8)).float().mean())
-    same_sf = float(((out_sf[valid] - ref_sf).abs() <= 2.0**-20 * ref_sf).float().mean())
-    assert fro <= tol["rel_fro"] and row <= tol["max_row_rel"] and same >= 0.98 and same_sf >= 0.98, (
-        f"rel_fro={fro:.3e} max_row_rel={row:.3e} identical bytes {100 * same:.2f}% scales {100 * same_sf:.2f}%")
+    sf_rel = ((out_sf[valid] - ref_sf).abs() / ref_sf).max().item()
+    got_q, ref_qf = out[valid].float(), ref_q.float()
+    ratio = (out_sf[valid] / ref_sf).repeat_interleave(128, dim=1)
+    beyond = (got_q * ratio - ref_qf).abs() - (2.0**-3 + 2.0**-7) * ref_qf.abs() - 2.0**-9
+    assert fro <= tol["rel_fro"] and row <= tol["max_row_rel"] and sf_rel <= 2.0**-7 and got_q.isfinite().all(), (
+        f"rel_fro={fro:.3e} max_row_rel={row:.3e} max scale change {sf_rel:.3e}")
+    assert beyond.max().item() <= 0, f"an FP8 value moved by more than one E4M3 step: {beyond.max().item():.3e}"
