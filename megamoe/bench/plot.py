@@ -30,9 +30,10 @@ def panels(receipt: dict) -> list[dict]:
                 left_out += 1
                 continue
             lines.setdefault(row["path"], []).append((row["tokens_per_rank"], row["us"]))
-        shape = receipt.get("shape", {})
+        short = {"experts": "E", "topk": "top-k", "hidden": "H", "intermediate": "I"}
+        shape = " ".join(f"{short.get(key, key)}={value}" for key, value in receipt.get("shape", {}).items())
         gpu = receipt.get("environment", {}).get("gpu", "")
-        title = f"megamoe.bench moe, {receipt.get('preset', '')} {shape}, {receipt.get('mma_type', '')}, {gpu}"
+        title = f"MoE layer, {receipt.get('preset', '')} ({shape}), {receipt.get('mma_type', '')}\n{gpu}"
         return [{"title": title, "xlabel": "tokens per rank", "lines": _sorted(lines), "left_out": left_out}]
     if "records" in receipt:
         out: dict[tuple, dict] = {}
@@ -74,7 +75,7 @@ def draw(receipt: dict, out: str | Path) -> Path:
     data = panels(receipt)
     cols = min(2, len(data))
     rows = -(-len(data) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 5 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(8 * cols, 5.5 * rows), squeeze=False)
     for ax, panel in zip(axes.flat, data):
         for name, points in panel["lines"].items():
             ax.plot([x for x, _ in points], [us for _, us in points], marker="o", label=name)
