@@ -169,7 +169,7 @@ def peer_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
             continue
         acc = xd[tok] @ dequantize_fp4(l1[0][e], l1[1][e]).double().T
         gate, up = clamp_gate_up(bf16_rne(acc[:, :inter]).float(), bf16_rne(acc[:, inter:]).float(), clamp)  # R1
-        a = bf16_rne(swiglu_weighted(gate, up, torch.ones(tok.numel(), device=x.device)))  # R2: BF16 ...
+        a = bf16_rne(swiglu_weighted(gate, up, torch.ones(tok.numel(), device=x.device)))  # R2: BF16, FP8 below
         o[tok, slot] = bf16_rne(_as_peer_input(a, activations) @ dequantize_fp4(l2[0][e], l2[1][e]).double().T).double()
     weights = torch.where(topk_idx >= 0, topk_weights.double(), 0.0)
     return bf16_rne((o * weights.unsqueeze(-1)).sum(dim=1))  # R4 after the weighted sum (FP64 here)
