@@ -1,9 +1,9 @@
-"""Entry point: ``python -m megamoe.bench [moe|gemm|decode] [args]``; without a subcommand, ``moe``."""
+"""Entry point: ``python -m megamoe.bench [moe|gemm|decode|plot] [args]``; without a subcommand, ``moe``."""
 
 import importlib
 import sys
 
-SUBCOMMANDS = ("moe", "gemm", "decode")
+SUBCOMMANDS = ("moe", "gemm", "decode", "plot")
 
 
 def main(argv: list[str] | None = None) -> None:

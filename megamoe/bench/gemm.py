@@ -16,12 +16,22 @@ per-128 FP32 scales (``megamoe.numerics`` recipe (1, 1, 128)), FP8 mode only (su
 weights folded into E4M3 (``--fold row``: one FP32 scale per row, the default; ``chunk``: per row and 128-K chunk).
 The receipt records the recipe and fold.
 
+``--routings N`` (default 1): N token sets per point, each checked; the timed calls cycle through them (as the MoE
+bench cycles routings), for every row alike. ``--peers humming``: Humming's grouped GEMM on the same FP4 weights
+(MXFP4 byte for byte), rows grouped by expert as megamoe's contiguous layout has them, with BF16 activations (the
+tokens dequantized, as megamoe's BF16 mode gets them) and with FP8 activations per 128 (Humming's own quantization
+of those BF16 rows, before the timed call as megamoe's tokens are), built and called as vLLM calls it
+(``megamoe.bench.peers``); checked like the kernel rows against an FP64 reference of the values each reads. A peer
+asked for that is not installed or cannot run here stops the run. With ``--json``, a plot (us per call against rows
+per expert, one line per row kind, log-log) is saved beside the receipt when matplotlib is importable.
+
     python -m megamoe.bench.gemm [--quick] [--recipe 32|128] [--mma bf16,fp8] [--fold row|chunk] [--no-alt]
                                  [--presets flash,pro] [--layers l1,l2] [--ep 8,2] [--rows 1,4,16,64,256,1024,4096]
-                                 [--max-gb 100] [--json PATH]
+                                 [--routings N] [--peers humming] [--max-gb 100] [--json PATH]
 """
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -32,7 +42,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..numerics import RECIPE_32, RECIPE_128, rel_fro_error
+from . import peers as peer_lib
 from .common import environment_receipt, measure_hbm_read_bandwidth, time_graph
+from .plot import save_plot_beside
 
 PRESETS = {
     # name: (hidden, intermediate, experts in all); experts per rank = total / EP
@@ -96,11 +108,13 @@ def _fill_rows(out: torch.Tensor, make) -> torch.Tensor:
     return out
 
 
-def make_fp4_weights(experts: int, n: int, k: int, mmas=("bf16", "fp8"), fold: str = "row") -> dict:
+def make_fp4_weights(experts: int, n: int, k: int, mmas=("bf16", "fp8"), fold: str = "row",
+                     canonical: bool = False) -> dict:
     """Random FP4 weights (quantized randn) in each mode's kernel layout: ``{mma: (b, b_sf)}`` with b ``int32 [E,
     N/64, K/128, 64, 16]`` and b_sf ``int32 [E, K/128, N]`` (BF16 mode) or ``uint8 [E, N/64, K/128, 64, 64]`` and
     the folded scales (FP8 mode; ``fold="row"``: ``int32 [E, K/128 + 1, N]``, ``"chunk"``: ``int32 [E, 2 * K/128,
-    N]``), same values."""
+    N]``), same values; with ``canonical``, also ``"canonical": (uint8 [E, N, K/2], int32 [E, N, K/128])`` (the
+    peers' MXFP4 weights, and the check's)."""
     from megamoe.kernels.weight_layout import BF16_WORDS, CHUNK_BYTES, ROW_BLOCK
     from megamoe.kernels.sm90 import prepare_fp4_weights
     from megamoe.layouts import quantize_fp4
@@ -111,10 +125,16 @@ def make_fp4_weights(experts: int, n: int, k: int, mmas=("bf16", "fp8"), fold: s
         rows = k // 128 if mma == "bf16" else (k // 128 + 1 if fold == "row" else 2 * k // 128)
         out[mma] = (torch.empty(experts, n // ROW_BLOCK, k // 128, ROW_BLOCK, width, dtype=dtype, device="cuda"),
                     torch.empty(experts, rows, n, dtype=torch.int32, device="cuda"))
+    kernel_layouts = dict(out)
+    if canonical:
+        out["canonical"] = (torch.empty(experts, n, k // 2, dtype=torch.uint8, device="cuda"),
+                            torch.empty(experts, n, k // 128, dtype=torch.int32, device="cuda"))
     for e in range(experts):
-        canonical = quantize_fp4(torch.randn(1, n, k, device="cuda"))
-        for mma, (b, b_sf) in out.items():
-            b[e : e + 1], b_sf[e : e + 1] = prepare_fp4_weights(*canonical, mma=mma, fold=fold if mma == "fp8" else None)
+        packed, sf = quantize_fp4(torch.randn(1, n, k, device="cuda"))
+        for mma, (b, b_sf) in kernel_layouts.items():
+            b[e : e + 1], b_sf[e : e + 1] = prepare_fp4_weights(packed, sf, mma=mma, fold=fold if mma == "fp8" else None)
+        if canonical:
+            out["canonical"][0][e : e + 1], out["canonical"][1][e : e + 1] = packed, sf
     return out
 
 
@@ -182,23 +202,66 @@ def kernel_configs(p: Point, mma: str, alternatives: bool, token_block: int = 32
     return configs
 
 
-def run_kernel(p: Point, weights, tokens, cfg) -> Result:
-    """One kernel config on the point's tokens (``(a, a_sf, offsets)``, FP8) and the config's weight layout."""
+def _worst_verdict(verdicts: list[str]) -> str:
+    """The run's verdict over several token sets: the first failing one, else the first (all pass)."""
+    return next((v for v in verdicts if not v.startswith("PASS")), verdicts[0]) + (
+        f" ({len(verdicts)} token sets)" if len(verdicts) > 1 else "")
+
+
+def run_kernel(p: Point, weights, token_sets: list, cfg) -> Result:
+    """One kernel config on the point's token sets (each ``(a, a_sf, offsets)``, FP8; every set checked, the timed
+    calls cycling through them) and the config's weight layout."""
     from megamoe.kernels.sm90 import grouped_gemm_fp8_fp4_contiguous
     from megamoe.layouts import dequantize_fp8
 
     b, b_sf = weights[cfg.mma]
-    a, a_sf, offsets = tokens
-    if cfg.mma == "bf16":  # exact; outside the timing, as the contract puts it on the caller
-        a, a_sf = dequantize_fp8(a, a_sf, torch.bfloat16), None
-    out = torch.full((a.shape[0], p.n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    grouped_gemm_fp8_fp4_contiguous(a, a_sf, b, b_sf, offsets, out=out, config=cfg)
-    torch.cuda.synchronize()
-    verdict = _check_kernel(p, out, a, a_sf, b, b_sf)
-    us = _time_us(lambda: grouped_gemm_fp8_fp4_contiguous(a, a_sf, b, b_sf, offsets, out=out, config=cfg))
-    flops = 2.0 * a.shape[0] * p.n * p.k
+    calls, verdicts = [], []
+    for a, a_sf, offsets in token_sets:
+        if cfg.mma == "bf16":  # exact; outside the timing, as the contract puts it on the caller
+            a, a_sf = dequantize_fp8(a, a_sf, torch.bfloat16), None
+        out = torch.full((a.shape[0], p.n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        grouped_gemm_fp8_fp4_contiguous(a, a_sf, b, b_sf, offsets, out=out, config=cfg)
+        torch.cuda.synchronize()
+        verdicts.append(_check_kernel(p, out, a, a_sf, b, b_sf))
+        calls.append((a, a_sf, offsets, out))
+    turn = itertools.count()
+
+    def call():
+        a, a_sf, offsets, out = calls[next(turn) % len(calls)]
+        grouped_gemm_fp8_fp4_contiguous(a, a_sf, b, b_sf, offsets, out=out, config=cfg)
+
+    verdict = _worst_verdict(verdicts)
+    us = _time_us(call)
+    flops = 2.0 * calls[0][0].shape[0] * p.n * p.k
     wbytes = _weight_bytes(p, 0.5 + 1 / 32)  # FP4 values + one UE8M0 byte per 32
     return Result(f"megamoe {cfg.mma}{'x128' if cfg.token_block == 128 else ''} mode", verdict, us, flops / us / 1e6, wbytes / us / 1e3, cfg.describe())
+
+
+def run_peer(p: Point, peer, canonical, token_sets: list) -> Result:
+    """A peer's grouped GEMM (``megamoe.bench.peers.HummingGemm``) on the point's token sets, dequantized to BF16
+    (the peer quantizes them itself for FP8 activations, outside the timing); each set checked on sampled experts and
+    rows against an FP64 reference of the values the peer reads, then timed cycling through them."""
+    from megamoe.layouts import dequantize_fp4, dequantize_fp8
+
+    routings, verdicts = [], []
+    for a, a_sf, _ in token_sets:
+        routing, read = peer.prepare(dequantize_fp8(a, a_sf, torch.bfloat16), p.rows_per_expert)
+        out = peer(routing)
+        torch.cuda.synchronize()
+        worst, nan = 0.0, False
+        for e in _check_experts(p):
+            rows = slice(e * p.rows_per_expert, e * p.rows_per_expert + min(p.rows_per_expert, CHECK_ROWS))
+            ref = (read[rows] @ dequantize_fp4(canonical[0][e], canonical[1][e]).double().T).to(torch.bfloat16)
+            nan |= bool(torch.isnan(out[rows].float()).any())
+            worst = max(worst, rel_fro_error(out[rows], ref))
+        verdicts.append(_verdict(worst, 1e-3, nan) + f" on experts {_check_experts(p)} x <= {CHECK_ROWS} rows")
+        routings.append(routing)
+    turn = itertools.count()
+    us = _time_us(lambda: peer(routings[next(turn) % len(routings)]))
+    flops = 2.0 * p.experts * p.rows_per_expert * p.n * p.k
+    wbytes = _weight_bytes(p, 0.5 + 1 / 32)
+    return Result(f"humming {peer.activations}-act", _worst_verdict(verdicts), us, flops / us / 1e6, wbytes / us / 1e3,
+                  "indexed GEMM, top_k=1, routing prepared outside the timing")
 
 
 def _baseline_offsets(p: Point) -> tuple[torch.Tensor, int]:
@@ -263,12 +326,14 @@ def run_grouped_mm_bf16(p: Point) -> Result:
     )
 
 
-def _gb_needed(p: Point, baselines: bool) -> float:
-    """Peak device memory of a point: kernel operands (weights stay resident) plus the larger baseline."""
+def _gb_needed(p: Point, baselines: bool, routings: int = 1, peers: bool = False) -> float:
+    """Peak device memory of a point: kernel operands (weights stay resident; tokens and outputs per token set) plus
+    the larger baseline, plus the peers' (their weights, BF16 and FP8 rows and outputs per token set)."""
     m = p.experts * math.ceil(p.rows_per_expert / 16) * 16
-    kernel = m * p.k * 3.05 + m * p.n * 2 + p.experts * p.n * p.k * 1.1  # FP8 + BF16 tokens, both layouts
+    kernel = routings * (m * p.k * 3.05 + m * p.n * 2) + p.experts * p.n * p.k * 1.1  # FP8 + BF16 tokens, both layouts
     bf16 = 2 * (m * p.k + p.experts * p.n * p.k + m * p.n)
-    return (kernel + (bf16 if baselines else 0)) / 1e9
+    peer = routings * 2 * (m * p.k * 3.1 + m * p.n * 2) + p.experts * p.n * p.k * 1.6 if peers else 0
+    return (kernel + peer + (bf16 if baselines else 0)) / 1e9
 
 
 def _fmt(r: Result, hbm_gbps: float) -> str:
@@ -293,6 +358,10 @@ def main(argv=None) -> int:
     parser.add_argument("--no-alt", action="store_true", help="no alternative config rows")
     parser.add_argument("--quick", action="store_true", help="flash only, EP8, rows 1,16,64,1024")
     parser.add_argument("--no-baselines", action="store_true")
+    parser.add_argument("--routings", type=int, default=1, help="token sets per point, each checked; the timed calls "
+                        "cycle through them")
+    parser.add_argument("--peers", default=None, help="also run these peers' grouped GEMMs (comma-separated: "
+                        + ", ".join(peer_lib.PEERS) + "; see megamoe.bench.peers)")
     parser.add_argument("--max-gb", type=float, default=100.0, help="skip points needing more device memory")
     parser.add_argument("--json", default=None, help="write all results to this JSON file")
     args = parser.parse_args(argv)
@@ -304,9 +373,17 @@ def main(argv=None) -> int:
         parser.error(f"--mma takes bf16 and/or fp8, got {args.mma!r}")
     if recipe == RECIPE_128 and "bf16" in mmas:
         parser.error("--recipe 128 runs FP8 mode only (--mma fp8): FP8 tokens with FP32 scales have no exact BF16 form")
+    if args.routings < 1:
+        parser.error(f"--routings must be >= 1, got {args.routings}")
+    try:
+        peers = peer_lib.parse_peers(args.peers) if args.peers else []
+    except ValueError as ex:
+        parser.error(str(ex))
     if not torch.cuda.is_available():
         print("megamoe.bench gemm: needs a CUDA GPU", file=sys.stderr)
         return 2
+    if peers:
+        peer_lib.check_peer_setup(peers, torch.device("cuda"), 1, True)
     points = _points(
         args.presets.split(","), args.layers.split(","),
         [int(x) for x in args.ep.split(",")], [int(x) for x in args.rows.split(",")],
@@ -314,31 +391,36 @@ def main(argv=None) -> int:
     receipt = environment_receipt(torch.device("cuda"), 1)
     hbm = measure_hbm_read_bandwidth(torch.device("cuda"))
     print("receipt: " + ", ".join(f"{k} {v}" for k, v in receipt.items()))
-    print("method: CUDA graph of 10 back-to-back calls, median of 5 replays after 2 warm-up calls")
+    print("method: CUDA graph of 10 back-to-back calls, median of 5 replays after 2 warm-up calls; "
+          f"{args.routings} token set(s) per point, the calls cycling through them")
     print(f"recipe {recipe}: " + ("FP8 tokens with per-32 UE8M0 scales" if recipe == RECIPE_32 else
                                   "FP8 tokens with per-128 FP32 scales") + f"; FP8-mode weight scales folded per {args.fold}")
     print(f"HBM read bandwidth (4 GiB reduction, this run): {hbm:.0f} GB/s")
     records = []
     failures = 0
-    weights, weights_key = None, None
+    weights, weights_key, peer_gemms = None, None, {}
     torch.manual_seed(1234)
     for p in points:
         head = (f"{p.preset} {p.layer} EP{p.ep}: E={p.experts} rows/expert={p.rows_per_expert} "
                 f"N={p.n} K={p.k}")
-        need = _gb_needed(p, not args.no_baselines)
+        need = _gb_needed(p, not args.no_baselines, args.routings, bool(peers))
         if need > args.max_gb:
             print(f"{head}\n    skipped: needs ~{need:.0f} GB > --max-gb {args.max_gb:.0f}")
             continue
         t0 = time.time()
         if weights_key != (p.experts, p.n, p.k):
-            weights = None
+            weights, peer_gemms = None, {}
             torch.cuda.empty_cache()
-            weights, weights_key = make_fp4_weights(p.experts, p.n, p.k, mmas, args.fold), (p.experts, p.n, p.k)
-        tokens = make_fp8_tokens(p, recipe)
+            weights = make_fp4_weights(p.experts, p.n, p.k, mmas, args.fold, canonical=bool(peers))
+            weights_key = (p.experts, p.n, p.k)
+            peer_gemms = {act: peer_lib.HummingGemm(*weights["canonical"], act)
+                          for act in peer_lib.ACTIVATIONS} if peers else {}
+        token_sets = [make_fp8_tokens(p, recipe) for _ in range(args.routings)]
         token_block = {"fp8": recipe[2], "bf16": 32}
-        results = [run_kernel(p, weights, tokens, cfg) for mma in mmas
+        results = [run_kernel(p, weights, token_sets, cfg) for mma in mmas
                    for cfg in kernel_configs(p, mma, not args.no_alt, token_block[mma])]
-        tokens = None
+        results += [run_peer(p, gemm, weights["canonical"], token_sets) for gemm in peer_gemms.values()]
+        token_sets = None
         torch.cuda.empty_cache()
         if not args.no_baselines:
             results.append(run_scaled_grouped_mm(p))
@@ -352,8 +434,11 @@ def main(argv=None) -> int:
         records.append({"point": asdict(p), "results": [asdict(r) for r in results]})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"hbm_read_gbps": hbm, "recipe": list(recipe), "fold": args.fold, "environment": receipt,
-                       "records": records}, f, indent=1)
+            json.dump({"benchmark": "megamoe.bench gemm", "hbm_read_gbps": hbm, "recipe": list(recipe),
+                       "fold": args.fold, "routings": args.routings,
+                       "peers": {f"humming {act}-act": gemm.config() for act, gemm in peer_gemms.items()},
+                       "environment": receipt, "records": records}, f, indent=1)
+        save_plot_beside(args.json)
     print(f"{failures} failed correctness checks")
     return 1 if failures else 0
 

@@ -22,6 +22,16 @@ layers of a model read different weights. With one routing, every timed call rea
 weights, and at a few tokens per rank those can stay partly in the GPU's L2 cache between calls (flash,
 1 token/rank: about 6 experts x 13 MB per rank against a 50-60 MB L2); the columns then give the means
 over the N routings.
+
+``--peers humming`` (one GPU, EP1, FP8 x FP4 weights): also time what a Hopper user would run instead, on the same
+FP4 weights (MXFP4 byte for byte) and the same BF16 tokens and routings: Humming's MoE layer as vLLM calls it, with
+BF16 activations (``humming-bf16``) and with FP8 activations per 128 (``humming-fp8``); see ``megamoe.bench.peers``.
+Every peer point is checked against an FP64 reference of the peer's own rounding points with megamoe's tolerance
+rules; the peer's call starts from the BF16 tokens (its FP8 quantization inside the timed call, as in vLLM) while
+megamoe's paths read their buffers' FP8 tokens; routing preparation is outside the timed call (the receipt says so).
+A peer asked for that is not installed or cannot run here stops the run. With ``--json``, a plot of us per call
+against tokens/rank (one line per path, log-log) is saved beside the receipt when matplotlib is importable
+(``python -m megamoe.bench plot RECEIPT`` draws it later).
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ from ..numerics import RECIPE_32, RECIPE_128, max_row_rel_error, moe_tolerances,
 from ..reference import distributed_reference_moe
 from ..symm_buffer import RING_ALIGNMENT, get_symm_buffer_for_mega_moe, max_recv_rows
 from ..timeline import MegaTimeline, call_spans, format_summary
+from . import peers as peer_lib
 from .common import (
     capture_graph,
     environment_receipt,
@@ -52,6 +63,7 @@ from .common import (
     time_events,
     time_graph,
 )
+from .plot import save_plot_beside
 
 PRESETS = {
     "tiny": dict(experts=16, topk=4, hidden=256, intermediate=128),
@@ -83,6 +95,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--paths", type=lambda s: s.split(","), default=None,
                    help="run only the paths whose name contains one of these comma-separated words (e.g. mega, "
                    "staged, sm90, low_latency)")
+    p.add_argument("--peers", type=_peers_arg, default=[],
+                   help="also run these peers on the same weights, tokens and routings (comma-separated: "
+                   + ", ".join(peer_lib.PEERS) + "; one GPU, EP1; see megamoe.bench.peers)")
     p.add_argument("--profile", action="store_true", help="print rank 0's torch.profiler summary of one call per point")
     p.add_argument("--timeline", action="store_true",
                    help="mega FP8 x FP4 path: after timing, a CUDA graph of --calls-per-graph calls of the kernel's trace "
@@ -102,6 +117,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.recipe == 128 and args.mma_type != "fp8xfp4":
         p.error("--recipe 128 applies to --mma-type fp8xfp4 only")
     return args
+
+
+def _peers_arg(text: str) -> list[str]:
+    try:
+        return peer_lib.parse_peers(text)
+    except ValueError as ex:
+        raise argparse.ArgumentTypeError(str(ex)) from ex
 
 
 def _max_over_ranks(value: float, group, device) -> float:
@@ -175,14 +197,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
         # FP8 x FP4: one persistent launch (dispatch, SM90 GEMM tiles, combine); BF16: the dispatch and combine
         # kernels around torch's grouped GEMMs (bf16_mega_moe). The receipt's mma_type tells which.
         names.append(("mega", None, None))
+    if args.peers:
+        peer_lib.check_peer_setup(args.peers, device, num_ranks, fp8)
+        names += [(name, "peer", None) for name in peer_lib.peer_paths(args.peers)]
     if args.paths:
         unmatched = [word for word in args.paths if not any(word in name for name, _, _ in names)]
         if unmatched:
             raise SystemExit(f"megamoe.bench: --paths {','.join(unmatched)} matches none of the paths here: "
                              + "; ".join(name for name, _, _ in names))
         names = [entry for entry in names if any(word in entry[0] for word in args.paths)]
+        dropped = [peer for peer in args.peers if not any(name.startswith(f"{peer}-") for name, _, _ in names)]
+        if dropped:
+            raise SystemExit(f"megamoe.bench: --peers {','.join(dropped)} asked for, but --paths {','.join(args.paths)} "
+                             "selects none of its paths (add its name to --paths)")
     paths, prepared = {}, {}  # prepared: one StagedMoE per GEMM, its weights shared by both modes
     for name, gemm, mode in names:
+        if gemm == "peer":
+            paths[name] = peer_lib.make_moe_peer(name, l1, l2, args.clamp)
+            continue
         if gemm is None:
             paths[name] = MegaMoE(l1, l2, recipe=recipe) if fp8 else MegaMoE(l1, l2)
             continue
@@ -209,7 +241,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ring = -(-max_recv_rows(num_ranks, max(t, 1), k, num_local) // RING_ALIGNMENT) * RING_ALIGNMENT  # every row
         if args.ring_tokens is not None:
             ring = min(ring, args.ring_tokens)
-        cases = []  # (buffer, top-k ids, reference output), one per routing
+        cases = []  # (buffer, top-k ids, reference output, BF16 tokens, top-k weights), one per routing
         for r in range(args.routings):
             buf = get_symm_buffer_for_mega_moe(group, e, max(t, 1), k, h, i, mma_type=args.mma_type,
                                                num_ring_tokens=ring, device=device,
@@ -218,12 +250,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             x = random_tokens(t, h, cpu_gen, device)
             idx, w = random_routing(t, e, k, cpu_gen, args.masked_ratio, device=device)
             x_q, x_sf = fill_buffer(buf, x, idx, w)
-            cases.append((buf, idx, distributed_reference_moe(x_q, x_sf, idx, w, l1, l2, group, max(t, 1), args.clamp)))
+            cases.append((buf, idx, distributed_reference_moe(x_q, x_sf, idx, w, l1, l2, group, max(t, 1), args.clamp),
+                          x, w))
         for name, path in paths.items():
+            if isinstance(path, peer_lib.HummingMoE):
+                rows.append(_peer_row(name, path, cases, t, args, barrier, hbm, fp4_bytes_per_expert, h, i, say))
+                continue
             mega = isinstance(path, MegaMoE)
             y = torch.empty((t, h), dtype=torch.bfloat16, device=device)
             fro = row_rel = routed = touched = sent = 0.0
-            for buf, idx, ref in cases:
+            for buf, idx, ref, _, _ in cases:
                 y.fill_(float("nan"))
                 stats = torch.zeros(num_local, dtype=torch.int32, device=device)
                 path(y, buf, stats, activation_clamp=args.clamp)
@@ -289,13 +325,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
             })
             if not ok:
                 say(f"INCORRECT: {name} at {t} tokens/rank: rel_fro={fro:.3e} max_row_rel={row_rel:.3e}")
-        for buf, _, _ in cases:
-            buf.destroy()
+        for case in cases:
+            case[0].destroy()
         cases.clear()  # drop the references before the next point allocates
 
     method = (f"median of {args.iters} timings after {args.warmup} warm-up calls, each after a cross-rank "
               f"barrier; slowest rank; per-row method column; {args.routings} routing(s) per point, the timed "
               "calls cycling through them")
+    if args.peers:
+        method += f"; peers: routing preparation {peer_lib.ROUTING_PREP}, FP8 token quantization inside the call"
     if lead:
         _print_table(preset, shape, num_ranks, label, hbm, rows, receipt, method)
         if args.json:
@@ -307,14 +345,53 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "routings": args.routings,
                     "hbm_read_gbps": hbm, "warmup": args.warmup, "iters": args.iters, "method": method,
                     "tolerance": tol,
+                    "peers": {name: path.config() for name, path in paths.items()
+                              if isinstance(path, peer_lib.HummingMoE)},
                     "environment": receipt, "results": rows,
                 }, f, indent=1)
             say(f"receipt written to {args.json}")
+            save_plot_beside(args.json, say)
     if group is not None:
         dist.destroy_process_group()
     if not all(r["correct"] for r in rows):
         sys.exit(1)
     return rows
+
+
+def _peer_row(name: str, peer, cases: list, t: int, args, barrier, hbm: float, fp4_bytes_per_expert: int,
+              hidden: int, inter: int, say) -> dict:
+    """One peer at one point (one rank): its routings prepared (outside the timed call), every routing checked against
+    the peer's own FP64 reference (``megamoe.bench.peers``), then timed as CUDA graphs of calls cycling through the
+    routings. Returns the table row (fields as megamoe's; no ring, no traffic)."""
+    tol = peer.tolerances()
+    routings = [peer.prepare(x, idx, w) for _, idx, _, x, w in cases]
+    fro = row_rel = routed = touched = 0.0
+    for (_, idx, _, x, w), routing in zip(cases, routings):
+        y = routing.buffers["y"]
+        y.fill_(float("nan"))
+        peer(routing)
+        ref = peer.reference(x, idx, w)
+        fro = max(fro, rel_fro_error(y, ref) if t else 0.0)
+        row_rel = max(row_rel, max_row_rel_error(y, ref))
+        used = idx[idx >= 0]
+        routed += used.numel() / len(cases)
+        touched += used.unique().numel() / len(cases)
+    ok = fro <= tol["rel_fro"] and row_rel <= tol["max_row_rel"]
+    turn = itertools.count()
+    times = time_graph(lambda: peer(routings[next(turn) % len(routings)]), args.warmup, args.iters,
+                       args.calls_per_graph, before=barrier)
+    us = statistics.median(times)
+    if not ok:
+        say(f"INCORRECT: {name} at {t} tokens/rank: rel_fro={fro:.3e} max_row_rel={row_rel:.3e} (tolerance {tol})")
+    return {
+        "tokens_per_rank": t, "ring_tokens": None, "routings": len(cases), "path": name,
+        "method": f"CUDA graph of {args.calls_per_graph} calls", "us": us,
+        "tflops": 6 * routed * hidden * inter / (us * 1e-6) / 1e12,
+        "routed_rows_per_rank": routed, "experts_touched_per_rank": touched,
+        "weights_gbps": touched * fp4_bytes_per_expert / (us * 1e-6) / 1e9,
+        "fp4_floor_us": touched * fp4_bytes_per_expert / (hbm * 1e9) * 1e6 if hbm else None,
+        "a2a_gbps": 0.0, "rel_fro": fro, "max_row_rel": row_rel, "correct": ok,
+    }
 
 
 def _timeline(path: MegaMoE, cases: list, y: torch.Tensor, clamp, group, barrier, say, label: str,
@@ -386,7 +463,7 @@ def _print_table(preset, shape, num_ranks, mma_type, hbm, rows, receipt, method)
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
-            str(r["tokens_per_rank"]), str(r["ring_tokens"]), r["path"], r["method"], f"{r['us']:.1f}", f"{r['tflops']:.1f}", f"{r['routed_rows_per_rank']:.0f}",
+            str(r["tokens_per_rank"]), "-" if r["ring_tokens"] is None else str(r["ring_tokens"]), r["path"], r["method"], f"{r['us']:.1f}", f"{r['tflops']:.1f}", f"{r['routed_rows_per_rank']:.0f}",
             f"{r['experts_touched_per_rank']:.1f}", f"{r['weights_gbps']:.0f}",
             "-" if r["fp4_floor_us"] is None else f"{r['fp4_floor_us']:.1f}", f"{r['a2a_gbps']:.1f}",
             f"{'ok' if r['correct'] else 'WRONG'} {r['rel_fro']:.1e}",
