@@ -290,14 +290,15 @@ def test_plot_command_draws_a_receipt(tmp_path, receipt):
 
 @pytest.mark.gpu
 def test_moe_bench_humming_peers(tmp_path):
-    """GPU with humming-kernels: both peer variants next to megamoe's paths on the tiny preset, every point checked
-    against the peer's reference over 2 routings (one masked slot in four), receipt with the peers' configs."""
+    """GPU with humming-kernels: both peer variants next to megamoe's paths on the flash preset (Humming's FP8 path is
+    wrong at the tiny preset's I = 128: bench/findings/humming-peer.md), every point checked against the peer's
+    reference over 2 routings (one masked slot in four), receipt with the peers' configs."""
     pytest.importorskip("humming")
     path = tmp_path / "moe.json"
-    rows = bench_moe.main(["--preset", "tiny", "--tokens", "1,8,33", "--routings", "2", "--masked-ratio", "0.25",
+    rows = bench_moe.main(["--preset", "flash", "--tokens", "1,33", "--routings", "2", "--masked-ratio", "0.25",
                            "--peers", "humming", "--warmup", "1", "--iters", "3", "--json", str(path)])
     peers = [r for r in rows if r["path"].startswith("humming-")]
-    assert {r["path"] for r in peers} == {"humming-bf16", "humming-fp8"} and len(peers) == 6
+    assert {r["path"] for r in peers} == {"humming-bf16", "humming-fp8"} and len(peers) == 4
     assert all(r["correct"] and r["us"] > 0 and r["routings"] == 2 for r in rows)
     receipt = json.loads(path.read_text())
     assert set(receipt["peers"]) == {"humming-bf16", "humming-fp8"}
