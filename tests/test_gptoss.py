@@ -28,13 +28,20 @@ import math
 
 import pytest
 import torch
+from test_nn import fp4_budget
 
 from megamoe import reference_moe
 from megamoe.inputs import random_routing, random_tokens
+from megamoe.kernels.sm90 import GemmConfig
 from megamoe.layouts import dequantize_fp4, quantize_fp4, quantize_fp8, unpack_ue8m0
-from megamoe.nn import EPMoE, GptOssMoEBlock, moe_block_from_config, read_expert_biases, read_fp4_expert_weights
+from megamoe.nn import (
+    EPMoE,
+    GptOssMoEBlock,
+    moe_block_from_config,
+    read_expert_biases,
+    read_fp4_expert_weights,
+)
 from megamoe.numerics import SWIGLU_OAI_ALPHA, check_moe_output, l1_epilogue
-from test_nn import fp4_budget
 
 GPT_OSS_BF16_BUDGET = math.sqrt(24) * 2.0**-8
 LIMIT = 7.0
@@ -287,6 +294,35 @@ def test_qwen3_moe_real_ratio(tmp_path, mma_type):
     budget = BF16_BUDGET if mma_type == "bf16" else fp4_budget(x, experts.gate_up_proj, experts.down_proj)[1]
     check_block(block, x, hf_block_outputs(model, 0, x), budget, f"qwen3_moe 1024:384 {mma_type}")
     block.moe.destroy()
+
+
+# ---------------------------------------------------------------------------------------------
+# SM90 kernels on a CPU: the gpt-oss L1 epilogues compile for sm_90a
+
+# (config, group mode, epilogue, folded, bias, fast_math): both recipes' SwiGLU epilogues (FP8 out, BF16 out, per-128), the three
+# group modes, with and without the L1 bias, one IEEE-exp build.
+OAI_COMPILE_CASES = [
+    (GemmConfig(tile_tokens=16, tile_n=128), "offsets", "swiglu_fp8_bf16", False, True, True),
+    (GemmConfig(tile_tokens=8, tile_n=64), "masked", "swiglu_fp8_bf16", False, False, True),
+    (GemmConfig(tile_tokens=64, tile_n=128, mma="fp8"), "offsets_counts", "swiglu_fp8", False, True, True),
+    (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128), "offsets", "swiglu_fp8", True, True, True),
+    (GemmConfig(tile_tokens=8, tile_n=256, mma="fp8", token_block=128), "masked", "swiglu_fp8", True, False, False),
+]
+
+
+def test_gpt_oss_epilogues_compile_for_sm90a(tmp_path):
+    """Every gpt-oss L1 epilogue variant compiles, issues wgmma, calls no function (ptxas would serialize the
+    wgmmas), and where a ptxas is on PATH draws no C75xx advisory."""
+    import dataclasses
+
+    from test_sm90_compile import compile_report
+
+    cases = [(dataclasses.asdict(c), m, e, None, False, False, folded, fast, "swiglu_oai", bias)
+             for c, m, e, folded, bias, fast in OAI_COMPILE_CASES]
+    for case, build in zip(OAI_COMPILE_CASES, compile_report(cases, tmp_path)):
+        assert "error" not in build, (case, build.get("error"))
+        assert build["wgmma"] and build["calls"] == 0, (case, build)
+        assert not build.get("ptxas"), (case, build["ptxas"])
 
 
 # ---------------------------------------------------------------------------------------------
