@@ -121,11 +121,12 @@ class StagedMoE:
         self.l2_bias = check_expert_bias(l2_bias, "l2_bias", None, self.hidden, w1.device)
         if gemm == "torch":
             dtype = torch.float32 if self.recipe == RECIPE_128 else torch.bfloat16  # exact either way
-            self.w1t = self._dequant(l1, dtype).transpose(1, 2)  # [E_l, H, 2I], the K x N operand of _grouped_mm
-            if self.l1_bias is not None:  # rows H .. H+7: the bias, then zeros (tokens: a one, then zeros)
-                pad = self.w1t.new_zeros(self.num_local_experts, BIAS_COLUMNS, 2 * self.intermediate)
-                pad[:, 0] = self.l1_bias
-                self.w1t = torch.cat([self.w1t, pad], dim=1)
+            dense1 = self._dequant(l1, dtype)
+            if self.l1_bias is not None:  # K columns H .. H+7: the bias, then zeros (tokens: a one, then zeros)
+                pad = dense1.new_zeros(self.num_local_experts, 2 * self.intermediate, BIAS_COLUMNS)
+                pad[:, :, 0] = self.l1_bias
+                dense1 = torch.cat([dense1, pad], dim=2)
+            self.w1t = dense1.transpose(1, 2)  # [E_l, H (+ 8), 2I], the K x N operand of _grouped_mm
             self.w2t = self._dequant(l2, dtype).transpose(1, 2)  # [E_l, I, H]
             return
         # SM90 FP8 x FP4 grouped GEMMs straight on the FP4 weights (L1 with the fused SwiGLU-quant epilogue).

@@ -82,7 +82,7 @@ class TopKRouter(nn.Module):
         logits = F.linear(x.to(dt), self.weight.to(dt), None if self.logits_bias is None else self.logits_bias.to(dt))
         if self.scoring == "topk_softmax":
             top, idx = logits.topk(self.top_k, dim=-1)
-            weights = top.float().softmax(-1)
+            weights = top.float().softmax(-1) * self.scaling_factor  # sums to the factor: renormalizing changes nothing
             return idx, (weights.to(dt) if self.cast_weights_to_logits_dtype else weights).float()
         scores = logits.float().softmax(-1) if self.scoring == "softmax" else logits.float().sigmoid()
         choice = scores if self.bias is None else scores + self.bias
