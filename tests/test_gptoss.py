@@ -149,7 +149,7 @@ def test_mxfp4_tensors_read_bit_exact():
     assert torch.equal(dequantize_fp4(w2, s2), theirs2)
 
 
-def _hf_gpt_oss(path, hidden=256, inter=256, seed=0):
+def hf_gpt_oss(path, hidden=256, inter=256, seed=0):
     """(config, BF16 GptOss model with random weights and biases, its save_pretrained dir, the MoE layers'
     published MXFP4 tensors): the experts' weights are replaced by transformers' own decoding of their MXFP4
     quantization, so the model, its BF16 checkpoint and the MXFP4 tensors hold the same values."""
@@ -184,7 +184,7 @@ def _hf_gpt_oss(path, hidden=256, inter=256, seed=0):
 
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory):
-    return _hf_gpt_oss(tmp_path_factory.mktemp("gpt_oss"))
+    return hf_gpt_oss(tmp_path_factory.mktemp("gpt_oss"))
 
 
 def check_gpt_oss_block(config, model, source, layer, x, mma_type, mode, device) -> float:
@@ -364,7 +364,7 @@ def test_staged_sm90_gpt_oss_experts_gpu(recipe, fast_math, inter):
 @pytest.mark.parametrize("mma_type", ["bf16", "fp8xfp4"])
 def test_gpt_oss_block_swap_gpu(tmp_path, mma_type):
     """The transformers comparison on a GPU (staged path, torch GEMMs), at hidden = intermediate = 512."""
-    config, model, path, published = _hf_gpt_oss(tmp_path, hidden=512, inter=512)
+    config, model, path, published = hf_gpt_oss(tmp_path, hidden=512, inter=512)
     model.cuda()
     x = random_tokens(48, 512, torch.Generator().manual_seed(7)).cuda()
     for source in (path, published):

@@ -8,10 +8,10 @@ as a dict, the checkpoint paths, the tokens and the references.
 
 import pytest
 import torch
-from test_gptoss import GPT_OSS_BF16_BUDGET, _hf_gpt_oss
+from helpers.spawn import spawn
+from test_gptoss import GPT_OSS_BF16_BUDGET, hf_gpt_oss
 from test_nn import fp4_budget
 
-from helpers.spawn import spawn
 from megamoe.inputs import random_tokens
 from megamoe.nn import moe_block_from_config
 
@@ -26,7 +26,7 @@ CASES = [
 
 def _problems(tmp_path) -> list[dict]:
     save_file = pytest.importorskip("safetensors.torch").save_file
-    config, model, path, published = _hf_gpt_oss(tmp_path / "model")
+    config, model, path, published = hf_gpt_oss(tmp_path / "model")
     save_file({k: v.contiguous() for k, v in published.items()}, tmp_path / "mxfp4.safetensors")
     sources = {"save_pretrained": str(path), "published_mxfp4": str(tmp_path / "mxfp4.safetensors")}
     hf = model.model.layers[1].mlp
