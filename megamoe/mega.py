@@ -187,7 +187,8 @@ def check_mega_call(y, sym_buffer, stats, activation, activation_clamp, fast_mat
         entry = "fp8_fp4_mega_moe" if mma_type == "fp8xfp4" else "bf16_mega_moe"
         fail("sym_buffer", f"must be allocated with mma_type={mma_type!r} for {entry}, got {lay.mma_type!r}")
     if activation != "swiglu":
-        fail("activation", f"must be 'swiglu', got {activation!r}")
+        fail("activation", f"must be 'swiglu', got {activation!r} (gpt-oss's 'swiglu_oai' and expert biases run on the "
+             "staged path: StagedMoE(..., activation='swiglu_oai', l1_bias=..., l2_bias=...))")
     check_activation_clamp(activation_clamp)
     check_fast_math(fast_math)
     from .kernels.comm import MAX_LOCAL_EXPERTS

@@ -8,12 +8,16 @@ FP8 x FP4 recipe (1, 1, 32): tokens are FP8 E4M3 with a UE8M0 scale per 32 eleme
 token); weights are FP4 E2M1 with a UE8M0 scale per 32 elements of K (per output row); see
 ``megamoe.layouts``. For every (token t, slot j) with ``e = topk_idx[t, j] >= 0``:
 
-1. ``acc = dequant(x[t]) . dequant(W1[e])^T`` accumulated in FP32. Every product is exact in FP32
-   (e4m3 x e2m1 x powers of two); the summation order is the implementation's.
+1. ``acc = dequant(x[t]) . dequant(W1[e])^T (+ b1[e])`` accumulated in FP32. Every product is exact in FP32
+   (e4m3 x e2m1 x powers of two); the summation order is the implementation's. The optional L1 bias ``b1 [E, 2I]``
+   (BF16 values, rows as W1's) is one more FP32 term of that sum (gpt-oss's ``gate_up_proj_bias``).
 2. **Rounding point R1**: ``gate, up = bf16_rne(acc[:I]), bf16_rne(acc[I:])``.
 3. Optional clamp ``c`` (in BF16, exact): ``gate = min(gate, c)``, ``up = clamp(up, -c, c)``.
-4. ``a = (silu(gate) * up) * topk_weights[t, j]`` in FP32, ``silu(g) = g / (1 + exp(-g))``. The exp
-   is the implementation's (a few FP32 ulps); ``fast_math`` (``check_fast_math``) allows an approximate
+4. ``a = act(gate, up) * topk_weights[t, j]`` in FP32, by ``activation`` (``ACTIVATIONS``):
+   ``"swiglu"``: ``act = silu(gate) * up``, ``silu(g) = g / (1 + exp(-g))``;
+   ``"swiglu_oai"`` (gpt-oss): ``act = (up + 1) * (gate / (1 + exp(-(alpha * gate))))``, ``alpha =
+   SWIGLU_OAI_ALPHA`` (1.702 as an FP32 number; gpt-oss's clamp ``limit`` 7.0 is step 3's ``c``).
+   The exp is the implementation's (a few FP32 ulps); ``fast_math`` (``check_fast_math``) allows an approximate
    exp and reciprocal (the SM90 SwiGLU epilogue's ``ex2.approx`` and ``rcp.approx``).
 5. **Rounding point R2**: ``a`` is quantized per 32 elements of I to FP8 E4M3 with UE8M0 scales
    exactly as ``layouts.quantize_fp8`` does (smallest power-of-two scale with amax / scale <= 448,
@@ -22,7 +26,11 @@ token); weights are FP4 E2M1 with a UE8M0 scale per 32 elements of K (per output
    The routing weight is already inside ``a``: combine is a plain sum.
 7. **Rounding point R4**: ``y[t] = bf16_rne(sum_j o_j)``, summed in FP32 starting from 0.0 over the
    valid slots in increasing slot order j = 0..k-1 (masked slots contribute nothing; a token with no
-   valid slot gets 0).
+   valid slot gets 0). With the optional L2 bias ``b2 [E, H]`` (BF16 values; gpt-oss's ``down_proj_bias``, which
+   the model adds before the routing weight multiplies the row) each valid slot adds ``o_j``, then
+   ``fp32(topk_weights[t, j] * b2[e_j])`` (one FP32 product) to the sum: ``w (a W2^T + b2) = (w a) W2^T + w b2``;
+   the bias term is added here, after R3, where the combine knows every slot's expert and weight (no kernel
+   carries it; every rank keeps ``b2`` of all E experts).
 
 The BF16 recipe has the same structure with BF16 tokens and weights (no quantization at all) and
 BF16 at R2.
@@ -86,10 +94,16 @@ from __future__ import annotations
 
 import torch
 
-from .checks import fail
+from .checks import check_tensor, fail
 from .layouts import quantize_fp8
 from .layouts.fp8 import (AMAX_FLOOR, RECIPE_32, RECIPE_128, RECIPES, check_recipe, describe_recipe,  # noqa: F401
                           recipe_of_scales, scale_dtype)
+
+
+ACTIVATIONS = ("swiglu", "swiglu_oai")
+"""Step 4's activations: megamoe's SwiGLU and gpt-oss's variant."""
+SWIGLU_OAI_ALPHA = 1.702
+"""``"swiglu_oai"``'s sigmoid slope (gpt-oss's ``swiglu_alpha``), used as the FP32 number nearest to it."""
 
 
 def moe_tolerances(intermediate: int, recipe=RECIPE_32) -> dict[str, float]:
@@ -133,33 +147,71 @@ def clamp_gate_up(gate: torch.Tensor, up: torch.Tensor, clamp: float | None) -> 
     return gate.clamp(max=clamp), up.clamp(min=-clamp, max=clamp)
 
 
+def check_activation(activation, name: str = "activation") -> str:
+    """Validate the step-4 activation: one of ``ACTIVATIONS``."""
+    if activation not in ACTIVATIONS:
+        fail(name, f"must be one of {ACTIVATIONS}, got {activation!r}")
+    return activation
+
+
+def check_expert_bias(bias, name: str, experts: int | None, width: int, device=None) -> torch.Tensor | None:
+    """Validate an optional per-expert bias: None, or BF16 ``[experts, width]`` (``experts`` None: any; steps 1 and 7 add its values in
+    FP32; BF16 keeps them exact in the BF16 operands the staged path folds them into)."""
+    if bias is None:
+        return None
+    return check_tensor(name, bias, dtype=torch.bfloat16, shape=(experts, width), device=device, contiguous=True)
+
+
 def swiglu_weighted(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Step 4: ``(silu(gate) * up) * weight`` in FP32; ``gate``/``up`` ``[M, I]``, ``weight`` ``[M]``."""
     g = gate.float()
     return (g / (1.0 + torch.exp(-g)) * up.float()) * weight.float().unsqueeze(-1)
 
 
+def swiglu_oai_weighted(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Step 4 of ``"swiglu_oai"``: ``((up + 1) * (gate / (1 + exp(-(alpha * gate))))) * weight`` in FP32."""
+    g = gate.float()
+    glu = g / (1.0 + torch.exp(-(g * torch.tensor(SWIGLU_OAI_ALPHA, dtype=torch.float32))))
+    return ((up.float() + 1.0) * glu) * weight.float().unsqueeze(-1)
+
+
+ACTIVATION_FUNCTIONS = {"swiglu": swiglu_weighted, "swiglu_oai": swiglu_oai_weighted}
+
+
 def l1_epilogue(
-    acc: torch.Tensor, weight: torch.Tensor, clamp: float | None, fp8: bool, recipe=RECIPE_32
+    acc: torch.Tensor, weight: torch.Tensor, clamp: float | None, fp8: bool, recipe=RECIPE_32,
+    activation: str = "swiglu",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Steps 2-5 for L1 outputs ``acc [M, 2I]`` ([gate | up], FP32 or already BF16-rounded).
+    """Steps 2-5 for L1 outputs ``acc [M, 2I]`` ([gate | up], FP32 or already BF16-rounded; the L1 bias, if any,
+    already in it: step 1).
 
     Returns ``(a_fp8 [M, I], a_sf [M, I/128])`` for the FP8 recipes (int32 packed UE8M0 per 32 for ``recipe``
     (1, 1, 32), float32 per 128 for (1, 1, 128): R2 as ``layouts.quantize_fp8``), ``(a_bf16, None)`` for BF16.
     """
     inter = acc.shape[-1] // 2
     gate, up = clamp_gate_up(bf16_rne(acc[:, :inter]), bf16_rne(acc[:, inter:]), clamp)
-    a = swiglu_weighted(gate, up, weight)
+    a = ACTIVATION_FUNCTIONS[check_activation(activation)](gate, up, weight)
     if fp8:
         return quantize_fp8(a, name="a", recipe=recipe)
     return bf16_rne(a), None
 
 
-def combine_slots(o: torch.Tensor) -> torch.Tensor:
-    """Step 7: ``o [T, k, H]`` (BF16, zeros in unused slots) -> ``y [T, H]`` BF16, FP32 sum in slot order."""
+def l2_bias_rows(topk_idx: torch.Tensor, topk_weights: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Step 7's bias terms: FP32 ``[T, k, H]`` = ``fp32(topk_weights[t, j] * b2[topk_idx[t, j]])``, zero in unused
+    slots (``topk_idx`` < 0); ``bias`` ``[E, H]`` of all experts."""
+    valid = topk_idx >= 0
+    rows = bias.float()[torch.where(valid, topk_idx, 0)]
+    return torch.where(valid.unsqueeze(-1), rows * topk_weights.float().unsqueeze(-1), 0.0)
+
+
+def combine_slots(o: torch.Tensor, bias_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Step 7: ``o [T, k, H]`` (BF16, zeros in unused slots) -> ``y [T, H]`` BF16, FP32 sum in slot order;
+    ``bias_rows`` (``l2_bias_rows``): each slot adds its bias term after its row."""
     acc = torch.zeros(o.shape[0], o.shape[2], dtype=torch.float32, device=o.device)
     for j in range(o.shape[1]):
         acc += o[:, j].float()
+        if bias_rows is not None:
+            acc += bias_rows[:, j]
     return bf16_rne(acc)
 
 

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from .dist import rank_and_size
 from .layouts import dequantize_fp4, dequantize_fp8
 from .layouts import quantize_fp8
-from .numerics import RECIPES, bf16_rne, combine_slots, l1_epilogue, max_row_rel_error, recipe_of_scales, rel_fro_error
+from .numerics import (RECIPES, bf16_rne, combine_slots, l1_epilogue, l2_bias_rows, max_row_rel_error, recipe_of_scales,
+                       rel_fro_error)
 
 
 def _dequant_tokens(x: torch.Tensor, x_sf: torch.Tensor | None) -> torch.Tensor:
@@ -43,12 +44,16 @@ def reference_slot_outputs(
     l2: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     first_expert: int = 0,
     activation_clamp: float | None = None,
+    activation: str = "swiglu",
+    l1_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """BF16 ``o [T, k, H]`` for slots whose expert is in ``[first_expert, first_expert + E_l)``.
 
     ``x``: FP8 ``[T, H]`` with ``x_sf`` int32 ``[T, H/128]`` (recipe (1, 1, 32)) or float32 ``[T, H/128]`` (recipe
     (1, 1, 128)), or BF16 with ``x_sf=None``. ``l1``/``l2``: canonical FP4 ``(weights, scales)`` tuples or BF16
-    tensors for experts ``first_expert ..``. R2 follows the tokens' recipe.
+    tensors for experts ``first_expert ..``; ``l1_bias``: their BF16 ``[E_l, 2I]`` L1 bias or None. R2 follows the
+    tokens' recipe; ``activation`` is step 4's (``numerics.ACTIVATIONS``). The L2 bias is the combine's
+    (``reference_moe``).
     """
     t, k = topk_idx.shape
     hidden = x.shape[1]
@@ -62,15 +67,20 @@ def reference_slot_outputs(
         if tok.numel() == 0:
             continue
         acc = xd[tok] @ _dequant_weight(l1, e).T
-        a, a_sf = l1_epilogue(acc, topk_weights[tok, slot], activation_clamp, fp8, recipe)
+        if l1_bias is not None:
+            acc = acc + l1_bias[e].double()
+        a, a_sf = l1_epilogue(acc, topk_weights[tok, slot], activation_clamp, fp8, recipe, activation)
         ad = _dequant_tokens(a, a_sf)
         o[tok, slot] = bf16_rne(ad @ _dequant_weight(l2, e).T)
     return o
 
 
-def reference_moe(x, x_sf, topk_idx, topk_weights, l1, l2, activation_clamp=None) -> torch.Tensor:
-    """Single-process reference: all experts' weights in ``l1``/``l2``; returns ``y [T, H]`` BF16."""
-    return combine_slots(reference_slot_outputs(x, x_sf, topk_idx, topk_weights, l1, l2, 0, activation_clamp))
+def reference_moe(x, x_sf, topk_idx, topk_weights, l1, l2, activation_clamp=None, activation="swiglu",
+                  l1_bias=None, l2_bias=None) -> torch.Tensor:
+    """Single-process reference: all experts' weights in ``l1``/``l2`` (and BF16 biases ``l1_bias [E, 2I]``,
+    ``l2_bias [E, H]`` or None); returns ``y [T, H]`` BF16."""
+    o = reference_slot_outputs(x, x_sf, topk_idx, topk_weights, l1, l2, 0, activation_clamp, activation, l1_bias)
+    return combine_slots(o, None if l2_bias is None else l2_bias_rows(topk_idx, topk_weights, l2_bias))
 
 
 def distributed_reference_moe(
@@ -83,8 +93,12 @@ def distributed_reference_moe(
     group: dist.ProcessGroup | None,
     num_max_tokens: int,
     activation_clamp: float | None = None,
+    activation: str = "swiglu",
+    l1_bias: torch.Tensor | None = None,
+    l2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference for this rank's ``T`` tokens when each rank holds only its local experts.
+    """Reference for this rank's ``T`` tokens when each rank holds only its local experts (and their
+    ``l1_bias [E_l, 2I]``; ``l2_bias [E, H]`` holds all experts', as the combine adds it).
 
     Gathers every rank's tokens and routing (padded to ``num_max_tokens``), computes the slots owned
     by this rank's experts, sums the per-slot rows over ranks (exact: one owner per slot) and
@@ -92,7 +106,7 @@ def distributed_reference_moe(
     """
     rank, size = rank_and_size(group)
     if size == 1:
-        return reference_moe(x, x_sf, topk_idx, topk_weights, l1, l2, activation_clamp)
+        return reference_moe(x, x_sf, topk_idx, topk_weights, l1, l2, activation_clamp, activation, l1_bias, l2_bias)
     t, k = topk_idx.shape
     num_local = (l1[0] if isinstance(l1, tuple) else l1).shape[0]
 
@@ -108,11 +122,12 @@ def distributed_reference_moe(
     all_sf = gather(x_sf, 0) if x_sf is not None else None
     all_idx = gather(topk_idx, -1)
     all_w = gather(topk_weights, 0)
-    o = reference_slot_outputs(all_x, all_sf, all_idx, all_w, l1, l2, rank * num_local, activation_clamp)
+    o = reference_slot_outputs(all_x, all_sf, all_idx, all_w, l1, l2, rank * num_local, activation_clamp, activation,
+                               l1_bias)
     o32 = o.float()  # gloo has no bfloat16 sum; the sum of one row and zeros is exact in FP32
     dist.all_reduce(o32, group=group)
     mine = o32[rank * num_max_tokens : rank * num_max_tokens + t]
-    return combine_slots(mine.to(torch.bfloat16))
+    return combine_slots(mine.to(torch.bfloat16), None if l2_bias is None else l2_bias_rows(topk_idx, topk_weights, l2_bias))
 
 
 def reference_decode(x, topk_idx, topk_weights, l1, l2, activation_clamp=None) -> torch.Tensor:

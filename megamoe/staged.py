@@ -33,6 +33,12 @@ count with device-side group offsets, and returns every (token, slot) row, zeros
 owns the slot, in one equal-split ``all_to_all``; ids are validated only when ``validate=True``
 (a host sync; and recipe (1, 1, 128) with ``gemm="torch"`` on CUDA syncs in torch's FP32 grouped GEMMs, step 3).
 NCCL moves the bytes on GPUs, gloo on CPU. Weights are dequantized to BF16 (recipe 128's torch GEMMs: FP32) once.
+
+gpt-oss experts (``activation="swiglu_oai"``, ``l1_bias``, ``l2_bias``; ``megamoe.numerics`` steps 1, 4 and 7): with
+``gemm="torch"`` the L1 bias is folded into the L1 GEMM exactly (the tokens get a column of ones, the weights a row
+holding the BF16 bias, both padded to 8 columns with zeros: one more exact FP32 term of each sum) and the
+activation is ``numerics.l1_epilogue``'s; with ``gemm="sm90"`` the L1 epilogue adds the bias of its tile's expert
+and applies the activation. The L2 bias is the combine's, on the tokens' own rank.
 """
 
 from __future__ import annotations
@@ -46,9 +52,12 @@ from .checks import check_multiple, fail
 from .dist import all_gather_rows, all_to_all_rows
 from .layouts import contiguous_layout, dequantize_fp4, dequantize_fp8
 from .layouts.weights import check_bf16_expert_weights, check_fp4_expert_weights
-from .numerics import (RECIPE_32, RECIPE_128, check_activation_clamp, check_fast_math, check_recipe, combine_slots,
-                       describe_recipe, l1_epilogue)
+from .numerics import (RECIPE_32, RECIPE_128, check_activation, check_activation_clamp, check_expert_bias,
+                       check_fast_math, check_recipe, combine_slots, describe_recipe, l1_epilogue, l2_bias_rows)
 from .symm_buffer import SymmBuffer
+
+BIAS_COLUMNS = 8
+"""K columns the torch L1 GEMM gains with an L1 bias (one for the bias, padded to keep rows 16-byte aligned)."""
 
 
 def _compact(mask: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
@@ -81,13 +90,17 @@ class StagedMoE:
     "torch" computes silu with torch's exp and division either way. ``recipe``: the FP8 x FP4 recipe, (1, 1, 32)
     (default) or (1, 1, 128) (module docstring); the buffer must hold the same (BF16 weights: the default only).
     ``fold_reports``: recipe (1, 1, 128) with ``gemm="sm90"``, the ``FoldReport`` of L1 and L2 (else None).
+    ``activation``: step 4's (``numerics.ACTIVATIONS``); ``l1_bias``: BF16 ``[E_l, 2I]`` of this rank's experts (rows
+    [gate; up]) or None; ``l2_bias``: BF16 ``[E, H]`` of all E experts (the combine adds it for the tokens of this
+    rank, whichever rank ran their experts) or None.
     """
 
     MODES = ("normal", "low_latency")
     GEMMS = ("torch", "sm90")
 
     def __init__(self, l1, l2, mode: str = "normal", gemm: str = "torch", fast_math: bool = True,
-                 recipe=RECIPE_32):
+                 recipe=RECIPE_32, *, activation: str = "swiglu", l1_bias: torch.Tensor | None = None,
+                 l2_bias: torch.Tensor | None = None):
         self._check_mode(mode)
         if gemm not in self.GEMMS:
             fail("gemm", f"must be one of {self.GEMMS}, got {gemm!r}")
@@ -103,9 +116,17 @@ class StagedMoE:
         self.intermediate = w1.shape[1] // 2 if w1.dim() == 3 else -1
         check = check_fp4_expert_weights if self.fp8 else check_bf16_expert_weights
         self.num_local_experts = check(l1, l2, self.hidden, self.intermediate)
+        self.activation = check_activation(activation)
+        self.l1_bias = check_expert_bias(l1_bias, "l1_bias", self.num_local_experts, 2 * self.intermediate, w1.device)
+        self.l2_bias = check_expert_bias(l2_bias, "l2_bias", None, self.hidden, w1.device)
         if gemm == "torch":
             dtype = torch.float32 if self.recipe == RECIPE_128 else torch.bfloat16  # exact either way
-            self.w1t = self._dequant(l1, dtype).transpose(1, 2)  # [E_l, H, 2I], the K x N operand of _grouped_mm
+            dense1 = self._dequant(l1, dtype)
+            if self.l1_bias is not None:  # K columns H .. H+7: the bias, then zeros (tokens: a one, then zeros)
+                pad = dense1.new_zeros(self.num_local_experts, 2 * self.intermediate, BIAS_COLUMNS)
+                pad[:, :, 0] = self.l1_bias
+                dense1 = torch.cat([dense1, pad], dim=2)
+            self.w1t = dense1.transpose(1, 2)  # [E_l, H (+ 8), 2I], the K x N operand of _grouped_mm
             self.w2t = self._dequant(l2, dtype).transpose(1, 2)  # [E_l, I, H]
             return
         # SM90 FP8 x FP4 grouped GEMMs straight on the FP4 weights (L1 with the fused SwiGLU-quant epilogue).
@@ -119,9 +140,10 @@ class StagedMoE:
             *self.l1k, rep1 = sm90.prepare_fp4_weights_l1(*l1, mma="fp8", fold="auto", return_report=True)
             *self.l2k, rep2 = sm90.prepare_fp4_weights(*l2, mma="fp8", fold="auto", return_report=True)
             self.l1k, self.l2k, self.fold_reports = tuple(self.l1k), tuple(self.l2k), {"l1": rep1, "l2": rep2}
-            return
-        self.l1k = sm90.prepare_fp4_weights_l1(*l1, mma="bf16")
-        self.l2k = sm90.prepare_fp4_weights(*l2, mma="bf16")
+        else:
+            self.l1k = sm90.prepare_fp4_weights_l1(*l1, mma="bf16")
+            self.l2k = sm90.prepare_fp4_weights(*l2, mma="bf16")
+        self.l1k_bias = None if self.l1_bias is None else sm90.prepare_l1_bias(self.l1_bias)
 
     def with_mode(self, mode: str) -> "StagedMoE":
         """The same prepared weights (shared, not copied) run in ``mode``."""
@@ -148,6 +170,9 @@ class StagedMoE:
 
     def _check_call(self, y: torch.Tensor, buf: SymmBuffer, stats: torch.Tensor | None, clamp: float | None) -> None:
         lay = buf.layout
+        if self.l2_bias is not None and self.l2_bias.shape[0] != lay.num_experts:
+            fail("l2_bias", f"must hold all {lay.num_experts} experts of the buffer's layout ([E, H], the combine adds "
+                 f"it on the tokens' rank), got {list(self.l2_bias.shape)}")
         want = ("fp8xfp4" if self.fp8 else "bf16", self.hidden, self.intermediate, self.num_local_experts)
         have = (lay.mma_type, lay.hidden, lay.intermediate_hidden, lay.num_local_experts)
         if want != have:
@@ -198,12 +223,12 @@ class StagedMoE:
 
             a_in, _ = sm90.grouped_gemm_fp8_fp4_swiglu_contiguous(
                 a_in, None, *self.l1k, grouped.offsets, weights, clamp=clamp, out_dtype=torch.bfloat16,
-                fast_math=self.fast_math,
+                fast_math=self.fast_math, activation=self.activation, bias=self.l1k_bias,
             )
             return sm90.grouped_gemm_fp8_fp4_contiguous(a_in, None, *self.l2k, grouped.offsets), dst
         ends = grouped.offsets[1:]
-        h1 = torch._grouped_mm(a_in, self.w1t, offs=ends)
-        a, a_sf = l1_epilogue(h1, weights, clamp, self.fp8)
+        h1 = torch._grouped_mm(self._bias_columns(a_in), self.w1t, offs=ends)
+        a, a_sf = l1_epilogue(h1, weights, clamp, self.fp8, activation=self.activation)
         a_in = dequantize_fp8(a, a_sf, torch.bfloat16) if self.fp8 else a
         return torch._grouped_mm(a_in, self.w2t, offs=ends), dst
 
@@ -215,13 +240,26 @@ class StagedMoE:
 
             a, a_sf = sm90.grouped_gemm_fp8_fp4_swiglu_contiguous(
                 x, x_sf, *self.l1k, grouped.offsets, weights, clamp=clamp, out_dtype=torch.float8_e4m3fn,
-                fast_math=self.fast_math,
+                fast_math=self.fast_math, activation=self.activation, bias=self.l1k_bias,
             )
             return sm90.grouped_gemm_fp8_fp4_contiguous(a, a_sf, *self.l2k, grouped.offsets)
         ends = grouped.offsets[1:]
-        h1 = torch._grouped_mm(dequantize_fp8(x, x_sf, torch.float32), self.w1t, offs=ends)  # FP32 acc, FP32 out
-        a, a_sf = l1_epilogue(h1, weights, clamp, True, RECIPE_128)  # R1 (BF16), SwiGLU, R2 (per-128 FP8)
+        h1 = torch._grouped_mm(self._bias_columns(dequantize_fp8(x, x_sf, torch.float32)), self.w1t, offs=ends)  # FP32
+        a, a_sf = l1_epilogue(h1, weights, clamp, True, RECIPE_128, self.activation)  # R1 (BF16), act, R2 (per-128 FP8)
         return torch._grouped_mm(dequantize_fp8(a, a_sf, torch.float32), self.w2t, offs=ends).to(torch.bfloat16)  # R3
+
+    def _bias_columns(self, a: torch.Tensor) -> torch.Tensor:
+        """The torch L1 GEMM's tokens ``[rows, H]``, with an L1 bias ``[rows, H + 8]``: a one, then zeros
+        (the weights' bias row, then their zero rows)."""
+        if self.l1_bias is None:
+            return a
+        ones = a.new_zeros(a.shape[0], BIAS_COLUMNS)
+        ones[:, 0] = 1.0
+        return torch.cat([a, ones], dim=1)
+
+    def _combine(self, o: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Step 7 on this rank's tokens: ``o [T, k, H]`` with the L2 bias terms of their slots (``idx`` -1: none)."""
+        return combine_slots(o, None if self.l2_bias is None else l2_bias_rows(idx, weights, self.l2_bias))
 
     def _pack(self, buf: SymmBuffer, rows: torch.Tensor | slice, idx: torch.Tensor) -> tuple[torch.Tensor, list]:
         """Byte rows [top-k ids | top-k weights | token | scales] of the buffer's ``rows``, 16-byte
@@ -285,7 +323,7 @@ class StagedMoE:
         pos = torch.empty_like(dest_flat)
         pos[torch.argsort(dest_flat, stable=True)] = torch.arange(dest_flat.numel(), device=dev)
         pos = torch.where(dest_flat < r, pos, n_back)  # unused slots read the zero row
-        y.copy_(combine_slots(back[pos].view(t, k, hidden)))
+        y.copy_(self._combine(back[pos].view(t, k, hidden), idx, buf.topk_weights[:t]))
         return y
 
     def _low_latency(self, y, buf: SymmBuffer, stats, clamp, validate: bool) -> torch.Tensor:
@@ -313,7 +351,7 @@ class StagedMoE:
         back = torch.empty_like(out)
         all_to_all_rows(_byte_rows(back), _byte_rows(out), [tm * k] * r, [tm * k] * r, group)
         owned = back.view(r, tm, k, hidden)[:, :t].sum(0)  # exact: one rank owns each slot
-        y.copy_(combine_slots(owned))
+        y.copy_(self._combine(owned, idx[:t], buf.topk_weights[:t]))
         return y
 
 

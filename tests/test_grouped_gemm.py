@@ -22,6 +22,7 @@ from megamoe.kernels.sm90 import (
     grouped_gemm_fp8_fp4_swiglu_masked,
     prepare_fp4_weights,
     prepare_fp4_weights_l1,
+    prepare_l1_bias,
     select_config,
     tile_counters,
 )
@@ -369,9 +370,10 @@ def test_empty_inputs():
     assert torch.isnan(out.float()).all()
 
 
-def _check_swiglu(out, out_sf, a, a_sf, w1, w1_sf, row_expert, row_weights, clamp, what):
-    """FP8 SwiGLU rows against ``numerics.l1_epilogue`` of the FP64 GEMM; other rows keep their poison.
-    ``a_sf`` None: BF16 tokens (BF16 mode)."""
+def _check_swiglu(out, out_sf, a, a_sf, w1, w1_sf, row_expert, row_weights, clamp, what, activation="swiglu",
+                  bias=None):
+    """FP8 SwiGLU rows against ``numerics.l1_epilogue`` of the FP64 GEMM (plus ``bias [E, 2I]``, rows [gate; up],
+    when given; ``activation`` its step 4); other rows keep their poison. ``a_sf`` None: BF16 tokens (BF16 mode)."""
     a64 = _tokens64(a, a_sf)
     w64 = dequantize_fp4(w1, w1_sf).double()
     valid = (row_expert >= 0).nonzero().flatten()
@@ -385,8 +387,8 @@ def _check_swiglu(out, out_sf, a, a_sf, w1, w1_sf, row_expert, row_weights, clam
         acc = torch.empty(valid.numel(), w64.shape[1], dtype=torch.float64, device=out.device)
         for e in row_expert[valid].unique().tolist():
             sel = row_expert[valid] == e
-            acc[sel] = a64[valid[sel]] @ w64[e].T
-        ref_q, ref_sf = l1_epilogue(acc, row_weights[valid], clamp, fp8=True)
+            acc[sel] = a64[valid[sel]] @ w64[e].T + (0.0 if bias is None else bias[e].double())
+        ref_q, ref_sf = l1_epilogue(acc, row_weights[valid], clamp, fp8=True, activation=activation)
         got = dequantize_fp8(out[valid], out_sf[valid])
         ref = dequantize_fp8(ref_q, ref_sf)
         fro, row = rel_fro_error(got, ref), max_row_rel_error(got, ref)
@@ -457,6 +459,47 @@ def test_swiglu_masked():
     torch.cuda.synchronize()
     _check_swiglu(out.view(e * max_m, inter), out_sf.view(e * max_m, -1), a, a_sf, w1, w1_sf, row_expert,
                   row_weights.flatten(), None, f"swiglu masked {cfg.describe('swiglu_fp8')}")
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+def test_swiglu_oai_with_bias(layout):
+    """gpt-oss's L1 (``activation="swiglu_oai"``, per-expert bias added to the accumulator in the kernel's row
+    order, clamp 7) against the contract's ``l1_epilogue`` of the FP64 GEMM plus the bias."""
+    gen = torch.Generator().manual_seed(91)
+    inter, k, clamp = 256, 512, 7.0
+    if layout == "contiguous":
+        counts = [0, 1, 37, 5, 130, 64]
+        a, a_sf, offsets, _, row_expert = _contiguous_case(counts, 2 * inter, k, lead_pad=2, tail_pad=9, gen=gen)
+        e = len(counts)
+    else:
+        masked, max_m = [3, 0, 40, 17], 40
+        e = len(masked)
+        a, a_sf = _random_tokens(e * max_m, k, gen, "cuda")
+        row_expert = torch.full((e, max_m), -1, dtype=torch.int64)
+        for i, c in enumerate(masked):
+            row_expert[i, :c] = i
+        row_expert = row_expert.flatten().cuda()
+    w1, w1_sf = _random_weights(e, 2 * inter, k, gen, "cuda")
+    bias = (torch.randn(e, 2 * inter, generator=gen) * 2).bfloat16().cuda()
+    bk, bk_sf = prepare_fp4_weights_l1(w1, w1_sf)
+    m = a.shape[0]
+    row_weights = torch.rand(m, generator=gen).cuda()
+    out = torch.full((m, inter), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    out_sf = torch.full((m, inter // 128), -1, dtype=torch.int32, device="cuda")
+    kw = {"clamp": clamp, "activation": "swiglu_oai", "bias": prepare_l1_bias(bias)}
+    if layout == "contiguous":
+        grouped_gemm_fp8_fp4_swiglu_contiguous(a, a_sf, bk, bk_sf, offsets, row_weights, out=out, out_sf=out_sf, **kw)
+    else:
+        max_m = m // e
+        grouped_gemm_fp8_fp4_swiglu_masked(
+            a.view(e, max_m, k), a_sf.view(e, max_m, k // 128), bk, bk_sf,
+            torch.tensor(masked, dtype=torch.int32, device="cuda"), row_weights.view(e, max_m),
+            out=out.view(e, max_m, inter), out_sf=out_sf.view(e, max_m, -1), **kw)
+    torch.cuda.synchronize()
+    _check_swiglu(out, out_sf, a, a_sf, w1, w1_sf, row_expert, row_weights, clamp, f"swiglu_oai + bias {layout}",
+                  activation="swiglu_oai", bias=bias)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -107,6 +107,7 @@ BAD_CALLS = {
                     "cumulative_local_expert_recv_stats"),
     "recipe": (dict(recipe=(1, 128, 128)), "`recipe` must be"),
     "activation": (dict(activation="gelu"), "`activation` must be 'swiglu'"),
+    "gpt-oss activation": (dict(activation="swiglu_oai"), "'swiglu_oai' and expert biases run on the staged path"),
     "clamp": (dict(activation_clamp=-1.0), "`activation_clamp` must be positive and finite"),
     "canonical weights": (dict(l1=_weights()[0]), r"`l1\[0\]` is uint8 .* transform_weights_for_mega_moe"),
 }

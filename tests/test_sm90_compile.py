@@ -123,11 +123,11 @@ from megamoe import symm_buffer_layout
 from megamoe.kernels.comm import EpCommConfig
 from megamoe.kernels import sm90
 ptxas, report = shutil.which("ptxas"), []
-for i, (cfg, mode, epilogue, mega, debug, trace, folded, fast) in enumerate(json.loads(sys.argv[1])):
+for i, (cfg, mode, epilogue, mega, debug, trace, folded, fast, *extra) in enumerate(json.loads(sys.argv[1])):
     try:
         cfg = sm90.GemmConfig(**cfg)
-        if epilogue != "l1_l2":
-            kernel = sm90.compile_grouped_gemm(cfg, mode, epilogue, folded, fast)
+        if epilogue != "l1_l2":  # extra: the grouped GEMM's activation and bias
+            kernel = sm90.compile_grouped_gemm(cfg, mode, epilogue, folded, fast, *extra)
         elif mega is None:
             kernel = sm90.compile_l1_l2(cfg, debug, fast)
         else:
@@ -158,16 +158,22 @@ def sm90a_builds(tmp_path_factory):
     that keeps the PTX (the DSL reads its dump settings at import); per case: wgmma present, call count, and
     where a ``ptxas`` is on PATH, its C75xx advisories for that PTX."""
     import dataclasses
-    import json
-    import subprocess
-    import sys
 
     cases = [(dataclasses.asdict(c), m, e, lay, False, trace, folded, fast)
              for c, m, e, lay, trace, folded, fast in RELEASE_CASES]
     cases += [(dataclasses.asdict(c), m, e, lay, True, False, False, True) for c, m, e, lay in DEBUG_CASES]
+    return compile_report(cases, tmp_path_factory.mktemp("ptx"))
+
+
+def compile_report(cases: list, dump_dir) -> list[dict]:
+    """Compile ``cases`` (``_COMPILE_CHILD``'s tuples) in one child process for sm_90a; per case its report."""
+    import json
+    import subprocess
+    import sys
+
     # No file cache: a kernel loaded from it comes without its PTX.
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DISABLE_FILE_CACHING="1",
-               CUTE_DSL_DUMP_DIR=str(tmp_path_factory.mktemp("ptx")))
+               CUTE_DSL_DUMP_DIR=str(dump_dir))
     done = subprocess.run([sys.executable, "-c", _COMPILE_CHILD, json.dumps(cases)], env=env,
                           capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -16,7 +16,11 @@ Implementations (``impl``, ``mode``), chosen explicitly, never substituted:
 * ``"mega"``: ``megamoe.MegaMoE`` (``mode="mega"``: FP8 x FP4 one persistent kernel per rank -- NVLink
   dispatch, grouped GEMM tiles, NVLink combine --, BF16 those kernels staged around torch's grouped GEMMs;
   no host sync, CUDA-graph capturable after one eager call); Hopper GPUs; the FP8 x FP4 recipe needs H and
-  I multiples of 512.
+  I multiples of 512. SwiGLU experts without biases only: gpt-oss experts (``activation="swiglu_oai"``, biases) are
+  refused at construction; they run on ``"staged"``.
+
+gpt-oss experts: ``activation="swiglu_oai"`` with ``activation_clamp`` = the model's ``swiglu_limit``, and the
+per-expert biases given to ``load_experts`` / ``load_fp4_experts`` (``megamoe.numerics`` steps 1, 4 and 7).
 
 The routed part runs as the custom op ``torch.ops.megamoe.ep_moe`` (with a fake impl), so
 ``torch.compile`` traces a layer without graph breaks. Construction and every call are collective
@@ -41,9 +45,13 @@ from ..inputs import fill_buffer
 from ..layouts import quantize_fp4
 from ..staged import StagedMoE
 from ..mega import K_MULTIPLE, MegaMoE, recipe_128_not_in_mega
-from ..numerics import RECIPE_32, RECIPE_128, check_activation_clamp, check_recipe, describe_recipe
+from ..layouts import dequantize_fp4
+from ..layouts.weights import check_fp4_expert_weights
+from ..numerics import (RECIPE_32, RECIPE_128, check_activation, check_activation_clamp, check_expert_bias, check_recipe,
+                        describe_recipe)
 from ..symm_buffer import SymmBuffer
-from .checkpoint import Checkpoint, expert_range, read_expert_weights, read_mlp_weights
+from .checkpoint import (GPT_OSS_NAMINGS, Checkpoint, detect_naming, expert_range, read_expert_biases,
+                         read_expert_weights, read_fp4_expert_weights, read_mlp_weights)
 
 IMPLS = {"staged": StagedMoE.MODES, "mega": ("mega",)}
 """Implementation -> its modes (the first is the default)."""
@@ -98,16 +106,19 @@ class EPMoE(nn.Module):
     and ``intermediate`` I (multiples of 128), ``max_tokens``: most tokens per rank and call (sizes the
     SymmBuffer). ``group=None``: one process. ``shared_intermediate``: width of the shared expert
     (0 = none; DeepSeek-V3's ``n_shared_experts * moe_intermediate_size``). ``activation_clamp``: the
-    contract's optional SwiGLU clamp. ``recipe``: the FP8 x FP4 recipe, (1, 1, 32) (default) or (1, 1, 128)
+    contract's optional SwiGLU clamp; ``activation``: its step 4 (``numerics.ACTIVATIONS``; gpt-oss:
+    ``"swiglu_oai"``, staged only). ``recipe``: the FP8 x FP4 recipe, (1, 1, 32) (default) or (1, 1, 128)
     (per-128 FP32 token scales; ``megamoe.numerics``); BF16 layers take the default. ``device``: defaults to the
     current CUDA device, else CPU; the
     layer stays there (weights are plain attributes, not moved by ``.to()``). ``buffer``: an existing
     SymmBuffer to use instead of allocating one (layers of a model run one after the other and can
     share one; its layout must match and hold ``max_tokens``; ``destroy`` then leaves it alone).
 
-    Weights: ``load_experts`` (this rank's experts, canonical layout) and, with a shared expert,
-    ``shared.load``; or build everything with ``EPMoE.from_checkpoint``. Loaded, ``w1``/``w2`` hold
-    the local experts as the impl reads them: FP4 ``(uint8, int32 scales)`` tuples or BF16 tensors.
+    Weights: ``load_experts`` (this rank's experts, canonical layout), or ``load_fp4_experts`` (already FP4, e.g.
+    gpt-oss's published MXFP4, kept bit for bit) and, with a shared expert, ``shared.load``; or build everything with
+    ``EPMoE.from_checkpoint``. Loaded, ``w1``/``w2`` hold the local experts as the impl reads them: FP4 ``(uint8,
+    int32 scales)`` tuples or BF16 tensors; ``l1_bias`` (local experts) / ``l2_bias`` (all experts) the BF16 biases
+    or None.
     """
 
     def __init__(
@@ -127,6 +138,7 @@ class EPMoE(nn.Module):
         device: torch.device | str | None = None,
         buffer: SymmBuffer | None = None,
         recipe=RECIPE_32,
+        activation: str = "swiglu",
     ):
         super().__init__()
         recipe = check_recipe(recipe)
@@ -143,6 +155,9 @@ class EPMoE(nn.Module):
             check_multiple("hidden", hidden, K_MULTIPLE, "impl='mega': the SM90 grouped GEMM's K granularity")
             check_multiple("intermediate", intermediate, K_MULTIPLE, "impl='mega': the SM90 grouped GEMM's K granularity")
         check_activation_clamp(activation_clamp)
+        if check_activation(activation) != "swiglu" and impl == "mega":
+            fail("activation", f"{activation!r} runs on impl='staged' only: the Mega MoE kernel computes 'swiglu' "
+                 "without biases")
         rank, num_ranks = rank_and_size(group)
         self.local_experts = expert_range(num_experts, rank, num_ranks)
         self._owns_buffer = buffer is None
@@ -163,9 +178,9 @@ class EPMoE(nn.Module):
         self.num_experts, self.num_topk, self.hidden, self.intermediate = num_experts, num_topk, hidden, intermediate
         self.max_tokens, self.mma_type, self.impl, self.mode = max_tokens, mma_type, impl, mode
         self.recipe = recipe if mma_type == "fp8xfp4" else None
-        self.activation_clamp, self.device = activation_clamp, self.buffer.device
+        self.activation_clamp, self.activation, self.device = activation_clamp, activation, self.buffer.device
         self.shared = SharedMLP(hidden, shared_intermediate, self.device) if shared_intermediate else None
-        self.w1 = self.w2 = self._impl = None
+        self.w1 = self.w2 = self.l1_bias = self.l2_bias = self._impl = None
         self.layer_id = next(_IDS)
         _LAYERS[self.layer_id] = self
 
@@ -180,20 +195,53 @@ class EPMoE(nn.Module):
         return self.mode == "low_latency" and not fp32_gemms
 
     @torch.no_grad()
-    def load_experts(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
+    def load_experts(self, w1: torch.Tensor, w2: torch.Tensor, l1_bias: torch.Tensor | None = None,
+                     l2_bias: torch.Tensor | None = None) -> None:
         """This rank's experts, canonical layout, any float dtype: ``w1 [E/R, 2I, H]`` (rows ``[0, I)``
-        gate, ``[I, 2I)`` up) and ``w2 [E/R, H, I]``. Quantized once here (FP4 + UE8M0, or BF16)."""
+        gate, ``[I, 2I)`` up) and ``w2 [E/R, H, I]``. Quantized once here (FP4 + UE8M0, or BF16). Optional biases
+        (gpt-oss), rounded to BF16: ``l1_bias [E/R, 2I]`` (rows as w1) and ``l2_bias [E, H]`` of all E experts."""
         e, i, h = len(self.local_experts), self.intermediate, self.hidden
         check_tensor("w1", w1, dtype=(torch.float32, torch.bfloat16, torch.float16), shape=(e, 2 * i, h))
         check_tensor("w2", w2, dtype=(torch.float32, torch.bfloat16, torch.float16), shape=(e, h, i))
         w1, w2 = w1.to(self.device).contiguous(), w2.to(self.device).contiguous()
         if self.mma_type == "fp8xfp4":
-            self.w1, self.w2 = quantize_fp4(w1, "w1"), quantize_fp4(w2, "w2")
+            w1, w2 = quantize_fp4(w1, "w1"), quantize_fp4(w2, "w2")
         else:
-            self.w1, self.w2 = w1.to(torch.bfloat16), w2.to(torch.bfloat16)
+            w1, w2 = w1.to(torch.bfloat16), w2.to(torch.bfloat16)
+        self._set_experts(w1, w2, l1_bias, l2_bias)
+
+    @torch.no_grad()
+    def load_fp4_experts(self, l1: tuple[torch.Tensor, torch.Tensor], l2: tuple[torch.Tensor, torch.Tensor],
+                         l1_bias: torch.Tensor | None = None, l2_bias: torch.Tensor | None = None) -> None:
+        """This rank's experts already in canonical FP4 (``(uint8 [E/R, 2I, H/2], int32 [E/R, 2I, H/128])``,
+        ``(uint8 [E/R, H, I/2], int32 [E/R, H, I/128])``; ``megamoe.layouts.fp4``), used as they are (bit-exact) for
+        ``mma_type="fp8xfp4"``, dequantized exactly to BF16 for ``"bf16"``; biases as ``load_experts``."""
+        check_fp4_expert_weights(l1, l2, self.hidden, self.intermediate)
+        if l1[0].shape[0] != len(self.local_experts):
+            fail("l1[0]", f"must hold this rank's {len(self.local_experts)} experts, got {l1[0].shape[0]}")
+        l1, l2 = tuple(t.to(self.device) for t in l1), tuple(t.to(self.device) for t in l2)
+        if self.mma_type == "bf16":
+            l1, l2 = dequantize_fp4(*l1, torch.bfloat16), dequantize_fp4(*l2, torch.bfloat16)
+        self._set_experts(l1, l2, l1_bias, l2_bias)
+
+    def _set_experts(self, w1, w2, l1_bias, l2_bias) -> None:
+        """Keep the loaded weights and biases (BF16 on the layer's device) and build the impl on them."""
+        biases = []
+        for name, b, experts, width in (("l1_bias", l1_bias, len(self.local_experts), 2 * self.intermediate),
+                                        ("l2_bias", l2_bias, self.num_experts, self.hidden)):
+            if b is not None:
+                check_tensor(name, b, dtype=(torch.float32, torch.bfloat16, torch.float16))
+                b = b.to(self.device, torch.bfloat16).contiguous()
+            biases.append(check_expert_bias(b, name, experts, width))
+        if self.impl == "mega" and any(b is not None for b in biases):
+            fail("l1_bias" if biases[0] is not None else "l2_bias", "runs on impl='staged' only: the Mega MoE kernel "
+                 "computes experts without biases")
+        self.w1, self.w2 = w1, w2
+        self.l1_bias, self.l2_bias = biases
         recipe = RECIPE_32 if self.recipe is None else self.recipe
         self._impl = (MegaMoE(self.w1, self.w2, recipe=recipe) if self.impl == "mega"
-                      else StagedMoE(self.w1, self.w2, self.mode, recipe=recipe))
+                      else StagedMoE(self.w1, self.w2, self.mode, recipe=recipe, activation=self.activation,
+                                     l1_bias=self.l1_bias, l2_bias=self.l2_bias))
 
     @classmethod
     def from_checkpoint(
@@ -212,14 +260,29 @@ class EPMoE(nn.Module):
         """Build the layer from the experts under ``prefix`` (see ``megamoe.nn.checkpoint`` for the
         sources and namings), reading only this rank's experts; H and I come from the weights.
         ``shared_prefix`` (e.g. ``"model.layers.3.mlp.shared_experts."``) loads a shared expert.
-        ``kwargs`` go to the constructor (``mma_type``, ``recipe``, ``impl``, ...)."""
+        ``kwargs`` go to the constructor (``mma_type``, ``recipe``, ``impl``, ...). gpt-oss namings load the
+        biases too and need ``activation="swiglu_oai"`` (with ``activation_clamp`` = the model's ``swiglu_limit``;
+        ``moe_block_from_config`` passes both); ``gpt_oss_mxfp4`` loads the stored FP4 bytes as they are."""
         ckpt = source if isinstance(source, Checkpoint) else Checkpoint(source)
         rank, num_ranks = rank_and_size(group)
-        w1, w2 = read_expert_weights(ckpt, prefix, expert_range(num_experts, rank, num_ranks), naming)
+        experts = expert_range(num_experts, rank, num_ranks)
+        naming = detect_naming(ckpt, prefix) if naming == "auto" else naming
+        biases = (None, None)
+        if naming in GPT_OSS_NAMINGS:
+            if kwargs.get("activation") != "swiglu_oai":
+                fail("activation", f"must be 'swiglu_oai' for gpt-oss experts (naming {naming!r}), got "
+                     f"{kwargs.get('activation', 'swiglu')!r}")
+            biases = read_expert_biases(ckpt, prefix, experts)
+        if naming == "gpt_oss_mxfp4":
+            w1, w2 = read_fp4_expert_weights(ckpt, prefix, experts)
+            hidden, inter = w2[0].shape[1], 2 * w2[0].shape[2]
+        else:
+            w1, w2 = read_expert_weights(ckpt, prefix, experts, naming)
+            hidden, inter = w2.shape[1], w2.shape[2]
         shared = read_mlp_weights(ckpt, shared_prefix) if shared_prefix else None
-        layer = cls(num_experts, num_topk, w2.shape[1], w2.shape[2], max_tokens, group,
+        layer = cls(num_experts, num_topk, hidden, inter, max_tokens, group,
                     shared_intermediate=shared[0].shape[0] if shared else 0, **kwargs)
-        layer.load_experts(w1, w2)
+        (layer.load_fp4_experts if naming == "gpt_oss_mxfp4" else layer.load_experts)(w1, w2, *biases)
         if shared:
             layer.shared.load(*shared)
         return layer

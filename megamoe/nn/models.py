@@ -16,9 +16,16 @@ deepseek_v3   float32 logits, sigmoid, ``e_score_correction_bias``  ``experts.{e
               ``topk_group`` of ``n_group`` groups, renormalized    expert ``shared_experts.`` of
               if ``norm_topk_prob`` (+1e-20), times                 width ``n_shared_experts *
               ``routed_scaling_factor``                             moe_intermediate_size``
+gpt_oss       logits with ``router.bias``, top-k of the logits,     ``experts.gate_up_proj_blocks``
+              softmax over the k chosen (rounded to the logits'     ... (MXFP4 as published) or
+              dtype); block returns ``(y, router_scores)``          ``experts.gate_up_proj`` (BF16),
+                                                                    biases; ``"swiglu_oai"`` clamped
+                                                                    at ``swiglu_limit``,
+                                                                    E = ``num_local_experts``
 ============  ===================================================  =================================
 
-The router's ``gate.weight`` (and ``gate.e_score_correction_bias``) load from the same ``prefix``.
+The router's ``gate.weight`` (and ``gate.e_score_correction_bias``) load from the same ``prefix`` (gpt-oss:
+``router.weight`` and ``router.bias``).
 Any expert naming of ``megamoe.nn.checkpoint`` works (a transformers >= 5 ``model.state_dict()``
 holds fused experts under ``model.layers.{l}.mlp.``; saved checkpoints hold per-expert tensors, for
 Mixtral under ``model.layers.{l}.block_sparse_moe.``).
@@ -34,11 +41,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checks import fail
+from ..numerics import SWIGLU_OAI_ALPHA
 from .checkpoint import Checkpoint
 from .layer import EPMoE
 from .routing import TopKRouter
 
-MODEL_TYPES = ("qwen3_moe", "mixtral", "deepseek_v3")
+MODEL_TYPES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
 
 
 class MoEBlock(nn.Module):
@@ -54,6 +62,17 @@ class MoEBlock(nn.Module):
         return self.moe(x, topk_idx, topk_weights).view(hidden_states.shape)
 
 
+class GptOssMoEBlock(MoEBlock):
+    """A drop-in for transformers' ``GptOssMLP``: ``hidden_states [B, S, H]`` -> ``(y [B, S, H]`` BF16,
+    ``router_scores [B * S, k])`` in the logits' dtype, as the model's decoder layer unpacks it."""
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        topk_idx, topk_weights = self.router(x)
+        y = self.moe(x, topk_idx, topk_weights).view(hidden_states.shape)
+        return y, topk_weights.to(self.router.logits_dtype or x.dtype)
+
+
 def _routing(config, model_type: str) -> tuple[int, dict, bool]:
     """(E, TopKRouter keyword arguments, whether the block has a shared expert) of a config."""
     def get(*names):  # the first of several spellings (hub config.json vs transformers' to_dict) present
@@ -64,6 +83,9 @@ def _routing(config, model_type: str) -> tuple[int, dict, bool]:
         fail("config", f"has none of {names}")
 
     k = get("num_experts_per_tok")
+    if model_type == "gpt_oss":
+        return get("num_local_experts", "num_experts"), dict(
+            top_k=k, scoring="topk_softmax", logits_bias=True, cast_weights_to_logits_dtype=True), False
     if model_type == "qwen3_moe":
         return get("num_experts", "num_local_experts"), dict(
             top_k=k, renormalize=get("norm_topk_prob"), cast_weights_to_logits_dtype=True), False
@@ -93,12 +115,21 @@ def moe_block_from_config(
         fail("config.model_type", f"must be one of {MODEL_TYPES}, got {model_type!r}")
     ckpt = source if isinstance(source, Checkpoint) else Checkpoint(source)
     num_experts, routing, shared = _routing(config, model_type)
+    if model_type == "gpt_oss":
+        alpha = config.get("swiglu_alpha") if isinstance(config, Mapping) else getattr(config, "swiglu_alpha", None)
+        if alpha is not None and float(alpha) != SWIGLU_OAI_ALPHA:
+            fail("config.swiglu_alpha", f"must be {SWIGLU_OAI_ALPHA} (megamoe's 'swiglu_oai'), got {alpha}")
+        limit = config.get("swiglu_limit") if isinstance(config, Mapping) else getattr(config, "swiglu_limit", None)
+        kwargs = {"activation": "swiglu_oai", "activation_clamp": limit, **kwargs}
     moe = EPMoE.from_checkpoint(ckpt, prefix, num_experts, routing["top_k"], max_tokens, group,
                                 shared_prefix=f"{prefix}shared_experts." if shared else None, **kwargs)
-    gate = ckpt.get(f"{prefix}gate.weight")
+    gate_name = "router" if model_type == "gpt_oss" else "gate"
+    gate = ckpt.get(f"{prefix}{gate_name}.weight")
     router = TopKRouter(moe.hidden, num_experts, **routing, dtype=gate.dtype, device=moe.device)
     with torch.no_grad():
         router.weight.copy_(gate)
         if router.bias is not None:
             router.bias.copy_(ckpt.get(f"{prefix}gate.e_score_correction_bias"))
-    return MoEBlock(router, moe)
+        if router.logits_bias is not None:
+            router.logits_bias.copy_(ckpt.get(f"{prefix}{gate_name}.bias"))
+    return (GptOssMoEBlock if model_type == "gpt_oss" else MoEBlock)(router, moe)

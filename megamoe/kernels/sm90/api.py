@@ -18,7 +18,7 @@ import torch
 
 from ...checks import check_multiple, check_tensor, fail
 from ...layouts.weights import check_chunk_major_scales
-from ...numerics import check_activation_clamp, check_fast_math
+from ...numerics import check_activation, check_activation_clamp, check_fast_math
 from .. import runtime
 from ..weight_layout import BF16_WORDS, CHUNK_BYTES, K_CHUNK, ROW_BLOCK, check_blocked_layout
 from .args import EpilogueArgs, GemmArgs, GroupArgs, MegaArgs, SecondGemmArgs
@@ -44,7 +44,7 @@ def _gemm_args(a, a_sf, b, b_sf) -> GemmArgs:
     )
 
 
-def _epilogue_args(out=None, out_sf=None, rows=None, clamp=None) -> EpilogueArgs:
+def _epilogue_args(out=None, out_sf=None, rows=None, clamp=None, bias=None) -> EpilogueArgs:
     """Torch epilogue operands (None: absent) -> ``EpilogueArgs``."""
     import cutlass
 
@@ -53,6 +53,7 @@ def _epilogue_args(out=None, out_sf=None, rows=None, clamp=None) -> EpilogueArgs
         None if out_sf is None else runtime.to_cute(out_sf, leading_dim=1, align=4),
         None if rows is None else runtime.to_cute(rows, leading_dim=0, align=rows.element_size()),
         None if clamp is None else cutlass.Float32(clamp),
+        None if bias is None else runtime.to_cute(bias, leading_dim=1, align=4),
     )
 
 
@@ -114,11 +115,13 @@ def _compile(kernel, gemm: GemmArgs, second, epi: EpilogueArgs, mega: MegaArgs):
 
 
 def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "bf16", folded: bool = False,
-                         fast_math: bool = True):
+                         fast_math: bool = True, activation: str = "swiglu", bias: bool = False):
     """Compile (and cache) the separate-launch grouped GEMM (``gemm.GroupedGemmSm90``) for ``config`` (incl. its MMA
     mode), ``group_mode``, ``epilogue``, ``folded`` (FP8 mode: the weights' scales folded into the decode,
-    ``weight_layout.fold_fp8_scales``) and ``fast_math`` (SwiGLU epilogues: approximate exp and reciprocal in silu;
-    ignored by the others). Works on a CPU with ``CUTE_DSL_ARCH=sm_90a``; shapes are dynamic."""
+    ``weight_layout.fold_fp8_scales``), ``fast_math`` (SwiGLU epilogues: approximate exp and reciprocal in silu;
+    ignored by the others), ``activation`` (SwiGLU epilogues: ``numerics.ACTIVATIONS``; ignored by the others) and
+    ``bias`` (an (E, N) float32 row bias added to the accumulator before the epilogue). Works on a CPU with
+    ``CUTE_DSL_ARCH=sm_90a``; shapes are dynamic."""
     if group_mode not in GROUP_MODES:
         fail("group_mode", f"must be one of {GROUP_MODES}, got {group_mode!r}")
     if epilogue not in EPILOGUES:
@@ -128,7 +131,11 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
     if config.token_block == 128 and not folded:
         fail("folded", "must be True with per-128 token scales (config.token_block=128)")
     check_fast_math(fast_math)
+    check_activation(activation)
+    if not isinstance(bias, bool):
+        raise TypeError(f"megamoe: `bias` must be a bool (whether the kernel adds a row bias), got {type(bias).__name__}")
     fast_math = fast_math or epilogue not in SWIGLU_EPILOGUES  # one build where silu is not computed
+    activation = activation if epilogue in SWIGLU_EPILOGUES else "swiglu"
 
     def build():
         from .gemm import GroupedGemmSm90
@@ -146,10 +153,14 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
             epi = _epilogue_args(rows=torch.empty(m, dtype=torch.int64))
         else:
             epi = _epilogue_args(torch.empty(m, n, dtype=torch.bfloat16))
-        kernel = GroupedGemmSm90(config, group_mode, epilogue, folded, fast_math)
+        if bias:
+            epi = epi._replace(bias=runtime.to_cute(torch.empty(_COMPILE_E, n, dtype=torch.float32), leading_dim=1,
+                                                    align=4))
+        kernel = GroupedGemmSm90(config, group_mode, epilogue, folded, fast_math, activation)
         return _compile(kernel, _placeholder_gemm(config, n, _COMPILE_K, folded), None, epi, MegaArgs.none())
 
-    return runtime.compiled(("sm90.grouped_gemm", config, group_mode, epilogue, folded, fast_math), build)
+    return runtime.compiled(("sm90.grouped_gemm", config, group_mode, epilogue, folded, fast_math, activation, bias),
+                            build)
 
 
 def _compile_fused(config: GemmConfig, debug: bool, comm, fast_math: bool):
@@ -209,11 +220,12 @@ def _launch(kernel, config: GemmConfig, device, gemm: GemmArgs, second, epi: Epi
 
 
 def _launch_gemm(config, group_mode, epilogue, a, a_sf, b, b_sf, epi: EpilogueArgs, group_a, group_b, num_groups,
-                 max_m, max_tiles, fast_math=True) -> None:
+                 max_m, max_tiles, fast_math=True, activation="swiglu") -> None:
     """Compile (cached) and launch a separate grouped GEMM on the stream's tile counters."""
     if max_tiles <= 0 or a.shape[0] == 0:
         return
-    kernel = compile_grouped_gemm(config, group_mode, epilogue, _folded(b, b_sf), fast_math)
+    kernel = compile_grouped_gemm(config, group_mode, epilogue, _folded(b, b_sf), fast_math, activation,
+                                  epi.bias is not None)
     _launch(kernel, config, a.device, _gemm_args(a, a_sf, b, b_sf), None, epi,
             _group_args(group_a, group_b, num_groups, max_m), tile_counters(a.device), MegaArgs.none(), max_tiles)
 
@@ -461,6 +473,12 @@ def _swiglu_outputs(rows: tuple[int, ...], inter: int, out, out_sf, out_dtype, d
     return "swiglu_fp8", out, out_sf, out.view(torch.int32).view(n_rows, inter // 4), sf_view
 
 
+def _check_bias(bias: torch.Tensor | None, experts: int, n: int, device) -> None:
+    """An L1 bias: None, or float32 ``[E, 2I]`` in the kernel's row order (``prepare_l1_bias``)."""
+    if bias is not None:
+        check_tensor("bias", bias, dtype=torch.float32, shape=(experts, n), device=device, contiguous=True)
+
+
 def _bf16_clamp(clamp: float | None) -> float:
     if check_activation_clamp(clamp, "clamp") is None:
         return float("inf")
@@ -482,6 +500,8 @@ def grouped_gemm_fp8_fp4_swiglu_contiguous(
     counts: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float8_e4m3fn,
     fast_math: bool = True,
+    activation: str = "swiglu",
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """L1 of the FP8 x FP4 recipe with the fused epilogue (``megamoe.numerics`` steps 1-5), contiguous layout.
 
@@ -494,9 +514,13 @@ def grouped_gemm_fp8_fp4_swiglu_contiguous(
     quantized per 128 columns with FP32 scales, ``out_sf float32 [M, I/128]`` (256-row weight tiles); or with ``out_dtype=torch.bfloat16``
     ``(out bfloat16 [M, I], None)``: the same quantized values times their scales (exact), the BF16-mode L2
     operand. Rows of no group are not written. ``fast_math``: silu with approximate exp and reciprocal (default)
-    or the IEEE exp and division (``megamoe.numerics`` step 4)."""
+    or the IEEE exp and division (``megamoe.numerics`` step 4). ``activation``: step 4's (``numerics.ACTIVATIONS``:
+    ``"swiglu"`` or gpt-oss's ``"swiglu_oai"``). ``bias``: float32 ``[E, 2I]`` L1 bias in the kernel's row order
+    (``prepare_l1_bias``), added to each row's FP32 accumulator before R1 (step 1), or None."""
     check_fast_math(fast_math)
+    check_activation(activation)
     mma, k, e, n = _check_operands(a, a_sf, b, b_sf, offsets, counts, masked=False, swiglu=True)
+    _check_bias(bias, e, n, a.device)
     m = a.shape[0]
     check_tensor("row_weights", row_weights, dtype=torch.float32, shape=(m,), device=a.device, contiguous=True)
     tb = _token_block(a_sf, b, b_sf)
@@ -506,8 +530,8 @@ def grouped_gemm_fp8_fp4_swiglu_contiguous(
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
     max_tiles = (m // cfg.tile_tokens + e) * (n // cfg.tile_n)
     mode = "offsets" if counts is None else "offsets_counts"
-    _launch_gemm(cfg, mode, epilogue, a, a_sf, b, b_sf, _epilogue_args(out_k, out_sf_k, row_weights, clamp_value),
-                 offsets, offsets if counts is None else counts, e, 0, max_tiles, fast_math)
+    _launch_gemm(cfg, mode, epilogue, a, a_sf, b, b_sf, _epilogue_args(out_k, out_sf_k, row_weights, clamp_value, bias),
+                 offsets, offsets if counts is None else counts, e, 0, max_tiles, fast_math, activation)
     return out, out_sf
 
 
@@ -619,13 +643,17 @@ def grouped_gemm_fp8_fp4_swiglu_masked(
     expected_m: float | None = None,
     out_dtype: torch.dtype = torch.float8_e4m3fn,
     fast_math: bool = True,
+    activation: str = "swiglu",
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Masked-layout L1 with the fused SwiGLU epilogue: a ``[E, max_m, H]``, row_weights float32 ``[E, max_m]``,
     returns ``(out float8_e4m3fn [E, max_m, I], out_sf int32 [E, max_m, I/128])``, or with
     ``out_dtype=torch.bfloat16`` ``(out bfloat16 [E, max_m, I], None)``; rows >= masked_m[e] are not written.
-    See ``grouped_gemm_fp8_fp4_swiglu_contiguous`` for the computation and ``fast_math``."""
+    See ``grouped_gemm_fp8_fp4_swiglu_contiguous`` for the computation, ``fast_math``, ``activation`` and ``bias``."""
     check_fast_math(fast_math)
+    check_activation(activation)
     mma, k, e, n = _check_operands(a, a_sf, b, b_sf, masked_m, masked=True, swiglu=True)
+    _check_bias(bias, e, n, a.device)
     max_m = a.shape[1]
     check_tensor("row_weights", row_weights, dtype=torch.float32, shape=(e, max_m), device=a.device, contiguous=True)
     tb = _token_block(a_sf, b, b_sf)
@@ -637,6 +665,6 @@ def grouped_gemm_fp8_fp4_swiglu_masked(
     max_tiles = e * math.ceil(max_m / cfg.tile_tokens) * (n // cfg.tile_n)
     rows = e * max_m
     _launch_gemm(cfg, "masked", epilogue, a.view(rows, k), _rows_view(a_sf, rows), b, b_sf,
-                 _epilogue_args(out_k, out_sf_k, row_weights.view(rows), clamp_value), masked_m, masked_m, e, max_m,
-                 max_tiles, fast_math)
+                 _epilogue_args(out_k, out_sf_k, row_weights.view(rows), clamp_value, bias), masked_m, masked_m, e, max_m,
+                 max_tiles, fast_math, activation)
     return out, out_sf

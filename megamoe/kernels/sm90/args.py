@@ -27,6 +27,8 @@ class EpilogueArgs(NamedTuple):
     out_sf: Any  # SwigluQuant to FP8: (M, N/64) uint8 view of the packed UE8M0 scales; else None
     rows: Any  # per-row operand: SwigluQuant (M,) float32 routing weights, ScatterRows (M,) int64 addresses; else None
     clamp: Any  # SwigluQuant: Float32 clamp of gate (above) and up (both sides), +inf: none; else None
+    bias: Any = None  # separate grouped GEMMs: (E, N) float32 bias of each expert's weight rows (kernel row order),
+    # added to the accumulator before the epilogue; else None
 
 
 class GroupArgs(NamedTuple):

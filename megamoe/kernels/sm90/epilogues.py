@@ -10,6 +10,8 @@ rows of the warpgroup's 64) and token column ``8j + 2q + c`` (``cC[i]`` gives bo
 * ``SwigluQuant``: L1's ``megamoe.numerics`` steps 2-5 on interleaved gate/up rows: FP8 + packed UE8M0 scales
   per 32 columns, or the same quantized values dequantized (exactly) to BF16.
 * ``SwigluQuant128``: the same steps of recipe (1, 1, 128): FP8 + one FP32 scale per 128 columns.
+* ``SwigluOaiQuant``, ``SwigluOaiQuant128``: both with gpt-oss's activation (``"swiglu_oai"``, step 4) through the
+  ``activate`` hook (``OaiActivation``).
 
 Each is called as ``epilogue(acc, cC, ctidx, smem, args, row0, row_end, n_tile)``: ``args`` an ``args.EpilogueArgs``,
 ``smem`` its shared-memory staging tile (None for ``Bf16Store``).
@@ -22,6 +24,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 
+from ...numerics import SWIGLU_OAI_ALPHA
 from .. import dequant, ptx
 from .config import SCATTER_PAD, GemmConfig, named_barriers
 
@@ -124,11 +127,22 @@ class SwigluQuant(Epilogue):
                 up = acc[c + 2 + 4 * j].to(cutlass.BFloat16).to(Float32)
                 gate = cutlass.min(gate, args.clamp)
                 up = cutlass.max(cutlass.min(up, args.clamp), -args.clamp)
-                if cutlass.const_expr(self.fast_math):
-                    silu = gate * cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-gate, fastmath=True))
-                else:
-                    silu = gate / (Float32(1.0) + Float32(cute.math.exp(-gate)))
-                smem[cC[c + 4 * j][1], (row // 16) * 8 + row % 8] = silu * up
+                smem[cC[c + 4 * j][1], (row // 16) * 8 + row % 8] = self.activate(gate, up)
+
+    @cute.jit
+    def gate_sigmoid(self, gate, z):
+        """``gate / (1 + exp(-z))`` in FP32 (``fast_math``: ``gate * rcp.approx(1 + ex2.approx(...))``)."""
+        value = gate
+        if cutlass.const_expr(self.fast_math):
+            value = gate * cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-z, fastmath=True))
+        else:
+            value = gate / (Float32(1.0) + Float32(cute.math.exp(-z)))
+        return value
+
+    @cute.jit
+    def activate(self, gate, up):
+        """Step 4 before the routing weight, on the clamped BF16 values: ``silu(gate) * up``."""
+        return self.gate_sigmoid(gate, gate) * up
 
     @cute.jit
     def __call__(self, acc, cC, ctidx, smem, args, row0, row_end, n_tile):
@@ -224,3 +238,21 @@ class SwigluQuant128(SwigluQuant):
                 if wg == 0:
                     args.out_sf[m, n_tile] = amax / Float32(448.0)
         ptx.barrier_sync(self.all_barrier_id, 512)
+
+
+class OaiActivation:
+    """The ``activate`` hook of gpt-oss's activation (``megamoe.numerics`` step 4, ``"swiglu_oai"``):
+    ``(up + 1) * (gate / (1 + exp(-(alpha * gate))))``, alpha ``SWIGLU_OAI_ALPHA`` as an FP32 number; gpt-oss's
+    limit is the clamp the epilogue already applies (``args.clamp``). Mixed in before a ``SwigluQuant`` class."""
+
+    @cute.jit
+    def activate(self, gate, up):
+        return (up + Float32(1.0)) * self.gate_sigmoid(gate, gate * Float32(SWIGLU_OAI_ALPHA))
+
+
+class SwigluOaiQuant(OaiActivation, SwigluQuant):
+    """``SwigluQuant`` (per-32 FP8 + UE8M0, or those values as BF16) with gpt-oss's activation."""
+
+
+class SwigluOaiQuant128(OaiActivation, SwigluQuant128):
+    """``SwigluQuant128`` (per-128 FP8 + FP32 scales) with gpt-oss's activation."""

@@ -45,7 +45,14 @@ from .. import ptx
 from ..weight_layout import CHUNK_BYTES, K_CHUNK, ROW_BLOCK
 from .args import EpilogueArgs, GemmArgs, GroupArgs, MegaArgs, SmemLayouts, TmaOps
 from .config import FINISHED, NEXT_TILE, SCATTER_PAD, TILE_SLOTS, TILE_WORDS, GemmConfig
-from .epilogues import Bf16Store, ScatterRows, SwigluQuant, SwigluQuant128
+from .epilogues import (
+    Bf16Store,
+    ScatterRows,
+    SwigluOaiQuant,
+    SwigluOaiQuant128,
+    SwigluQuant,
+    SwigluQuant128,
+)
 from .mainloops import Bf16Mainloop, Fp8Block32Mainloop, Fp8Block128Mainloop
 from .tile_scheduler import GroupTiles, TileChannel
 
@@ -55,15 +62,17 @@ class GroupedGemmSm90:
     "masked") x epilogue ("bf16": D [M, N] BF16; "swiglu_fp8": SwiGLU of interleaved gate/up rows, FP8 [M, N/2] +
     UE8M0; "swiglu_fp8_bf16": those FP8 values as BF16 [M, N/2]; "bf16_scatter": BF16 rows to per-row addresses) x
     folded (FP8 block-32 mode: weight scales folded into the decode, ``weight_layout.fold_fp8_scales``) x fast_math
-    (the SwiGLU epilogues' silu)."""
+    (the SwiGLU epilogues' silu) x activation (the SwiGLU epilogues' step 4, ``numerics.ACTIVATIONS``). An
+    ``EpilogueArgs.bias`` (static: present or None) adds each tile's expert's row bias to the accumulator first."""
 
     kind = None  # shared-memory sizing key of the config (None: the epilogue's)
     published = True  # the producer warp publishes every tile to the consumers (``TileChannel``)
     extra_tile_readers = 0  # threads besides the consumer warpgroups that read the published tiles
 
     def __init__(self, config: GemmConfig, group_mode: str, epilogue: str = "bf16", folded: bool = False,
-                 fast_math: bool = True):
+                 fast_math: bool = True, activation: str = "swiglu"):
         self.cfg = config
+        self.activation = activation
         self.group_mode = group_mode
         self.epilogue_kind = epilogue
         self.tile_tokens = config.tile_tokens
@@ -102,10 +111,11 @@ class GroupedGemmSm90:
         self.epilogue = self.make_epilogue(epilogue, fast_math)
 
     def make_epilogue(self, epilogue: str, fast_math: bool):
+        oai = self.activation == "swiglu_oai"
         if epilogue == "swiglu_fp8" and self.cfg.token_block == 128:
-            return SwigluQuant128(self.cfg, fast_math)
+            return (SwigluOaiQuant128 if oai else SwigluQuant128)(self.cfg, fast_math)
         if epilogue.startswith("swiglu"):
-            return SwigluQuant(self.cfg, fast_math, bf16_out=epilogue == "swiglu_fp8_bf16")
+            return (SwigluOaiQuant if oai else SwigluQuant)(self.cfg, fast_math, bf16_out=epilogue == "swiglu_fp8_bf16")
         return ScatterRows(self.cfg) if epilogue == "bf16_scatter" else Bf16Store(self.cfg)
 
     def extra_smem_bytes(self) -> int:
@@ -510,6 +520,8 @@ class GroupedGemmSm90:
             acc.fill(0.0)
             state, release = self.mainloop.tile(ab_pipeline, state, release, f, k_tiles, row0, row_end, row_scale,
                                                 n_tile, block)
+            if cutlass.const_expr(epi.bias is not None):
+                self.add_row_bias(acc, f.cC, epi.bias, block, n_tile)
             self.tile_epilogue(acc, f.cC, ctidx, phase, sAct, sOut, epi, second, row0, row_end, n_tile, groups)
             self.trace_tile(mega, gdim, bidx, ctidx, phase)
             if cutlass.const_expr(self.published):
@@ -523,6 +535,17 @@ class GroupedGemmSm90:
                 )
         if cutlass.const_expr(self.scatter):
             ptx.fence_acq_rel_sys()  # rows stored to other GPUs precede any release after this kernel
+
+    @cute.jit
+    def add_row_bias(self, acc, cC, bias, e, n_tile):
+        """``megamoe.numerics`` step 1's bias: each accumulator value plus its weight row's bias of expert ``e``
+        (``bias``: (E, N) float32, kernel row order; ``e``: the tile's group, which this class publishes as the tile's
+        block word), one FP32 add per value."""
+        for r in cutlass.range_constexpr(2):  # a thread's values of one r share their weight row
+            row_bias = Float32(bias[e, n_tile * self.tile_n + cC[2 * r][0]])
+            for j in cutlass.range_constexpr(self.tile_tokens // 8):
+                for c in cutlass.range_constexpr(2):
+                    acc[c + 2 * r + 4 * j] = acc[c + 2 * r + 4 * j] + row_bias
 
     @cute.jit
     def tile_epilogue(self, acc, cC, ctidx, phase, sAct, sOut, epi, second, row0, row_end, n_tile, groups):

@@ -102,3 +102,13 @@ def prepare_fp4_weights_l1(w1: torch.Tensor, w1_sf: torch.Tensor, mma: str = "fp
                                  interleave_gate_up(w1_sf, SWIGLU_GRANULARITY), mma, fold, rows)
     return (bk, bk_sf, report) if return_report else (bk, bk_sf)
 
+
+
+def prepare_l1_bias(bias: torch.Tensor) -> torch.Tensor:
+    """Canonical L1 bias (``[E, 2I]``, rows [gate; up], any float dtype) -> the SwiGLU kernels' ``bias`` operand:
+    float32 ``[E, 2I]`` in the rows' kernel order (``interleave_gate_up``, granularity 8, as
+    ``prepare_fp4_weights_l1``); exact for BF16, FP16 and FP32 biases."""
+    from ...layouts import interleave_gate_up
+
+    check_tensor("bias", bias, dtype=(torch.bfloat16, torch.float16, torch.float32), ndim=2)
+    return interleave_gate_up(bias.float(), SWIGLU_GRANULARITY)
