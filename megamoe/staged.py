@@ -59,7 +59,7 @@ from .layouts.weights import check_bf16_expert_weights, check_fp4_expert_weights
 from .mega import debug_enabled
 from .numerics import (RECIPE_32, RECIPE_128, check_activation_clamp, check_fast_math, check_recipe, combine_slots,
                        describe_recipe, l1_epilogue)
-from .symm_buffer import ERROR_BAD_ID, ERROR_DUPLICATE_DROPPED, SymmBuffer
+from .symm_buffer import ERROR_BAD_ID, ERROR_DUPLICATE_DROPPED, SymmBuffer, collective_call
 
 
 def _compact(mask: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
@@ -183,11 +183,9 @@ class StagedMoE:
         ``x``, ``x_sf``, ``topk_idx`` and ``topk_weights`` views. Collective over the buffer's group.
         ``validate=False`` skips the low-latency mode's id check (needed under CUDA-graph capture; bad ids then
         count as -1 and set the buffer's error word). ``debug``: None reads ``MEGAMOE_DEBUG`` (module docstring)."""
-        if not isinstance(sym_buffer, SymmBuffer):
-            raise TypeError(f"megamoe: `sym_buffer` must be a SymmBuffer, got {type(sym_buffer).__name__}")
         debug = debug_enabled(debug)
         stats, buf = cumulative_local_expert_recv_stats, sym_buffer
-        with buf.collective("StagedMoE"):
+        with collective_call(buf, "StagedMoE"):
             self._check_call(y, buf, stats, activation_clamp)
             t, tm = y.shape[0], buf.layout.num_max_tokens_per_rank
             if debug:

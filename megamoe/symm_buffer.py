@@ -42,7 +42,7 @@ and raises naming them.
 Collective-call guard: every collective entry (``fill_buffer``, ``StagedMoE``, ``fp8_fp4_mega_moe`` and the other
 Mega MoE entries, ``EPMoE``) runs inside ``SymmBuffer.collective``: an error raised there on one rank (before or
 after the launch) leaves that rank's buffer refusing every later call with ``OutOfStepError``, since its next call
-would pair with the peers' previous one. ``InStepError`` leaves the buffer usable: every rank raised it together
+would pair with the peers' previous one (buffers of several ranks; one rank's buffer has no peers). ``InStepError`` leaves the buffer usable: every rank raised it together
 (decided from data all ranks exchanged), or this rank took its part in the call with no tokens before raising.
 
 Recipe (1, 1, 32) (``recipe=(1, 1, 32)``, the default) and BF16: the rings hold the SM90 grouped GEMM's
@@ -331,8 +331,8 @@ class SymmBuffer:
     @contextlib.contextmanager
     def collective(self, entry: str):
         """Run one collective call (``entry`` names it) under the guard (module docstring): refuse it if an earlier
-        call raised on this rank; mark the buffer out of step if this one raises anything but ``InStepError``.
-        Nested entries (``EPMoE`` calling ``fill_buffer``) are one call."""
+        call raised on this rank; mark the buffer out of step if this one raises anything but ``InStepError`` (on
+        several ranks: a single rank has no peers to fall out of step with)."""
         if self._fault is not None:
             raise OutOfStepError(
                 f"megamoe: this SymmBuffer refuses {entry}: an earlier call raised on rank {self.rank} ({self._fault}), "
@@ -344,7 +344,7 @@ class SymmBuffer:
         except InStepError:
             raise
         except BaseException as err:
-            if self._fault is None:
+            if self._fault is None and self.num_ranks > 1:  # one rank has no peer to fall out of step with
                 self._fault = f"{entry}: {type(err).__name__}: {err}"
             raise
 
@@ -380,6 +380,13 @@ class SymmBuffer:
         del self.errors
         self.handle = None
         del self.buffer
+
+
+def collective_call(buffer: object, entry: str, name: str = "sym_buffer"):
+    """``buffer.collective(entry)`` after checking that argument ``name`` is a SymmBuffer (TypeError otherwise)."""
+    if not isinstance(buffer, SymmBuffer):
+        raise TypeError(f"megamoe: `{name}` must be a SymmBuffer, got {type(buffer).__name__}")
+    return buffer.collective(entry)
 
 
 def check_errors(buffer: SymmBuffer) -> None:
