@@ -24,6 +24,11 @@ token); weights are FP4 E2M1 with a UE8M0 scale per 32 elements of K (per output
    valid slots in increasing slot order j = 0..k-1 (masked slots contribute nothing; a token with no
    valid slot gets 0).
 
+Non-finite inputs: a token element that is NaN or Inf quantizes to E4M3's NaN code (``layouts.quantize_fp8``; the
+block's scale comes from its finite elements), and a NaN or Inf routing weight of a used slot makes ``a`` non-finite,
+which R2 quantizes the same way: either way the token's output row is NaN, never a finite value. FP4 weights cannot
+hold NaN or Inf: they are rejected when quantized or loaded.
+
 The BF16 recipe has the same structure with BF16 tokens and weights (no quantization at all) and
 BF16 at R2.
 

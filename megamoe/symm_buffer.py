@@ -68,7 +68,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .checks import InStepError, OutOfStepError, check_multiple, check_range, check_tensor, fail
+from .checks import (
+    InStepError,
+    OutOfStepError,
+    check_multiple,
+    check_range,
+    check_tensor,
+    fail,
+)
 from .dist import rank_and_size
 from .layouts import PACKED_BLOCK_K
 from .layouts.fp8 import RECIPE_32, RECIPE_128, check_recipe, scale_dtype

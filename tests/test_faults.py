@@ -8,8 +8,13 @@ import math
 import pytest
 import torch
 
-from megamoe import (StagedMoE, check_errors, get_symm_buffer_for_mega_moe, reference_moe,
-                     transform_weights_for_mega_moe)
+from megamoe import (
+    StagedMoE,
+    check_errors,
+    get_symm_buffer_for_mega_moe,
+    reference_moe,
+    transform_weights_for_mega_moe,
+)
 from megamoe.checks import InStepError, first_valid_ids, routing_faults
 from megamoe.dist import pg_timeout_s
 from megamoe.inputs import fill_buffer, global_problem, random_fp4_weights

@@ -17,7 +17,13 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_tensor, fail
-from .ue8m0 import BLOCK_K, PACKED_BLOCK_K, apply_block_scales, scaled_blocks, unpack_ue8m0
+from .ue8m0 import (
+    BLOCK_K,
+    PACKED_BLOCK_K,
+    apply_block_scales,
+    scaled_blocks,
+    unpack_ue8m0,
+)
 
 FP4_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

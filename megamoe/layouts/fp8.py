@@ -31,8 +31,14 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_multiple, check_tensor, fail
-from .ue8m0 import (PACKED_BLOCK_K, apply_block_scales, finite_amax, nan_where_not_finite, scale_exponent,
-                    scaled_blocks)
+from .ue8m0 import (
+    PACKED_BLOCK_K,
+    apply_block_scales,
+    finite_amax,
+    nan_where_not_finite,
+    scale_exponent,
+    scaled_blocks,
+)
 
 FP8_MAX = 448.0
 """Largest finite float8_e4m3fn magnitude."""

@@ -5,12 +5,18 @@ routing with ``validate=False`` is counted in the error word. The reproduction: 
 
 import pytest
 import torch
-
 from helpers.spawn import spawn
-from megamoe import StagedMoE, check_errors, fp8_fp4_mega_moe, get_symm_buffer_for_mega_moe, reference_moe
+
+from megamoe import (
+    StagedMoE,
+    check_errors,
+    fp8_fp4_mega_moe,
+    get_symm_buffer_for_mega_moe,
+    reference_moe,
+)
 from megamoe.checks import InStepError, OutOfStepError
 from megamoe.inputs import fill_buffer, global_problem, local_experts
-from megamoe.layouts import quantize_fp8
+from megamoe.layouts import quantize_fp4, quantize_fp8
 from megamoe.numerics import check_moe_output
 
 E, K, H, I, T_MAX = 8, 3, 256, 128, 8
@@ -168,3 +174,39 @@ def _mega_entry(rank, group, device):
 
 def test_mega_entry_marks_the_buffer_on_two_ranks():
     spawn(_mega_entry, 2)
+
+
+def _epmoe_sits_out(rank, group, device, num_ranks, mode):
+    """EPMoE: rank 1 passes bad routing (meta-device ids straight to the custom op, then a [1, k] index) and catches
+    the error; it took part with no tokens, so the peers' outputs are right and the next call works on every rank."""
+    from megamoe.nn import EPMoE
+
+    g = torch.Generator().manual_seed(61)
+    w1, w2 = torch.randn(E, 2 * I, H, generator=g) * H**-0.5, torch.randn(E, H, I, generator=g) * I**-0.5
+    per = E // num_ranks
+    layer = EPMoE(E, K, H, I, T_MAX, group, mode=mode, device=device)
+    layer.load_experts(w1[rank * per : (rank + 1) * per], w2[rank * per : (rank + 1) * per])
+    p = _problem(62, num_ranks)
+    x, idx, w = p["x"][rank], p["topk_idx"][rank], p["topk_weights"][rank]
+    q, sf = quantize_fp8(torch.cat(p["x"]))
+    l1, l2 = quantize_fp4(w1), quantize_fp4(w2)
+    ref = reference_moe(q, sf, torch.cat(p["topk_idx"]), torch.cat(p["topk_weights"]), l1, l2)
+    start = sum(TOKENS[:rank])
+    ref = ref[start : start + x.shape[0]]
+    for bad in ("meta ids", "[1, k] ids"):
+        if rank == FAULTY:
+            with pytest.raises(InStepError, match=r"`topk_idx` must .*took part in the call with no tokens"):
+                if bad == "meta ids":
+                    torch.ops.megamoe.ep_moe(x, idx.to("meta"), w, layer.layer_id)
+                else:
+                    torch.ops.megamoe.ep_moe(x, idx[:1], w, layer.layer_id)
+        else:
+            _check(layer(x, idx, w), ref, f"rank {rank} beside a rank that sat out ({bad})")
+    _check(layer(x, idx, w), ref, f"rank {rank} after the faults")
+    layer.destroy()
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_epmoe_bad_input_on_one_rank_stays_in_step(mode, num_ranks):
+    spawn(_epmoe_sits_out, num_ranks, num_ranks, mode)
