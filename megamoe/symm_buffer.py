@@ -344,8 +344,9 @@ class SymmBuffer:
             raise OutOfStepError(
                 f"megamoe: this SymmBuffer refuses {entry}: an earlier call raised on rank {self.rank} ({self._fault}), "
                 "so its ranks are out of step (this rank's next call would pair with the other ranks' previous one). "
-                "Recover on every rank: destroy this buffer and create a new one (its layers with it), or re-init the "
-                "process group if a peer is stuck in a collective")
+                "Recover on every rank: if every rank raised from that call, destroy this buffer and create a new one "
+                "(its layers with it); if a peer may still wait inside it (a collective, a Mega MoE kernel), re-init "
+                "the process group (destroy_process_group, then init again) or restart the job")
         try:
             yield
         except InStepError:

@@ -18,6 +18,7 @@ from megamoe import (
 from megamoe.checks import InStepError, first_valid_ids, routing_faults
 from megamoe.dist import pg_timeout_s
 from megamoe.inputs import fill_buffer, global_problem, random_fp4_weights
+from megamoe.kernels.comm.protocol import EpCommConfig
 from megamoe.layouts import dequantize_fp8, quantize_fp4, quantize_fp8
 from megamoe.nn import EPMoE
 from megamoe.numerics import check_moe_output
@@ -123,23 +124,28 @@ def test_check_errors_reads_the_error_word_set_by_hand():
         with pytest.raises(RuntimeError, match=f"rank 0's SymmBuffer error word is {msg}"):
             check_errors(buf)
     assert buf.signals[:2].tolist() == [0, 0]  # the call and barrier counters are other words
+    assert EpCommConfig(buf.layout, False).errors_offset() == ERRORS_OFFSET  # where the kernels OR their bits
     with pytest.raises(TypeError, match="`buffer` must be a SymmBuffer"):
         check_errors(buf.errors)
 
 
-def test_unvalidated_low_latency_counts_bad_routing_in_the_error_word():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_unvalidated_low_latency_counts_bad_routing_in_the_error_word(device):
     p, x, idx, w = _inputs(t=5, seed=4)
-    buf = _buf()
+    buf = get_symm_buffer_for_mega_moe(None, E, T_MAX, K, H, I, device=device)
     bad = idx.clone()
     bad[0, 1], bad[4, 2] = -7, bad[4, 0]
-    fill_buffer(buf, x, bad, w, validate=False)
-    y = torch.full((5, H), float("nan"), dtype=torch.bfloat16)
-    StagedMoE(p["l1"], p["l2"], "low_latency")(y, buf, validate=False)
+    fill_buffer(buf, x.to(device), bad.to(device), w.to(device), validate=False)
+    y = torch.full((5, H), float("nan"), dtype=torch.bfloat16, device=device)
+    l1, l2 = tuple(t.to(device) for t in p["l1"]), tuple(t.to(device) for t in p["l2"])
+    StagedMoE(l1, l2, "low_latency")(y, buf, validate=False)
     clean = idx.clone()
     clean[0, 1], clean[4, 2] = -1, -1  # by hand: unused slots instead
     q, sf = quantize_fp8(x)
-    check_moe_output(y, reference_moe(q, sf, clean, w, p["l1"], p["l2"]), I, "unvalidated")
+    check_moe_output(y.cpu(), reference_moe(q, sf, clean, w, p["l1"], p["l2"]), I, "unvalidated")
     assert buf.errors.item() == ERROR_BAD_ID | ERROR_DUPLICATE_DROPPED
+    with pytest.raises(RuntimeError, match="error word is 0x3"):
+        check_errors(buf)
 
 
 # ---- debug mode: x_sf written this call ---------------------------------------------------------------------------
@@ -238,22 +244,33 @@ def test_quantize_fp8_nonfinite_gives_nan_codes(recipe):
     assert torch.isfinite(deq).sum() == deq.numel() - 4  # nothing else turned non-finite
 
 
-@pytest.mark.parametrize("mode", StagedMoE.MODES)
-@pytest.mark.parametrize("recipe", [(1, 1, 32), (1, 1, 128)])
-def test_nonfinite_tokens_and_routing_weights_give_nan_rows(mode, recipe):
-    """A token holding NaN or Inf, or a used slot with a NaN or Inf routing weight, gives a NaN output row in the
-    reference and on the staged path; every other row is finite and as without the fault."""
-    t = 7
-    p, x, idx, w = _inputs(t=t, seed=9)
+def _nonfinite_problem(t: int, seed: int, hidden: int = H, inter: int = I):
+    """A problem whose tokens 1 and 2 hold a NaN and an Inf, and whose tokens 4 and 5 have an Inf and a NaN routing
+    weight on a used slot: ``(p, x, idx, w, x_bad, w_bad, faulty rows)``."""
+    p = global_problem(seed, [t], E, K, hidden, inter)
+    x, idx, w = p["x"][0], p["topk_idx"][0], p["topk_weights"][0]
     assert (idx >= 0).all()  # every slot used (no masked slots drawn)
     x_bad, w_bad = x.clone(), w.clone()
-    x_bad[1, 17], x_bad[2, 250] = float("nan"), float("inf")
+    x_bad[1, 17], x_bad[2, hidden - 6] = float("nan"), float("inf")
     w_bad[4, 0], w_bad[5, 0] = float("inf"), float("nan")
-    faulty = [1, 2, 4, 5]
-    buf = _buf(recipe=recipe)
-    q, sf = fill_buffer(buf, x_bad, idx, w_bad)
-    y = torch.zeros(t, H, dtype=torch.bfloat16)
-    StagedMoE(p["l1"], p["l2"], mode, recipe=recipe)(y, buf)
+    return p, x, idx, w, x_bad, w_bad, [1, 2, 4, 5]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("mode", StagedMoE.MODES)
+@pytest.mark.parametrize("recipe", [(1, 1, 32), (1, 1, 128)])
+def test_nonfinite_tokens_and_routing_weights_give_nan_rows(mode, recipe, device):
+    """A token holding NaN or Inf, or a used slot with a NaN or Inf routing weight, gives a NaN output row in the
+    reference and on the staged path (torch GEMMs); every other row is finite and as without the fault."""
+    t = 7
+    p, x, idx, w, x_bad, w_bad, faulty = _nonfinite_problem(t, 9)
+    buf = get_symm_buffer_for_mega_moe(None, E, T_MAX, K, H, I, device=device, recipe=recipe)
+    q, sf = fill_buffer(buf, x_bad.to(device), idx.to(device), w_bad.to(device))
+    q, sf = q.cpu(), sf.cpu()
+    y = torch.zeros(t, H, dtype=torch.bfloat16, device=device)
+    l1, l2 = tuple(v.to(device) for v in p["l1"]), tuple(v.to(device) for v in p["l2"])
+    StagedMoE(l1, l2, mode, recipe=recipe)(y, buf)
+    y = y.cpu()
     ref = reference_moe(q, sf, idx, w_bad, p["l1"], p["l2"])
     for out in (y, ref):
         assert out[faulty].isnan().all()
@@ -290,3 +307,48 @@ def test_nonfinite_weights_are_rejected_at_load():
         StagedMoE(l1, l2)
     with pytest.raises(ValueError, match=r"`l2\[1\]` must hold finite UE8M0 scales"):
         transform_weights_for_mega_moe(l1, l2)
+
+
+@pytest.mark.gpu
+def test_nonfinite_rows_mega_and_sm90_gpu():
+    """On the GPU kernels (the staged path with the SM90 GEMMs, and the Mega MoE kernel): the same faulty rows are
+    NaN, the others as without the fault. Needs the device side's NaN-propagating L1 epilogue."""
+    from megamoe import MegaMoE
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    t, hidden, inter, dev = 7, 512, 512, "cuda"
+    p, x, idx, w, x_bad, w_bad, faulty = _nonfinite_problem(t, 13, hidden, inter)
+    l1, l2 = tuple(v.to(dev) for v in p["l1"]), tuple(v.to(dev) for v in p["l2"])
+    q0, sf0 = quantize_fp8(x)
+    fine = [r for r in range(t) if r not in faulty]
+    clean = reference_moe(q0, sf0, idx, w, p["l1"], p["l2"])[fine]
+    for name, run in (("staged sm90", StagedMoE(l1, l2, "low_latency", gemm="sm90")), ("mega", MegaMoE(l1, l2))):
+        buf = get_symm_buffer_for_mega_moe(None, E, T_MAX, K, hidden, inter, device=dev)
+        fill_buffer(buf, x_bad.to(dev), idx.to(dev), w_bad.to(dev))
+        y = torch.zeros(t, hidden, dtype=torch.bfloat16, device=dev)
+        run(y, buf)
+        y = y.cpu()
+        assert y[faulty].isnan().all(), name
+        check_moe_output(y[fine], clean, inter, name)
+
+
+@pytest.mark.gpu
+def test_mega_debug_mode_refuses_unwritten_x_sf_gpu():
+    from megamoe import MegaMoE
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    p = global_problem(17, [5], E, K, 512, 512)
+    dev = "cuda"
+    moe = MegaMoE(tuple(v.to(dev) for v in p["l1"]), tuple(v.to(dev) for v in p["l2"]))
+    buf = get_symm_buffer_for_mega_moe(None, E, T_MAX, K, 512, 512, device=dev)
+    x, idx, w = (v.to(dev) for v in (p["x"][0], p["topk_idx"][0], p["topk_weights"][0]))
+    fill_buffer(buf, x, idx, w)
+    y = torch.empty(5, 512, dtype=torch.bfloat16, device=dev)
+    moe(y, buf, debug=True)
+    with pytest.raises(ValueError, match=r"`x_sf` rows \[0, 1, 2, 3, 4\] of the buffer were not written"):
+        moe(y, buf, debug=True)
+    fill_buffer(buf, x, idx, w)
+    moe(y, buf, debug=True)
+    torch.cuda.synchronize()

@@ -121,7 +121,8 @@ def _out_of_step(rank, group, device, num_ranks, fault):
             layer_a(y, buf)
         assert not isinstance(waited.value, OutOfStepError)
     with pytest.raises(OutOfStepError, match=rf"refuses StagedMoE: an earlier call raised on rank {rank} .*ranks are "
-                                             r"out of step.*destroy this buffer and create a new one.*re-init"):
+                                             r"out of step.*destroy this buffer and create a new one.*re-init the "
+                                             "process group"):
         layer_b(torch.empty(pb["x"][rank].shape[0], H, dtype=torch.bfloat16), buf)
     with pytest.raises(OutOfStepError, match="refuses fill_buffer"):
         _fill(buf, pb, rank)
@@ -163,16 +164,25 @@ def test_unvalidated_bad_routing_sets_the_error_word(num_ranks):
 
 
 def _mega_entry(rank, group, device):
-    """The Mega MoE entry on several ranks marks the buffer on an error before the launch (here: CPU tensors)."""
+    """The Mega MoE entry on several ranks marks the buffer on an error before the launch (here: every rank, a
+    hidden size the kernel cannot run); then a new buffer on every rank works."""
     buf = get_symm_buffer_for_mega_moe(group, E, T_MAX, K, H, I, device=device)
     y = torch.empty(2, H, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="`sym_buffer hidden` must be a multiple of 512"):
         fp8_fp4_mega_moe(y, None, None, buf)
     with pytest.raises(OutOfStepError, match=r"refuses fp8_fp4_mega_moe: .*fp8_fp4_mega_moe: ValueError: .*hidden"):
         fp8_fp4_mega_moe(y, None, None, buf)
+    # every rank raised from that call: destroying the buffer and making a new one recovers
+    buf.destroy()
+    buf = get_symm_buffer_for_mega_moe(group, E, T_MAX, K, H, I, device=device)
+    p = _problem(71, 2)
+    y = _fill(buf, p, rank)
+    _layer(p, rank, 2, "normal")(y, buf)
+    _check(y, _reference(p, rank), f"rank {rank} on the new buffer")
+    buf.destroy()
 
 
-def test_mega_entry_marks_the_buffer_on_two_ranks():
+def test_mega_entry_marks_the_buffer_on_two_ranks_and_a_new_buffer_recovers():
     spawn(_mega_entry, 2)
 
 
@@ -210,3 +220,49 @@ def _epmoe_sits_out(rank, group, device, num_ranks, mode):
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
 def test_epmoe_bad_input_on_one_rank_stays_in_step(mode, num_ranks):
     spawn(_epmoe_sits_out, num_ranks, num_ranks, mode)
+
+
+def _epmoe_mega_sits_out(rank, group, device, num_ranks):
+    """EPMoE impl="mega" on GPUs: rank 1 passes a [1, k] index, then an id of 99, then more than max_tokens tokens,
+    and catches each error; it launched the kernel with no tokens each time, so rank 0's outputs are right and the
+    next call works on every rank (debug mode: a wrong pairing would trap instead of hanging)."""
+    from megamoe.nn import EPMoE
+
+    hidden = inter = 512
+    g = torch.Generator().manual_seed(81)
+    w1, w2 = torch.randn(E, 2 * inter, hidden, generator=g) * hidden**-0.5, torch.randn(E, hidden, inter, generator=g) * inter**-0.5
+    per = E // num_ranks
+    layer = EPMoE(E, K, hidden, inter, T_MAX, group, impl="mega", device=device)
+    layer.load_experts(w1[rank * per : (rank + 1) * per], w2[rank * per : (rank + 1) * per])
+    p = global_problem(82, TOKENS[:num_ranks], E, K, hidden, inter)
+    x, idx, w = (v.to(device) for v in (p["x"][rank], p["topk_idx"][rank], p["topk_weights"][rank]))
+    q, sf = quantize_fp8(torch.cat(p["x"]))
+    ref = reference_moe(q, sf, torch.cat(p["topk_idx"]), torch.cat(p["topk_weights"]), quantize_fp4(w1),
+                        quantize_fp4(w2))
+    start = sum(TOKENS[:rank])
+    ref = ref[start : start + x.shape[0]]
+    bad_id = idx.clone()
+    bad_id[0, 0] = 99
+    faults = {"[1, k] ids": (x, idx[:1], w, "`topk_idx` must have shape"),
+              "id 99": (x, bad_id, w, r"`topk_idx` must hold expert ids in \[-1, num_experts=8\)"),
+              "too many tokens": (torch.cat([x, x])[: T_MAX + 1], torch.cat([idx, idx])[: T_MAX + 1],
+                                  torch.cat([w, w])[: T_MAX + 1], "above max_tokens")}
+    for name, (bx, bi, bw, msg) in faults.items():
+        if rank == FAULTY:
+            with pytest.raises(InStepError, match=msg + ".*took part in the call with no tokens"):
+                torch.ops.megamoe.ep_moe(bx, bi, bw, layer.layer_id)
+        else:
+            _check(layer(x, idx, w).cpu(), ref, f"rank {rank} beside a rank that sat out ({name})")
+    _check(layer(x, idx, w).cpu(), ref, f"rank {rank} after the faults")
+    torch.cuda.synchronize()
+    layer.destroy()
+
+
+@pytest.mark.gpu
+def test_epmoe_mega_bad_input_on_one_rank_stays_in_step_two_gpus(monkeypatch):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    monkeypatch.setenv("MEGAMOE_DEBUG", "1")
+    monkeypatch.setenv("MEGAMOE_DEBUG_TIMEOUT_S", "60")  # above a rank's debug-build compile time
+    monkeypatch.setenv("MEGAMOE_PG_TIMEOUT_S", "120")
+    spawn(_epmoe_mega_sits_out, 2, 2, use_cuda=True)
