@@ -285,7 +285,7 @@ class StagedMoE:
         dest = torch.where((idx >= 0) & ~bad, idx // num_local, r)  # r = no rank
         in_rank = torch.zeros(t, r + 1, dtype=torch.bool, device=dev).scatter_(1, dest, True)[:, :r]
         slots = torch.zeros(r + 1, dtype=torch.int64, device=dev).scatter_add_(0, dest.flatten(), torch.ones_like(dest.flatten()))
-        faults = torch.cat([routing_faults(idx, lay.num_experts), torch.tensor([t_asked], device=dev)])
+        faults = torch.cat([routing_faults(idx, lay.num_experts), torch.full((1,), t_asked, device=dev)])
         send_meta = torch.cat([in_rank.sum(0, keepdim=True).T, slots[:r, None], faults.expand(r, 3)], dim=1)
         recv_meta = torch.empty_like(send_meta)
         all_to_all_rows(recv_meta, send_meta, [1] * r, [1] * r, group)
@@ -343,9 +343,8 @@ class StagedMoE:
             if offenders:
                 raise routing_error(lay.num_experts, offenders, InStepError)
         else:  # no host sync: compute as if they were -1, flag them in the error word
-            flags = (faults.sum(0) > 0).to(torch.int32) * torch.tensor([ERROR_BAD_ID, ERROR_DUPLICATE_DROPPED],
-                                                                        dtype=torch.int32, device=dev)
-            buf.errors.bitwise_or_(flags.sum().view(1))
+            seen = (faults.sum(0) > 0).to(torch.int32)  # device ops only: capturable
+            buf.errors.bitwise_or_((seen[0] * ERROR_BAD_ID + seen[1] * ERROR_DUPLICATE_DROPPED).view(1))
             r_idx = first_valid_ids(r_idx, lay.num_experts)
         o, dst = self._expert_compute(r_idx, r_w, r_x, r_sf, buf.rank, r * tm * min(k, self.num_local_experts), stats, clamp)
 
