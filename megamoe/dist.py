@@ -6,10 +6,13 @@ helper here accepts it so single-GPU and CPU code runs the same path as multi-ra
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
 import torch.distributed as dist
+
+from .checks import fail
 
 
 def rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -19,15 +22,40 @@ def rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def init_from_env(use_cuda: bool | None = None) -> tuple[dist.ProcessGroup | None, torch.device]:
+PG_TIMEOUT_ENV = "MEGAMOE_PG_TIMEOUT_S"
+DEFAULT_PG_TIMEOUT_S = 300.0
+"""Seconds a host-side collective of the process group ``init_from_env`` creates may wait (torch's default is 30
+minutes for gloo, 10 for NCCL): a rank that never joins a call then ends its peers' wait with an error."""
+
+
+def pg_timeout_s(timeout_s: float | None = None) -> float:
+    """``timeout_s``, else ``MEGAMOE_PG_TIMEOUT_S``, else ``DEFAULT_PG_TIMEOUT_S``; a positive finite number."""
+    name = "timeout_s"
+    if timeout_s is None:
+        name, timeout_s = PG_TIMEOUT_ENV, os.environ.get(PG_TIMEOUT_ENV, DEFAULT_PG_TIMEOUT_S)
+    try:
+        seconds = float(timeout_s)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if isinstance(timeout_s, bool) or not 0 < seconds < float("inf"):
+        fail(name, f"must be a positive, finite number of seconds, got {timeout_s!r}")
+    return seconds
+
+
+def init_from_env(use_cuda: bool | None = None, timeout_s: float | None = None
+                  ) -> tuple[dist.ProcessGroup | None, torch.device]:
     """Initialise from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*).
 
     NCCL with one GPU per local rank when ``use_cuda`` (default: CUDA is available), else gloo on
     CPU. Without torchrun's variables: no process group, device cuda:0 or cpu. Returns
-    ``(group, device)``.
+    ``(group, device)``. ``timeout_s``: how long a host-side collective may wait for its peers
+    (``pg_timeout_s``: default ``MEGAMOE_PG_TIMEOUT_S`` or 300 s) before it raises (gloo) or the NCCL watchdog
+    aborts the process with a message (NCCL, whose asynchronous error handling torch enables by default); a group
+    initialised before this call keeps its own timeout.
     """
     if use_cuda is None:
         use_cuda = torch.cuda.is_available()
+    timeout = datetime.timedelta(seconds=pg_timeout_s(timeout_s))
     if "WORLD_SIZE" not in os.environ:
         return None, torch.device("cuda", 0) if use_cuda else torch.device("cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -40,11 +68,11 @@ def init_from_env(use_cuda: bool | None = None) -> tuple[dist.ProcessGroup | Non
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         if not dist.is_initialized():
-            dist.init_process_group("nccl", device_id=device)
+            dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
         if not dist.is_initialized():
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=timeout)
     return dist.group.WORLD, device
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_tensor, fail
+from .checks import check_routing, check_routing_inputs, check_tensor, fail
 from .layouts import quantize_fp8
 from .layouts.fp8 import describe_recipe, scale_dtype
 from .layouts.ue8m0 import PACKED_BLOCK_K
-from .symm_buffer import SymmBuffer
+from .symm_buffer import SymmBuffer, collective_call
 
 
 def random_routing(
@@ -65,7 +65,7 @@ def random_bf16_weights(num_experts: int, n: int, k: int, gen: torch.Generator, 
 
 def fill_buffer(
     buffer: SymmBuffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-    x_sf: torch.Tensor | None = None,
+    x_sf: torch.Tensor | None = None, validate: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Quantize tokens ``x [T, H]`` as the buffer's recipe wants and copy inputs into its views.
 
@@ -73,30 +73,46 @@ def fill_buffer(
     recipe: per-32 UE8M0 scales for (1, 1, 32), per-128 FP32 scales for (1, 1, 128)); or ``x`` already FP8 E4M3
     with its scales ``x_sf`` in the recipe's format (int32 packed UE8M0 ``[T, H/128]``, or float32 ``[T, H/128]``:
     any positive FP32 scales, e.g. powers of two), copied as they are. BF16 buffers take BF16 ``x``.
+    ``topk_idx`` int64 / int32 and ``topk_weights`` float32 / bfloat16 / float16, each exactly ``[T, k]``; every
+    tensor on the buffer's device (nothing is broadcast or copied across devices).
+    ``validate``: check the ids (``checks.check_routing``: in [-1, E), no expert twice in a token; on a GPU it reads
+    two counts, a host sync); None: unless the current CUDA stream is capturing a graph (then the Mega MoE kernel's
+    error word, ``megamoe.check_errors``, reports them). Part of the collective call that follows: an error here
+    marks the buffer out of step on this rank (``SymmBuffer.collective``), since skipping that call would pair this
+    rank's next call with the peers' current one.
     Returns what was written: ``(x_q, x_sf)`` (FP8 and scales, or BF16 and None).
     """
-    t = x.shape[0]
-    buffer.check_num_tokens(t, "x")
-    lay = buffer.layout
-    if lay.mma_type == "fp8xfp4":
-        if x.dtype == torch.float8_e4m3fn:
-            if x_sf is None:
-                fail("x_sf", "is required with FP8 tokens: their scales in the buffer's recipe "
-                     f"{describe_recipe(lay.recipe)}")
-            check_tensor("x_sf", x_sf, dtype=scale_dtype(lay.recipe), shape=(t, lay.hidden // PACKED_BLOCK_K))
-            x_q = x
+    if validate is None:
+        validate = not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    with collective_call(buffer, "fill_buffer", "buffer"):
+        lay = buffer.layout
+        check_tensor("x", x, ndim=2, device=buffer.device)
+        t = x.shape[0]
+        buffer.check_num_tokens(t, "x")
+        check_tensor("x", x, shape=(t, lay.hidden))
+        check_routing_inputs(topk_idx, topk_weights, t, lay.num_topk, buffer.device)
+        if validate:
+            check_routing(topk_idx, lay.num_experts, buffer.rank)
+        if lay.mma_type == "fp8xfp4":
+            if x.dtype == torch.float8_e4m3fn:
+                if x_sf is None:
+                    fail("x_sf", "is required with FP8 tokens: their scales in the buffer's recipe "
+                         f"{describe_recipe(lay.recipe)}")
+                check_tensor("x_sf", x_sf, dtype=scale_dtype(lay.recipe), shape=(t, lay.hidden // PACKED_BLOCK_K),
+                             device=buffer.device)
+                x_q = x
+            else:
+                if x_sf is not None:
+                    fail("x_sf", "must be None when x is not FP8 (fill_buffer quantizes x itself)")
+                x_q, x_sf = quantize_fp8(x, recipe=lay.recipe)
+            buffer.x_sf[:t] = x_sf
         else:
             if x_sf is not None:
-                fail("x_sf", "must be None when x is not FP8 (fill_buffer quantizes x itself)")
-            x_q, x_sf = quantize_fp8(x, recipe=lay.recipe)
-        buffer.x_sf[:t] = x_sf
-    else:
-        if x_sf is not None:
-            fail("x_sf", "must be None for a BF16 buffer (mma_type='bf16')")
-        x_q, x_sf = x, None
-    buffer.x[:t] = x_q
-    buffer.topk_idx[:t] = topk_idx
-    buffer.topk_weights[:t] = topk_weights
+                fail("x_sf", "must be None for a BF16 buffer (mma_type='bf16')")
+            x_q, x_sf = x, None
+        buffer.x[:t] = x_q
+        buffer.topk_idx[:t] = topk_idx
+        buffer.topk_weights[:t] = topk_weights
     return x_q, x_sf
 
 

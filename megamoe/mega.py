@@ -77,7 +77,14 @@ Debug mode (``debug=True`` or ``MEGAMOE_DEBUG=1``): every spin-wait times out af
 failure printf's ``megamoe debug: rank R CTA C (SM S) role ROLE: <what it waited for / read>, sees V``
 and traps (the CUDA context is then unusable: the error surfaces at the next sync). The same lines
 stay readable from host memory: ``debug_report(sym_buffer)``. After each call the host poisons the
-rings, the pool and the combine area (NaN / -1), so stale data cannot pass for this call's. The first
+rings, the pool, the combine area and the token scales ``x_sf`` (NaN / -1), so stale data cannot pass for this
+call's; a call whose ``x_sf[:T]`` still holds the poison (scales not written since the last call) raises before the
+launch.
+
+Collective-call guard (``SymmBuffer.collective``): an error raised in any of these entries on one rank, before or
+after the launch, makes that rank's buffer refuse every later call (``OutOfStepError``): the peers' kernels wait for
+a call this rank did not make. Bad routing the kernel meets (ids outside [-1, E), duplicate experts that do not fit)
+is counted in the buffer's error word (``signals[2]``), read by ``megamoe.check_errors``. The first
 debug call of a tile config (``tile_config``: from the rank's own T) compiles that kernel on the rank
 before it launches, for seconds, while a peer with its config compiled already waits at ``ready``:
 keep the timeout above the compile time (the GPU tests use 60 s).
@@ -111,7 +118,7 @@ from .layouts.weights import check_chunk_major_scales, check_fp4_expert_weights
 from .numerics import RECIPE_32, RECIPE_128, check_activation_clamp, check_fast_math, check_recipe, describe_recipe
 from .kernels.sm90 import K_MULTIPLE  # H and I must be multiples of it (the GEMM's K granularity)
 from .kernels.weight_layout import BF16_WORDS, CHUNK_BYTES, ROW_BLOCK, folded_scale_format
-from .symm_buffer import SymmBuffer
+from .symm_buffer import SymmBuffer, collective_call
 from .timeline import trace_buffer, trace_buffer_words
 
 DEBUG_ENV = "MEGAMOE_DEBUG"
@@ -322,8 +329,8 @@ def _state(buf: SymmBuffer) -> _State:
 
 
 def poison_buffer(buf: SymmBuffer) -> None:
-    """Debug: fill the rings (and recipe 128's ring scales), the pool, the row destinations and the combine area with
-    NaN / -1 (stream-ordered)."""
+    """Debug: fill the rings (and recipe 128's ring scales), the pool, the row destinations, the combine area and
+    the token scales ``x_sf`` with NaN / -1 (stream-ordered; ``SymmBuffer.poison_inputs``)."""
     for name in ("l1_acts", "l2_acts", "l1_topk_weights", "l1_acts_sf", "l2_acts_sf"):
         t = getattr(buf, name, None)
         if t is None:
@@ -335,6 +342,7 @@ def poison_buffer(buf: SymmBuffer) -> None:
     for name in ("pool", "ring_dest"):
         getattr(buf, name).fill_(-1)  # invalid source codes / addresses (a stale address would be used silently)
     buf.combine.fill_(float("nan"))
+    buf.poison_inputs()  # x_sf: the next call checks that this call's scales were written
 
 
 def debug_report(sym_buffer: SymmBuffer) -> str | None:
@@ -397,10 +405,13 @@ def fp8_fp4_mega_moe(
     """
     debug = debug_enabled(debug)
     stats = cumulative_local_expert_recv_stats
-    cfg = _check_fp8_fp4_call(y, l1, l2, sym_buffer, stats, activation, activation_clamp, fast_math, recipe)
-    _fp8_fp4_launch(y, l1, l2, sym_buffer, stats, activation_clamp, fast_math, cfg, debug, None)
-    if debug:
-        poison_buffer(sym_buffer)
+    with collective_call(sym_buffer, "fp8_fp4_mega_moe"):
+        cfg = _check_fp8_fp4_call(y, l1, l2, sym_buffer, stats, activation, activation_clamp, fast_math, recipe)
+        if debug:
+            sym_buffer.check_inputs_written(y.shape[0])
+        _fp8_fp4_launch(y, l1, l2, sym_buffer, stats, activation_clamp, fast_math, cfg, debug, None)
+        if debug:
+            poison_buffer(sym_buffer)
     return y
 
 
@@ -419,12 +430,13 @@ def trace_fp8_fp4_mega_moe(
     Returns ``trace``: ``timeline.MegaTimeline.from_buffer(trace)`` reads it once the call is done.
     Asynchronous, CUDA-graph capturable after a first call. Collective."""
     stats = cumulative_local_expert_recv_stats
-    cfg = _check_fp8_fp4_call(y, l1, l2, sym_buffer, stats, "swiglu", activation_clamp, fast_math, None)
-    num_ctas = _state(sym_buffer).num_ctas * cfg.ctas_per_sm
-    if trace is None:
-        trace = trace_buffer(num_ctas, y.device)
-    check_tensor("trace", trace, dtype=torch.int64, shape=(trace_buffer_words(num_ctas),), device=y.device)
-    _fp8_fp4_launch(y, l1, l2, sym_buffer, stats, activation_clamp, fast_math, cfg, False, trace)
+    with collective_call(sym_buffer, "trace_fp8_fp4_mega_moe"):
+        cfg = _check_fp8_fp4_call(y, l1, l2, sym_buffer, stats, "swiglu", activation_clamp, fast_math, None)
+        num_ctas = _state(sym_buffer).num_ctas * cfg.ctas_per_sm
+        if trace is None:
+            trace = trace_buffer(num_ctas, y.device)
+        check_tensor("trace", trace, dtype=torch.int64, shape=(trace_buffer_words(num_ctas),), device=y.device)
+        _fp8_fp4_launch(y, l1, l2, sym_buffer, stats, activation_clamp, fast_math, cfg, False, trace)
     return trace
 
 
@@ -487,10 +499,17 @@ def bf16_mega_moe(
     not the call's tokens. ``fast_math`` is validated but changes nothing here: torch computes silu with its exp
     and division either way.
     """
+    debug = debug_enabled(debug)
+    with collective_call(sym_buffer, "bf16_mega_moe"):
+        return _bf16_mega_moe(y, l1, l2, sym_buffer, cumulative_local_expert_recv_stats, activation, activation_clamp,
+                              fast_math, debug)
+
+
+def _bf16_mega_moe(y, l1, l2, sym_buffer: SymmBuffer, stats, activation, activation_clamp, fast_math,
+                   debug: bool) -> torch.Tensor:
+    """``bf16_mega_moe``'s checks and launches, inside its collective-call guard."""
     from .numerics import l1_epilogue
 
-    debug = debug_enabled(debug)
-    stats = cumulative_local_expert_recv_stats
     check_mega_call(y, sym_buffer, stats, activation, activation_clamp, fast_math, "bf16")
     lay, dev = sym_buffer.layout, sym_buffer.device
     if lay.num_ring_tokens < lay.max_recv_rows:  # the staged dispatch pulls every row into the ring

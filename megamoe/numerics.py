@@ -32,6 +32,11 @@ token); weights are FP4 E2M1 with a UE8M0 scale per 32 elements of K (per output
    the bias term is added here, after R3, where the combine knows every slot's expert and weight (no kernel
    carries it; every rank keeps ``b2`` of all E experts).
 
+Non-finite inputs: a token element that is NaN or Inf quantizes to E4M3's NaN code (``layouts.quantize_fp8``; the
+block's scale comes from its finite elements), and a NaN or Inf routing weight of a used slot makes ``a`` non-finite,
+which R2 quantizes the same way: either way the token's output row is NaN, never a finite value. FP4 weights cannot
+hold NaN or Inf: they are rejected when quantized or loaded.
+
 The BF16 recipe has the same structure with BF16 tokens and weights (no quantization at all) and
 BF16 at R2.
 

@@ -32,6 +32,16 @@ buffer (``num_max_tokens_per_rank`` rows, unused rows masked), runs steps 3 over
 count with device-side group offsets, and returns every (token, slot) row, zeros where another rank
 owns the slot, in one equal-split ``all_to_all``; ids are validated only when ``validate=True``
 (a host sync; and recipe (1, 1, 128) with ``gemm="torch"`` on CUDA syncs in torch's FP32 grouped GEMMs, step 3).
+
+Faults (the routing policy of ``megamoe.checks``): ids outside [-1, E) and duplicate experts in a token's top-k
+are rejected by every rank together (``InStepError``; the buffer stays usable): normal mode counts them per rank in
+step 1's exchange (with each rank's token count, so T > T_max raises on every rank too), low-latency mode with
+``validate=True`` checks the gathered ids of every rank after its ``all_gather``. With ``validate=False`` they
+count as -1 (every repeat of an expert in a token dropped) and set bits of the buffer's error word
+(``megamoe.check_errors``). In low-latency mode a rank with T > T_max takes its part in the call with no tokens,
+then raises (``InStepError``: the peers' call completes with correct results). Any other error marks the buffer out
+of step on the raising rank (``SymmBuffer.collective``). Debug mode (``debug=True`` or ``MEGAMOE_DEBUG=1``): the
+call raises if a row of ``x_sf[:T]`` was not written since the previous call (poisoned after each call).
 NCCL moves the bytes on GPUs, gloo on CPU. Weights are dequantized to BF16 (recipe 128's torch GEMMs: FP32) once.
 
 gpt-oss experts (``activation="swiglu_oai"``, ``l1_bias``, ``l2_bias``; ``megamoe.numerics`` steps 1, 4 and 7): with
@@ -48,13 +58,14 @@ import math
 
 import torch
 
-from .checks import check_multiple, fail
+from .checks import InStepError, check_multiple, fail, first_valid_ids, routing_error, routing_faults
 from .dist import all_gather_rows, all_to_all_rows
 from .layouts import contiguous_layout, dequantize_fp4, dequantize_fp8
 from .layouts.weights import check_bf16_expert_weights, check_fp4_expert_weights
+from .mega import debug_enabled
 from .numerics import (RECIPE_32, RECIPE_128, check_activation, check_activation_clamp, check_expert_bias,
                        check_fast_math, check_recipe, combine_slots, describe_recipe, l1_epilogue, l2_bias_rows)
-from .symm_buffer import SymmBuffer
+from .symm_buffer import ERROR_BAD_ID, ERROR_DUPLICATE_DROPPED, SymmBuffer, collective_call
 
 BIAS_COLUMNS = 8
 """K columns the torch L1 GEMM gains with an L1 bias (one for the bias, padded to keep rows 16-byte aligned)."""
@@ -181,7 +192,7 @@ class StagedMoE:
             fail("sym_buffer", f"holds recipe {describe_recipe(lay.recipe)}, this StagedMoE runs recipe "
                  f"{describe_recipe(self.recipe)}: allocate the buffer with recipe={self.recipe} or build the "
                  f"StagedMoE with recipe={lay.recipe}")
-        buf.check_call(y, stats)
+        buf.check_call(y, stats, check_tokens=False)  # the token count: checked in step with the peers
         check_activation_clamp(clamp)
 
     def __call__(
@@ -191,14 +202,33 @@ class StagedMoE:
         cumulative_local_expert_recv_stats: torch.Tensor | None = None,
         activation_clamp: float | None = None,
         validate: bool = True,
+        debug: bool | None = None,
     ) -> torch.Tensor:
         """Fill ``y [T, H]`` (BF16) for the ``T = y.shape[0]`` tokens the caller put in the buffer's
         ``x``, ``x_sf``, ``topk_idx`` and ``topk_weights`` views. Collective over the buffer's group.
-        ``validate=False`` skips the low-latency mode's id check (needed under CUDA-graph capture)."""
-        self._check_call(y, sym_buffer, cumulative_local_expert_recv_stats, activation_clamp)
-        if self.mode == "normal":
-            return self._normal(y, sym_buffer, cumulative_local_expert_recv_stats, activation_clamp)
-        return self._low_latency(y, sym_buffer, cumulative_local_expert_recv_stats, activation_clamp, validate)
+        ``validate=False`` skips the low-latency mode's id check (needed under CUDA-graph capture; bad ids then
+        count as -1 and set the buffer's error word). ``debug``: None reads ``MEGAMOE_DEBUG`` (module docstring)."""
+        debug = debug_enabled(debug)
+        stats, buf = cumulative_local_expert_recv_stats, sym_buffer
+        with collective_call(buf, "StagedMoE"):
+            self._check_call(y, buf, stats, activation_clamp)
+            t, tm = y.shape[0], buf.layout.num_max_tokens_per_rank
+            if debug:
+                buf.check_inputs_written(min(t, tm))
+            if self.mode == "normal":
+                self._normal(y, buf, stats, activation_clamp)
+            elif t > tm:  # take part with no tokens, so the peers' call completes and the ranks stay in step
+                self._low_latency(y[:0], buf, stats, activation_clamp, validate)
+                try:
+                    buf.check_num_tokens(t)
+                except ValueError as err:
+                    raise InStepError(f"{err} (this rank took part in the call with no tokens: the ranks stay in "
+                                      "step)") from None
+            else:
+                self._low_latency(y, buf, stats, activation_clamp, validate)
+            if debug:
+                buf.poison_inputs()
+        return y
 
     def _expert_compute(self, r_idx, r_w, r_x, r_sf, rank: int, rows: int, stats, clamp):
         """Step 3 on received token rows: returns (``o [rows, H]`` BF16 in grouped order, the grouped
@@ -283,7 +313,8 @@ class StagedMoE:
 
     def _normal(self, y, buf: SymmBuffer, stats, clamp) -> torch.Tensor:
         lay = buf.layout
-        t, k, r, hidden = y.shape[0], lay.num_topk, lay.num_ranks, lay.hidden
+        t_asked, tm, k, r, hidden = y.shape[0], lay.num_max_tokens_per_rank, lay.num_topk, lay.num_ranks, lay.hidden
+        t = t_asked if t_asked <= tm else 0  # over capacity: exchange no rows, raise below with every rank
         num_local, dev, group = lay.num_local_experts, y.device, buf.group
         idx = buf.topk_idx[:t]
 
@@ -292,15 +323,21 @@ class StagedMoE:
         dest = torch.where((idx >= 0) & ~bad, idx // num_local, r)  # r = no rank
         in_rank = torch.zeros(t, r + 1, dtype=torch.bool, device=dev).scatter_(1, dest, True)[:, :r]
         slots = torch.zeros(r + 1, dtype=torch.int64, device=dev).scatter_add_(0, dest.flatten(), torch.ones_like(dest.flatten()))
-        send_meta = torch.stack([in_rank.sum(0), slots[:r], bad.sum().expand(r)], dim=1)
+        faults = torch.cat([routing_faults(idx, lay.num_experts), torch.full((1,), t_asked, device=dev)])
+        send_meta = torch.cat([in_rank.sum(0, keepdim=True).T, slots[:r, None], faults.expand(r, 3)], dim=1)
         recv_meta = torch.empty_like(send_meta)
         all_to_all_rows(recv_meta, send_meta, [1] * r, [1] * r, group)
         meta = torch.cat([send_meta, recv_meta]).tolist()
         send_tok, send_slots = [m[0] for m in meta[:r]], [m[1] for m in meta[:r]]
         recv_tok, recv_slots = [m[0] for m in meta[r:]], [m[1] for m in meta[r:]]
-        offenders = {src: m[2] for src, m in enumerate(meta[r:]) if m[2]}
-        if offenders:  # every rank sees every rank's count, so all ranks raise together
-            _bad_ids(lay.num_experts, offenders)
+        # every rank sees every rank's counts, so all ranks raise together and stay in step
+        over = {src: m[4] for src, m in enumerate(meta[r:]) if m[4] > tm}
+        if over:
+            raise InStepError(f"megamoe: `y.shape[0] (tokens on this rank)` must be in [0, {tm}] "
+                              f"(num_max_tokens_per_rank) on every rank, got (rank: tokens) {over}")
+        offenders = {src: (m[2], m[3]) for src, m in enumerate(meta[r:]) if m[2] or m[3]}
+        if offenders:
+            raise routing_error(lay.num_experts, offenders, InStepError)
 
         # 2. Dispatch: one packed byte row per (token, destination rank), ordered by rank then token.
         n_send, n_recv = sum(send_tok), sum(recv_tok)
@@ -330,19 +367,23 @@ class StagedMoE:
         lay = buf.layout
         t, tm, k, r, hidden = y.shape[0], lay.num_max_tokens_per_rank, lay.num_topk, lay.num_ranks, lay.hidden
         dev, group = y.device, buf.group
-        idx = buf.topk_idx
-        if validate:
-            bad = int(((idx[:t] < -1) | (idx[:t] >= lay.num_experts)).sum())
-            if bad:
-                _bad_ids(lay.num_experts, {buf.rank: bad})
         live = (torch.arange(tm, device=dev) < t).unsqueeze(1)
-        idx = torch.where(live & (idx >= 0) & (idx < lay.num_experts), idx, -1)  # rows past T are unused
+        idx = torch.where(live, buf.topk_idx, -1)  # rows past T are unused
 
         # Dispatch: every row of every rank to every rank.
         send, sections = self._pack(buf, slice(None), idx)
         recv = torch.empty(r * tm, send.shape[1], dtype=torch.uint8, device=dev)
         all_gather_rows(recv, send, group)
         r_idx, r_w, r_x, r_sf = self._unpack(recv, sections)
+        faults = routing_faults(r_idx.view(r, tm, k), lay.num_experts)  # [R, 2]: every rank's, on every rank
+        if validate:  # identical data on every rank: all raise together, in step
+            offenders = {src: tuple(f) for src, f in enumerate(faults.tolist()) if any(f)}
+            if offenders:
+                raise routing_error(lay.num_experts, offenders, InStepError)
+        else:  # no host sync: compute as if they were -1, flag them in the error word
+            seen = (faults.sum(0) > 0).to(torch.int32)  # device ops only: capturable
+            buf.errors.bitwise_or_((seen[0] * ERROR_BAD_ID + seen[1] * ERROR_DUPLICATE_DROPPED).view(1))
+            r_idx = first_valid_ids(r_idx, lay.num_experts)
         o, dst = self._expert_compute(r_idx, r_w, r_x, r_sf, buf.rank, r * tm * min(k, self.num_local_experts), stats, clamp)
 
         # Combine: every (source rank, token, slot) row, zeros where another rank owns the slot.
@@ -358,6 +399,3 @@ class StagedMoE:
 LegacyMoE = StagedMoE
 """The staged path's former name."""
 
-
-def _bad_ids(num_experts: int, counts: dict) -> None:
-    fail("topk_idx", f"must hold expert ids in [-1, num_experts={num_experts}); out-of-range entries per rank: {counts}")

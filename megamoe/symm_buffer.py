@@ -8,7 +8,7 @@ at offsets that are identical on every rank, so a kernel can address a peer's vi
 =================  ===============================  =============================================
 view               dtype, shape                      contents
 =================  ===============================  =============================================
-signals            int32 [16]                        [0] calls completed, [1] grid-barrier count
+signals            int32 [16]                        [0] calls completed, [1] grid-barrier count, [2] errors
 ready              int64 [R]                         ``(call + 1) << 32 | T`` from source rank r
 done               int32 [R]                         ``call + 1`` from expert rank r (combine rows in)
 expert_counts      int32 [E/R]                       rows received per local expert (this call)
@@ -31,6 +31,20 @@ A source code packs (source rank, token, slot) as ``(src * T_max + token) * k + 
 in ``signals``, ``ready`` and ``done`` only grow (call numbers), so no call needs host-side zeroing;
 ``expert_counts`` is reset by the kernels that use it at the end of each call.
 
+``signals[2]`` (``ERRORS_WORD``; the view ``errors``, int32 ``[1]``, byte offset ``ERRORS_OFFSET`` = 8 from the
+buffer's base) is the device-side error word: a path that sees bad routing where it cannot raise (no host sync: the
+Mega MoE kernel, the staged low-latency mode with ``validate=False``) ORs a bit into this rank's word and computes as
+if the offending entry were -1 (contributes nothing, never stale rows). ``ERROR_BAD_ID`` (bit 0): an id outside
+[-1, E) was seen; ``ERROR_DUPLICATE_DROPPED`` (bit 1): a duplicate expert in a token's top-k was dropped (it did not
+fit, or the path drops every repeat). The bits only accumulate; ``check_errors(buffer)`` reads the word (a host sync)
+and raises naming them.
+
+Collective-call guard: every collective entry (``fill_buffer``, ``StagedMoE``, ``fp8_fp4_mega_moe`` and the other
+Mega MoE entries, ``EPMoE``) runs inside ``SymmBuffer.collective``: an error raised there on one rank (before or
+after the launch) leaves that rank's buffer refusing every later call with ``OutOfStepError``, since its next call
+would pair with the peers' previous one (buffers of several ranks; one rank's buffer has no peers). ``InStepError`` leaves the buffer usable: every rank raised it together
+(decided from data all ranks exchanged), or this rank took its part in the call with no tokens before raising.
+
 Recipe (1, 1, 32) (``recipe=(1, 1, 32)``, the default) and BF16: the rings hold the SM90 grouped GEMM's
 BF16-operand mode inputs: FP8 token rows travel over NVLink as FP8 + scales and land dequantized (exact), and the
 L1 epilogue's FP8-quantized SwiGLU outputs are stored as their exact BF16 values, so every rounding point of the
@@ -48,12 +62,20 @@ blocks within a call when the rows do not fit: ``megamoe.mega``); the staged BF1
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .checks import check_multiple, check_range, check_tensor, fail
+from .checks import (
+    InStepError,
+    OutOfStepError,
+    check_multiple,
+    check_range,
+    check_tensor,
+    fail,
+)
 from .dist import rank_and_size
 from .layouts import PACKED_BLOCK_K
 from .layouts.fp8 import RECIPE_32, RECIPE_128, check_recipe, scale_dtype
@@ -65,6 +87,18 @@ SECTION_ALIGNMENT = 1024
 RING_ALIGNMENT = 128
 DEFAULT_MAX_RING_TOKENS = 65536
 MAX_TOPK = 32
+ERRORS_WORD = 2
+"""Index in ``signals`` (int32) of the device-side error word (module docstring)."""
+ERRORS_OFFSET = ERRORS_WORD * 4
+"""Its byte offset from the buffer's base (``signals`` is the first section)."""
+ERROR_BAD_ID = 1 << 0
+"""Error-word bit: an id outside [-1, E) was seen (and treated as -1)."""
+ERROR_DUPLICATE_DROPPED = 1 << 1
+"""Error-word bit: a duplicate expert within a token's top-k was dropped (it contributed nothing)."""
+ERROR_BITS = {ERROR_BAD_ID: "an expert id outside [-1, num_experts) was seen and treated as -1 (unused slot)",
+              ERROR_DUPLICATE_DROPPED: "a duplicate expert in a token's top-k was dropped (it contributed nothing)"}
+X_SF_POISON = {torch.int32: -1, torch.float32: float("nan")}
+"""Debug mode's value for unwritten ``x_sf`` rows: UE8M0 code 255 in every byte (NaN, never produced) or FP32 NaN."""
 
 
 @dataclass(frozen=True)
@@ -255,6 +289,8 @@ class SymmBuffer:
         self.buffer.zero_()
         for s in self.layout.sections:
             setattr(self, s.name, self._view(self.buffer, s))
+        self.errors = self.signals[ERRORS_WORD : ERRORS_WORD + 1]
+        self._fault: str | None = None
         if num_ranks > 1:
             dist.barrier(group)
 
@@ -283,12 +319,14 @@ class SymmBuffer:
         peer = self.handle.get_buffer(rank, (self.layout.num_bytes,), torch.uint8)
         return self._view(peer, s)
 
-    def check_call(self, y: torch.Tensor, stats: torch.Tensor | None) -> None:
+    def check_call(self, y: torch.Tensor, stats: torch.Tensor | None, check_tokens: bool = True) -> None:
         """Validate a MoE call's output ``y [T, H]`` (BF16, contiguous, on this buffer's device, T within
-        capacity) and optional ``cumulative_local_expert_recv_stats`` (int32 ``[E/R]``)."""
+        capacity unless ``check_tokens`` is False: a caller that checks it collectively) and optional
+        ``cumulative_local_expert_recv_stats`` (int32 ``[E/R]``)."""
         check_tensor("y", y, dtype=torch.bfloat16, ndim=2, device=self.device, contiguous=True)
         check_tensor("y", y, shape=(None, self.layout.hidden))
-        self.check_num_tokens(y.shape[0])
+        if check_tokens:
+            self.check_num_tokens(y.shape[0])
         if stats is not None:
             check_tensor("cumulative_local_expert_recv_stats", stats, dtype=torch.int32,
                          shape=(self.layout.num_local_experts,), device=self.device, contiguous=True)
@@ -297,14 +335,83 @@ class SymmBuffer:
         """Raise unless ``0 <= num_tokens <= num_max_tokens_per_rank``."""
         check_range(f"{name}.shape[0] (tokens on this rank)", num_tokens, 0, self.layout.num_max_tokens_per_rank)
 
+    @contextlib.contextmanager
+    def collective(self, entry: str):
+        """Run one collective call (``entry`` names it) under the guard (module docstring): refuse it if an earlier
+        call raised on this rank; mark the buffer out of step if this one raises anything but ``InStepError`` (on
+        several ranks: a single rank has no peers to fall out of step with)."""
+        if self._fault is not None:
+            raise OutOfStepError(
+                f"megamoe: this SymmBuffer refuses {entry}: an earlier call raised on rank {self.rank} ({self._fault}), "
+                "so its ranks are out of step (this rank's next call would pair with the other ranks' previous one). "
+                "Recover on every rank: if every rank raised from that call, destroy this buffer and create a new one "
+                "(its layers with it); if a peer may still wait inside it (a collective, a Mega MoE kernel), re-init "
+                "the process group (destroy_process_group, then init again) or restart the job")
+        try:
+            yield
+        except InStepError:
+            raise
+        except BaseException as err:
+            if self._fault is None and self.num_ranks > 1:  # one rank has no peer to fall out of step with
+                self._fault = f"{entry}: {type(err).__name__}: {err}"
+            raise
+
+    @property
+    def out_of_step(self) -> str | None:
+        """Why the guard refuses calls on this rank (the first error raised in a collective call), or None."""
+        return self._fault
+
+    def poison_inputs(self) -> None:
+        """Debug: mark every ``x_sf`` row unwritten (``X_SF_POISON``; stream-ordered after the call)."""
+        if self.x_sf.numel():
+            self.x_sf.fill_(X_SF_POISON[self.x_sf.dtype])
+
+    def check_inputs_written(self, num_tokens: int) -> None:
+        """Debug: raise if a row of ``x_sf[:num_tokens]`` still holds ``poison_inputs``' value (a host sync)."""
+        sf = self.x_sf[:num_tokens]
+        if not sf.numel():
+            return
+        poison = X_SF_POISON[sf.dtype]
+        stale = (sf.isnan() if sf.is_floating_point() else sf == poison).any(-1)
+        rows = stale.nonzero().flatten().tolist()
+        if rows:
+            fail("x_sf", f"rows {rows[:8]}{' ...' if len(rows) > 8 else ''} of the buffer were not written since the "
+                 "last call (debug mode poisons them after each call): copy this call's token scales into "
+                 "buffer.x_sf (or use megamoe.inputs.fill_buffer) before every call")
+
     def destroy(self) -> None:
         """Release the allocation (collective on several ranks: every rank must call it)."""
         if self.num_ranks > 1:
             dist.barrier(self.group)
         for s in self.layout.sections:
             delattr(self, s.name)
+        del self.errors
         self.handle = None
         del self.buffer
+
+
+def collective_call(buffer: object, entry: str, name: str = "sym_buffer"):
+    """``buffer.collective(entry)`` after checking that argument ``name`` is a SymmBuffer (TypeError otherwise)."""
+    if not isinstance(buffer, SymmBuffer):
+        raise TypeError(f"megamoe: `{name}` must be a SymmBuffer, got {type(buffer).__name__}")
+    return buffer.collective(entry)
+
+
+def check_errors(buffer: SymmBuffer) -> None:
+    """Raise ``RuntimeError`` naming every bit set in the buffer's device-side error word (``buffer.errors``,
+    module docstring), e.g. after a Mega MoE call met an expert id outside [-1, E); reads one int32 (a host sync, so
+    not under CUDA-graph capture). The bits stay set: results computed since they were set treated the offending
+    entries as unused slots."""
+    if not isinstance(buffer, SymmBuffer):
+        raise TypeError(f"megamoe: `buffer` must be a SymmBuffer, got {type(buffer).__name__}")
+    word = int(buffer.errors.item())
+    if word:
+        seen = [text for bit, text in ERROR_BITS.items() if word & bit]
+        unknown = word & ~sum(ERROR_BITS)
+        if unknown:
+            seen.append(f"unknown bits {unknown:#x}")
+        raise RuntimeError(f"megamoe: rank {buffer.rank}'s SymmBuffer error word is {word:#x}: " + "; ".join(seen)
+                           + ". `topk_idx` must hold ids in [-1, num_experts) with no expert twice in a token's top-k")
 
 
 def get_symm_buffer_for_mega_moe(

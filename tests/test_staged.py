@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megamoe import LegacyMoE, StagedMoE, get_symm_buffer_for_mega_moe
+from megamoe.checks import InStepError
 from megamoe.inputs import fill_buffer, global_problem
 from staged_cases import check_staged_against_reference
 
@@ -78,12 +79,15 @@ def test_staged_validation_errors(mode):
         staged(torch.empty(4, 256), buf)
     with pytest.raises(ValueError, match=r"`y` must have shape \[\*, 256\]"):
         staged(torch.empty(4, 128, dtype=torch.bfloat16), buf)
-    with pytest.raises(ValueError, match=r"tokens on this rank\)` must be in \[0, 8\], got 9"):
+    with pytest.raises(InStepError, match=r"tokens on this rank\)` must be in \[0, 8\].*9"):
         staged(torch.empty(9, 256, dtype=torch.bfloat16), buf)
     with pytest.raises(ValueError, match="`cumulative_local_expert_recv_stats` must have dtype int32"):
         staged(torch.empty(4, 256, dtype=torch.bfloat16), buf, torch.zeros(8, dtype=torch.int64))
     buf.topk_idx[1, 0] = 8  # one past the last expert
-    with pytest.raises(ValueError, match=r"`topk_idx` must hold expert ids in \[-1, num_experts=8\).*\{0: 1\}"):
+    with pytest.raises(InStepError, match=r"`topk_idx` must hold expert ids in \[-1, num_experts=8\).*rank 0: 1 id"):
+        staged(torch.empty(4, 256, dtype=torch.bfloat16), buf)
+    buf.topk_idx[1, 0] = buf.topk_idx[1, 1]  # the same expert twice in one token
+    with pytest.raises(InStepError, match=r"no expert twice.*rank 0: 0 id\(s\) out of range, 1 duplicate"):
         staged(torch.empty(4, 256, dtype=torch.bfloat16), buf)
 
 

@@ -7,7 +7,8 @@ OCP MX. Packed weights are uint8 ``[..., K // 2]``; scales are packed int32 ``[.
 
 ``quantize_fp4(w)``: per block of 32 along K, scale ``2**e`` with e the smallest integer such that
 ``amax / 2**e <= 6``; each value ``w / 2**e`` rounds to the nearest E2M1 magnitude, ties to the even
-code; zero is always encoded +0 (code 0). Every E2M1 value times a power of two is exact in FP8
+code; zero is always encoded +0 (code 0). Weights holding NaN or Inf are rejected (``check_finite_weights``: FP4
+has neither, and a finite code would hide them), naming the expert, row and block. Every E2M1 value times a power of two is exact in FP8
 E4M3 and BF16, which is what lets Hopper kernels decode FP4 to FP8 without rounding.
 """
 
@@ -16,7 +17,13 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_tensor, fail
-from .ue8m0 import PACKED_BLOCK_K, apply_block_scales, scaled_blocks
+from .ue8m0 import (
+    BLOCK_K,
+    PACKED_BLOCK_K,
+    apply_block_scales,
+    scaled_blocks,
+    unpack_ue8m0,
+)
 
 FP4_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -54,8 +61,43 @@ def unpack_fp4_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
 
 
+def block_position(index: list[int]) -> str:
+    """Where a 32-element block sits, for messages: ``index`` = leading indices then the block's index along K;
+    ``[E, N, K]`` weights read "expert e, row n, block b (elements ...)"."""
+    *lead, block = index
+    names = ["expert", "row"] if len(lead) == 2 else ["row"] if len(lead) == 1 else [f"dim {d}" for d in range(len(lead))]
+    where = "".join(f"{n} {i}, " for n, i in zip(names, lead))
+    return f"{where}block {block} (elements {block * BLOCK_K}..{block * BLOCK_K + BLOCK_K - 1} of K)"
+
+
+def check_finite_weights(w: torch.Tensor, name: str = "w", first_expert: int = 0) -> None:
+    """Reject weights ``w [..., K]`` holding NaN or Inf (FP4 has neither: they would quantize to finite codes),
+    naming the first offending block and how many values are bad. ``first_expert``: the expert number of
+    ``w[0]`` for ``[E, N, K]`` weights (a rank's slice of the experts names them globally)."""
+    bad = ~torch.isfinite(w)
+    count = int(bad.sum())
+    if count:
+        first = bad.nonzero()[0].tolist()
+        first[-1] //= BLOCK_K
+        if w.dim() == 3:
+            first[0] += first_expert
+        fail(name, f"must be finite: {count} NaN / Inf value(s), the first at {block_position(first)}")
+
+
+def check_finite_scales(sf: torch.Tensor, name: str) -> None:
+    """Reject packed UE8M0 scales ``int32 [..., K/128]`` holding code 255 (NaN, never produced by ``quantize_fp4``),
+    naming the first offending block."""
+    bad = unpack_ue8m0(sf) == 255
+    if bool(bad.any()):
+        fail(name, f"must hold finite UE8M0 scales (code 255 is NaN): {int(bad.sum())} such block(s), the first at "
+             f"{block_position(bad.nonzero()[0].tolist())}")
+
+
 def quantize_fp4(w: torch.Tensor, name: str = "w") -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [..., K]`` (K % 128 == 0) -> (packed uint8 ``[..., K // 2]``, packed int32 scales ``[..., K // 128]``)."""
+    """``w [..., K]`` (K % 128 == 0, finite: NaN / Inf raise, ``check_finite_weights``) -> (packed uint8
+    ``[..., K // 2]``, packed int32 scales ``[..., K // 128]``)."""
+    check_tensor(name, w, dtype=(torch.float32, torch.bfloat16, torch.float16))
+    check_finite_weights(w, name)
     blocks, sf = scaled_blocks(w, name, FP4_MAX)
     return pack_fp4_codes(encode_e2m1(blocks).reshape(w.shape)), sf
 

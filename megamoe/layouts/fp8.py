@@ -17,6 +17,11 @@ A recipe is ``(token rows, weight rows, K elements)`` per scale (DeepGEMM's ``re
   recipe's format takes any positive FP32 scale. ``dequantize_fp8`` computes ``q * sf`` in float64 (exact: 4 x 24
   significant bits) and rounds once to the requested dtype: exact for float64, one rounding for float32 / bfloat16.
 
+Non-finite tokens (both recipes): each block's scale comes from its finite elements (as if the others were 0), and
+every NaN or Inf element quantizes to E4M3's NaN code (0x7F, or 0xFF for a negative one), so it stays NaN through
+dequantization and every GEMM: a token holding NaN or Inf gets a NaN output row on every path (torch's cast alone
+would saturate Inf to 448).
+
 The two scale formats tell the recipes apart: int32 scales are packed UE8M0 per 32 (recipe 32), float32 scales are
 per 128 (recipe 128); ``recipe_of_scales`` reads it off a scale tensor.
 """
@@ -26,7 +31,14 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_multiple, check_tensor, fail
-from .ue8m0 import PACKED_BLOCK_K, apply_block_scales, scale_exponent, scaled_blocks
+from .ue8m0 import (
+    PACKED_BLOCK_K,
+    apply_block_scales,
+    finite_amax,
+    nan_where_not_finite,
+    scale_exponent,
+    scaled_blocks,
+)
 
 FP8_MAX = 448.0
 """Largest finite float8_e4m3fn magnitude."""
@@ -81,12 +93,12 @@ def quantize_fp8(x: torch.Tensor, name: str = "x", *, recipe=RECIPE_32,
         if pow2_scales:
             fail("pow2_scales", "applies to recipe (1, 1, 128) only (recipe (1, 1, 32) scales are powers of two)")
         blocks, sf = scaled_blocks(x, name, FP8_MAX)
-        return blocks.to(torch.float8_e4m3fn).reshape(x.shape), sf
+        return nan_where_not_finite(blocks, blocks).to(torch.float8_e4m3fn).reshape(x.shape), sf
     check_tensor(name, x, dtype=(torch.float32, torch.bfloat16, torch.float16))
     k = x.shape[-1]
     check_multiple(f"{name}.shape[-1]", k, SCALE_BLOCK_128, "one FP32 scale per 128 elements")
     blocks = x.float().reshape(*x.shape[:-1], k // SCALE_BLOCK_128, SCALE_BLOCK_128)
-    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    amax = finite_amax(blocks).unsqueeze(-1)
     if pow2_scales:
         # -126 at least: a normal FP32 scale (any smaller exponent also satisfies amax <= 448 * 2**e there)
         sf = torch.ldexp(torch.ones_like(amax), scale_exponent(amax, FP8_MAX).clamp(min=-126))
@@ -97,7 +109,7 @@ def quantize_fp8(x: torch.Tensor, name: str = "x", *, recipe=RECIPE_32,
         # Tensor / tensor: one IEEE division each (a Python scalar divisor would become a reciprocal multiply).
         scaled = blocks * torch.div(fmax, amax)
         sf = torch.div(amax, fmax)
-    q = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # saturate, then one RNE cast
+    q = nan_where_not_finite(scaled, blocks).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # saturate, one RNE cast
     return q.reshape(x.shape), sf.squeeze(-1)
 
 

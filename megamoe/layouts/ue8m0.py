@@ -39,15 +39,28 @@ def scale_exponent(amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
     return e.clamp(min=MIN_EXPONENT).to(torch.int32)
 
 
+def finite_amax(blocks: torch.Tensor) -> torch.Tensor:
+    """``max |v|`` over the finite elements of each block ``[..., n]`` (0 for a block with none): a NaN or Inf
+    element then leaves the scale of its block-mates as it would be without it."""
+    return blocks.abs().nan_to_num(nan=0.0, posinf=0.0).amax(dim=-1)
+
+
+def nan_where_not_finite(scaled: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``scaled`` with NaN (of ``x``'s sign) wherever ``x`` is NaN or Inf: the values an FP8 cast then encodes as
+    E4M3's NaN codes 0x7F / 0xFF (torch's cast would saturate Inf to 448)."""
+    return torch.where(torch.isfinite(x), scaled, torch.copysign(torch.full_like(scaled, float("nan")), x))
+
+
 def scaled_blocks(x: torch.Tensor, name: str, fmt_max: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-quantization front end shared by FP8 and FP4: validate ``x [..., K]`` (float, K % 128 == 0)
     and return ``(x / 2**e`` as float32 ``[..., K/32, 32]``, the packed UE8M0 scales int32 ``[..., K/128])``
-    with ``e = scale_exponent(block amax, fmt_max)`` per 32-element block (the division is exact)."""
+    with ``e = scale_exponent(block amax, fmt_max)`` per 32-element block (the division is exact). The amax is
+    over the block's finite elements (``finite_amax``); NaN and Inf stay NaN and Inf in the scaled values."""
     check_tensor(name, x, dtype=(torch.float32, torch.bfloat16, torch.float16))
     k = x.shape[-1]
     check_multiple(f"{name}.shape[-1]", k, PACKED_BLOCK_K, "four 32-element scale blocks per packed int32")
     blocks = x.float().reshape(*x.shape[:-1], k // BLOCK_K, BLOCK_K)
-    e = scale_exponent(blocks.abs().amax(dim=-1), fmt_max)
+    e = scale_exponent(finite_amax(blocks), fmt_max)
     return torch.ldexp(blocks, -e.unsqueeze(-1)), pack_ue8m0(exponent_to_code(e))
 
 

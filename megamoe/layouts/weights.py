@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_multiple, check_tensor, fail
+from .fp4 import check_finite_scales
 
 
 def interleave_gate_up(t: torch.Tensor, granularity: int = 8) -> torch.Tensor:
@@ -37,7 +38,7 @@ def deinterleave_gate_up(t: torch.Tensor, granularity: int = 8) -> torch.Tensor:
 def check_fp4_expert_weights(
     l1: tuple[torch.Tensor, torch.Tensor], l2: tuple[torch.Tensor, torch.Tensor], hidden: int, intermediate: int
 ) -> int:
-    """Validate canonical FP8xFP4 L1/L2 weights; returns E_local."""
+    """Validate canonical FP8xFP4 L1/L2 weights (shapes, dtypes, no NaN scale code); returns E_local."""
     for name, pair in (("l1", l1), ("l2", l2)):
         if not (isinstance(pair, tuple) and len(pair) == 2):
             fail(name, "must be a (weights, scales) tuple")
@@ -49,6 +50,8 @@ def check_fp4_expert_weights(
     check_tensor("l1[1]", s1, dtype=torch.int32, shape=(e, 2 * intermediate, hidden // 128), contiguous=True)
     check_tensor("l2[0]", w2, dtype=torch.uint8, shape=(e, hidden, intermediate // 2), contiguous=True)
     check_tensor("l2[1]", s2, dtype=torch.int32, shape=(e, hidden, intermediate // 128), contiguous=True)
+    check_finite_scales(s1, "l1[1]")
+    check_finite_scales(s2, "l2[1]")
     return e
 
 

@@ -38,11 +38,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
-from ..checks import check_multiple, check_tensor, fail
+from ..checks import InStepError, check_multiple, check_routing, check_routing_inputs, check_tensor, fail
 from ..dist import rank_and_size
 from ..inputs import fill_buffer
 from ..layouts import quantize_fp4
+from ..layouts.fp4 import check_finite_weights
 from ..staged import StagedMoE
 from ..mega import K_MULTIPLE, MegaMoE, recipe_128_not_in_mega
 from ..layouts import dequantize_fp4
@@ -64,6 +66,10 @@ _IDS = itertools.count()
 def ep_moe(hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, layer_id: int) -> torch.Tensor:
     """Routed experts of the ``EPMoE`` with id ``layer_id``: ``[T, H]`` float, ``[T, k]`` int, ``[T, k]``
     float -> a new BF16 ``[T, H]`` tensor. Writes the layer's SymmBuffer (private state)."""
+    return _routed_by_id(hidden_states, topk_idx, topk_weights, layer_id)
+
+
+def _routed_by_id(hidden_states, topk_idx, topk_weights, layer_id: int) -> torch.Tensor:
     layer = _LAYERS.get(layer_id)
     if layer is None:
         fail("layer_id", f"{layer_id} names no live EPMoE layer")
@@ -72,6 +78,11 @@ def ep_moe(hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
 
 @ep_moe.register_fake
 def _ep_moe_fake(hidden_states, topk_idx, topk_weights, layer_id):
+    """Shapes for tracing (fake tensors). A real call reaches it too when one input is on the meta device (the
+    dispatcher picks the meta kernel): it then runs the op, whose device check raises in step with the peers
+    instead of returning uninitialised memory."""
+    if not all(isinstance(t, FakeTensor) for t in (hidden_states, topk_idx, topk_weights)):
+        return _routed_by_id(hidden_states, topk_idx, topk_weights, layer_id)
     return hidden_states.new_empty(hidden_states.shape, dtype=torch.bfloat16)
 
 
@@ -198,12 +209,15 @@ class EPMoE(nn.Module):
     def load_experts(self, w1: torch.Tensor, w2: torch.Tensor, l1_bias: torch.Tensor | None = None,
                      l2_bias: torch.Tensor | None = None) -> None:
         """This rank's experts, canonical layout, any float dtype: ``w1 [E/R, 2I, H]`` (rows ``[0, I)``
-        gate, ``[I, 2I)`` up) and ``w2 [E/R, H, I]``. Quantized once here (FP4 + UE8M0, or BF16). Optional biases
-        (gpt-oss), rounded to BF16: ``l1_bias [E/R, 2I]`` (rows as w1) and ``l2_bias [E, H]`` of all E experts."""
+        gate, ``[I, 2I)`` up) and ``w2 [E/R, H, I]``. Quantized once here (FP4 + UE8M0, or BF16); NaN or Inf
+        raise, naming the expert (its global number), row and 32-element block. Optional biases (gpt-oss), rounded
+        to BF16: ``l1_bias [E/R, 2I]`` (rows as w1) and ``l2_bias [E, H]`` of all E experts."""
         e, i, h = len(self.local_experts), self.intermediate, self.hidden
         check_tensor("w1", w1, dtype=(torch.float32, torch.bfloat16, torch.float16), shape=(e, 2 * i, h))
         check_tensor("w2", w2, dtype=(torch.float32, torch.bfloat16, torch.float16), shape=(e, h, i))
         w1, w2 = w1.to(self.device).contiguous(), w2.to(self.device).contiguous()
+        check_finite_weights(w1, "w1", self.local_experts.start)  # experts named globally
+        check_finite_weights(w2, "w2", self.local_experts.start)
         if self.mma_type == "fp8xfp4":
             w1, w2 = quantize_fp4(w1, "w1"), quantize_fp4(w2, "w2")
         else:
@@ -307,24 +321,51 @@ class EPMoE(nn.Module):
         return y.view(hidden_states.shape)
 
     def _routed(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """The custom op's body: quantize and copy the inputs into the SymmBuffer, run the impl."""
+        """The custom op's body: check the inputs, quantize and copy them into the SymmBuffer, run the impl.
+
+        Collective-call guard (``SymmBuffer.collective``): a bad input of this rank (device, dtype, shape, more than
+        ``max_tokens`` tokens; for impl "mega" outside CUDA-graph capture, ids outside [-1, E) or an expert twice in
+        a token) makes this rank take its part in the call with no tokens, then raise ``InStepError``: the peers'
+        call completes and the ranks stay in step. The staged impl checks the ids itself, on every rank together."""
         if self._impl is None:
             fail("weights", "are not loaded: call load_experts() or build the layer with EPMoE.from_checkpoint")
-        check_tensor("hidden_states", x, device=self.device)
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        with self.buffer.collective("EPMoE"):
+            if capturing and not self.cuda_graph_capturable:
+                if self.mode == "low_latency":
+                    fail("impl", "'staged' with recipe (1, 1, 128) runs torch's FP32 grouped GEMMs, which sync with "
+                         "the host on CUDA and cannot be captured in a CUDA graph; use impl='mega'")
+                fail("mode", f"{self.mode!r} of impl {self.impl!r} syncs with the host and cannot be captured in a "
+                     "CUDA graph; use mode='low_latency'")
+            try:
+                self._check_inputs(x, topk_idx, topk_weights, capturing)
+            except (ValueError, TypeError) as err:
+                self._run(torch.empty(0, self.hidden, dtype=torch.bfloat16, device=self.device), capturing)
+                raise InStepError(f"{err} (this rank took part in the call with no tokens: the ranks stay in "
+                                  "step)") from err
+            fill_buffer(self.buffer, x if self.mma_type == "fp8xfp4" else x.to(torch.bfloat16),
+                        topk_idx.to(torch.int64), topk_weights.to(torch.float32), validate=False)
+            return self._run(torch.empty(x.shape[0], self.hidden, dtype=torch.bfloat16, device=self.device),
+                             capturing)
+
+    def _check_inputs(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                      capturing: bool) -> None:
+        """The routed inputs as the custom op receives them: ``x [T, H]`` float, ``topk_idx [T, k]`` int32 / int64,
+        ``topk_weights [T, k]`` float, all on the layer's device, T <= ``max_tokens``; for impl "mega" outside
+        capture, the ids (``checks.check_routing``: a host sync on a GPU)."""
+        check_tensor("hidden_states", x, dtype=(torch.bfloat16, torch.float16, torch.float32), ndim=2,
+                     device=self.device)
+        check_tensor("hidden_states", x, shape=(None, self.hidden))
         t = x.shape[0]
         if t > self.max_tokens:
             fail("hidden_states", f"holds {t} tokens, above max_tokens={self.max_tokens} (the SymmBuffer's capacity "
                  "per rank and call; build the layer with a larger max_tokens or split the batch)")
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if capturing and not self.cuda_graph_capturable:
-            if self.mode == "low_latency":
-                fail("impl", "'staged' with recipe (1, 1, 128) runs torch's FP32 grouped GEMMs, which sync with the "
-                     "host on CUDA and cannot be captured in a CUDA graph; use impl='mega'")
-            fail("mode", f"{self.mode!r} of impl {self.impl!r} syncs with the host and cannot be captured in a "
-                 "CUDA graph; use mode='low_latency'")
-        fill_buffer(self.buffer, x if self.mma_type == "fp8xfp4" else x.to(torch.bfloat16),
-                    topk_idx.to(torch.int64), topk_weights.to(torch.float32))
-        y = torch.empty(t, self.hidden, dtype=torch.bfloat16, device=self.device)
+        check_routing_inputs(topk_idx, topk_weights, t, self.num_topk, self.device)
+        if self.impl == "mega" and not capturing:
+            check_routing(topk_idx, self.num_experts, self.buffer.rank)
+
+    def _run(self, y: torch.Tensor, capturing: bool) -> torch.Tensor:
+        """Run the impl for ``y.shape[0]`` tokens already in the buffer."""
         if self.impl == "mega":
             return self._impl(y, self.buffer, None, activation_clamp=self.activation_clamp)
         return self._impl(y, self.buffer, None, self.activation_clamp, validate=not capturing)

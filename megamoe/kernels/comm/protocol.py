@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...checks import fail
-from ...symm_buffer import SymmBufferLayout
+from ...symm_buffer import ERRORS_WORD, SymmBufferLayout
 
 THREADS = 512
 """Threads per CTA of both kernels (16 warps)."""
@@ -63,3 +63,8 @@ class EpCommConfig:
 
     def offset(self, name: str) -> int:
         return self.layout.section(name).offset
+
+    def errors_offset(self) -> int:
+        """Byte offset from the buffer base of this rank's error word (int32 ``signals[ERRORS_WORD]``), into which
+        the kernels OR ``symm_buffer.ERROR_BAD_ID`` / ``ERROR_DUPLICATE_DROPPED`` (read by ``megamoe.check_errors``)."""
+        return self.offset("signals") + ERRORS_WORD * 4
