@@ -870,3 +870,64 @@ def test_recipe128_swiglu(tile_tokens, clamp):
     assert fro <= tol["rel_fro"] and row <= tol["max_row_rel"] and sf_rel <= 2.0**-7 and got_q.isfinite().all(), (
         f"rel_fro={fro:.3e} max_row_rel={row:.3e} max scale change {sf_rel:.3e}")
     assert beyond.max().item() <= 0, f"an FP8 value moved by more than one E4M3 step: {beyond.max().item():.3e}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Non-finite values in the SwiGLU epilogues
+# ----------------------------------------------------------------------------------------------------
+
+NONFINITE_WEIGHTS = (float("nan"), float("inf"), -float("inf"))
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("variant", ["fp8", "bf16_out", "recipe128"])
+def test_swiglu_nonfinite_rows_quantize_to_nan(variant):
+    """A row whose routing weight is NaN or +-Inf, or whose token holds an E4M3 NaN, has NaN or Inf in every 32-block of
+    ``a`` (step 4): it quantizes to NaN -- every E4M3 code NaN (0x7F / 0xFF) and every scale NaN (UE8M0 code 0xFF;
+    recipe 128: a NaN FP32 scale; BF16 output: every value NaN) -- never to finite codes, and no other row changes: they
+    stay finite (recipe 32 FP8: within the contract). Outputs poisoned with zeros; the NaN check reads the bytes."""
+    gen = torch.Generator().manual_seed(4343 + len(variant))
+    counts, inter, k = [5, 40, 19], 256, 512
+    if variant == "recipe128":
+        a, a_sf, offsets, row_expert = _recipe128_case(counts, 2 * inter, k, gen, lead_pad=0, tail_pad=0)
+        w1, w1_sf = foldable_weights(len(counts), 2 * inter, k, gen, "cuda")
+        bk, bk_sf = prepare_fp4_weights_l1(w1, w1_sf, fold=True)
+        cfg = GemmConfig(tile_tokens=16, tile_n=256, mma="fp8", token_block=128)
+    else:
+        a, a_sf, offsets, _, row_expert = _contiguous_case(counts, 2 * inter, k, lead_pad=0, tail_pad=0, gen=gen)
+        w1, w1_sf = _random_weights(len(counts), 2 * inter, k, gen, "cuda")
+        bk, bk_sf = prepare_fp4_weights_l1(w1, w1_sf)
+        cfg = GemmConfig(tile_tokens=16, tile_n=128, mma="fp8")
+    m = a.shape[0]
+    row_weights = torch.rand(m, generator=gen)
+    rows = torch.randperm(m, generator=gen)[:8]
+    row_weights[rows[:6]] = torch.tensor(NONFINITE_WEIGHTS * 2)
+    row_weights = row_weights.cuda()
+    a.view(torch.uint8)[rows[6:].cuda(), torch.randint(0, k, (2,), generator=gen).cuda()] = 0x7F  # an E4M3 NaN
+    bad = torch.zeros(m, dtype=torch.bool, device="cuda")
+    bad[rows.cuda()] = True
+    if variant == "bf16_out":
+        out = torch.zeros(m, inter, dtype=torch.bfloat16, device="cuda")
+        grouped_gemm_fp8_fp4_swiglu_contiguous(a, a_sf, bk, bk_sf, offsets, row_weights, out=out, config=cfg,
+                                               out_dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        assert bool(out[bad].isnan().all()), f"rows {rows.tolist()}: {int((~out[bad].isnan()).sum())} values not NaN"
+        assert bool(out[~bad].isfinite().all()), "a finite row got a non-finite value"
+        return
+    out = torch.zeros(m, inter, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    out_sf = torch.zeros(m, inter // 128, dtype=torch.float32 if variant == "recipe128" else torch.int32, device="cuda")
+    grouped_gemm_fp8_fp4_swiglu_contiguous(a, a_sf, bk, bk_sf, offsets, row_weights, out=out, out_sf=out_sf, config=cfg)
+    torch.cuda.synchronize()
+    codes = out.view(torch.uint8) & 0x7F  # E4M3 NaN: S.1111.111
+    assert bool((codes[bad] == 0x7F).all()), f"rows {rows.tolist()}: {int((codes[bad] != 0x7F).sum())} codes not NaN"
+    assert not bool((codes[~bad] == 0x7F).any()), "a finite row got a NaN code"
+    if variant == "recipe128":
+        assert bool(out_sf[bad].isnan().all()) and bool((out_sf[~bad] > 0).all() & out_sf[~bad].isfinite().all())
+        return
+    sf_bytes = out_sf.view(torch.uint8)
+    assert bool((sf_bytes[bad] == 0xFF).all()), f"rows {rows.tolist()}: scale codes {sf_bytes[bad].unique().tolist()}"
+    assert not bool((sf_bytes[~bad] == 0xFF).any()), "a finite row got the NaN scale code"
+    good = (~bad).nonzero().flatten()
+    _check_swiglu(out[good], out_sf[good], a[good], a_sf[good], w1, w1_sf, row_expert[good], row_weights[good], None,
+                  f"swiglu finite rows beside non-finite ones {cfg.describe('swiglu_fp8')}")

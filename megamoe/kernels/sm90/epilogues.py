@@ -104,9 +104,10 @@ class SwigluQuant(Epilogue):
     each consumer warpgroup owns 32 consecutive columns, i.e. one UE8M0 block per token. Phase 1: every thread writes
     ``silu(gate) * up`` (BF16-rounded, clamped inputs, FP32 math) to shared memory (``smem``: (tokens, ``stride``)
     float32); phase 2: thread t of the warpgroup takes token t, multiplies by its routing weight (``args.rows``: (M,)
-    float32), quantizes the 32 values (smallest power-of-two scale with amax / scale <= 448, RNE) and stores 32 FP8
-    bytes (``args.out``: (M, N/8) int32 view of FP8 [M, N/2]) and one scale byte (``args.out_sf``: (M, N/64) uint8 view of the
-    packed UE8M0 scales) -- or, ``bf16_out``, the same quantized values times their scale as BF16 (exact; ``args.out``:
+    float32), quantizes the 32 values (smallest power-of-two scale with amax / scale <= 448, RNE; a block holding NaN
+    or Inf: every code the E4M3 NaN 0x7F and the scale code 0xFF, UE8M0's NaN) and stores 32 FP8 bytes (``args.out``:
+    (M, N/8) int32 view of FP8 [M, N/2]) and one scale byte (``args.out_sf``: (M, N/64) uint8 view of the packed
+    UE8M0 scales) -- or, ``bf16_out``, the same quantized values times their scale as BF16 (exact; ``args.out``:
     (M, N/4) int32 view of BF16 [M, N/2]). ``fast_math``: silu with ``ex2.approx`` and ``rcp.approx`` (a few FP32
     ulps, as ``megamoe.numerics`` allows; the IEEE exp and division cost the L1 GEMM about a sixth of its time at
     large batches: ``bench/findings/swiglu-fast-math.md``), else the IEEE forms."""
@@ -163,11 +164,15 @@ class SwigluQuant(Epilogue):
                 # Smallest e with amax <= 448 * 2^e: amax = 1.f * 2^(E-127) and 448 = 1.75 * 2^8, so
                 # e = E - 135 + (f > 0.75), at least -127 (also for amax = 0 and subnormals).
                 bits = ptx.f32_bits(amax)
-                e = ((bits >> 23) & Int32(0xFF)) - Int32(135)
+                biased = (bits >> 23) & Int32(0xFF)
+                e = biased - Int32(135)
                 if (bits & Int32(0x7FFFFF)) > Int32(0x600000):
                     e = e + Int32(1)
                 e = cutlass.max(e, Int32(-127))
                 inv_scale = ptx.bits_to_f32((Int32(127) - e) << 23)  # 2^-e, exact
+                if biased == Int32(0xFF):  # NaN or Inf in the block (the max propagates NaN): every code NaN (0x7F),
+                    e = Int32(128)  # the scale code 0xFF (UE8M0 NaN)
+                    inv_scale = Float32(float("nan"))
                 words = cute.make_rmem_tensor((8,), Int32)
                 for w in cutlass.range_constexpr(8):
                     words[w] = ptx.f32x4_to_e4m3x4(
@@ -196,8 +201,8 @@ class SwigluQuant128(SwigluQuant):
     128 intermediate columns per tile) form one scale block per token. Phase 2: thread t of each warpgroup takes
     token t's 32 values times its routing weight and their amax, which the four warpgroups exchange through the
     padding columns of the staging tile (a barrier of all consumer threads); then ``amax = max(amax_128, 1e-4)``,
-    ``q = e4m3_rne_sat(v * (448 / amax))`` (``megamoe.numerics``), 32 FP8 bytes per thread (``args.out``: (M, N/8)
-    int32 view of FP8 [M, N/2]) and the FP32 scale ``amax / 448`` of the block (``args.out_sf``: (M, N/256) float32),
+    ``q = e4m3_rne_sat(v * (448 / amax))`` (``megamoe.numerics``; a block holding NaN or Inf: amax NaN, so every code
+    NaN and a NaN scale), 32 FP8 bytes per thread (``args.out``: (M, N/8) int32 view of FP8 [M, N/2]) and the FP32 scale ``amax / 448`` of the block (``args.out_sf``: (M, N/256) float32),
     stored by warpgroup 0."""
 
     def __init__(self, config: GemmConfig, fast_math: bool):
@@ -229,6 +234,8 @@ class SwigluQuant128(SwigluQuant):
             if m < row_end:
                 amax = cutlass.max(cutlass.max(smem[t, 128], smem[t, 129]), cutlass.max(smem[t, 130], smem[t, 131]))
                 amax = cutlass.max(amax, Float32(1e-4))
+                if amax == Float32(float("inf")):  # Inf in the block (NaN propagates through the max): NaN codes and
+                    amax = Float32(float("nan"))  # a NaN scale, as for NaN
                 inv = Float32(448.0) / amax
                 words = cute.make_rmem_tensor((8,), Int32)
                 for w in cutlass.range_constexpr(8):
