@@ -72,11 +72,17 @@ other CTAs through the per-block counters (warp barrier, ``fence.acq_rel.gpu`` +
 then ``fence.proxy.async.global``), as the L1 rows reach the L2 tiles and as a finished L2 tile frees its
 ring rows for the next pull.
 
+Timeouts: every spin-wait of the kernels gives up after ``MEGAMOE_TIMEOUT_S`` seconds (default
+``DEFAULT_TIMEOUT_S``, 0: never; read at each call), writes ``megamoe debug: rank R CTA C (SM S) role ROLE: <what it
+waited for>, sees V`` into host-mapped memory, which the host prints (``print_new_records``: the release kernels have
+no printf), and traps (the CUDA context is then unusable: the error surfaces at the next sync). Routing the kernels
+cannot honour never traps: ids outside [-1, E) count as masked slots and rows dropped beyond a rank's capacity
+(duplicate experts in a token) add zeros; both set bits of the buffer's error word (``comm.protocol.ERRORS``).
+
 Debug mode (``debug=True`` or ``MEGAMOE_DEBUG=1``): every spin-wait times out after
 ``MEGAMOE_DEBUG_TIMEOUT_S`` seconds (default 10) and the kernels check the row codes they read; a
-failure printf's ``megamoe debug: rank R CTA C (SM S) role ROLE: <what it waited for / read>, sees V``
-and traps (the CUDA context is then unusable: the error surfaces at the next sync). The same lines
-stay readable from host memory: ``debug_report(sym_buffer)``. After each call the host poisons the
+failure printf's the line itself and traps; the same lines stay readable from host memory:
+``debug_report(sym_buffer)``. After each call the host poisons the
 rings, the pool, the combine area and the token scales ``x_sf`` (NaN / -1), so stale data cannot pass for this
 call's; a call whose ``x_sf[:T]`` still holds the poison (scales not written since the last call) raises before the
 launch.
@@ -95,8 +101,8 @@ r has not started call c (a missing or extra call there, or r is stuck earlier: 
 ``waits grid barrier``: CTAs of this rank's own kernel are missing (not all resident: another kernel
 holds SMs) or stopped earlier; a bad pool code or an expert / row-count overflow: corrupted
 protocol state or duplicate experts in a token's top-k; ``pull waits its ring block free``: the L2 tiles
-of an earlier block never finished; ``fused grouped GEMM ... waits pulled row units of pool block b`` or
-``... waits first-GEMM tiles of pool block b`` (printf only: no host-mapped record): the pulls or
+of an earlier block never finished; ``role producer: timed out: waits pulled row units of pool block b`` or
+``... waits first-GEMM tiles of pool block b``: the pulls or
 the L1 tiles of pool block b never finished (not all CTAs resident, or a counter left dirty by an earlier
 trapped launch).
 
@@ -106,8 +112,12 @@ Timeline: ``trace_fp8_fp4_mega_moe`` runs the same call on the kernel's trace bu
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
+import sys
+import threading
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -124,6 +134,12 @@ from .timeline import trace_buffer, trace_buffer_words
 DEBUG_ENV = "MEGAMOE_DEBUG"
 DEBUG_TIMEOUT_ENV = "MEGAMOE_DEBUG_TIMEOUT_S"
 DEFAULT_DEBUG_TIMEOUT_S = 10.0
+TIMEOUT_ENV = "MEGAMOE_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 100.0
+"""Release builds' spin-wait limit: generous, far above any wait of a working job (a peer's JIT compile included),
+so that only a hang reaches it."""
+RECORD_POLL_S = 1.0
+"""Period of the thread that prints the lines kernels wrote into their host-mapped records (``print_new_records``)."""
 RECIPE = RECIPE_32
 """The default recipe (token rows, weight rows, K elements per scale): per-token, per-row, per-32 UE8M0 scales."""
 
@@ -182,6 +198,21 @@ def debug_timeout_ns() -> int:
     seconds = float(os.environ.get(DEBUG_TIMEOUT_ENV, DEFAULT_DEBUG_TIMEOUT_S))
     if not 0 < seconds < 1e6:
         fail(DEBUG_TIMEOUT_ENV, f"must be a positive number of seconds, got {seconds}")
+    return int(seconds * 1e9)
+
+
+def timeout_ns(debug: bool) -> int:
+    """The spin-wait limit a call passes its kernels, read at call time: debug mode's (``debug_timeout_ns``), else
+    ``MEGAMOE_TIMEOUT_S`` seconds (default ``DEFAULT_TIMEOUT_S``; 0: never time out)."""
+    if debug:
+        return debug_timeout_ns()
+    raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 <= seconds < 1e6:
+        fail(TIMEOUT_ENV, f"must be a number of seconds in [0, 1e6) (0: never time out), got {raw!r}")
     return int(seconds * 1e9)
 
 
@@ -303,7 +334,7 @@ class _State:
     """Per-buffer launch state, made on the first call (outside CUDA-graph capture)."""
 
     peers: torch.Tensor  # int64 [R]: every rank's buffer base address
-    record: torch.Tensor  # int64 [2 * SMs, RECORD_WORDS], host-mapped: debug reports, one row per CTA
+    record: torch.Tensor  # int64 [2 * SMs, RECORD_WORDS], host-mapped: failed waits and checks, one row per CTA
     num_ctas: int  # CTAs of the staged dispatch / combine kernels (one per SM)
     gemm_sync: torch.Tensor  # int32 zeros: the one-launch kernel's counters (it leaves them zeroed)
 
@@ -325,7 +356,46 @@ def _state(buf: SymmBuffer) -> _State:
         record = torch.zeros(MAX_CTAS_PER_SM * num_ctas, RECORD_WORDS, dtype=torch.int64, pin_memory=True)
         gemm_sync = torch.zeros(sync_words(buf.layout.num_local_experts, buf.layout), dtype=torch.int32, device=buf.device)
         st = _STATES[buf] = _State(peers, record, num_ctas, gemm_sync)
+        _watch(record)
     return st
+
+
+_RECORDS: weakref.WeakSet = weakref.WeakSet()  # every buffer's host-mapped record (``_State.record``)
+_RECORDS_LOCK = threading.Lock()
+_POLLER: list[threading.Thread] = []  # the thread of ``_poll_records``, once started
+
+
+def print_new_records() -> None:
+    """Print to stderr, once each, the lines kernels wrote into a record without printing them (release builds trap
+    after a timeout with no printf: a function call would serialize their wgmmas). A polling thread calls it every
+    ``RECORD_POLL_S`` seconds and the interpreter at exit, so the line appears while the process is stuck elsewhere
+    or as it ends after the trap."""
+    from .kernels.comm import format_record
+    from .kernels.comm.protocol import RECORD_PRINTED
+
+    with _RECORDS_LOCK:
+        for record in list(_RECORDS):
+            for i in (record[:, 0] != 0).nonzero().flatten().tolist():
+                row = record[i].tolist()
+                if row[RECORD_PRINTED] == 0:
+                    print(format_record(row), file=sys.stderr, flush=True)
+                    record[i, RECORD_PRINTED] = 1
+
+
+def _poll_records() -> None:
+    while True:
+        time.sleep(RECORD_POLL_S)
+        print_new_records()
+
+
+def _watch(record: torch.Tensor) -> None:
+    """Have ``print_new_records`` watch ``record`` (the first one starts the thread and the exit hook)."""
+    with _RECORDS_LOCK:
+        _RECORDS.add(record)
+        if not _POLLER:
+            _POLLER.append(threading.Thread(target=_poll_records, name="megamoe-records", daemon=True))
+            _POLLER[0].start()
+            atexit.register(print_new_records)
 
 
 def poison_buffer(buf: SymmBuffer) -> None:
@@ -346,7 +416,8 @@ def poison_buffer(buf: SymmBuffer) -> None:
 
 
 def debug_report(sym_buffer: SymmBuffer) -> str | None:
-    """The debug diagnostics the kernels wrote for this buffer (one line per trapped CTA), or None.
+    """The diagnostics the kernels wrote for this buffer (one line per trapped CTA: a timed-out wait in any build, a
+    failed check in debug builds), or None.
 
     Reads host memory only, so it works after a trap left the CUDA context unusable."""
     from .kernels.comm import format_record
@@ -369,7 +440,7 @@ def _staged(y, sym_buffer: SymmBuffer, stats, debug: bool, expert_compute) -> to
     st = _state(buf)
     cfg = EpCommConfig(lay, debug, stats is not None)
     base, record, num_tokens = buf.buffer.data_ptr(), st.record.data_ptr(), y.shape[0]
-    timeout = debug_timeout_ns() if debug else 0
+    timeout = timeout_ns(debug)
     dispatch.dispatch(cfg, buf.rank, num_tokens, base, st.peers, stats, record, timeout, st.num_ctas)
     rows = expert_compute(num_tokens)
     combine.combine(cfg, buf.rank, num_tokens, base, st.peers, rows, y, record, timeout, st.num_ctas)
@@ -474,7 +545,7 @@ def _fp8_fp4_launch(y, l1, l2, buf: SymmBuffer, stats, activation_clamp, fast_ma
         EpCommConfig(lay, debug, stats is not None, trace is not None), buf.l1_acts, *l1, buf.l1_topk_weights,
         *l2, buf.ring_dest, buf.l2_acts, buf.expert_offsets, activation_clamp, cfg,
         st.gemm_sync, buf.rank, num_tokens, buf.buffer.data_ptr(), st.peers, stats,
-        (st.record if trace is None else trace).data_ptr(), y, debug_timeout_ns() if debug else 0, fast_math,
+        (st.record if trace is None else trace).data_ptr(), y, timeout_ns(debug), fast_math,
     )
 
 

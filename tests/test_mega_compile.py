@@ -15,7 +15,7 @@ from megamoe.kernels.comm import EpCommConfig, SITES, format_record
 from megamoe.kernels.comm.combine import compile_combine
 from megamoe.kernels.comm.dispatch import compile_dispatch
 from megamoe.kernels.comm.protocol import SITE_READY
-from megamoe.mega import (MegaMoE, bf16_mega_moe, debug_enabled, debug_timeout_ns, fp8_fp4_mega_moe,
+from megamoe.mega import (MegaMoE, bf16_mega_moe, debug_enabled, debug_timeout_ns, fp8_fp4_mega_moe, timeout_ns,
                          transform_weights_for_mega_moe)
 
 LAYOUTS = {
@@ -40,9 +40,78 @@ def test_ep_kernels_compile_for_sm90a(name, debug):
     print(f"{name} debug={debug}: combine compiled in {time.perf_counter() - start:.2f} s")
 
 
+_PTX_CHILD = """
+import json, re, sys
+from megamoe import symm_buffer_layout
+from megamoe.kernels.comm import EpCommConfig
+from megamoe.kernels.comm.combine import compile_combine
+from megamoe.kernels.comm.dispatch import compile_dispatch
+report = []
+for debug in (False, True):
+    cfg = EpCommConfig(symm_buffer_layout(2, 16, 8, 4, 512, 512), debug, True)
+    for kernel in (compile_dispatch(cfg), compile_combine(cfg)):
+        ptx = kernel.__ptx__
+        ptx = (ptx.decode() if isinstance(ptx, bytes) else ptx).replace("\\0", "")
+        report.append([debug, "%globaltimer" in ptx, "trap;" in ptx, len(re.findall(r"^\\s*call(\\.uni)?\\s", ptx, re.M))])
+print(json.dumps(report))
+"""
+
+
+def test_ep_kernels_time_out_in_every_build(tmp_path):
+    """Dispatch and combine read the clock in their spin-waits and trap in release builds too (the runtime limit
+    ``timeout_ns``, ``MEGAMOE_TIMEOUT_S``); only the debug builds printf (a function call)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DISABLE_FILE_CACHING="1",
+               CUTE_DSL_DUMP_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", _PTX_CHILD], env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    for debug, timer, trap, calls in json.loads(done.stdout.strip().splitlines()[-1]):
+        assert timer and trap, f"debug={debug}: clock read {timer}, trap {trap}"
+        assert (calls > 0) == debug, f"debug={debug}: {calls} function call(s)"
+
+
+def test_timeout_env(monkeypatch):
+    """``MEGAMOE_TIMEOUT_S`` (release builds, read at each call): default 100 s, 0 = never; debug mode takes
+    ``MEGAMOE_DEBUG_TIMEOUT_S``; anything else is refused with the variable's name."""
+    monkeypatch.delenv("MEGAMOE_TIMEOUT_S", raising=False)
+    monkeypatch.delenv("MEGAMOE_DEBUG_TIMEOUT_S", raising=False)
+    assert timeout_ns(False) == 100_000_000_000 and timeout_ns(True) == 10_000_000_000
+    monkeypatch.setenv("MEGAMOE_TIMEOUT_S", "0")
+    assert timeout_ns(False) == 0
+    monkeypatch.setenv("MEGAMOE_TIMEOUT_S", "0.5")
+    assert timeout_ns(False) == 500_000_000
+    for bad in ("-1", "soon", "nan", "1e7"):
+        monkeypatch.setenv("MEGAMOE_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match="MEGAMOE_TIMEOUT_S"):
+            timeout_ns(False)
+
+
+def test_records_are_printed_once_unless_the_kernel_printed_them(capsys):
+    """The host prints each record row a kernel wrote without printf (release builds) once, as the debug build's
+    printf would; rows the kernel printed itself (``RECORD_PRINTED`` = 1) and empty rows are not printed."""
+    from megamoe import mega
+    from megamoe.kernels.comm.protocol import RECORD_PRINTED, RECORD_WORDS
+
+    record = torch.zeros(4, RECORD_WORDS, dtype=torch.int64)
+    record[1] = torch.tensor([SITE_READY + 1, 3, 1, 7, 2, 5, 4, 0])
+    record[2] = torch.tensor([SITE_READY + 1, 3, 2, 9, 2, 5, 4, 0])
+    record[2, RECORD_PRINTED] = 1
+    mega._watch(record)
+    mega.print_new_records()
+    mega.print_new_records()
+    err = capsys.readouterr().err.splitlines()
+    want = "megamoe debug: rank 3 CTA 1 (SM 7) role dispatch: timed out: waits ready[src=2] >= 5 (call + 1), sees 4"
+    assert err == [want], err
+
+
 def test_debug_sites_format_like_the_kernels():
     for site, (role, text) in enumerate(SITES):
-        assert text.count("%d") == 3 and role in ("dispatch", "combine")
+        assert text.count("%d") == 3 and role in ("dispatch", "combine", "producer")
         line = format_record([site + 1, 0, 5, 17, 1, 3, 2, 0])
         assert line.startswith(f"megamoe debug: rank 0 CTA 5 (SM 17) role {role}: ")
     assert "waits ready[src=1] >= 3 (call + 1), sees 2" in format_record([SITE_READY + 1, 0, 5, 17, 1, 3, 2, 0])

@@ -135,6 +135,7 @@ for i, (cfg, mode, epilogue, mega, debug, trace, folded, fast, *extra) in enumer
         ptx = kernel.__ptx__  # the PTX text
         ptx = (ptx.decode() if isinstance(ptx, bytes) else ptx).replace("\\0", "")
         build = {"wgmma": "wgmma.mma_async" in ptx, "calls": len(re.findall(r"^\\s*call(\\.uni)?\\s", ptx, re.M)),
+                 "timed": ["%globaltimer" in ptx, "trap;" in ptx],
                  "pdl": [ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents")],
                  # the memory instructions laid out before the (first) wait for the previous grid
                  "before_wait": sorted(set(re.findall(
@@ -193,6 +194,17 @@ def test_compiles_for_sm90a_without_wgmma_serialization(sm90a_builds, case):
     assert "error" not in build, build.get("error")
     assert build["wgmma"], "no wgmma.mma_async in the PTX"
     assert build["calls"] == 0, f"{build['calls']} function call(s) in the PTX: ptxas would serialize its wgmmas"
+
+
+@pytest.mark.parametrize("case", range(len(RELEASE_CASES)), ids=RELEASE_IDS)
+def test_only_the_mega_moe_kernel_times_its_waits(sm90a_builds, case):
+    """The Mega MoE kernel's release (and trace) builds time every spin-wait out (``%globaltimer``) and trap; the
+    plain grouped GEMMs (no spin-waits) and the standalone fused L1/L2 launch (release: untimed, as before) read no
+    clock and contain no trap."""
+    build = sm90a_builds[case]
+    assert "error" not in build, build.get("error")
+    mega = RELEASE_CASES[case][3] is not None
+    assert build["timed"] == [mega, mega], build["timed"]
 
 
 # Before ``griddepcontrol.wait`` a kernel may set up shared memory and read its parameters; a separate launch may

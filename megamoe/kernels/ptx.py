@@ -180,6 +180,13 @@ def globaltimer(*, loc=None, ip=None) -> Int64:
 
 
 @dsl_user_op
+def red_or(addr, bits, scope: str, *, loc=None, ip=None) -> None:
+    """``red.relaxed.<scope>.global.or.b32 [addr], bits`` (``scope``: "gpu" or "sys")."""
+    args = [ir_arg(addr, Int64, loc, ip), ir_arg(bits, Int32, loc, ip)]
+    inline_asm([], args, f"red.relaxed.{scope}.global.or.b32 [$0], $1;", "l,r,~{memory}", loc, ip, side_effects=True)
+
+
+@dsl_user_op
 def count_u64(addr, *, loc=None, ip=None) -> None:
     """``red.relaxed.gpu.global.add.u64 [addr], 1``."""
     inline_asm([], [ir_arg(addr, Int64, loc, ip)], "red.relaxed.gpu.global.add.u64 [$0], 1;", "l,~{memory}", loc, ip,
@@ -196,22 +203,30 @@ def trap(*, loc=None, ip=None) -> None:
     inline_asm([], [], "trap;", "~{memory}", loc, ip, side_effects=True)
 
 
+SPINS_PER_CLOCK_READ = 64
+"""Flag loads between two reads of ``%globaltimer`` in a timed ``spin_until`` (a power of two)."""
+
+
 @cute.jit
 def spin_until(addr: Int64, expected: Int32, wide: cutlass.Constexpr, scope: cutlass.Constexpr, timeout_ns: Int64,
                timed: cutlass.Constexpr) -> Int32:
     """Acquire-load the flag at ``addr`` (``ld_acquire``) until it reaches ``expected`` (wrap-safe); returns the
     last value seen. ``timed``: also give up once ``timeout_ns`` (> 0; 0: never) has passed -- the caller then
-    sees ``behind(seen, expected)`` and reports."""
+    sees ``behind(seen, expected)`` and reports. A flag already reached costs one load either way; a timed wait reads
+    the clock when it starts spinning and then every ``SPINS_PER_CLOCK_READ`` loads."""
     seen = ld_acquire(addr, wide, scope)
     if cutlass.const_expr(timed):
-        start = globaltimer()
         waiting = behind(seen, expected)
-        while waiting != 0:
-            seen = ld_acquire(addr, wide, scope)
-            waiting = behind(seen, expected)
-            if timeout_ns > Int64(0):
-                if globaltimer() - start > timeout_ns:
-                    waiting = Int32(0)
+        if waiting != 0:
+            start = globaltimer()
+            spins = Int32(0)
+            while waiting != 0:
+                seen = ld_acquire(addr, wide, scope)
+                waiting = behind(seen, expected)
+                spins = spins + 1
+                if (spins & (SPINS_PER_CLOCK_READ - 1)) == 0:
+                    if (timeout_ns > Int64(0)) & (globaltimer() - start > timeout_ns):
+                        waiting = Int32(0)
     else:
         while behind(seen, expected) != 0:
             seen = ld_acquire(addr, wide, scope)

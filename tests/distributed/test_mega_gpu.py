@@ -293,8 +293,9 @@ def _suite(rank, group, device, num_ranks: int) -> None:
         b.destroy()
 
 
-def _hang(rank, group, device, flag: str) -> None:
-    """Rank 1 allocates its buffer and never calls; rank 0's debug call must trap with a diagnostic."""
+def _hang(rank, group, device, flag: str, build: str) -> None:
+    """Rank 1 allocates its buffer and never calls; rank 0's call (``build``: "debug" or "release", whose limit is
+    ``MEGAMOE_TIMEOUT_S``) must trap with a diagnostic."""
     import ctypes
 
     from megamoe import get_symm_buffer_for_mega_moe
@@ -313,7 +314,7 @@ def _hang(rank, group, device, flag: str) -> None:
     y = torch.empty(5, H, dtype=torch.bfloat16, device=device)
     code = 1
     try:
-        moe(y, buf, debug=True)
+        moe(y, buf, debug=build == "debug")
         torch.cuda.synchronize()
         _say(0, "the call returned although rank 1 never called")
     except RuntimeError as err:
@@ -326,11 +327,123 @@ def _hang(rank, group, device, flag: str) -> None:
     os._exit(code)
 
 
+def _stranded(entry: str) -> None:
+    """One GPU: rank 0 of a two-rank buffer whose rank 1 (its memory on the same GPU) never calls. The release call
+    (``entry``: "fp8_fp4" one launch, or "bf16" the staged dispatch / combine kernels) must give up after
+    ``MEGAMOE_TIMEOUT_S``, the host print the kernel's line naming ``ready[src=1]``, and the process end with the CUDA
+    error (uncaught here: the interpreter's exit path prints what the polling thread has not)."""
+    from megamoe.inputs import fill_buffer, local_experts, random_bf16_weights
+    from megamoe.mega import MegaMoE
+    from megamoe.symm_buffer import SymmBuffer, symm_buffer_layout
+
+    class RankZeroOfTwo(SymmBuffer):
+        """Rank 0's view of a two-rank SymmBuffer; rank 1's memory is a plain allocation nobody calls with."""
+
+        def __init__(self, mma_type: str):
+            self.group, self.rank, self.handle, self.device = None, 0, None, torch.device("cuda")
+            self.layout = symm_buffer_layout(2, 2 * E_PER_RANK, T_MAX, K, H, I, mma_type=mma_type)
+            self.buffer = torch.zeros(self.layout.num_bytes, dtype=torch.uint8, device=self.device)
+            self.peer = torch.zeros_like(self.buffer)
+            for s in self.layout.sections:
+                setattr(self, s.name, self._view(self.buffer, s))
+
+        @property
+        def peer_ptrs(self) -> list[int]:
+            return [self.buffer.data_ptr(), self.peer.data_ptr()]
+
+    mma_type = "fp8xfp4" if entry == "fp8_fp4" else "bf16"
+    p = _problem(11, [5, 5], {"mma_type": mma_type})
+    buf = RankZeroOfTwo(mma_type)
+    fill_buffer(buf, p["x"][0].cuda(), p["topk_idx"][0].cuda(), p["topk_weights"][0].cuda())
+    if entry == "fp8_fp4":
+        moe = MegaMoE(local_experts(p["l1"], 0, 2, "cuda"), local_experts(p["l2"], 0, 2, "cuda"))
+    else:
+        gen = torch.Generator().manual_seed(12)
+        moe = MegaMoE(random_bf16_weights(E_PER_RANK, 2 * I, H, gen).cuda(), random_bf16_weights(E_PER_RANK, H, I, gen).cuda())
+    y = torch.empty(5, H, dtype=torch.bfloat16, device="cuda")
+    start = time.perf_counter()
+    _say(0, "calling; rank 1 never will")
+    try:
+        moe(y, buf)
+        torch.cuda.synchronize()
+    finally:
+        _say(0, f"the call ended after {time.perf_counter() - start:.1f} s")
+
+
+def _bad_routing() -> None:
+    """One GPU, release build: a call whose routing holds ids outside [-1, E) and tokens whose four slots all name
+    expert 0 (four rows per token: more than the expert's R * T_max pool rows), written straight into the buffer's
+    views (as the README's copy-into-views pattern does), after a clean call left real rows in the combine area, which
+    is then poisoned with NaN (a stale slot read would show). Wanted: the error word holds both bits; every output is
+    finite; tokens without duplicates equal the FP32 reference with their bad slots masked; each duplicate token's
+    output is m times its one-slot output (m in 0..k: the rows kept), the m summing to exactly T_max (expert 0's pool)."""
+    from megamoe import get_symm_buffer_for_mega_moe, reference_moe
+    from megamoe.inputs import fill_buffer, local_experts
+    from megamoe.kernels.comm.protocol import ERROR_BAD_ID, ERROR_DROPPED, ERRORS
+    from megamoe.layouts import quantize_fp8
+    from megamoe.mega import MegaMoE
+    from megamoe.numerics import check_moe_output, moe_tolerances
+
+    dev = torch.device("cuda")
+    p = _problem(23, [T_MAX], {})
+    buf = get_symm_buffer_for_mega_moe(None, E_PER_RANK, T_MAX, K, H, I, device=dev)
+    l1, l2 = local_experts(p["l1"], 0, 1, dev), local_experts(p["l2"], 0, 1, dev)
+    moe = MegaMoE(l1, l2)
+    x, idx, w = p["x"][0].to(dev), p["topk_idx"][0].to(dev), p["topk_weights"][0].to(dev)
+    y = torch.full((T_MAX, H), float("nan"), dtype=torch.bfloat16, device=dev)
+    fill_buffer(buf, x, idx, w)
+    moe(y, buf)  # a clean call: real rows of this call stay in the combine area
+    torch.cuda.synchronize()
+    assert int(buf.signals[ERRORS]) == 0, f"error word {int(buf.signals[ERRORS])} after a clean call"
+    gen = torch.Generator().manual_seed(24)
+    dup = torch.randperm(T_MAX, generator=gen)[: T_MAX // 2].to(dev)  # 16 tokens x 4 rows for expert 0's 32 pool rows
+    clean = torch.ones(T_MAX, dtype=torch.bool, device=dev)
+    clean[dup] = False
+    bad_idx = idx.clone()
+    others = torch.stack([torch.randperm(E_PER_RANK - 1, generator=gen)[:K] + 1 for _ in range(T_MAX)]).to(dev)
+    bad_idx[clean] = others[clean]  # distinct experts, never expert 0: at most T_MAX rows each
+    bad_idx[dup] = 0
+    w2 = w.clone()
+    w2[dup] = w[dup, :1]  # a duplicate token's slots carry one weight: every kept row is the same row
+    bad_tokens = clean.nonzero().flatten()[:2]
+    bad_idx[bad_tokens[0], 1], bad_idx[bad_tokens[1], 2] = 99, -7
+    buf.topk_idx[:T_MAX].copy_(bad_idx)
+    buf.topk_weights[:T_MAX].copy_(w2)
+    buf.combine.fill_(float("nan"))
+    y.fill_(float("nan"))
+    moe(y, buf)
+    torch.cuda.synchronize()
+    errors = int(buf.signals[ERRORS])
+    _say(0, f"error word {errors}")
+    assert errors == ERROR_BAD_ID | ERROR_DROPPED, f"error word {errors}, want {ERROR_BAD_ID | ERROR_DROPPED}"
+    assert bool(y.isfinite().all()), f"{int((~y.isfinite()).any(dim=1).sum())} token rows not finite (a stale slot?)"
+    q, sf = quantize_fp8(x)
+    masked = bad_idx.clone()
+    masked[(masked < -1) | (masked >= E_PER_RANK)] = -1
+    ref = reference_moe(q, sf, masked, w2, l1, l2)
+    errs = check_moe_output(y[clean], ref[clean], I, "tokens without duplicate experts")
+    _say(0, f"clean tokens: {errs}")
+    one = masked.clone()
+    one[:, 1:] = -1
+    single = reference_moe(q, sf, one, w2, l1, l2)[dup].double()
+    got = y[dup].double()
+    m = ((got * single).sum(dim=1) / (single * single).sum(dim=1)).round()
+    tol = moe_tolerances(I)["max_row_rel"]
+    rel = (got - m[:, None] * single).norm(dim=1) / (m[:, None] * single).norm(dim=1).clamp(min=1e-30)
+    _say(0, f"rows kept per duplicate token: {m.int().tolist()}")
+    assert bool(((m >= 0) & (m <= K)).all()) and int(m.sum()) == T_MAX, f"kept rows {m.tolist()}"
+    assert bool(((m == 0) & (got.abs().max(dim=1).values == 0) | (rel <= tol)).all()), f"row errors {rel.tolist()}"
+
+
 def _main(mode: str, *args: str) -> None:
     from helpers.spawn import spawn
 
     if mode == "hang":
-        spawn(_hang, 2, args[0], use_cuda=True)
+        spawn(_hang, 2, *args, use_cuda=True)
+    elif mode == "stranded":
+        _stranded(*args)
+    elif mode == "routing":
+        _bad_routing()
     else:
         spawn(_suite, RANKS[mode], RANKS[mode], use_cuda=True)
 
@@ -384,13 +497,35 @@ def test_mega_four_gpus():
 
 
 @pytest.mark.gpu
-def test_mega_debug_hang_diagnostic(tmp_path):
+@pytest.mark.parametrize("build", ["debug", "release"])
+def test_mega_hang_diagnostic(tmp_path, build):
     _gpus(2)
     # The trap leaves a dead CUDA context, whose teardown may abort the process: only the output counts.
-    out = _run("hang", str(tmp_path / "rank0_done"), timeout=180, expect_exit_zero=False, MEGAMOE_DEBUG_TIMEOUT_S="2",
-               TORCH_NCCL_ASYNC_ERROR_HANDLING="0", TORCH_NCCL_ENABLE_MONITORING="0")
+    out = _run("hang", str(tmp_path / "rank0_done"), build, timeout=180, expect_exit_zero=False,
+               MEGAMOE_DEBUG_TIMEOUT_S="2", MEGAMOE_TIMEOUT_S="2", TORCH_NCCL_ASYNC_ERROR_HANDLING="0",
+               TORCH_NCCL_ENABLE_MONITORING="0")
     want = "megamoe debug: rank 0 CTA"
     assert want in out and "role dispatch: timed out: waits ready[src=1] >= 1 (call + 1), sees 0" in out, out[-6000:]
+
+
+@pytest.mark.gpu
+def test_bad_routing_counted_and_dropped_rows_add_nothing():
+    _gpus(1)
+    _run("routing", timeout=300)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("entry", ["fp8_fp4", "bf16"])
+def test_release_timeout_on_one_gpu(entry):
+    """A release call whose peer never comes (rank 0 of a two-rank buffer on one GPU) traps after MEGAMOE_TIMEOUT_S
+    instead of spinning forever: the process ends (non-zero) within the test's limit, its output holds the kernel's
+    line (printed by the host from the host-mapped record: the release kernels have no printf) and no earlier end."""
+    _gpus(1)
+    out = _run("stranded", entry, timeout=240, expect_exit_zero=False, MEGAMOE_TIMEOUT_S="3")
+    assert "role dispatch: timed out: waits ready[src=1] >= 1 (call + 1), sees 0" in out, out[-6000:]
+    assert "megamoe debug: rank 0 CTA" in out and "calling; rank 1 never will" in out, out[-6000:]
+    ended = [line for line in out.splitlines() if "the call ended after" in line]
+    assert ended and float(ended[0].split("after ")[1].split(" s")[0]) >= 3, out[-6000:]
 
 
 if __name__ == "__main__":

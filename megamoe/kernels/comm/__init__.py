@@ -54,11 +54,16 @@ barrier arrival); readers acquire the flag in one thread, then ``bar.sync``; dat
 write is loaded with ``ld.global.cg`` (L2, never a stale L1 line). Every PTX block is volatile and
 those that touch memory clobber it, so the compiler keeps their program order.
 
-Debug mode (``debug=True``, a separate compile): every spin-wait times out after ``timeout_ns``
-(``%globaltimer``) and the kernel checks the codes it reads from ``pool`` and the
-expert / ring capacities; on a failure it printf's ``megamoe debug: rank, CTA (SM), role, site,
-expected, seen``, writes the same record into host-mapped memory (``record``: int64 [num_ctas, 8],
-one row per CTA, see ``format_record``) and traps.
+Every build: every spin-wait times out after ``timeout_ns`` (``%globaltimer``, read once a flag is not yet reached,
+then every ``ptx.SPINS_PER_CLOCK_READ`` loads; 0: never), writes ``rank, CTA (SM), role, site, expected, seen`` into
+host-mapped memory (``record``: int64 [num_ctas, 8], one row per CTA, see ``format_record``; the host prints it) and
+traps. Routing: a ``topk_idx`` entry outside [-1, E) sets ``ERROR_BAD_ID`` in the error word ``signals[ERRORS]``
+(scan, step 2; the slot stays masked); an entry beyond an expert's pool (step 2) or the rows past ``row_limit``
+(step 3) -- only duplicate experts in a token exceed them -- are dropped: their combine slot on the source rank is
+zeroed and ``ERROR_DROPPED`` set on every rank.
+
+Debug mode (``debug=True``, a separate compile): the kernels also check the codes they read from ``pool`` and trap
+on the capacity overflows above, and every failure printf's its line too.
 """
 
 from .protocol import MAX_LOCAL_EXPERTS, RECORD_WORDS, SITES, EpCommConfig, format_record

@@ -36,7 +36,7 @@ class Dispatch(EpPhases):
         self.scan(me, base, peers, call, t_src, tid, cta, num_ctas, record, timeout_ns)
         self.grid_barrier(base + (self.signals + 4), (call * BARRIERS_PER_CALL + 1) * num_ctas, 0, SITE_D_BARRIER, tid,
                           me, record, timeout_ns)
-        total = self.expert_offsets(offs, base, stats, tid, lane, cta, True, me, record)
+        total = self.expert_offsets(offs, base, peers, stats, tid, lane, cta, num_ctas, True, me, record)
         self.pull(me, base, peers, offs, total, cta * WARPS + tid // WARP, num_ctas * WARPS, lane, record)
 
 

@@ -13,8 +13,8 @@ from cutlass.cutlass_dsl import dsl_user_op
 from ...scheduler import tiles
 from .. import dequant, ptx
 from ..warp_ops import warp_inclusive_sum
-from .protocol import (RECORD_WORDS, SITE_DONE, SITE_EXPERT, SITE_POOL, SITE_READY, SITE_RING_FREE, SITE_ROWS, SITES, THREADS,
-                       VEC, VECS_PER_LANE, WARP, EpCommConfig)
+from .protocol import (ERROR_BAD_ID, ERROR_DROPPED, ERRORS, RECORD_WORDS, SITE_DONE, SITE_EXPERT, SITE_POOL, SITE_READY,
+                       SITE_RING_FREE, SITE_ROWS, SITES, THREADS, VEC, VECS_PER_LANE, WARP, EpCommConfig)
 
 DSL_OPS = SimpleNamespace(
     min=cutlass.min, max=cutlass.max, select=lambda c, a, b: Int32(cutlass.select_(c, Int32(a), Int32(b)))
@@ -23,13 +23,17 @@ DSL_OPS = SimpleNamespace(
 
 
 @dsl_user_op
-def _st_record(addr: Int64, words: list, *, loc=None, ip=None) -> None:
-    """Store 8 int32 values as int64 words at ``addr`` (host-mapped memory), then ``fence.sc.sys``."""
-    lines = [".reg .b64 w;"]
-    for i in range(RECORD_WORDS):
-        lines += [f"cvt.s64.s32 w, ${i + 1};", f"st.relaxed.sys.global.b64 [$0+{8 * i}], w;"]
+def _st_record(record: Int64, words: list, *, loc=None, ip=None) -> None:
+    """Store 8 int32 values (``words[2]``: the CTA) as int64 words into row ``words[2]`` of ``record`` (host-mapped
+    memory), word 0 last (the host takes a row whose word 0 is nonzero as complete), then ``fence.sc.sys``. The row
+    address is computed inside the block, so no failure path keeps one live (in registers) across the kernel."""
+    lines = [".reg .b64 w, a;", f"mad.wide.u32 a, $3, {RECORD_WORDS * 8}, $0;"]
+    for i in [*range(1, RECORD_WORDS), 0]:
+        lines += [f"cvt.s64.s32 w, ${i + 1};", f"st.relaxed.sys.global.b64 [a+{8 * i}], w;"]
+        if i == RECORD_WORDS - 1:
+            lines.append("fence.sc.sys;")
     text = "{\n" + "\n".join(lines) + "\nfence.sc.sys;\n}"
-    args = [ptx.ir_arg(addr, Int64, loc, ip)] + [ptx.ir_arg(w, Int32, loc, ip) for w in words]
+    args = [ptx.ir_arg(record, Int64, loc, ip)] + [ptx.ir_arg(w, Int32, loc, ip) for w in words]
     ptx.volatile_asm([], args, text, "l" + ",r" * RECORD_WORDS + ",~{memory}", loc, ip)
 
 
@@ -66,23 +70,27 @@ class EpPhases:
 
     @cute.jit
     def fail(self, site: cutlass.Constexpr, rank: Int32, record: Int64, index: Int32, expected: Int32, seen: Int32):
-        """Debug report (printf + host-mapped record) and trap."""
+        """Report and trap: the host-mapped record (``record``, 0: none; the host prints its line, ``megamoe.mega``)
+        and, in the debug build, the same line by printf (a function call: release builds of a kernel with wgmma
+        must not contain one)."""
         cta = cute.arch.block_idx()[0]
         sm = ptx.smid()
         role, text = SITES[site]
-        cute.printf("megamoe debug: rank %d CTA %d (SM %d) role " + role + ": " + text, rank, cta, sm, index, expected, seen)
+        if cutlass.const_expr(self.debug):
+            cute.printf("megamoe debug: rank %d CTA %d (SM %d) role " + role + ": " + text, rank, cta, sm, index, expected,
+                        seen)
         if record != Int64(0):
-            _st_record(record + Int64(cta) * (RECORD_WORDS * 8), [Int32(site + 1), rank, cta, sm, index, expected, seen, Int32(0)])
+            _st_record(record, [Int32(site + 1), rank, cta, sm, index, expected, seen, Int32(int(self.debug))])
         ptx.trap()
 
     @cute.jit
     def wait_flag(self, addr: Int64, expected: Int32, wide: cutlass.Constexpr, scope: cutlass.Constexpr,
                   site: cutlass.Constexpr, index: Int32, rank: Int32, record: Int64, timeout_ns: Int64):
-        """Spin until the flag's call part reaches ``expected`` (acquire); debug: time out and report."""
-        seen = ptx.spin_until(addr, expected, wide, scope, timeout_ns, self.debug)
-        if cutlass.const_expr(self.debug):
-            if ptx.behind(seen, expected) != 0:
-                self.fail(site, rank, record, index, expected, seen)
+        """Spin until the flag's call part reaches ``expected`` (acquire); after ``timeout_ns`` (0: never) report
+        (``fail``) and trap."""
+        seen = ptx.spin_until(addr, expected, wide, scope, timeout_ns, True)
+        if ptx.behind(seen, expected) != 0:
+            self.fail(site, rank, record, index, expected, seen)
 
     @cute.jit
     def group_sync(self):
@@ -197,22 +205,43 @@ class EpPhases:
             entries = t_src[s % 2] * k
             idx = ptx.ld_cg_u64(peers + Int64(src) * 8) + cfg.offset("topk_idx")
             for q in cutlass.range(cta * self.threads + tid, entries, num_ctas * self.threads):
-                e = ptx.ld_cg_u64(idx + Int64(q) * 8) - Int64(me) * self.num_local
+                expert = ptx.ld_cg_u64(idx + Int64(q) * 8)
+                e = expert - Int64(me) * self.num_local
                 if (e >= 0) & (e < self.num_local):
                     le = Int32(e)
                     pos = ptx.atom_add(base + (counts + Int64(le) * 4), 1, "relaxed")
                     if pos < self.pool_cap:
                         ptx.st_global_u32(base + (pool + (Int64(le) * self.pool_cap + pos) * 4), src * (self.t_max * k) + q)
-                    if cutlass.const_expr(self.debug):  # noqa: SIM102 (compile-time test, then the runtime one)
-                        if pos >= self.pool_cap:
+                    else:
+                        if cutlass.const_expr(self.debug):
                             self.fail(SITE_EXPERT, me, record, le, Int32(self.pool_cap), pos)
+                        self.drop_row(src * (self.t_max * k) + q, peers)
+                if (expert < -1) | (expert >= self.num_experts):  # counted; the slot is a masked one
+                    ptx.red_or(base + (self.signals + ERRORS * 4), ERROR_BAD_ID, "gpu")
 
     @cute.jit
-    def expert_offsets(self, offs: cute.Tensor, base: Int64, stats: Int64, tid: Int32, lane: Int32, cta: Int32,
-                       store: cutlass.Constexpr, me: Int32, record: Int64) -> Int32:
+    def drop_row(self, code: Int32, peers: Int64):
+        """A routing entry (source ``code``) beyond this rank's capacity -- only duplicate experts in a token's top-k
+        exceed it -- is not computed: one thread zeroes its combine slot on its source rank, so that the slot adds
+        nothing there instead of an earlier call's row, and sets ``ERROR_DROPPED`` in every rank's error word; then
+        ``fence.acq_rel.sys`` (the zeros precede this rank's ``done``, as the rows of the L2 tiles do)."""
+        src, q = self.decode(code)
+        t = q // self.topk
+        slot = ptx.ld_cg_u64(peers + Int64(src) * 8) + (
+            self.cfg.offset("combine") + (Int64(q - t * self.topk) * self.t_max + Int64(t)) * (self.hidden * 2))
+        for v in cutlass.range(self.hidden * 2 // VEC, unroll=1):
+            ptx.st_global_v4(slot + Int64(v) * VEC, [Int32(0)] * 4, 1)
+        for r in cutlass.range(self.num_ranks, unroll=1):
+            ptx.red_or(ptx.ld_cg_u64(peers + Int64(r) * 8) + (self.signals + ERRORS * 4), ERROR_DROPPED, "sys")
+        ptx.fence_acq_rel_sys()
+
+    @cute.jit
+    def expert_offsets(self, offs: cute.Tensor, base: Int64, peers: Int64, stats: Int64, tid: Int32, lane: Int32,
+                       cta: Int32, num_ctas: Int32, store: cutlass.Constexpr, me: Int32, record: Int64) -> Int32:
         """Step 3 (after the scan's grid barrier): ``offs`` (shared, int32 [E_l + 1]) = the exclusive prefix of
-        the counts (clamped to the pool), then clamped to ``row_limit``; CTA 0 adds the counts to the recv stats
-        (``cfg.has_stats``) and, with ``store``, writes ``expert_offsets``. Returns the rows to pull."""
+        the counts (clamped to the pool), then clamped to ``row_limit``: the rows past it (expert order) are dropped
+        (``drop_row``, every CTA's share); CTA 0 adds the counts to the recv stats (``cfg.has_stats``) and, with
+        ``store``, writes ``expert_offsets``. Returns the rows to pull."""
         cfg = self.cfg
         counts = cfg.offset("expert_counts")
         for e in cutlass.range(tid, self.num_local, self.threads):
@@ -225,6 +254,10 @@ class EpPhases:
         if cutlass.const_expr(self.debug):  # noqa: SIM102 (compile-time test, then the runtime one)
             if (cta == 0) & (tid == 0) & (total > self.row_limit):
                 self.fail(SITE_ROWS, me, record, Int32(self.row_limit), total, total - self.row_limit)
+        for row in cutlass.range(self.row_limit + cta * self.threads + tid, total, num_ctas * self.threads, unroll=1):
+            e = tiles.expert_of_block(row, offs, self.num_local, DSL_OPS)
+            pool_entry = base + (cfg.offset("pool") + (Int64(e) * self.pool_cap + (row - offs[e])) * 4)
+            self.drop_row(ptx.ld_cg_u32(pool_entry), peers)
         self.group_sync()  # every thread read the total before it is clamped
         for e in cutlass.range(tid, self.num_local + 1, self.threads):
             offs[e] = cutlass.min(offs[e], self.row_limit)

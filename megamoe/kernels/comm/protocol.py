@@ -22,7 +22,18 @@ BARRIERS_PER_CALL = 2
 MAX_LOCAL_EXPERTS = 8192
 """Local experts the kernels' shared-memory prefix holds (int32 each)."""
 RECORD_WORDS = 8
-"""int64 words of one CTA's debug record: site + 1, rank, CTA, SM, index, expected, seen, 0."""
+"""int64 words of one CTA's record of a failed wait or check: site + 1, rank, CTA, SM, index, expected, seen, and
+``RECORD_PRINTED`` (1: the kernel printed the line itself, the debug build; 0: the host prints it)."""
+RECORD_PRINTED = 7
+ERRORS = 2
+"""Index in ``signals`` of the device error word: bits the kernels OR in (never clear) for routing they could not
+honour; ``megamoe.check_errors`` reads it."""
+ERROR_BAD_ID = 1
+"""A ``topk_idx`` entry outside [-1, E) was seen (it counts as a masked slot). Every rank scans every rank's routing,
+so every rank sets it."""
+ERROR_DROPPED = 2
+"""Rows beyond a rank's capacity (duplicate experts in a token's top-k) were dropped: their slots contribute zeros.
+The rank that dropped them sets it on every rank."""
 
 SITES = (
     ("dispatch", "timed out: waits ready[src=%d] >= %d (call + 1), sees %d"),
@@ -33,14 +44,17 @@ SITES = (
     ("combine", "timed out: waits grid barrier %d: arrivals >= %d, sees %d"),
     ("combine", "timed out: waits done[dst=%d] >= %d (call + 1), sees %d"),
     ("dispatch", "timed out: pull waits its ring block free: L2 tiles done of pool block %d >= %d, sees %d"),
+    ("producer", "timed out: waits pulled row units of pool block %d: count >= %d, sees %d"),
+    ("producer", "timed out: waits first-GEMM tiles of pool block %d: count >= %d, sees %d"),
 )
-"""Debug diagnostics: (role, message with index, expected, seen), shared by the kernels' printf and
-``format_record``."""
-SITE_READY, SITE_D_BARRIER, SITE_POOL, SITE_EXPERT, SITE_ROWS, SITE_C_BARRIER, SITE_DONE, SITE_RING_FREE = range(len(SITES))
+"""Diagnostics of the kernels' failed waits and (debug builds) checks: (role, message with index, expected, seen),
+shared by the kernels' printf and ``format_record``."""
+(SITE_READY, SITE_D_BARRIER, SITE_POOL, SITE_EXPERT, SITE_ROWS, SITE_C_BARRIER, SITE_DONE, SITE_RING_FREE, SITE_PULLED,
+ SITE_L1_TILES) = range(len(SITES))
 
 
 def format_record(row: list[int]) -> str:
-    """One CTA's debug record (``RECORD_WORDS`` ints, first nonzero) as the kernel printed it."""
+    """One CTA's record (``RECORD_WORDS`` ints, first nonzero) as the debug build's kernel prints it."""
     site, rank, cta, sm, index, expected, seen = row[0] - 1, *row[1:7]
     role, text = SITES[site]
     return f"megamoe debug: rank {rank} CTA {cta} (SM {sm}) role {role}: " + text % (index, expected, seen)

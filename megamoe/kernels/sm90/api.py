@@ -616,10 +616,11 @@ def mega_moe_sm90(comm, a: torch.Tensor, b1: torch.Tensor, b1_sf: torch.Tensor, 
     expert offsets and pool blocks in shared memory, pull; each pulled unit counted per pool block in ``sync``),
     the tiles (``scheduler.tiles``' order, handed out dynamically; an L1 tile loads its first weight chunks,
     then waits for its block's pulls), then combine on the consumer warpgroups (grid barrier, done exchange,
-    sum into ``y``) and the call's end. ``comm``: the buffer's ``comm.EpCommConfig`` (debug iff
-    ``timeout_ns`` > 0); ``sync``: int32 ``[sync_words(E, layout)]`` zeros,
+    sum into ``y``) and the call's end. ``comm``: the buffer's ``comm.EpCommConfig`` (its ``debug``: the debug
+    build); ``sync``: int32 ``[sync_words(E, layout)]`` zeros,
     left zeroed; ``peers``: int64 [R] device array of the ranks' buffer bases; ``record``: host-mapped int64
-    ``[CTAs, 8]`` (debug reports), or in the trace build (``comm.trace``) a ``timeline.trace_buffer``;
+    ``[CTAs, 8]`` (failed waits and checks), or in the trace build (``comm.trace``) a ``timeline.trace_buffer``;
+    ``timeout_ns``: every spin-wait's limit in every build (0: never);
     ``fast_math``: the L1 epilogue's silu (``grouped_gemm_fp8_fp4_swiglu_contiguous``)."""
     m, inter = act.shape
     kernel = compile_mega_moe(config, comm, fast_math)

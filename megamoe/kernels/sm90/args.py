@@ -45,13 +45,13 @@ class SecondGemmArgs(NamedTuple):
 
     gemm: GemmArgs  # a: (M, I) bf16 (the first GEMM's output memory), w / w_sf: L2's weights
     row_addr: Any  # (M,) int64: where the second GEMM's ScatterRows stores each row
-    timeout_ns: Any  # Int64: debug build, spin-wait limit (0: none); else unused
+    timeout_ns: Any  # Int64: spin-wait limit (0: none) of the Mega MoE kernel and the fused launch's debug build
 
 
 class MegaArgs(NamedTuple):
     """The Mega MoE kernel's communication: this rank, its token count, its SymmBuffer base, the peers' bases
-    (device address of an int64 [R] array), the recv stats (int32 [E_l] address, 0: none), the debug record
-    (host-mapped int64 [CTAs, 8]) or trace buffer, and the output y (bf16 [T, H] address)."""
+    (device address of an int64 [R] array), the recv stats (int32 [E_l] address, 0: none), the record of failed waits
+    and checks (host-mapped int64 [CTAs, 8]) or the trace buffer, and the output y (bf16 [T, H] address)."""
 
     me: Any
     num_tokens: Any

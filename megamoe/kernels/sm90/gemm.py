@@ -269,7 +269,7 @@ class GroupedGemmSm90:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.producer(ab_pipeline, tma1, tma2, sA, sW, sSFW, sSFA, groups, total_rows, dims, sync, second,
-                              bidx, gdim, channel)
+                              mega, bidx, gdim, channel)
             self.other_warps(warp_idx, groups, total_rows, dims, sync, second, mega, ctx, bidx, gdim, channel)
         else:
             if cutlass.const_expr(self.rebalance_registers):
@@ -408,7 +408,7 @@ class GroupedGemmSm90:
 
     @cute.jit
     def producer(self, ab_pipeline, tma1: TmaOps, tma2, sA, sW, sSFW, sSFA, groups, total_rows, dims, sync, second,
-                 bidx, gdim, channel):
+                 mega, bidx, gdim, channel):
         """Warp 0: TMA loads of every tile's K chunks; every tile (then an invalid one, the end) is published to the
         consumers before its loads. Tiles of the second GEMM (one-launch kernels): ``load_second_gemm``."""
         tWs, tWg, tSFWs, tSFWg = self.weight_partitions(tma1, sW, sSFW)
@@ -428,10 +428,10 @@ class GroupedGemmSm90:
             if phase == 0:
                 tAs, tAg = self.token_partitions(tma1, row0, sA)
                 state = self.load_first_gemm(ab_pipeline, state, tma1, (tAg, tAs, tWg, tWs, tSFWg, tSFWs), sSFA, e,
-                                             n_tile, row0, row_end, block, dims, groups, sync, second)
+                                             n_tile, row0, row_end, block, dims, groups, sync, second, mega)
             else:
                 state, all_done = self.load_second_gemm(ab_pipeline, state, tma2, parts2, sA, e, n_tile, row0, block,
-                                                        t_off, dims, groups, total_rows, sync, second, all_done)
+                                                        t_off, dims, groups, total_rows, sync, second, mega, all_done)
             if cutlass.const_expr(self.published):
                 t = channel.fetch(self.word(sync, groups.num_groups, NEXT_TILE), gdim)
             else:
@@ -446,7 +446,7 @@ class GroupedGemmSm90:
 
     @cute.jit
     def load_first_gemm(self, ab_pipeline, state, ops: TmaOps, parts, sSFA, e, n_tile, row0, row_end, block, dims,
-                        groups, sync, second):
+                        groups, sync, second, mega):
         """A first-GEMM tile's loads: every K step's tokens, weights and scales (FP8 block-32 mode: and the token
         scale words). Returns the advanced pipeline state."""
         tAg, tAs, tWg, tWs, tSFWg, tSFWs = parts
@@ -467,7 +467,7 @@ class GroupedGemmSm90:
         return state
 
     def load_second_gemm(self, ab_pipeline, state, tma2, parts2, sA, e, n_tile, row0, block, t_off, dims, groups,
-                         total_rows, sync, second, all_done):
+                         total_rows, sync, second, mega, all_done):
         """A second-GEMM tile's loads (none here: one GEMM). Returns (state, all_done)."""
         return state, all_done
 

@@ -114,7 +114,7 @@ class FusedL1L2Sm90(GroupedGemmSm90):
 
     @cute.jit
     def load_second_gemm(self, ab_pipeline, state, tma2, parts2, sA, e, n_tile, row0, block, t_off, dims, groups,
-                         total_rows, sync, second, all_done):
+                         total_rows, sync, second, mega, all_done):
         """An L2 tile: load the weights of up to ``stages`` chunks (they do not depend on L1), then wait for its
         tokens' rows (the L1 tiles of its group), then load them (``load_tile``). Once every L1 tile is seen done
         (acquired + proxy fence) no more checks."""
@@ -133,7 +133,7 @@ class FusedL1L2Sm90(GroupedGemmSm90):
                 ahead = self.chunks_ahead(addr, target, self.k_steps(dims[2]))
         state = self.load_tile(ab_pipeline, state, tma2, (tAg2, tAs2, tWg2, tWs2, tSFWg2, tSFWs2), e, n_tile,
                                self.k_steps(dims[2]), ahead, addr, target, second.timeout_ns, self.wait_index(e, block),
-                               self.wait_what)
+                               self.wait_what, mega)
         return state, all_done
 
     wait_what = "first-GEMM tiles of group"  # the debug report's name of an L2 tile's wait
@@ -155,10 +155,10 @@ class FusedL1L2Sm90(GroupedGemmSm90):
         return addr, target
 
     @cute.jit
-    def wait_counter(self, addr: Int64, target: Int32, index: Int32, timeout_ns: Int64, what: cutlass.Constexpr):
+    def wait_counter(self, addr: Int64, target: Int32, index: Int32, timeout_ns: Int64, what: cutlass.Constexpr, mega):
         """Spin until the counter at ``addr`` (``what`` it counts, of group / block ``index``) reaches ``target``
         (acquire), then order the async proxy (TMA) after it. Debug build: with ``timeout_ns`` > 0, expiry printf's
-        the wait and traps."""
+        the wait and traps (this kernel has no host-mapped record; ``mega``: unused here)."""
         seen = ptx.spin_until(addr, target, False, "gpu", timeout_ns, self.debug)
         if cutlass.const_expr(self.debug):
             if ptx.behind(seen, target) != 0:
@@ -184,10 +184,11 @@ class FusedL1L2Sm90(GroupedGemmSm90):
 
     @cute.jit
     def load_tile(self, ab_pipeline, state, ops, parts, e: Int32, n_tile: Int32, k_tiles: Int32, ahead: Int32,
-                  addr: Int64, target: Int32, timeout_ns: Int64, index: Int32, what: cutlass.Constexpr):
+                  addr: Int64, target: Int32, timeout_ns: Int64, index: Int32, what: cutlass.Constexpr, mega):
         """The TMA loads of a tile whose token rows other CTAs produce in this launch. The first ``ahead`` chunks (at
         most ``stages``: they need no stage of this tile released) load their weights, then the wait for the counter
-        (``wait_counter``; ``index``, ``what``: its name in the debug report), then their tokens; the rest load both.
+        (``wait_counter``; ``index``, ``what``: its name in the report; ``mega``: the kernel's ``MegaArgs``), then
+        their tokens; the rest load both.
         ``ahead`` = 0: the rows are known ready (acquired, proxy-fenced). ``parts``: the GEMM's (tAg, tAs, tWg, tWs,
         tSFWg, tSFWs) partitions. Returns the advanced pipeline state."""
         tAg, tAs, tWg, tWs, tSFWg, tSFWs = parts
@@ -198,7 +199,7 @@ class FusedL1L2Sm90(GroupedGemmSm90):
             ab_pipeline.producer_commit(state)
             state.advance()
         if ahead > 0:
-            self.wait_counter(addr, target, index, timeout_ns, what)
+            self.wait_counter(addr, target, index, timeout_ns, what, mega)
         for kt in cutlass.range(ahead, unroll=1):
             self.load_chunk(ab_pipeline, pending, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile, True, False)
             pending.advance()

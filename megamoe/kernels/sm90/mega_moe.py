@@ -36,7 +36,7 @@ from ... import timeline
 from ...scheduler import tiles
 from .. import ptx
 from ..comm.phases import DSL_OPS, EpPhases
-from ..comm.protocol import RECORD_WORDS, SITE_C_BARRIER, SITE_D_BARRIER, EpCommConfig
+from ..comm.protocol import RECORD_WORDS, SITE_C_BARRIER, SITE_D_BARRIER, SITE_L1_TILES, SITE_PULLED, EpCommConfig
 from .config import (ALL_L1, FINISHED, GRID, L1_DONE, L2_DONE, MEGA_HEADER, NEXT_TILE, PULLED, GemmConfig,
                      mega_comm_words, mega_max_blocks, mega_smem_bytes, named_barriers)
 from .l1_l2 import FusedL1L2Sm90
@@ -48,7 +48,7 @@ class MegaContext(NamedTuple):
     call: Int32  # calls this rank's buffer completed before this one
     total: Int32  # rows routed to this rank
     flag: cute.Tensor  # one shared int32: the end-of-call election
-    timeout_ns: Int64  # debug build: spin-wait limit
+    timeout_ns: Int64  # spin-wait limit (0: never)
 
 
 class MegaMoESm90(FusedL1L2Sm90):
@@ -104,7 +104,8 @@ class MegaMoESm90(FusedL1L2Sm90):
         self.stamp(mega, gdim, bidx, tidx, "scanned")
         self.ep_all.grid_barrier(self.word(sync, groups.num_groups, GRID), gdim, 0, SITE_D_BARRIER, tidx, mega.me,
                                  mega.record, timeout_ns)
-        total = self.ep_all.expert_offsets(offs, mega.base, mega.stats, tidx, lane, bidx, False, mega.me, mega.record)
+        total = self.ep_all.expert_offsets(offs, mega.base, mega.peers, mega.stats, tidx, lane, bidx, gdim, False, mega.me,
+                                           mega.record)
         for g in cutlass.range(tidx, num_local, self.threads):
             firsts[g] = tiles.token_tiles(offs[g + 1] - offs[g], self.tile_tokens)
         cute.arch.sync_threads()
@@ -189,20 +190,30 @@ class MegaMoESm90(FusedL1L2Sm90):
 
     @cute.jit
     def load_first_gemm(self, ab_pipeline, state, ops, parts, sSFA, e, n_tile, row0, row_end, block, dims, groups,
-                        sync, second):
+                        sync, second, mega):
         """An L1 tile: its rows are this launch's pulls (``EpPhases.pull_ring`` counts units per pool block)."""
         addr = self.word(sync, groups.num_groups, PULLED, block)
         target = tiles.pulled_target(row_end - row0, self.ep_all.row_units)
         ahead = self.chunks_ahead(addr, target, self.k_steps(dims[0]))
         return self.load_tile(ab_pipeline, state, ops, parts, e, n_tile, self.k_steps(dims[0]), ahead, addr, target,
-                              second.timeout_ns, block, "pulled row units of pool block")
+                              second.timeout_ns, block, SITE_PULLED, mega)
 
     @cute.jit
     def first_gemm_count(self, sync: Int64, e: Int32, block: Int32, dims, groups, total_rows):
         """(address, target) of the counter an L2 tile waits on: its pool block's L1 tiles (``dims[1]`` of them)."""
         return self.word(sync, groups.num_groups, L1_DONE, block), dims[1]
 
-    wait_what = "first-GEMM tiles of pool block"
+    wait_what = SITE_L1_TILES
+
+    @cute.jit
+    def wait_counter(self, addr: Int64, target: Int32, index: Int32, timeout_ns: Int64, what: cutlass.Constexpr, mega):
+        """Spin until the counter at ``addr`` (``what``: its ``comm.SITES`` entry, of pool block ``index``) reaches
+        ``target`` (acquire), then order the async proxy (TMA) after it; after ``timeout_ns`` (0: never) report into
+        the host-mapped record (``EpPhases.fail``; printf too in the debug build) and trap."""
+        seen = ptx.spin_until(addr, target, False, "gpu", timeout_ns, True)
+        if ptx.behind(seen, target) != 0:
+            self.ep_all.fail(what, mega.me, mega.record, index, target, seen)
+        cute.arch.fence_proxy("async.global")
 
     def wait_index(self, e, block):
         return block
