@@ -1,7 +1,8 @@
 """Mega MoE (``megamoe.mega``: FP8 x FP4 in one launch, BF16 staged) on 1, 2 and 4 GPUs against the FP32 reference and the staged path.
 
 A protocol bug hangs or traps (and so poisons) a CUDA context, so every test runs this file as a
-subprocess with a timeout (``python test_mega_gpu.py one|two|four|hang``) and shows its output on failure:
+subprocess with a timeout (``python test_mega_gpu.py one|two|four|hang|stranded|routing|nonfinite``) and shows its
+output on failure:
 one progress line per rank and call, the contract errors, and any ``megamoe debug:`` diagnostic.
 
 * ``one`` / ``two`` / ``four``: one buffer (T_max = 32, H = I = 512, 8 experts per rank, top-4), every case
@@ -23,8 +24,13 @@ one progress line per rank and call, the contract errors, and any ``megamoe debu
   must say so (NotImplementedError before any launch); the staged path with the SM90 GEMMs is checked against that
   recipe's reference and tolerances on 1, 2 and 4 GPUs (ragged, skewed, no tokens, one token, full with a clamp, a
   small ring on two).
-* ``hang``: rank 1 never calls; rank 0's debug-mode call must trap with the diagnostic naming
-  ``ready[src=1]`` (printf and the host-mapped record) instead of hanging.
+* ``hang``: rank 1 never calls; rank 0's call, debug or release build (``MEGAMOE_TIMEOUT_S``), must trap with the
+  diagnostic naming ``ready[src=1]`` (the host-mapped record; printf too in debug mode) instead of hanging.
+* ``stranded`` (one GPU): the same for rank 0 of a two-rank buffer whose rank 1 lives on the same GPU and never calls,
+  release build, both the one-launch kernel and the staged dispatch: the process ends, the host prints the line.
+* ``routing`` (one GPU): ids outside [-1, E) and duplicate experts beyond an expert's pool rows: the error word's bits,
+  masked bad slots, dropped rows adding nothing (never a stale row of an earlier call).
+* ``nonfinite`` (one GPU): a NaN / +-Inf routing weight makes its token's row NaN, the others stay exact.
 
     python -m pytest -q -m gpu tests/distributed/test_mega_gpu.py
 """
@@ -435,6 +441,39 @@ def _bad_routing() -> None:
     assert bool(((m == 0) & (got.abs().max(dim=1).values == 0) | (rel <= tol)).all()), f"row errors {rel.tolist()}"
 
 
+def _nonfinite_weights() -> None:
+    """One GPU: a token with a NaN, +Inf or -Inf routing weight in one slot gets a NaN output row on the Mega MoE
+    path (its slot's SwiGLU blocks quantize to NaN, never to finite codes); every other token stays finite and equal
+    to the FP32 reference."""
+    from megamoe import get_symm_buffer_for_mega_moe, reference_moe
+    from megamoe.inputs import fill_buffer, local_experts
+    from megamoe.layouts import quantize_fp8
+    from megamoe.mega import MegaMoE
+    from megamoe.numerics import check_moe_output
+
+    dev = torch.device("cuda")
+    p = _problem(31, [T_MAX], {})
+    buf = get_symm_buffer_for_mega_moe(None, E_PER_RANK, T_MAX, K, H, I, device=dev)
+    l1, l2 = local_experts(p["l1"], 0, 1, dev), local_experts(p["l2"], 0, 1, dev)
+    x, idx, w = p["x"][0].to(dev), p["topk_idx"][0].to(dev), p["topk_weights"][0].to(dev)
+    gen = torch.Generator().manual_seed(32)
+    hit = torch.randperm(T_MAX, generator=gen)[:3].to(dev)
+    w[hit, torch.tensor([0, 1, 3], device=dev)] = torch.tensor([float("nan"), float("inf"), -float("inf")], device=dev)
+    fill_buffer(buf, x, idx, torch.zeros_like(w))  # the weights go in through the view (fill_buffer may refuse them)
+    buf.topk_weights[:T_MAX].copy_(w)
+    y = torch.zeros(T_MAX, H, dtype=torch.bfloat16, device=dev)
+    MegaMoE(l1, l2)(y, buf)
+    torch.cuda.synchronize()
+    rest = torch.ones(T_MAX, dtype=torch.bool, device=dev)
+    rest[hit] = False
+    assert bool(y[hit].isnan().all()), f"tokens {hit.tolist()}: {int((~y[hit].isnan()).sum())} values not NaN"
+    q, sf = quantize_fp8(x)
+    finite = w.clone()
+    finite[hit] = 0.0  # the reference of the other tokens only
+    errs = check_moe_output(y[rest], reference_moe(q, sf, idx, finite, l1, l2)[rest], I, "tokens with finite weights")
+    _say(0, f"non-finite weights: NaN rows {hit.tolist()}, the others {errs}")
+
+
 def _main(mode: str, *args: str) -> None:
     from helpers.spawn import spawn
 
@@ -444,6 +483,8 @@ def _main(mode: str, *args: str) -> None:
         _stranded(*args)
     elif mode == "routing":
         _bad_routing()
+    elif mode == "nonfinite":
+        _nonfinite_weights()
     else:
         spawn(_suite, RANKS[mode], RANKS[mode], use_cuda=True)
 
@@ -512,6 +553,12 @@ def test_mega_hang_diagnostic(tmp_path, build):
 def test_bad_routing_counted_and_dropped_rows_add_nothing():
     _gpus(1)
     _run("routing", timeout=300)
+
+
+@pytest.mark.gpu
+def test_nonfinite_routing_weight_gives_a_nan_row():
+    _gpus(1)
+    _run("nonfinite", timeout=300)
 
 
 @pytest.mark.gpu
