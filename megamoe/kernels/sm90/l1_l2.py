@@ -12,7 +12,8 @@ not ready it TMA-loads the weights of up to ``stages`` chunks, spins, and loads 
 counters (``sync``, ``config.sync_words``). Both epilogues stage their tile in one shared-memory region.
 
 Only the debug build (``timeout_ns`` > 0) times the wait and printf's: a function call anywhere in a kernel makes
-ptxas serialize all its wgmmas (C7510).
+ptxas serialize all its wgmmas (C7510). The Mega MoE kernel (``mega_moe``) overrides ``wait_counter``: every build
+times its waits and reports into its host-mapped record, with no call.
 """
 
 from __future__ import annotations
