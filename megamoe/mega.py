@@ -77,7 +77,7 @@ Timeouts: every spin-wait of the kernels gives up after ``MEGAMOE_TIMEOUT_S`` se
 waited for>, sees V`` into host-mapped memory, which the host prints (``print_new_records``: the release kernels have
 no printf), and traps (the CUDA context is then unusable: the error surfaces at the next sync). Routing the kernels
 cannot honour never traps: ids outside [-1, E) count as masked slots and rows dropped beyond a rank's capacity
-(duplicate experts in a token) add zeros; both set bits of the buffer's error word (``comm.protocol.ERRORS``).
+(duplicate experts in a token) add zeros; both set bits of the buffer's error word (``symm_buffer.ERRORS_WORD``).
 
 Debug mode (``debug=True`` or ``MEGAMOE_DEBUG=1``): every spin-wait times out after
 ``MEGAMOE_DEBUG_TIMEOUT_S`` seconds (default 10) and the kernels check the row codes they read; a

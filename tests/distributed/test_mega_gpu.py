@@ -385,10 +385,10 @@ def _bad_routing() -> None:
     output is m times its one-slot output (m in 0..k: the rows kept), the m summing to exactly T_max (expert 0's pool)."""
     from megamoe import get_symm_buffer_for_mega_moe, reference_moe
     from megamoe.inputs import fill_buffer, local_experts
-    from megamoe.kernels.comm.protocol import ERROR_BAD_ID, ERROR_DROPPED, ERRORS
     from megamoe.layouts import quantize_fp8
     from megamoe.mega import MegaMoE
     from megamoe.numerics import check_moe_output, moe_tolerances
+    from megamoe.symm_buffer import ERROR_BAD_ID, ERROR_DUPLICATE_DROPPED, ERRORS_WORD
 
     dev = torch.device("cuda")
     p = _problem(23, [T_MAX], {})
@@ -400,7 +400,7 @@ def _bad_routing() -> None:
     fill_buffer(buf, x, idx, w)
     moe(y, buf)  # a clean call: real rows of this call stay in the combine area
     torch.cuda.synchronize()
-    assert int(buf.signals[ERRORS]) == 0, f"error word {int(buf.signals[ERRORS])} after a clean call"
+    assert int(buf.signals[ERRORS_WORD]) == 0, f"error word {int(buf.signals[ERRORS_WORD])} after a clean call"
     gen = torch.Generator().manual_seed(24)
     dup = torch.randperm(T_MAX, generator=gen)[: T_MAX // 2].to(dev)  # 16 tokens x 4 rows for expert 0's 32 pool rows
     clean = torch.ones(T_MAX, dtype=torch.bool, device=dev)
@@ -419,9 +419,10 @@ def _bad_routing() -> None:
     y.fill_(float("nan"))
     moe(y, buf)
     torch.cuda.synchronize()
-    errors = int(buf.signals[ERRORS])
+    errors = int(buf.signals[ERRORS_WORD])
     _say(0, f"error word {errors}")
-    assert errors == ERROR_BAD_ID | ERROR_DROPPED, f"error word {errors}, want {ERROR_BAD_ID | ERROR_DROPPED}"
+    want = ERROR_BAD_ID | ERROR_DUPLICATE_DROPPED
+    assert errors == want, f"error word {errors}, want {want}"
     assert bool(y.isfinite().all()), f"{int((~y.isfinite()).any(dim=1).sum())} token rows not finite (a stale slot?)"
     q, sf = quantize_fp8(x)
     masked = bad_idx.clone()

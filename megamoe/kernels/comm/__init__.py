@@ -57,10 +57,11 @@ those that touch memory clobber it, so the compiler keeps their program order.
 Every build: every spin-wait times out after ``timeout_ns`` (``%globaltimer``, read once a flag is not yet reached,
 then every ``ptx.SPINS_PER_CLOCK_READ`` loads; 0: never), writes ``rank, CTA (SM), role, site, expected, seen`` into
 host-mapped memory (``record``: int64 [num_ctas, 8], one row per CTA, see ``format_record``; the host prints it) and
-traps. Routing: a ``topk_idx`` entry outside [-1, E) sets ``ERROR_BAD_ID`` in the error word ``signals[ERRORS]``
-(scan, step 2; the slot stays masked); an entry beyond an expert's pool (step 2) or the rows past ``row_limit``
-(step 3) -- only duplicate experts in a token exceed them -- are dropped: their combine slot on the source rank is
-zeroed and ``ERROR_DROPPED`` set on every rank.
+traps. Routing: a ``topk_idx`` entry outside [-1, E) sets ``symm_buffer.ERROR_BAD_ID`` in the error word
+(``EpCommConfig.errors_offset``; scan, step 2, on every rank: each scans every rank's routing; the slot stays
+masked); an entry beyond an expert's pool (step 2) or the rows past ``row_limit`` (step 3) -- only duplicate experts
+in a token exceed them -- are dropped: their combine slot on the source rank is zeroed and ``ERROR_DUPLICATE_DROPPED``
+set on every rank.
 
 Debug mode (``debug=True``, a separate compile): the kernels also check the codes they read from ``pool`` and trap
 on the capacity overflows above, and every failure printf's its line too.

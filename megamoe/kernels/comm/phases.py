@@ -11,10 +11,11 @@ from cutlass import Float32, Int32, Int64, cute
 from cutlass.cutlass_dsl import dsl_user_op
 
 from ...scheduler import tiles
+from ...symm_buffer import ERROR_BAD_ID, ERROR_DUPLICATE_DROPPED
 from .. import dequant, ptx
 from ..warp_ops import warp_inclusive_sum
-from .protocol import (ERROR_BAD_ID, ERROR_DROPPED, ERRORS, RECORD_WORDS, SITE_DONE, SITE_EXPERT, SITE_POOL, SITE_READY,
-                       SITE_RING_FREE, SITE_ROWS, SITES, THREADS, VEC, VECS_PER_LANE, WARP, EpCommConfig)
+from .protocol import (RECORD_WORDS, SITE_DONE, SITE_EXPERT, SITE_POOL, SITE_READY, SITE_RING_FREE, SITE_ROWS, SITES,
+                       THREADS, VEC, VECS_PER_LANE, WARP, EpCommConfig)
 
 DSL_OPS = SimpleNamespace(
     min=cutlass.min, max=cutlass.max, select=lambda c, a, b: Int32(cutlass.select_(c, Int32(a), Int32(b)))
@@ -217,14 +218,14 @@ class EpPhases:
                             self.fail(SITE_EXPERT, me, record, le, Int32(self.pool_cap), pos)
                         self.drop_row(src * (self.t_max * k) + q, peers)
                 if (expert < -1) | (expert >= self.num_experts):  # counted; the slot is a masked one
-                    ptx.red_or(base + (self.signals + ERRORS * 4), ERROR_BAD_ID, "gpu")
+                    ptx.red_or(base + self.cfg.errors_offset(), ERROR_BAD_ID, "gpu")
 
     @cute.jit
     def drop_row(self, code: Int32, peers: Int64):
         """A routing entry (source ``code``) beyond this rank's capacity -- only duplicate experts in a token's top-k
         exceed it -- is not computed: one thread zeroes its combine slot on its source rank, so that the slot adds
-        nothing there instead of an earlier call's row, and sets ``ERROR_DROPPED`` in every rank's error word; then
-        ``fence.acq_rel.sys`` (the zeros precede this rank's ``done``, as the rows of the L2 tiles do)."""
+        nothing there instead of an earlier call's row, and sets ``ERROR_DUPLICATE_DROPPED`` in every rank's error word;
+        then ``fence.acq_rel.sys`` (the zeros precede this rank's ``done``, as the rows of the L2 tiles do)."""
         src, q = self.decode(code)
         t = q // self.topk
         slot = ptx.ld_cg_u64(peers + Int64(src) * 8) + (
@@ -232,7 +233,7 @@ class EpPhases:
         for v in cutlass.range(self.hidden * 2 // VEC, unroll=1):
             ptx.st_global_v4(slot + Int64(v) * VEC, [Int32(0)] * 4, 1)
         for r in cutlass.range(self.num_ranks, unroll=1):
-            ptx.red_or(ptx.ld_cg_u64(peers + Int64(r) * 8) + (self.signals + ERRORS * 4), ERROR_DROPPED, "sys")
+            ptx.red_or(ptx.ld_cg_u64(peers + Int64(r) * 8) + self.cfg.errors_offset(), ERROR_DUPLICATE_DROPPED, "sys")
         ptx.fence_acq_rel_sys()
 
     @cute.jit

@@ -25,15 +25,6 @@ RECORD_WORDS = 8
 """int64 words of one CTA's record of a failed wait or check: site + 1, rank, CTA, SM, index, expected, seen, and
 ``RECORD_PRINTED`` (1: the kernel printed the line itself, the debug build; 0: the host prints it)."""
 RECORD_PRINTED = 7
-ERRORS = 2
-"""Index in ``signals`` of the device error word: bits the kernels OR in (never clear) for routing they could not
-honour; ``megamoe.check_errors`` reads it."""
-ERROR_BAD_ID = 1
-"""A ``topk_idx`` entry outside [-1, E) was seen (it counts as a masked slot). Every rank scans every rank's routing,
-so every rank sets it."""
-ERROR_DROPPED = 2
-"""Rows beyond a rank's capacity (duplicate experts in a token's top-k) were dropped: their slots contribute zeros.
-The rank that dropped them sets it on every rank."""
 
 SITES = (
     ("dispatch", "timed out: waits ready[src=%d] >= %d (call + 1), sees %d"),
