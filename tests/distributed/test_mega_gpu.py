@@ -340,18 +340,20 @@ def _stranded(entry: str) -> None:
     error (uncaught here: the interpreter's exit path prints what the polling thread has not)."""
     from megamoe.inputs import fill_buffer, local_experts, random_bf16_weights
     from megamoe.mega import MegaMoE
-    from megamoe.symm_buffer import SymmBuffer, symm_buffer_layout
+    from megamoe.symm_buffer import ERRORS_WORD, SymmBuffer, symm_buffer_layout
 
     class RankZeroOfTwo(SymmBuffer):
-        """Rank 0's view of a two-rank SymmBuffer; rank 1's memory is a plain allocation nobody calls with."""
+        """Rank 0's view of a two-rank SymmBuffer; rank 1's memory is a plain allocation nobody calls with. A
+        one-rank buffer (every attribute a SymmBuffer has), then the two-rank layout and its views."""
 
         def __init__(self, mma_type: str):
-            self.group, self.rank, self.handle, self.device = None, 0, None, torch.device("cuda")
+            super().__init__(None, 2 * E_PER_RANK, T_MAX, K, H, I, mma_type=mma_type, device="cuda")
             self.layout = symm_buffer_layout(2, 2 * E_PER_RANK, T_MAX, K, H, I, mma_type=mma_type)
             self.buffer = torch.zeros(self.layout.num_bytes, dtype=torch.uint8, device=self.device)
             self.peer = torch.zeros_like(self.buffer)
             for s in self.layout.sections:
                 setattr(self, s.name, self._view(self.buffer, s))
+            self.errors = self.signals[ERRORS_WORD : ERRORS_WORD + 1]
 
         @property
         def peer_ptrs(self) -> list[int]:
