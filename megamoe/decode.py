@@ -4,11 +4,14 @@
 ``y = MoE(x)`` for ``x`` bfloat16 ``[T, H]`` by one of two paths:
 
 * ``"warp_decode"`` (``megamoe.moe_decode``, ``kernels.warp_decode``): output-centric kernels, BF16
-  activations, FP32 accumulation, one BF16 rounding of ``y``. With the Mega MoE layout at hand (shapes with
-  the grouped path) both projections run on tensor cores over it: up to 4 tokens the token-major kernels
-  (``kernels.token_major_decode``: K split over the warps of a CTA, slots combined in shared memory), above it
-  the expert-major ones (``kernels.expert_major_decode``: each routed expert read once per batch). Shapes
-  without the grouped path run the per-pair SIMT kernels over the canonical weights.
+  activations, FP32 accumulation, one BF16 rounding of ``y``. Over the Mega MoE layout both projections run on
+  tensor cores: up to 4 tokens the token-major kernels (``kernels.token_major_decode``: K split over the warps of a
+  CTA, slots combined in shared memory), above it the expert-major ones (``kernels.expert_major_decode``: each
+  routed expert read once per batch). Which weights (``warp_layout``): the Mega MoE layout where H and I need no
+  padding (multiples of ``kernels.sm90.K_MULTIPLE``); else the per-pair SIMT kernels over the canonical weights
+  where H and I are multiples of 128 (no padding); else (multiples of 32 only) the Mega MoE layout at its
+  zero-padded sizes, ``x`` padded with zero columns per call and only the real H columns of ``y`` kept (exact: the
+  padded weights are zeros, ``symm_buffer``).
 * ``"grouped"``: the Mega MoE on one rank (``megamoe.mega``: routing, contiguous expert groups,
   SM90 grouped GEMMs with the SwiGLU-quant epilogue, combine), after quantizing ``x`` to FP8 (the
   numerics contract of ``megamoe.numerics``). Its cost follows the distinct experts' weights.
@@ -29,8 +32,8 @@ from __future__ import annotations
 import torch
 
 from .checks import check_range, check_tensor, fail
-from .kernels.sm90 import K_MULTIPLE as GROUPED_MULTIPLE
-from .layouts.weights import check_fp4_expert_weights
+from .layouts.ue8m0 import PACKED_BLOCK_K
+from .layouts.weights import check_fp4_expert_weights, pad_columns
 from .numerics import RECIPE_32, check_recipe
 
 PATHS = ("auto", "warp_decode", "grouped")
@@ -61,11 +64,10 @@ def default_crossover(hidden: int, inter: int, experts: int, topk: int) -> int:
 class MoEDecoder:
     """One GPU's MoE layer for decode (module docstring).
 
-    ``l1 = (uint8 [E, 2I, H/2], int32 [E, 2I, H/128])`` rows [gate; up], ``l2 = (uint8 [E, H, I/2], int32
-    [E, H, I/128])`` (canonical FP4 + packed UE8M0, as ``layouts.quantize_fp4`` makes them); ``num_topk``:
-    k of the calls' ``topk_idx``; ``max_tokens``: largest T of a call; ``crossover``: override the
-    measured one (``default_crossover``). The grouped path needs H and I multiples of 512; without it
-    ``auto`` always takes warp decode. ``recipe``: (1, 1, 32) only (the grouped path's Mega MoE layout is the one
+    ``l1 = (uint8 [E, 2I, H/2], int32 [E, 2I, ceil(H/128)])`` rows [gate; up], ``l2 = (uint8 [E, H, I/2], int32
+    [E, H, ceil(I/128)])`` (canonical FP4 + packed UE8M0, as ``layouts.quantize_fp4`` makes them; H and I multiples
+    of 32); ``num_topk``: k of the calls' ``topk_idx``; ``max_tokens``: largest T of a call; ``crossover``: override
+    the measured one (``default_crossover``). ``recipe``: (1, 1, 32) only (the grouped path's Mega MoE layout is the one
     warp decode reads; recipe (1, 1, 128) raises: use ``MegaMoE(..., recipe=(1, 1, 128))`` on one rank instead).
     """
 
@@ -85,25 +87,26 @@ class MoEDecoder:
         check_range("max_tokens", max_tokens, 1, 1 << 20)
         self.l1, self.l2 = l1, l2
         self.hidden, self.num_topk, self.max_tokens = hidden, num_topk, max_tokens
-        self.grouped = hidden % GROUPED_MULTIPLE == 0 and inter % GROUPED_MULTIPLE == 0
         if crossover is None:
-            crossover = default_crossover(hidden, inter, experts, num_topk) if self.grouped else max_tokens
+            crossover = default_crossover(hidden, inter, experts, num_topk)
         check_range("crossover", crossover, 0, 1 << 20)
         self.crossover = crossover
-        self.mega = self.buf = None
-        if self.grouped:
-            self.mega = MegaMoE(l1, l2)
-            self.buf = get_symm_buffer_for_mega_moe(None, experts, max_tokens, num_topk, hidden, inter,
-                                                    device=l1[0].device)
+        self.mega = MegaMoE(l1, l2)
+        self.buf = get_symm_buffer_for_mega_moe(None, experts, max_tokens, num_topk, hidden, inter, device=l1[0].device)
+        self.kernel_hidden = self.buf.layout.kernel_hidden
+        padded = (self.kernel_hidden, self.buf.layout.kernel_intermediate) != (hidden, inter)
+        native_simt = hidden % PACKED_BLOCK_K == 0 and inter % PACKED_BLOCK_K == 0
+        self.warp_layout = "canonical" if padded and native_simt else "mega"
+        """The weights warp decode reads (module docstring): "mega" (``mega.l1``, ``mega.l2``, padded sizes where
+        ``kernel_hidden`` > H) or "canonical"."""
 
     def path_for(self, tokens: int) -> str:
         """The path ``auto`` takes for a batch of ``tokens``."""
-        return "warp_decode" if tokens <= self.crossover or not self.grouped else "grouped"
+        return "warp_decode" if tokens <= self.crossover else "grouped"
 
     def warp_weights(self) -> tuple[tuple, tuple]:
-        """The (l1, l2) warp decode runs on (module docstring): the Mega MoE layout when the decoder holds it, the
-        canonical weights otherwise."""
-        if not self.grouped:
+        """The (l1, l2) warp decode runs on (``warp_layout``, module docstring)."""
+        if self.warp_layout == "canonical":
             return self.l1, self.l2
         return self.mega.l1, self.mega.l2
 
@@ -123,9 +126,11 @@ class MoEDecoder:
         tokens = x.shape[0]
         chosen = self.path_for(tokens) if path == "auto" else path
         if chosen == "warp_decode":
-            return moe_decode(x, topk_idx, topk_weights, *self.warp_weights(), activation_clamp, out)
-        if not self.grouped:
-            fail("path", f"'grouped' needs hidden and intermediate multiples of {GROUPED_MULTIPLE}")
+            if self.warp_layout == "canonical" or self.kernel_hidden == self.hidden:
+                return moe_decode(x, topk_idx, topk_weights, *self.warp_weights(), activation_clamp, out)
+            y = moe_decode(pad_columns(x, self.kernel_hidden), topk_idx, topk_weights, *self.warp_weights(),
+                           activation_clamp)[:, : self.hidden]  # padded hidden: the real columns
+            return y.contiguous() if out is None else out.copy_(y)
         if tokens > self.max_tokens:
             fail("x", f"has {tokens} tokens; this decoder was built for max_tokens = {self.max_tokens}")
         fill_buffer(self.buf, x, topk_idx, topk_weights)

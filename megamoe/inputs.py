@@ -11,7 +11,7 @@ import torch
 from .checks import check_routing, check_routing_inputs, check_tensor, fail
 from .layouts import quantize_fp8
 from .layouts.fp8 import describe_recipe, scale_dtype
-from .layouts.ue8m0 import PACKED_BLOCK_K
+from .layouts.ue8m0 import BLOCK_K, pad_codes, scale_words
 from .symm_buffer import SymmBuffer, collective_call
 
 
@@ -47,14 +47,15 @@ def random_tokens(num_tokens: int, hidden: int, gen: torch.Generator, device: to
 def random_fp4_weights(
     num_experts: int, n: int, k: int, gen: torch.Generator, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Canonical FP4 weights ``(uint8 [E, n, k/2], int32 [E, n, k/128])`` drawn directly as codes.
+    """Canonical FP4 weights ``(uint8 [E, n, k/2], int32 [E, n, ceil(k/128)])`` drawn directly as codes (k a multiple
+    of 32; a partial last scale word holds ``layouts.ue8m0`` padding codes).
 
     Every E2M1 code is equally likely; scales are 2**-7 .. 2**-5 (typical of ``1/sqrt(k)`` layers).
     Drawn on ``device`` in one shot (fast for GB-sized weight sets); ``gen`` must live there too.
     """
     packed = torch.randint(0, 256, (num_experts, n, k // 2), generator=gen, device=device, dtype=torch.uint8)
-    codes = torch.randint(120, 123, (num_experts, n, k // PACKED_BLOCK_K * 4), generator=gen, device=device, dtype=torch.uint8)
-    return packed, codes.view(torch.int32)
+    codes = torch.randint(120, 123, (num_experts, n, k // BLOCK_K), generator=gen, device=device, dtype=torch.uint8)
+    return packed, pad_codes(codes).view(torch.int32)
 
 
 def random_bf16_weights(num_experts: int, n: int, k: int, gen: torch.Generator, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -71,7 +72,8 @@ def fill_buffer(
 
     FP8 x FP4 buffers: ``x`` in BF16 (or FP16 / FP32) is quantized here (``layouts.quantize_fp8`` with the buffer's
     recipe: per-32 UE8M0 scales for (1, 1, 32), per-128 FP32 scales for (1, 1, 128)); or ``x`` already FP8 E4M3
-    with its scales ``x_sf`` in the recipe's format (int32 packed UE8M0 ``[T, H/128]``, or float32 ``[T, H/128]``:
+    with its scales ``x_sf`` in the recipe's format (int32 packed UE8M0 ``[T, ceil(H/128)]``, or float32 ``[T,
+    ceil(H/128)]``:
     any positive FP32 scales, e.g. powers of two), copied as they are. BF16 buffers take BF16 ``x``.
     ``topk_idx`` int64 / int32 and ``topk_weights`` float32 / bfloat16 / float16, each exactly ``[T, k]``; every
     tensor on the buffer's device (nothing is broadcast or copied across devices).
@@ -98,7 +100,7 @@ def fill_buffer(
                 if x_sf is None:
                     fail("x_sf", "is required with FP8 tokens: their scales in the buffer's recipe "
                          f"{describe_recipe(lay.recipe)}")
-                check_tensor("x_sf", x_sf, dtype=scale_dtype(lay.recipe), shape=(t, lay.hidden // PACKED_BLOCK_K),
+                check_tensor("x_sf", x_sf, dtype=scale_dtype(lay.recipe), shape=(t, scale_words(lay.hidden)),
                              device=buffer.device)
                 x_q = x
             else:

@@ -123,12 +123,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import check_multiple, check_tensor, fail
-from .layouts.weights import check_chunk_major_scales, check_fp4_expert_weights
+from .checks import check_tensor, fail
+from .layouts.weights import check_chunk_major_scales, check_fp4_expert_weights, pad_fp4_expert_weights
 from .numerics import RECIPE_32, RECIPE_128, check_activation_clamp, check_fast_math, check_recipe, describe_recipe
-from .kernels.sm90 import K_MULTIPLE  # H and I must be multiples of it (the GEMM's K granularity)
 from .kernels.weight_layout import BF16_WORDS, CHUNK_BYTES, ROW_BLOCK, folded_scale_format
-from .symm_buffer import SymmBuffer, collective_call
+from .symm_buffer import SymmBuffer, collective_call, kernel_size
 from .timeline import trace_buffer, trace_buffer_words
 
 DEBUG_ENV = "MEGAMOE_DEBUG"
@@ -147,9 +146,12 @@ RECIPE = RECIPE_32
 def transform_weights_for_mega_moe(l1: tuple, l2: tuple, recipe=RECIPE_32, *, return_reports: bool = False):
     """Canonical FP4 weights of this rank's experts -> the kernels' operands for ``recipe`` (once, at load time).
 
-    ``l1 = (uint8 [E_l, 2I, H/2], int32 [E_l, 2I, H/128])`` rows [gate; up], ``l2 = (uint8 [E_l, H, I/2],
-    int32 [E_l, H, I/128])``; H and I multiples of 512. Returns ``(l1k, l2k)``: L1 rows interleaved for
-    the SwiGLU epilogue, and
+    ``l1 = (uint8 [E_l, 2I, H/2], int32 [E_l, 2I, ceil(H/128)])`` rows [gate; up], ``l2 = (uint8 [E_l, H, I/2],
+    int32 [E_l, H, ceil(I/128)])``; H and I multiples of 32. H and I are first zero-padded to ``Hk``, ``Ik``, the
+    multiples of ``kernels.sm90.K_MULTIPLE`` the kernels run (``symm_buffer``'s ``kernel_hidden`` / ``kernel_intermediate``;
+    ``layouts.weights.pad_fp4_expert_weights``: exact, padded columns add zero, padded outputs are never stored), so
+    the shapes below are in Hk and Ik (H and I themselves where they are such multiples). Returns ``(l1k,
+    l2k)``: L1 rows interleaved for the SwiGLU epilogue, and
 
     * recipe (1, 1, 32) (default): both in the SM90 kernel's BF16-operand-mode layout (``int32 [E_l, N/64, K/128,
       64, 16]``, chunk-major scales ``int32 [E_l, K/128, N]``); scale codes outside that mode's exact decode range
@@ -173,8 +175,7 @@ def transform_weights_for_mega_moe(l1: tuple, l2: tuple, recipe=RECIPE_32, *, re
     check_tensor("l1[0]", l1[0], dtype=torch.uint8, ndim=3)
     hidden, inter = 2 * l1[0].shape[2], l1[0].shape[1] // 2
     check_fp4_expert_weights(l1, l2, hidden, inter)
-    check_multiple("hidden (l1[0].shape[2] * 2)", hidden, K_MULTIPLE, "the SM90 grouped GEMM's K granularity")
-    check_multiple("intermediate (l1[0].shape[1] / 2)", inter, K_MULTIPLE, "the SM90 grouped GEMM's K granularity")
+    l1, l2 = pad_fp4_expert_weights(l1, l2, kernel_size(hidden, "fp8xfp4"), kernel_size(inter, "fp8xfp4"))
     if recipe == RECIPE_32:
         l1k, l2k, reports = sm90.prepare_fp4_weights_l1(*l1, mma="bf16"), sm90.prepare_fp4_weights(*l2, mma="bf16"), None
     else:
@@ -265,13 +266,14 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     from .kernels import sm90
 
     rows_per_expert = min(layout.num_ranks * num_tokens * layout.num_topk / layout.num_experts, layout.num_ring_tokens // 2)
-    n = math.gcd(2 * layout.intermediate_hidden, layout.hidden)
-    cfg = sm90.select_config(rows_per_expert, n, layout.hidden, four_warpgroups=False)
+    h, i = layout.kernel_hidden, layout.kernel_intermediate  # the sizes the kernel runs
+    n = math.gcd(2 * i, h)
+    cfg = sm90.select_config(rows_per_expert, n, h, four_warpgroups=False)
     touched = layout.num_local_experts * -math.expm1(-rows_per_expert)  # experts with a row (Poisson counts)
-    l1_tiles = touched * 2 * layout.intermediate_hidden / 128
+    l1_tiles = touched * 2 * i / 128
     if cfg.tile_tokens == sm90.THREE_CTA_TILE_TOKENS and cfg.ctas_per_sm == 2 and l1_tiles <= 2 * num_sms:
         return sm90.GemmConfig(tile_tokens=sm90.THREE_CTA_TILE_TOKENS, tile_n=64, ctas_per_sm=3)
-    wide = sm90.select_config(rows_per_expert, n, layout.hidden)
+    wide = sm90.select_config(rows_per_expert, n, h)
     if (wide.consumer_warpgroups == 4 and rows_per_expert >= MEGA_FOUR_WG_MIN_ROWS
             and wide.tile_tokens <= MEGA_FOUR_WG_MAX_TILE_TOKENS):
         return wide
@@ -286,9 +288,7 @@ def check_fp4_operands(l1, l2, sym_buffer: SymmBuffer, recipe=None) -> tuple[int
         fail("recipe", f"must be the buffer's recipe {describe_recipe(lay.recipe)} (or None), got {tuple(recipe)}; "
              f"allocate the buffer with recipe={tuple(recipe)} for that recipe")
     recipe = lay.recipe
-    e_l, h, i = lay.num_local_experts, lay.hidden, lay.intermediate_hidden
-    check_multiple("sym_buffer hidden", h, K_MULTIPLE, "the SM90 grouped GEMM's K granularity")
-    check_multiple("sym_buffer intermediate_hidden", i, K_MULTIPLE, "the SM90 grouped GEMM's K granularity")
+    e_l, h, i = lay.num_local_experts, lay.kernel_hidden, lay.kernel_intermediate  # the padded sizes
     transform = f"transform_weights_for_mega_moe(l1, l2, recipe={recipe})"
     for name, pair, n, kk in (("l1", l1, 2 * i, h), ("l2", l2, h, i)):
         if not (isinstance(pair, tuple) and len(pair) == 2):

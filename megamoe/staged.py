@@ -21,7 +21,10 @@ numerics contract (``megamoe.numerics``) exactly. One call:
    grouped GEMMs as a per-group loop that reads the group sizes on the host: a sync, not capturable);
    ``gemm="sm90"`` runs the FP8-mode SM90 GEMMs on FP8 tokens with their FP32 scales and the weights
    folded into exact E4M3 (``prepare_fp4_weights(..., mma="fp8", fold="auto")``), L1's epilogue
-   quantizing per 128 (FP8 + FP32 scales, L2's operand);
+   quantizing per 128 (FP8 + FP32 scales, L2's operand). The SM90 GEMMs run H and I zero-padded to multiples of
+   their K granularity (``symm_buffer.kernel_size``): the weights once at construction
+   (``layouts.weights.pad_fp4_expert_weights``), the token rows per call with zero columns (zero scales past the
+   real ones), and only the real H columns of L2's output are kept;
 4. combine: every slot's BF16 row returns to its source rank in one ``all_to_all`` and the source
    sums its slots in FP32 in slot order.
 
@@ -58,14 +61,15 @@ import math
 
 import torch
 
-from .checks import InStepError, check_multiple, fail, first_valid_ids, routing_error, routing_faults
+from .checks import InStepError, fail, first_valid_ids, routing_error, routing_faults
 from .dist import all_gather_rows, all_to_all_rows
 from .layouts import contiguous_layout, dequantize_fp4, dequantize_fp8
-from .layouts.weights import check_bf16_expert_weights, check_fp4_expert_weights
+from .layouts.weights import (check_bf16_expert_weights, check_fp4_expert_weights, pad_columns, pad_fp4_expert_weights,
+                              pad_gate_up_rows)
 from .mega import debug_enabled
 from .numerics import (RECIPE_32, RECIPE_128, check_activation, check_activation_clamp, check_expert_bias,
                        check_fast_math, check_recipe, combine_slots, describe_recipe, l1_epilogue, l2_bias_rows)
-from .symm_buffer import ERROR_BAD_ID, ERROR_DUPLICATE_DROPPED, SymmBuffer, collective_call
+from .symm_buffer import ERROR_BAD_ID, ERROR_DUPLICATE_DROPPED, SymmBuffer, collective_call, kernel_size
 
 BIAS_COLUMNS = 8
 """K columns the torch L1 GEMM gains with an L1 bias (one for the bias, padded to keep rows 16-byte aligned)."""
@@ -96,7 +100,7 @@ class StagedMoE:
     ``l1``/``l2``: this rank's experts in canonical form, FP4 ``(uint8 weights, int32 scales)`` tuples
     (recipe fp8xfp4) or BF16 tensors (recipe bf16), see ``megamoe.layouts.weights``. ``mode``:
     ``"normal"`` or ``"low_latency"``; ``gemm``: ``"torch"`` or ``"sm90"`` (module docstring; "sm90"
-    needs a Hopper GPU and hidden, intermediate multiples of 512). ``fast_math``: the "sm90" L1 epilogue's silu
+    needs a Hopper GPU; hidden and intermediate are any multiples of 32 on both). ``fast_math``: the "sm90" L1 epilogue's silu
     with approximate exp and reciprocal (as ``fp8_fp4_mega_moe``'s, whose result it then equals bit for bit);
     "torch" computes silu with torch's exp and division either way. ``recipe``: the FP8 x FP4 recipe, (1, 1, 32)
     (default) or (1, 1, 128) (module docstring); the buffer must hold the same (BF16 weights: the default only).
@@ -145,8 +149,9 @@ class StagedMoE:
 
         if not self.fp8:
             fail("gemm", "'sm90' runs the fp8xfp4 recipe; BF16 weights need gemm='torch'")
-        for name, k in (("hidden", self.hidden), ("intermediate", self.intermediate)):
-            check_multiple(f"{name} (a GEMM K)", k, sm90.K_MULTIPLE, "the SM90 grouped GEMM's K granularity")
+        self.kernel_hidden = kernel_size(self.hidden, "fp8xfp4")  # the padded sizes the kernels run
+        kernel_inter = kernel_size(self.intermediate, "fp8xfp4")
+        l1, l2 = pad_fp4_expert_weights(l1, l2, self.kernel_hidden, kernel_inter)
         if self.recipe == RECIPE_128:  # FP8 mode, scales folded into exact E4M3 (per row, else per row and chunk)
             *self.l1k, rep1 = sm90.prepare_fp4_weights_l1(*l1, mma="fp8", fold="auto", return_report=True)
             *self.l2k, rep2 = sm90.prepare_fp4_weights(*l2, mma="fp8", fold="auto", return_report=True)
@@ -154,7 +159,7 @@ class StagedMoE:
         else:
             self.l1k = sm90.prepare_fp4_weights_l1(*l1, mma="bf16")
             self.l2k = sm90.prepare_fp4_weights(*l2, mma="bf16")
-        self.l1k_bias = None if self.l1_bias is None else sm90.prepare_l1_bias(self.l1_bias)
+        self.l1k_bias = None if self.l1_bias is None else sm90.prepare_l1_bias(pad_gate_up_rows(self.l1_bias, kernel_inter))
 
     def with_mode(self, mode: str) -> "StagedMoE":
         """The same prepared weights (shared, not copied) run in ``mode``."""
@@ -252,10 +257,10 @@ class StagedMoE:
             from .kernels import sm90
 
             a_in, _ = sm90.grouped_gemm_fp8_fp4_swiglu_contiguous(
-                a_in, None, *self.l1k, grouped.offsets, weights, clamp=clamp, out_dtype=torch.bfloat16,
-                fast_math=self.fast_math, activation=self.activation, bias=self.l1k_bias,
+                pad_columns(a_in, self.kernel_hidden), None, *self.l1k, grouped.offsets, weights, clamp=clamp,
+                out_dtype=torch.bfloat16, fast_math=self.fast_math, activation=self.activation, bias=self.l1k_bias,
             )
-            return sm90.grouped_gemm_fp8_fp4_contiguous(a_in, None, *self.l2k, grouped.offsets), dst
+            return sm90.grouped_gemm_fp8_fp4_contiguous(a_in, None, *self.l2k, grouped.offsets)[:, : self.hidden], dst
         ends = grouped.offsets[1:]
         h1 = torch._grouped_mm(self._bias_columns(a_in), self.w1t, offs=ends)
         a, a_sf = l1_epilogue(h1, weights, clamp, self.fp8, activation=self.activation)
@@ -268,11 +273,12 @@ class StagedMoE:
         if self.gemm == "sm90":  # FP8 mode: FP8 tokens with FP32 scales per 128, folded E4M3 weights
             from .kernels import sm90
 
+            hk = self.kernel_hidden
             a, a_sf = sm90.grouped_gemm_fp8_fp4_swiglu_contiguous(
-                x, x_sf, *self.l1k, grouped.offsets, weights, clamp=clamp, out_dtype=torch.float8_e4m3fn,
-                fast_math=self.fast_math, activation=self.activation, bias=self.l1k_bias,
+                pad_columns(x, hk), pad_columns(x_sf, hk // 128), *self.l1k, grouped.offsets, weights, clamp=clamp,
+                out_dtype=torch.float8_e4m3fn, fast_math=self.fast_math, activation=self.activation, bias=self.l1k_bias,
             )
-            return sm90.grouped_gemm_fp8_fp4_contiguous(a, a_sf, *self.l2k, grouped.offsets)
+            return sm90.grouped_gemm_fp8_fp4_contiguous(a, a_sf, *self.l2k, grouped.offsets)[:, : self.hidden]
         ends = grouped.offsets[1:]
         h1 = torch._grouped_mm(self._bias_columns(dequantize_fp8(x, x_sf, torch.float32)), self.w1t, offs=ends)  # FP32
         a, a_sf = l1_epilogue(h1, weights, clamp, True, RECIPE_128, self.activation)  # R1 (BF16), act, R2 (per-128 FP8)

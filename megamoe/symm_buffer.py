@@ -15,17 +15,28 @@ expert_counts      int32 [E/R]                       rows received per local exp
 expert_offsets     int32 [E/R + 1]                   their starts in the L1 ring, then the total
 pool               int32 [E/R, R * T_max]            per local expert: source code of each row
 ring_dest          int64 [ring]                      address of each ring row's combine slot (source rank)
-x                  e4m3 / bf16 [T_max, H]            input tokens (FP8, or BF16 for mma "bf16")
-x_sf               int32 / float32 [T_max, H/128]    token scales: packed UE8M0 (recipe 32), FP32 (recipe 128)
+x                  e4m3 / bf16 [T_max, Hk]           input tokens (FP8, or BF16 for mma "bf16")
+x_sf               int32 / float32 [T_max, Hk/128]   token scales: packed UE8M0 (recipe 32), FP32 (recipe 128)
 topk_idx           int64 [T_max, k]                  routed expert ids, -1 = unused slot
 topk_weights       float32 [T_max, k]                routing weights
-l1_acts            bf16 / e4m3 [ring, H]             L1 input ring (pulled token rows)
-l1_acts_sf         float32 [ring, H/128]             their FP32 scales (recipe 128 only)
+l1_acts            bf16 / e4m3 [ring, Hk]            L1 input ring (pulled token rows)
+l1_acts_sf         float32 [ring, Hk/128]            their FP32 scales (recipe 128 only)
 l1_topk_weights    float32 [ring]                    routing weight of each ring row
-l2_acts            bf16 / e4m3 [ring, I]             L2 input ring (SwiGLU outputs, FP8-quantized values)
-l2_acts_sf         float32 [ring, I/128]             their FP32 scales (recipe 128 only)
-combine            bf16 [k, T_max, H]                L2 rows written back by expert ranks
+l2_acts            bf16 / e4m3 [ring, Ik]            L2 input ring (SwiGLU outputs, FP8-quantized values)
+l2_acts_sf         float32 [ring, Ik/128]            their FP32 scales (recipe 128 only)
+combine            bf16 [k, T_max, Hk]               L2 rows written back by expert ranks
 =================  ===============================  =============================================
+
+Sizes: H (``hidden``) and I (``intermediate_hidden``) are any multiples of 32. ``Hk`` and ``Ik``
+(``SymmBufferLayout.kernel_hidden`` / ``kernel_intermediate``) are the sizes the kernels run: for
+``mma_type="fp8xfp4"`` H and I rounded up to the SM90 grouped GEMM's K granularity (``kernels.sm90.K_MULTIPLE``;
+the weights are zero-padded to them once, ``transform_weights_for_mega_moe``), for BF16 H and I themselves. The
+buffer's ``x`` and ``x_sf`` attributes are views of the real sizes, ``[T_max, H]`` and ``[T_max, ceil(H/128)]``
+(strided where Hk > H): callers write those. The storage past them (columns ``[H, Hk)`` of ``x``, scale words past
+``ceil(H/128)``) is zeroed at allocation and never written by the library, so the kernels read finite zeros there
+(zero tokens times zero weights; a zero recipe-32 scale word codes 2**-127, a zero recipe-128 scale 0). Where H
+is not a multiple of 128 the last user scale word is partial (``layouts.fp8``: recipe 32 padding codes, recipe 128
+a scale of the last ``H % 128`` elements); the padded columns inside its block are zeros too.
 
 A source code packs (source rank, token, slot) as ``(src * T_max + token) * k + slot``. The counters
 in ``signals``, ``ready`` and ``done`` only grow (call numbers), so no call needs host-side zeroing;
@@ -51,8 +62,8 @@ L1 epilogue's FP8-quantized SwiGLU outputs are stored as their exact BF16 values
 contract is kept; ``l1_acts_sf`` and ``l2_acts_sf`` do not exist (the sections and offsets of before). Recipe (1, 1, 128): tokens are FP8 with one FP32
 scale per 128 (``x_sf`` float32), and the rings hold the FP8-mode operands, FP8 rows and their FP32 scales
 (``l1_acts`` / ``l2_acts`` e4m3, ``l1_acts_sf`` / ``l2_acts_sf`` float32 per 128): half the ring bytes of BF16
-rows, and no dequantization (a per-128 FP32 scale does not make an exact BF16 value). Every row stride is a
-multiple of 16 bytes (H, I multiples of 128).
+rows, and no dequantization (a per-128 FP32 scale does not make an exact BF16 value). Every row stride of the
+storage is a multiple of 16 bytes (Hk, Ik multiples of 512 for FP8 x FP4; BF16 rows of H, I multiples of 32).
 
 ``ring`` (``num_ring_tokens``) bounds the rows in flight on the expert side; by default it holds
 every row a rank can receive (``R * T_max * min(k, E/R)``) up to ``DEFAULT_MAX_RING_TOKENS``,
@@ -77,8 +88,9 @@ from .checks import (
     fail,
 )
 from .dist import rank_and_size
-from .layouts import PACKED_BLOCK_K
 from .layouts.fp8 import RECIPE_32, RECIPE_128, check_recipe, scale_dtype
+from .layouts.ue8m0 import check_block_multiple, scale_words
+from .layouts.weights import round_up
 
 MMA_TYPES = ("fp8xfp4", "bf16")
 RING_SCALE_SECTIONS = ("l1_acts_sf", "l2_acts_sf")
@@ -140,6 +152,26 @@ class SymmBufferLayout:
         return self.num_experts // self.num_ranks
 
     @property
+    def kernel_hidden(self) -> int:
+        """Hk: the hidden size the kernels run (module docstring), H rounded up for FP8 x FP4."""
+        return kernel_size(self.hidden, self.mma_type)
+
+    @property
+    def kernel_intermediate(self) -> int:
+        """Ik: the intermediate size the kernels run (module docstring), I rounded up for FP8 x FP4."""
+        return kernel_size(self.intermediate_hidden, self.mma_type)
+
+    def user_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of the buffer's attribute ``name``: the section's, except ``x`` and ``x_sf``, narrowed to the
+        real H (module docstring)."""
+        shape = self.section(name).shape
+        if name == "x":
+            return shape[0], self.hidden
+        if name == "x_sf" and shape[1]:
+            return shape[0], scale_words(self.hidden)
+        return shape
+
+    @property
     def max_recv_rows(self) -> int:
         """Rows a rank can receive in one call (``max_recv_rows``)."""
         return max_recv_rows(self.num_ranks, self.num_max_tokens_per_rank, self.num_topk, self.num_local_experts)
@@ -158,6 +190,14 @@ class SymmBufferLayout:
             dtype = str(s.dtype).removeprefix("torch.")
             lines.append(f"  {s.name:<16} {dtype:<14} {str(list(s.shape)):<22} {s.num_bytes:>14,d} B @ {s.offset}")
         return "\n".join(lines)
+
+
+def kernel_size(n: int, mma_type: str) -> int:
+    """The size the kernels run for a hidden or intermediate size ``n`` (a multiple of 32): FP8 x FP4 rounds up to
+    the SM90 grouped GEMM's K granularity (its weights are zero-padded to it), BF16 keeps ``n``."""
+    from .kernels.sm90.config import K_MULTIPLE
+
+    return round_up(n, K_MULTIPLE) if mma_type == "fp8xfp4" else n
 
 
 def max_recv_rows(num_ranks: int, num_max_tokens_per_rank: int, num_topk: int, num_local_experts: int) -> int:
@@ -196,8 +236,8 @@ def symm_buffer_layout(
     check_multiple("num_experts", num_experts, num_ranks, f"experts are split evenly over {num_ranks} ranks")
     check_range("num_max_tokens_per_rank", num_max_tokens_per_rank, 1, 1 << 24)
     check_range("num_topk", num_topk, 1, min(num_experts, MAX_TOPK))
-    check_multiple("hidden", hidden, PACKED_BLOCK_K, "four 32-element scale blocks per packed int32")
-    check_multiple("intermediate_hidden", intermediate_hidden, PACKED_BLOCK_K, "four 32-element scale blocks per packed int32")
+    check_block_multiple("hidden", hidden)
+    check_block_multiple("intermediate_hidden", intermediate_hidden)
     num_local = num_experts // num_ranks
     if num_ranks * num_max_tokens_per_rank * num_topk >= 2**31:
         fail("num_max_tokens_per_rank", f"x num_ranks x num_topk must stay below 2**31 (int32 source codes), got "
@@ -211,8 +251,9 @@ def symm_buffer_layout(
     act = torch.float8_e4m3fn if fp8 else torch.bfloat16
     ring_act = torch.float8_e4m3fn if recipe == RECIPE_128 else torch.bfloat16  # FP8-mode rings for recipe 128
     ring_sf = recipe == RECIPE_128  # their FP32 scales
-    t, k, h, i, ring = num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden, num_ring_tokens
-    blocks_h, blocks_i = h // PACKED_BLOCK_K, i // PACKED_BLOCK_K
+    t, k, ring = num_max_tokens_per_rank, num_topk, num_ring_tokens
+    h, i = kernel_size(hidden, mma_type), kernel_size(intermediate_hidden, mma_type)  # storage: the kernels' sizes
+    blocks_h, blocks_i = scale_words(h), scale_words(i)
     specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
         ("signals", torch.int32, (16,)),
         ("ready", torch.int64, (num_ranks,)),
@@ -241,7 +282,7 @@ def symm_buffer_layout(
         sections.append(s)
         offset += -(-s.num_bytes // SECTION_ALIGNMENT) * SECTION_ALIGNMENT
     return SymmBufferLayout(
-        num_ranks, num_experts, t, k, h, i, ring, mma_type, tuple(sections), offset, recipe
+        num_ranks, num_experts, t, k, hidden, intermediate_hidden, ring, mma_type, tuple(sections), offset, recipe
     )
 
 
@@ -288,15 +329,17 @@ class SymmBuffer:
             self.buffer = torch.empty(self.layout.num_bytes, dtype=torch.uint8, device=self.device)
         self.buffer.zero_()
         for s in self.layout.sections:
-            setattr(self, s.name, self._view(self.buffer, s))
+            setattr(self, s.name, self._view(self.buffer, s, self.layout.user_shape(s.name)))
         self.errors = self.signals[ERRORS_WORD : ERRORS_WORD + 1]
         self._fault: str | None = None
         if num_ranks > 1:
             dist.barrier(group)
 
     @staticmethod
-    def _view(buffer: torch.Tensor, s: Section) -> torch.Tensor:
-        return buffer[s.offset : s.offset + s.num_bytes].view(s.dtype).view(s.shape)
+    def _view(buffer: torch.Tensor, s: Section, shape: tuple[int, ...]) -> torch.Tensor:
+        """Section ``s`` of ``buffer``, narrowed to ``shape`` (``SymmBufferLayout.user_shape``)."""
+        view = buffer[s.offset : s.offset + s.num_bytes].view(s.dtype).view(s.shape)
+        return view[tuple(slice(0, n) for n in shape)]
 
     @property
     def num_ranks(self) -> int:
@@ -317,7 +360,7 @@ class SymmBuffer:
         if self.handle is None:
             fail("rank", f"{rank} is not addressable: this buffer is not symmetric memory")
         peer = self.handle.get_buffer(rank, (self.layout.num_bytes,), torch.uint8)
-        return self._view(peer, s)
+        return self._view(peer, s, self.layout.user_shape(name))
 
     def check_call(self, y: torch.Tensor, stats: torch.Tensor | None, check_tokens: bool = True) -> None:
         """Validate a MoE call's output ``y [T, H]`` (BF16, contiguous, on this buffer's device, T within

@@ -57,34 +57,43 @@ def test_path_choice_and_validation():
 
 
 def test_warp_path_picks_its_weights(monkeypatch):
-    """With the grouped path, warp decode gets both weights in the Mega MoE layout at every batch (tensor-core
-    kernels); without it the canonical weights (per-pair SIMT kernels)."""
+    """Warp decode gets both weights in the Mega MoE layout where H and I need no padding (tensor-core kernels), the
+    canonical weights where they are multiples of 128 but need padding (per-pair SIMT kernels), and the zero-padded
+    Mega MoE layout for other multiples of 32: then ``x`` arrives with zero columns up to the padded H and only
+    the real H columns of ``y`` come back (here ``moe_decode`` stands in, returning its ``x`` in ``out`` or a new tensor)."""
     from megamoe.kernels import decode as decode_kernels
 
     seen = []
-    monkeypatch.setattr(decode_kernels, "moe_decode",
-                        lambda x, idx, wts, l1, l2, *a: seen.append((l1[0].dtype, l2[0].dtype)))
+
+    def fake_decode(x, idx, wts, l1, l2, clamp=None, out=None):
+        seen.append((l1[0].dtype, l2[0].dtype, x.shape[1]))
+        return x.clone() if out is None else out.copy_(x)
+
+    monkeypatch.setattr(decode_kernels, "moe_decode", fake_decode)
     gen = torch.Generator().manual_seed(4)
     mega, canonical = torch.int32, torch.uint8
-    for hidden, inter, grouped in ((512, 512, True), (384, 256, False)):
+    for hidden, inter, layout, width in ((512, 512, "mega", 512), (384, 256, "canonical", 384),
+                                         (96, 160, "mega", 512), (2048, 768, "canonical", 2048)):
         l1, l2 = _weights(8, hidden, inter, 0)
         dec = MoEDecoder(l1, l2, num_topk=2, max_tokens=16, crossover=16)
-        assert dec.grouped == grouped
+        assert dec.warp_layout == layout, (hidden, inter)
         for tokens in (1, 2, 16):
             seen.clear()
-            dec(random_tokens(tokens, hidden, gen), *random_routing(tokens, 8, 2, gen))
-            expected = (mega, mega) if grouped else (canonical, canonical)
-            assert seen == [expected], (hidden, tokens, seen)
+            x = random_tokens(tokens, hidden, gen)
+            out = torch.full_like(x, float("nan"))
+            y = dec(x, *random_routing(tokens, 8, 2, gen), out=out)
+            kind = mega if layout == "mega" else canonical
+            assert seen == [(kind, kind, width)], (hidden, tokens, seen)
+            assert y is out and torch.equal(y, x), (hidden, tokens)
 
 
-def test_no_grouped_path_for_unaligned_shapes():
-    l1, l2 = _weights(4, 384, 256, 0)
-    dec = MoEDecoder(l1, l2, num_topk=2, max_tokens=8)
-    assert dec.path_for(8) == "warp_decode" and dec.mega is None
-    x = random_tokens(2, 384, torch.Generator().manual_seed(1))
-    idx, wts = random_routing(2, 4, 2, torch.Generator().manual_seed(2))
-    with pytest.raises(ValueError, match="'grouped' needs hidden and intermediate multiples of 512"):
-        dec(x, idx, wts, path="grouped")
+def test_every_multiple_of_32_has_the_grouped_path():
+    l1, l2 = _weights(4, 96, 160, 0)
+    dec = MoEDecoder(l1, l2, num_topk=2, max_tokens=8, crossover=0)
+    assert dec.path_for(1) == "grouped" and dec.buf.layout.kernel_hidden == 512
+    assert dec.buf.x.shape == (8, 96) and dec.mega.l2[0].shape == (4, 512 // 64, 512 // 128, 64, 16)
+    with pytest.raises(ValueError, match=r"`hidden \(l1\[0\].shape\[2\] \* 2\)` must be a multiple of 32"):
+        MoEDecoder(*_weights(4, 80, 160, 0), num_topk=2, max_tokens=8)
 
 
 # ---------------------------------------------------------------------------------------------- GPU

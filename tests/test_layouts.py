@@ -116,8 +116,10 @@ def test_fp4_round_trip_bounds_and_idempotence():
 
 
 def test_quantize_rejects_bad_k():
-    with pytest.raises(ValueError, match=r"`x.shape\[-1\]` must be a multiple of 128"):
+    with pytest.raises(ValueError, match=r"`x.shape\[-1\]` must be a multiple of 32"):
         quantize_fp8(torch.randn(2, 100))
+    with pytest.raises(ValueError, match=r"`x.shape\[-1\]` must be a multiple of 32"):
+        quantize_fp8(torch.randn(2, 100), recipe=(1, 1, 128))
     with pytest.raises(ValueError, match="`w` must have dtype"):
         quantize_fp4(torch.randint(0, 3, (2, 128)))
 

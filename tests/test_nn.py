@@ -287,13 +287,13 @@ def test_epmoe_zero_tokens():
 def test_validation_errors():
     with pytest.raises(ValueError, match="`impl` must be one of \\('staged', 'mega'\\), got 'fused'"):
         EPMoE(8, 2, HIDDEN, 128, 16, impl="fused")
-    with pytest.raises(ValueError, match="`hidden` must be a multiple of 512 \\(impl='mega'"):
-        EPMoE(8, 2, HIDDEN, 512, 16, impl="mega")
+    with pytest.raises(ValueError, match="`hidden` must be a multiple of 32"):
+        EPMoE(8, 2, 200, 512, 16, impl="mega")
     with pytest.raises(ValueError, match="`mode` must be one of \\('mega',\\) for impl 'mega'"):
         EPMoE(8, 2, 512, 512, 16, impl="mega", mode="normal")
     with pytest.raises(ValueError, match="`mode` must be one of \\('normal', 'low_latency'\\) for impl 'staged'"):
         EPMoE(8, 2, HIDDEN, 128, 16, mode="fast")
-    with pytest.raises(ValueError, match="`hidden` must be a multiple of 128"):
+    with pytest.raises(ValueError, match="`hidden` must be a multiple of 32"):
         EPMoE(8, 2, 200, 128, 16)
     with pytest.raises(ValueError, match="`num_topk` must be in \\[1, 8\\], got 9"):
         EPMoE(8, 9, HIDDEN, 128, 16)

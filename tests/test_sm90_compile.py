@@ -72,7 +72,8 @@ FOLDED_CASES = [
 ]
 # The one-launch Mega MoE kernel ("l1_l2" with the comm phases) for SymmBuffer layouts (symm_buffer_layout
 # arguments: ranks, experts, T_max, top-k, H, I): every CTA-per-SM mode, four consumer warpgroups, a wide hidden size,
-# 8 ranks.
+# 8 ranks, and model sizes the kernel runs zero-padded (gpt-oss H = I = 2880 as 3072; Qwen3-30B-A3B I = 768 as 1024:
+# combine stores y rows of the real H from combine rows of the padded one).
 MEGA_CASES = [
     (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), (2, 256, 64, 8, 4096, 2048)),
     (GemmConfig(tile_tokens=64, tile_n=128), (8, 256, 128, 8, 7168, 2048)),
@@ -83,6 +84,8 @@ MEGA_CASES = [
     (GemmConfig(tile_tokens=8, tile_n=256), (2, 256, 64, 6, 4096, 2048)),
     (GemmConfig(tile_tokens=32, tile_n=256), (2, 384, 512, 6, 7168, 3072)),
     (GemmConfig(tile_tokens=16, tile_n=256), (8, 256, 128, 8, 7168, 2048)),
+    (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), (1, 128, 64, 4, 2880, 2880)),
+    (GemmConfig(tile_tokens=8, tile_n=64, ctas_per_sm=3), (8, 128, 64, 8, 2048, 768)),
 ]
 
 

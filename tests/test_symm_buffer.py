@@ -33,7 +33,7 @@ def test_views_alias_one_allocation():
     buf = get_symm_buffer_for_mega_moe(None, 16, 32, 4, 256, 128, device="cpu")
     assert buf.x.dtype == torch.float8_e4m3fn and buf.x.shape == (32, 256)
     assert buf.topk_idx.dtype == torch.int64 and buf.topk_weights.shape == (32, 4)
-    assert buf.l2_acts.shape == (buf.layout.num_ring_tokens, 128)
+    assert buf.l2_acts.shape == (buf.layout.num_ring_tokens, 512)  # I = 128 as the kernels run it, zero-padded
     base = buf.buffer.data_ptr()
     for s in buf.layout.sections:
         assert getattr(buf, s.name).data_ptr() == base + s.offset
@@ -47,11 +47,38 @@ def test_views_alias_one_allocation():
     assert not hasattr(buf, "x")
 
 
+@pytest.mark.parametrize("hidden,inter,recipe", [(2880, 2880, (1, 1, 32)), (2880, 2880, (1, 1, 128)),
+                                                (2048, 768, (1, 1, 32)), (96, 160, (1, 1, 128))])
+def test_views_of_the_real_sizes_over_zero_padded_storage(hidden, inter, recipe):
+    """FP8 x FP4 buffers store H and I as the kernels run them (rounded up to 512); ``x`` and ``x_sf`` are views of the
+    real H (``ceil(H/128)`` scale words); what a caller writes there never reaches the padding, which stays zero."""
+    from megamoe.inputs import fill_buffer, random_routing, random_tokens
+    from megamoe.layouts import quantize_fp8
+
+    t, hk, ik, words = 8, -(-hidden // 512) * 512, -(-inter // 512) * 512, -(-hidden // 128)
+    buf = get_symm_buffer_for_mega_moe(None, 8, t, 2, hidden, inter, device="cpu", recipe=recipe)
+    lay = buf.layout
+    assert (lay.hidden, lay.intermediate_hidden, lay.kernel_hidden, lay.kernel_intermediate) == (hidden, inter, hk, ik)
+    assert buf.x.shape == (t, hidden) and buf.x_sf.shape == (t, words)
+    assert lay.section("x").shape == (t, hk) and lay.section("x_sf").shape == (t, hk // 128)
+    assert lay.section("combine").shape == (2, t, hk) and buf.l2_acts.shape == (lay.num_ring_tokens, ik)
+    gen = torch.Generator().manual_seed(hidden + inter)
+    x = random_tokens(t, hidden, gen)
+    x_q, x_sf = fill_buffer(buf, x, *random_routing(t, 8, 2, gen))
+    want_q, want_sf = quantize_fp8(x, recipe=recipe)
+    assert torch.equal(buf.x.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(buf.x_sf, want_sf)
+    storage = {name: buf._view(buf.buffer, lay.section(name), lay.section(name).shape) for name in ("x", "x_sf")}
+    assert not storage["x"].view(torch.uint8)[:, hidden:].any() and not storage["x_sf"][:, words:].any()
+    bf16 = get_symm_buffer_for_mega_moe(None, 8, t, 2, hidden, inter, mma_type="bf16", device="cpu")
+    assert (bf16.layout.kernel_hidden, bf16.layout.kernel_intermediate) == (hidden, inter)  # BF16: no padding
+    assert bf16.x.shape == (t, hidden) and bf16.x.is_contiguous()
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(hidden=100), "`hidden` must be a multiple of 128"),
-        (dict(intermediate_hidden=200), "`intermediate_hidden` must be a multiple of 128"),
+        (dict(hidden=100), "`hidden` must be a multiple of 32"),
+        (dict(intermediate_hidden=200), "`intermediate_hidden` must be a multiple of 32"),
         (dict(num_experts=6, num_ranks=4), "`num_experts` must be a multiple of 4"),
         (dict(num_topk=0), r"`num_topk` must be in \[1, 8\]"),
         (dict(num_topk=9), r"`num_topk` must be in \[1, 8\]"),

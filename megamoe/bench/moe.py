@@ -11,10 +11,18 @@ and tolerances; the receipt records it.
 
 Columns: ``us`` time per call; ``TFLOP/s`` useful FLOPs ``6 * routed_rows * H * I`` per rank over
 time; ``weights GB/s`` bytes of the expert weights this path reads (BF16 with the torch GEMM, FP32 there for recipe 128,
-FP4 with the SM90 one) for
-experts that received rows; ``FP4 floor us`` the same experts' FP4 bytes over the HBM read bandwidth
+FP4 with the SM90 one; at the model's sizes, not counting the zero
+padding the SM90 kernels also read) for experts that received rows; ``FP4 floor us`` the same experts' FP4 bytes over the HBM read bandwidth
 measured in this run (the floor an FP4 kernel could reach); ``a2a GB/s`` bytes this rank sends
 to other ranks (dispatch rows + combine rows) over time.
+
+Presets (``PRESETS``) are model shapes; ``gpt-oss-120b`` and ``qwen3-30b-a3b`` run their models' routed-expert sizes
+with megamoe's SwiGLU experts (gpt-oss's own activation and biases are not modelled here). ``--experts``,
+``--hidden`` and ``--intermediate`` override a preset's sizes: e.g. a rank's expert count at EP8 (``--experts 16``
+on one GPU for gpt-oss-120b), or the padding cost of sizes the SM90 kernels zero-pad (H, I not multiples of
+``kernels.sm90.K_MULTIPLE``) against the padded sizes run natively: ``--preset gpt-oss-120b`` (2880, run as 3072)
+against ``--preset gpt-oss-120b --hidden 3072 --intermediate 3072``; ``scripts/padding_cost.sh`` runs that
+comparison for both new presets.
 
 ``--routings N`` (default 1): N buffers per point, each with its own random tokens and routing (each
 checked); timed calls cycle through them, so consecutive calls touch different experts, as consecutive
@@ -47,6 +55,7 @@ import torch.distributed as dist
 
 from ..dist import init_from_env, rank_and_size
 from ..inputs import fill_buffer, random_bf16_weights, random_fp4_weights, random_routing, random_tokens
+from ..layouts.ue8m0 import scale_words
 from ..staged import StagedMoE
 from ..mega import MegaMoE, trace_fp8_fp4_mega_moe
 from ..numerics import RECIPE_32, RECIPE_128, max_row_rel_error, moe_tolerances, rel_fro_error
@@ -69,14 +78,19 @@ PRESETS = {
     "tiny": dict(experts=16, topk=4, hidden=256, intermediate=128),
     "flash": dict(experts=256, topk=6, hidden=4096, intermediate=2048),
     "pro": dict(experts=384, topk=6, hidden=7168, intermediate=3072),
+    "gpt-oss-120b": dict(experts=128, topk=4, hidden=2880, intermediate=2880),
+    "qwen3-30b-a3b": dict(experts=128, topk=8, hidden=2048, intermediate=768),
 }
-DEFAULT_TOKENS = {"tiny": [1, 8, 33], "flash": [1, 8, 128, 512, 2048, 8192], "pro": [1, 8, 128, 512, 2048, 8192]}
+DEFAULT_TOKENS = {"tiny": [1, 8, 33], **dict.fromkeys(("flash", "pro", "gpt-oss-120b", "qwen3-30b-a3b"),
+                                                      [1, 8, 128, 512, 2048, 8192])}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m megamoe.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=PRESETS, default=None, help="shape (default: flash on GPUs, tiny on CPU)")
     p.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")], default=None, help="tokens per rank, e.g. 1,8,128")
+    for size in ("experts", "hidden", "intermediate"):
+        p.add_argument(f"--{size}", type=int, default=None, help=f"override the preset's {size} (module docstring)")
     p.add_argument("--mma-type", choices=("fp8xfp4", "bf16"), default="fp8xfp4")
     p.add_argument("--recipe", type=int, choices=(32, 128), default=32,
                    help="FP8 x FP4 recipe: 32 = (1, 1, 32), per-32 UE8M0 token scales (default); 128 = (1, 1, 128), "
@@ -166,7 +180,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             preset = "tiny"
         say(f"no CUDA device: running the tiny preset on CPU with gloo ({num_ranks} rank(s)); "
             "staged path and FP32 reference only, times are CPU wall clock")
-    shape = PRESETS[preset]
+    shape = {**PRESETS[preset], **{n: getattr(args, n) for n in ("experts", "hidden", "intermediate")
+                                   if getattr(args, n) is not None}}
     e, k, h, i = shape["experts"], shape["topk"], shape["hidden"], shape["intermediate"]
     tokens = args.tokens or DEFAULT_TOKENS[preset]
     if e % num_ranks:
@@ -188,7 +203,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         l1 = random_bf16_weights(num_local, 2 * i, h, gen, device)
         l2 = random_bf16_weights(num_local, h, i, gen, device)
     gemms = ["torch"]
-    if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0) and h % 512 == 0 and i % 512 == 0:
+    if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
         gemms.append("sm90")
     # Each path's name and what it runs; only the paths --paths selects are built (a path's prepared weights can
     # be several times the FP4 ones: torch's GEMMs take BF16), and a GEMM's two staged modes share them.
@@ -225,7 +240,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         say("--timeline: no mega FP8 x FP4 path runs here (it needs an SM90 GPU): no timeline")
     torch_bytes_per_expert = 3 * h * i * (4 if fp8 and recipe == RECIPE_128 else 2)  # the torch GEMMs' weights
     fp4_bytes_per_expert = fp4_expert_bytes(h, i)
-    token_bytes = h + h // 32 if fp8 else 2 * h  # FP8 + one 4-byte scale word per 128 (either recipe), or BF16
+    token_bytes = h + 4 * scale_words(h) if fp8 else 2 * h  # FP8 + one 4-byte scale word per 128 (either recipe), or BF16
     dispatch_row_bytes = k * 12 + token_bytes
     clock = "CUDA events" if device.type == "cuda" else "CPU wall clock"
 

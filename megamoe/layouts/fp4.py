@@ -3,7 +3,8 @@
 E2M1 code (4 bits): bit 3 = sign, bits 2..0 index the magnitudes ``E2M1_VALUES`` =
 {0, 0.5, 1, 1.5, 2, 3, 4, 6}. Packing: element ``2j`` of a row in the low nibble (bits 0-3) of
 byte ``j``, element ``2j+1`` in the high nibble, the order of ``torch.float4_e2m1fn_x2`` and of
-OCP MX. Packed weights are uint8 ``[..., K // 2]``; scales are packed int32 ``[..., K // 128]``.
+OCP MX. Packed weights are uint8 ``[..., K // 2]``; scales are packed int32 ``[..., ceil(K / 128)]`` (K any
+multiple of 32; ``ue8m0`` for the last word's padding codes).
 
 ``quantize_fp4(w)``: per block of 32 along K, scale ``2**e`` with e the smallest integer such that
 ``amax / 2**e <= 6``; each value ``w / 2**e`` rounds to the nearest E2M1 magnitude, ties to the even
@@ -19,8 +20,8 @@ import torch
 from ..checks import check_tensor, fail
 from .ue8m0 import (
     BLOCK_K,
-    PACKED_BLOCK_K,
     apply_block_scales,
+    scale_words,
     scaled_blocks,
     unpack_ue8m0,
 )
@@ -85,7 +86,7 @@ def check_finite_weights(w: torch.Tensor, name: str = "w", first_expert: int = 0
 
 
 def check_finite_scales(sf: torch.Tensor, name: str) -> None:
-    """Reject packed UE8M0 scales ``int32 [..., K/128]`` holding code 255 (NaN, never produced by ``quantize_fp4``),
+    """Reject packed UE8M0 scales ``int32 [..., ceil(K/128)]`` holding code 255 (NaN, never produced by ``quantize_fp4``),
     naming the first offending block."""
     bad = unpack_ue8m0(sf) == 255
     if bool(bad.any()):
@@ -94,8 +95,8 @@ def check_finite_scales(sf: torch.Tensor, name: str) -> None:
 
 
 def quantize_fp4(w: torch.Tensor, name: str = "w") -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [..., K]`` (K % 128 == 0, finite: NaN / Inf raise, ``check_finite_weights``) -> (packed uint8
-    ``[..., K // 2]``, packed int32 scales ``[..., K // 128]``)."""
+    """``w [..., K]`` (K % 32 == 0, finite: NaN / Inf raise, ``check_finite_weights``) -> (packed uint8
+    ``[..., K // 2]``, packed int32 scales ``[..., ceil(K/128)]``)."""
     check_tensor(name, w, dtype=(torch.float32, torch.bfloat16, torch.float16))
     check_finite_weights(w, name)
     blocks, sf = scaled_blocks(w, name, FP4_MAX)
@@ -103,9 +104,10 @@ def quantize_fp4(w: torch.Tensor, name: str = "w") -> tuple[torch.Tensor, torch.
 
 
 def dequantize_fp4(packed: torch.Tensor, sf: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """(packed uint8 ``[..., K//2]``, packed int32 ``[..., K//128]``) -> ``[..., K]`` of ``dtype`` (exact for float32/bfloat16)."""
+    """(packed uint8 ``[..., K//2]``, packed int32 ``[..., ceil(K/128)]``) -> ``[..., K]`` of ``dtype`` (exact for
+    float32/bfloat16)."""
     k = packed.shape[-1] * 2
-    check_tensor("sf", sf, dtype=torch.int32, shape=(*packed.shape[:-1], k // PACKED_BLOCK_K))
+    check_tensor("sf", sf, dtype=torch.int32, shape=(*packed.shape[:-1], scale_words(k)))
     return apply_block_scales(e2m1_table(packed.device).to(dtype)[unpack_fp4_codes(packed).long()], sf)
 
 

@@ -3,13 +3,13 @@
 A recipe is ``(token rows, weight rows, K elements)`` per scale (DeepGEMM's ``recipe`` argument):
 
 * ``RECIPE_32 = (1, 1, 32)`` (the default): one power-of-two UE8M0 scale per 32 elements of K.
-  ``quantize_fp8(x)`` maps ``x [..., K]`` to ``(q [..., K] float8_e4m3fn, sf [..., K // 128] int32)``: for every
+  ``quantize_fp8(x)`` maps ``x [..., K]`` to ``(q [..., K] float8_e4m3fn, sf [..., ceil(K/128)] int32)``: for every
   block of 32 elements the scale is ``2**e`` with e the smallest integer such that ``amax / 2**e <= 448``;
   ``q = RNE_e4m3(x / 2**e)`` (division by a power of two is exact, so the only rounding is the cast). ``sf``
   packs four UE8M0 codes per int32 (``ue8m0``). ``dequantize_fp8`` inverts it exactly.
 * ``RECIPE_128 = (1, 1, 128)``: one continuous FP32 scale per 128 elements of K (the Hopper convention of DeepEP and
   DeepGEMM's SM90 kernels). ``quantize_fp8(x, recipe=RECIPE_128)`` returns ``(q [..., K] float8_e4m3fn, sf [...,
-  K // 128] float32)``, per block of 128: ``amax = max(max |x|, AMAX_FLOOR)`` (FP32), ``q = sat_e4m3(RNE_e4m3(x *
+  ceil(K/128)] float32)``, per block of 128: ``amax = max(max |x|, AMAX_FLOOR)`` (FP32), ``q = sat_e4m3(RNE_e4m3(x *
   (448 / amax)))`` -- ``448 / amax`` one FP32 round-to-nearest division, then one FP32 round-to-nearest multiply,
   then the round-to-nearest-even cast, saturated to +-448 -- and ``sf = amax / 448`` (one FP32 round-to-nearest
   division). The block's largest element lands on (or next to) 448. ``pow2_scales=True`` gives power-of-two FP32
@@ -22,6 +22,11 @@ every NaN or Inf element quantizes to E4M3's NaN code (0x7F, or 0xFF for a negat
 dequantization and every GEMM: a token holding NaN or Inf gets a NaN output row on every path (torch's cast alone
 would saturate Inf to 448).
 
+K is any multiple of 32 (the UE8M0 block). Where K is not a multiple of 128, recipe 32's last packed word holds
+fewer than four codes (``ue8m0``: padding codes after them) and recipe 128's last scale covers the last ``K % 128``
+elements: a partial block, quantized exactly as if the row were padded with zeros to a multiple of 128 (zeros raise
+no amax), which is what the kernels, running on such zero-padded rows, compute.
+
 The two scale formats tell the recipes apart: int32 scales are packed UE8M0 per 32 (recipe 32), float32 scales are
 per 128 (recipe 128); ``recipe_of_scales`` reads it off a scale tensor.
 """
@@ -30,13 +35,14 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_multiple, check_tensor, fail
+from ..checks import check_tensor, fail
 from .ue8m0 import (
-    PACKED_BLOCK_K,
     apply_block_scales,
+    check_block_multiple,
     finite_amax,
     nan_where_not_finite,
     scale_exponent,
+    scale_words,
     scaled_blocks,
 )
 
@@ -85,7 +91,7 @@ def scale_dtype(recipe) -> torch.dtype:
 
 def quantize_fp8(x: torch.Tensor, name: str = "x", *, recipe=RECIPE_32,
                  pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [..., K]`` (any float dtype, K % 128 == 0) -> ``(float8_e4m3fn [..., K], scales [..., K//128])``: packed
+    """``x [..., K]`` (any float dtype, K % 32 == 0) -> ``(float8_e4m3fn [..., K], scales [..., ceil(K/128)])``: packed
     int32 UE8M0 per 32 for ``recipe=(1, 1, 32)``, float32 per 128 for ``(1, 1, 128)`` (module docstring;
     ``pow2_scales``: recipe 128 with power-of-two scales)."""
     recipe = check_recipe(recipe)
@@ -96,8 +102,8 @@ def quantize_fp8(x: torch.Tensor, name: str = "x", *, recipe=RECIPE_32,
         return nan_where_not_finite(blocks, blocks).to(torch.float8_e4m3fn).reshape(x.shape), sf
     check_tensor(name, x, dtype=(torch.float32, torch.bfloat16, torch.float16))
     k = x.shape[-1]
-    check_multiple(f"{name}.shape[-1]", k, SCALE_BLOCK_128, "one FP32 scale per 128 elements")
-    blocks = x.float().reshape(*x.shape[:-1], k // SCALE_BLOCK_128, SCALE_BLOCK_128)
+    check_block_multiple(f"{name}.shape[-1]", k)
+    blocks = _blocks_128(x.float())
     amax = finite_amax(blocks).unsqueeze(-1)
     if pow2_scales:
         # -126 at least: a normal FP32 scale (any smaller exponent also satisfies amax <= 448 * 2**e there)
@@ -110,19 +116,26 @@ def quantize_fp8(x: torch.Tensor, name: str = "x", *, recipe=RECIPE_32,
         scaled = blocks * torch.div(fmax, amax)
         sf = torch.div(amax, fmax)
     q = nan_where_not_finite(scaled, blocks).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # saturate, one RNE cast
-    return q.reshape(x.shape), sf.squeeze(-1)
+    return q.flatten(-2)[..., :k], sf.squeeze(-1)
+
+
+def _blocks_128(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., K]`` -> ``[..., ceil(K/128), 128]``, a partial last block padded with zeros (recipe 128's blocks)."""
+    k = x.shape[-1]
+    x = torch.nn.functional.pad(x, (0, -k % SCALE_BLOCK_128))
+    return x.reshape(*x.shape[:-1], x.shape[-1] // SCALE_BLOCK_128, SCALE_BLOCK_128)
 
 
 def dequantize_fp8(q: torch.Tensor, sf: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """(float8_e4m3fn ``[..., K]``, scales ``[..., K//128]``) -> ``[..., K]`` of ``dtype``. Packed int32 UE8M0
+    """(float8_e4m3fn ``[..., K]``, scales ``[..., ceil(K/128)]``) -> ``[..., K]`` of ``dtype``. Packed int32 UE8M0
     scales (recipe 32): exact for float32 and bfloat16 (an e4m3 value times a power of two is a BF16 value). Float32
     scales (recipe 128, any positive FP32 scale): ``q * sf`` exact in float64, rounded once to ``dtype``."""
     check_tensor("q", q, dtype=torch.float8_e4m3fn)
     check_tensor("sf", sf, dtype=(torch.int32, torch.float32))
-    check_tensor("sf", sf, shape=(*q.shape[:-1], q.shape[-1] // PACKED_BLOCK_K))
+    k = q.shape[-1]
+    check_block_multiple("q.shape[-1]", k)
+    check_tensor("sf", sf, shape=(*q.shape[:-1], scale_words(k)))
     if sf.dtype == torch.int32:
         return apply_block_scales(q.to(dtype), sf)
-    k = q.shape[-1]
-    check_multiple("q.shape[-1]", k, SCALE_BLOCK_128, "one FP32 scale per 128 elements")
-    blocks = q.double().reshape(*q.shape[:-1], k // SCALE_BLOCK_128, SCALE_BLOCK_128) * sf.double().unsqueeze(-1)
-    return blocks.reshape(q.shape).to(dtype)
+    blocks = _blocks_128(q.double()) * sf.double().unsqueeze(-1)
+    return blocks.flatten(-2)[..., :k].to(dtype)

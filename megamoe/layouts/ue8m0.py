@@ -3,8 +3,10 @@
 A UE8M0 code ``c`` in [0, 254] stands for the scale ``2 ** (c - 127)`` (torch.float8_e8m0fnu;
 255 is NaN and never produced). megamoe keeps one scale per 32 consecutive elements along K
 (``BLOCK_K``) and stores them packed four to an int32: code of K-block ``4*j + i`` sits in byte
-``i`` (bits ``8*i .. 8*i+7``) of packed column ``j``. A tensor with K elements per row therefore has
-packed scales of shape ``[..., K // 128]`` (int32), K-major, contiguous.
+``i`` (bits ``8*i .. 8*i+7``) of packed column ``j``. A tensor with K elements per row (K a multiple of 32)
+therefore has packed scales of shape ``[..., ceil(K / 128)]`` (int32, ``scale_words(K)``), K-major, contiguous.
+Where K is not a multiple of 128 the last word holds fewer than four blocks: its bytes past block ``K / 32`` are
+padding codes, written as ``PAD_CODE`` (scale 1, finite) and never read as scales.
 """
 
 from __future__ import annotations
@@ -21,8 +23,21 @@ SCALES_PER_INT32 = 4
 PACKED_BLOCK_K = BLOCK_K * SCALES_PER_INT32
 """Elements of K covered by one packed int32 of scales (128)."""
 MIN_EXPONENT = -127
+PAD_CODE = 127
+"""The code of a packed word's padding bytes (blocks past K / 32): scale 1, a finite power of two, so that a kernel
+multiplying zero-padded values by it gets exact zeros."""
 
 assert sys.byteorder == "little", "packed UE8M0 views assume a little-endian host"
+
+
+def scale_words(k: int) -> int:
+    """Packed int32 scale words of a row of ``k`` elements (``k`` a multiple of 32): ``ceil(k / 128)``."""
+    return -(-k // PACKED_BLOCK_K)
+
+
+def check_block_multiple(name: str, k: int) -> None:
+    """``k`` (a K extent called ``name``) must be a whole number of 32-element scale blocks."""
+    check_multiple(name, k, BLOCK_K, "one UE8M0 scale per 32 elements (the MXFP4 / MXFP8 block)")
 
 
 def scale_exponent(amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
@@ -52,16 +67,26 @@ def nan_where_not_finite(scaled: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def scaled_blocks(x: torch.Tensor, name: str, fmt_max: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-quantization front end shared by FP8 and FP4: validate ``x [..., K]`` (float, K % 128 == 0)
-    and return ``(x / 2**e`` as float32 ``[..., K/32, 32]``, the packed UE8M0 scales int32 ``[..., K/128])``
-    with ``e = scale_exponent(block amax, fmt_max)`` per 32-element block (the division is exact). The amax is
-    over the block's finite elements (``finite_amax``); NaN and Inf stay NaN and Inf in the scaled values."""
+    """Block-quantization front end shared by FP8 and FP4: validate ``x [..., K]`` (float, K % 32 == 0)
+    and return ``(x / 2**e`` as float32 ``[..., K/32, 32]``, the packed UE8M0 scales int32 ``[..., ceil(K/128)]``
+    (padding codes past block K/32)) with ``e = scale_exponent(block amax, fmt_max)`` per 32-element block (the
+    division is exact). The amax is over the block's finite elements (``finite_amax``); NaN and Inf stay NaN and Inf
+    in the scaled values."""
     check_tensor(name, x, dtype=(torch.float32, torch.bfloat16, torch.float16))
     k = x.shape[-1]
-    check_multiple(f"{name}.shape[-1]", k, PACKED_BLOCK_K, "four 32-element scale blocks per packed int32")
+    check_block_multiple(f"{name}.shape[-1]", k)
     blocks = x.float().reshape(*x.shape[:-1], k // BLOCK_K, BLOCK_K)
     e = scale_exponent(finite_amax(blocks), fmt_max)
-    return torch.ldexp(blocks, -e.unsqueeze(-1)), pack_ue8m0(exponent_to_code(e))
+    return torch.ldexp(blocks, -e.unsqueeze(-1)), pack_ue8m0(pad_codes(exponent_to_code(e)))
+
+
+def pad_codes(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes ``[..., n]`` -> ``[..., 4 * ceil(n / 4)]``, ``PAD_CODE`` appended (whole packed words)."""
+    n = codes.shape[-1]
+    pad = -n % SCALES_PER_INT32
+    if not pad:
+        return codes
+    return torch.cat([codes, codes.new_full((*codes.shape[:-1], pad), PAD_CODE)], dim=-1)
 
 
 def exponent_to_code(e: torch.Tensor) -> torch.Tensor:
@@ -95,14 +120,16 @@ def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
 
 
 def apply_block_scales(values: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """``values [..., K]`` times their packed int32 scales ``[..., K // 128]``, in ``values``' dtype.
+    """``values [..., K]`` (K % 32 == 0) times their packed int32 scales ``[..., ceil(K / 128)]``, in ``values``'
+    dtype (padding codes past block K/32 ignored).
 
     Exact for float32 and bfloat16 values that are FP8/FP4 codes: the scales are powers of two.
     """
     k = values.shape[-1]
-    scales = code_to_scale(unpack_ue8m0(packed)).to(values.dtype)
-    if scales.shape[-1] * BLOCK_K != k:
-        fail("packed", f"holds {scales.shape[-1]} scale blocks, expected {k // BLOCK_K} for K={k}")
+    check_block_multiple("values.shape[-1]", k)
+    if packed.shape[-1] != scale_words(k):
+        fail("packed", f"holds {packed.shape[-1]} packed scale words, expected ceil(K/128) = {scale_words(k)} for K={k}")
+    scales = code_to_scale(unpack_ue8m0(packed)[..., : k // BLOCK_K]).to(values.dtype)
     blocks = values.reshape(*values.shape[:-1], k // BLOCK_K, BLOCK_K)
     return (blocks * scales.unsqueeze(-1)).reshape(values.shape)
 

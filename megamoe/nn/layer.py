@@ -15,9 +15,11 @@ Implementations (``impl``, ``mode``), chosen explicitly, never substituted:
   ``"low_latency"`` (no host sync, CUDA-graph capturable).
 * ``"mega"``: ``megamoe.MegaMoE`` (``mode="mega"``: FP8 x FP4 one persistent kernel per rank -- NVLink
   dispatch, grouped GEMM tiles, NVLink combine --, BF16 those kernels staged around torch's grouped GEMMs;
-  no host sync, CUDA-graph capturable after one eager call); Hopper GPUs; the FP8 x FP4 recipe needs H and
-  I multiples of 512. SwiGLU experts without biases only: gpt-oss experts (``activation="swiglu_oai"``, biases) are
-  refused at construction; they run on ``"staged"``.
+  no host sync, CUDA-graph capturable after one eager call); Hopper GPUs. SwiGLU experts without biases only:
+  gpt-oss experts (``activation="swiglu_oai"``, biases) are refused at construction; they run on ``"staged"``.
+
+H and I are any multiples of 32 (the scale block) on both implementations: the SM90 kernels run zero-padded sizes
+(``megamoe.symm_buffer``: ``kernel_hidden`` / ``kernel_intermediate``), the outputs have the real H.
 
 gpt-oss experts: ``activation="swiglu_oai"`` with ``activation_clamp`` = the model's ``swiglu_limit``, and the
 per-expert biases given to ``load_experts`` / ``load_fp4_experts`` (``megamoe.numerics`` steps 1, 4 and 7).
@@ -40,13 +42,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..checks import InStepError, check_multiple, check_routing, check_routing_inputs, check_tensor, fail
+from ..checks import InStepError, check_routing, check_routing_inputs, check_tensor, fail
 from ..dist import rank_and_size
 from ..inputs import fill_buffer
 from ..layouts import quantize_fp4
 from ..layouts.fp4 import check_finite_weights
 from ..staged import StagedMoE
-from ..mega import K_MULTIPLE, MegaMoE, recipe_128_not_in_mega
+from ..mega import MegaMoE, recipe_128_not_in_mega
 from ..layouts import dequantize_fp4
 from ..layouts.weights import check_fp4_expert_weights
 from ..numerics import (RECIPE_32, RECIPE_128, check_activation, check_activation_clamp, check_expert_bias, check_recipe,
@@ -162,9 +164,6 @@ class EPMoE(nn.Module):
             fail("mode", f"must be one of {IMPLS[impl]} for impl {impl!r}, got {mode!r}")
         if impl == "mega" and recipe == RECIPE_128:
             raise recipe_128_not_in_mega("`recipe` is")
-        if impl == "mega" and mma_type == "fp8xfp4":
-            check_multiple("hidden", hidden, K_MULTIPLE, "impl='mega': the SM90 grouped GEMM's K granularity")
-            check_multiple("intermediate", intermediate, K_MULTIPLE, "impl='mega': the SM90 grouped GEMM's K granularity")
         check_activation_clamp(activation_clamp)
         if check_activation(activation) != "swiglu" and impl == "mega":
             fail("activation", f"{activation!r} runs on impl='staged' only: the Mega MoE kernel computes 'swiglu' "

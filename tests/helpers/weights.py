@@ -6,6 +6,7 @@ import torch
 from megamoe.kernels.weight_layout import BF16_MAX_SCALE_CODE, BF16_MIN_SCALE_CODE
 from megamoe.layouts import pack_ue8m0
 from megamoe.layouts.fp4 import pack_fp4_codes
+from megamoe.layouts.ue8m0 import pad_codes
 
 
 def foldable_weights(e: int, n: int, k: int, gen: torch.Generator, device="cpu", spread: int = 11, top: int = 124):
@@ -17,7 +18,7 @@ def foldable_weights(e: int, n: int, k: int, gen: torch.Generator, device="cpu",
     zero = torch.rand(e, n, k // 32, generator=gen) < 0.03
     codes.view(e, n, k // 32, 32)[zero] = 0
     scale[zero] = 0
-    return pack_fp4_codes(codes).to(device), pack_ue8m0(scale).to(device)
+    return pack_fp4_codes(codes).to(device), pack_ue8m0(pad_codes(scale)).to(device)  # any k multiple of 32
 
 
 

@@ -56,7 +56,8 @@ class EpPhases:
         self.num_local = lay.num_local_experts
         self.num_experts = lay.num_experts
         self.topk = lay.num_topk
-        self.hidden = lay.hidden
+        self.hidden = lay.kernel_hidden  # rows of x, the rings and combine (the kernels' size, symm_buffer)
+        self.y_hidden = lay.hidden  # rows of y: the real size, the padded columns are never stored
         self.t_max = lay.num_max_tokens_per_rank
         self.ring = lay.num_ring_tokens
         self.row_limit = lay.max_recv_rows if bounded_ring else self.ring
@@ -376,7 +377,7 @@ class EpPhases:
         (token, 32 vectors of 8) unit."""
         k, hidden, t_max = self.topk, self.hidden, self.t_max
         combine = self.cfg.offset("combine")
-        out_vecs = hidden // 8
+        out_vecs = self.y_hidden // 8  # combine rows hold kernel_hidden columns, y the real ones
         parts = -(-out_vecs // WARP)
         topk_idx = base + self.cfg.offset("topk_idx")
         for u in cutlass.range(gw, num_tokens * parts, num_warps):
@@ -396,7 +397,7 @@ class EpPhases:
                         acc[2 * w] = acc[2 * w] + lo
                         acc[2 * w + 1] = acc[2 * w + 1] + hi
                 out = [ptx.f32x2_to_bf16x2(acc[2 * w], acc[2 * w + 1]) for w in range(4)]
-                ptx.st_global_v4(y + (Int64(t) * hidden + Int64(v) * 8) * 2, out, 1)
+                ptx.st_global_v4(y + (Int64(t) * self.y_hidden + Int64(v) * 8) * 2, out, 1)
 
     @cute.jit
     def finish_call(self, base: Int64, call: Int32, tid: Int32):
