@@ -49,11 +49,11 @@ def reference_slot_outputs(
 ) -> torch.Tensor:
     """BF16 ``o [T, k, H]`` for slots whose expert is in ``[first_expert, first_expert + E_l)``.
 
-    ``x``: FP8 ``[T, H]`` with ``x_sf`` int32 ``[T, H/128]`` (recipe (1, 1, 32)) or float32 ``[T, H/128]`` (recipe
-    (1, 1, 128)), or BF16 with ``x_sf=None``. ``l1``/``l2``: canonical FP4 ``(weights, scales)`` tuples or BF16
-    tensors for experts ``first_expert ..``; ``l1_bias``: their BF16 ``[E_l, 2I]`` L1 bias or None. R2 follows the
-    tokens' recipe; ``activation`` is step 4's (``numerics.ACTIVATIONS``). The L2 bias is the combine's
-    (``reference_moe``).
+    ``x``: FP8 ``[T, H]`` with ``x_sf`` int32 ``[T, ceil(H/128)]`` (recipe (1, 1, 32)) or float32 ``[T, ceil(H/128)]``
+    (recipe (1, 1, 128)), or BF16 with ``x_sf=None``; H and I any multiples of 32 (``layouts.fp8``: partial blocks).
+    ``l1``/``l2``: canonical FP4 ``(weights, scales)`` tuples or BF16 tensors for experts ``first_expert ..``;
+    ``l1_bias``: their BF16 ``[E_l, 2I]`` L1 bias or None. R2 follows the tokens' recipe; ``activation`` is step 4's
+    (``numerics.ACTIVATIONS``). The L2 bias is the combine's (``reference_moe``).
     """
     t, k = topk_idx.shape
     hidden = x.shape[1]

@@ -134,6 +134,23 @@ def test_both_paths_and_auto_on_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("hidden,inter", [(2880, 2880), (2048, 768), (1408, 1408), (96, 160)])
+def test_model_sizes_on_gpu(hidden, inter):
+    """Sizes the SM90 kernels run zero-padded (gpt-oss, Qwen3-30B-A3B, I = 1408, 96 / 160): warp decode (the padded
+    Mega MoE layout with padded ``x``, or the canonical SIMT kernels) and the grouped path, one token, masked slots,
+    a batch above the crossover."""
+    experts, k = 8, 4
+    l1, l2 = _weights(experts, hidden, inter, 9, "cuda")
+    dec = MoEDecoder(l1, l2, num_topk=k, max_tokens=16, crossover=2)
+    gen = torch.Generator().manual_seed(10)
+    for tokens, masked, clamp in ((1, 0.0, None), (2, 0.3, 2.0), (16, 0.2, 1.5)):
+        x = random_tokens(tokens, hidden, gen).cuda()
+        idx, wts = (t.cuda() for t in random_routing(tokens, experts, k, gen, masked_ratio=masked))
+        for path in ("warp_decode", "grouped", "auto"):
+            _check(dec, l1, x, idx, wts, path, clamp)
+
+
+@pytest.mark.gpu
 def test_auto_replays_in_a_cuda_graph():
     experts, hidden, inter, k, tokens = 8, 512, 512, 2, 6
     l1, l2 = _weights(experts, hidden, inter, 7, "cuda")

@@ -35,6 +35,7 @@ from megamoe.layouts import (
     unpack_ue8m0,
 )
 from megamoe.layouts.fp4 import unpack_fp4_codes
+from megamoe.layouts.weights import pad_columns, pad_fp4_weights, round_up
 from megamoe.numerics import (
     RECIPE_128,
     l1_epilogue,
@@ -72,8 +73,10 @@ def _tokens64(a: torch.Tensor, a_sf: torch.Tensor | None) -> torch.Tensor:
     None) as they are."""
     if a_sf is None:
         return a.double()
-    if a_sf.dtype == torch.float32:
-        return (a.double().unflatten(-1, (-1, 128)) * a_sf.double()[..., None]).flatten(-2)
+    if a_sf.dtype == torch.float32:  # a partial last 128-block (K % 128 != 0) as the zero-padded block it stands for
+        k = a.shape[-1]
+        blocks = torch.nn.functional.pad(a.double(), (0, -k % 128)).unflatten(-1, (-1, 128))
+        return (blocks * a_sf.double()[..., None]).flatten(-2)[..., :k]
     return dequantize_fp8(a, a_sf).double()
 
 
@@ -931,3 +934,41 @@ def test_swiglu_nonfinite_rows_quantize_to_nan(variant):
     good = (~bad).nonzero().flatten()
     _check_swiglu(out[good], out_sf[good], a[good], a_sf[good], w1, w1_sf, row_expert[good], row_weights[good], None,
                   f"swiglu finite rows beside non-finite ones {cfg.describe('swiglu_fp8')}")
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("n,k", [(2880, 2880), (2048, 768), (768, 2048), (1408, 1408), (96, 96)])
+@pytest.mark.parametrize("recipe", [32, 128])
+def test_zero_padded_model_sizes(n, k, recipe):
+    """Model sizes (multiples of 32) the kernels run zero-padded to their K granularity, as the MoE paths do: weights
+    padded once (``pad_fp4_weights``: zero rows to N', zero K columns), token rows and their scales with zero
+    columns (``pad_columns``). The real N columns equal the FP64 reference at the real sizes (recipe 128: a partial
+    last scale block), the padded output columns are exact zeros, rows of no group stay untouched; ragged groups."""
+    gen = torch.Generator().manual_seed(n + k + recipe)
+    counts = [0, 1, 37, 5, 130, 64]
+    kp, np_ = round_up(k, 512), round_up(n, 512)
+    if recipe == 32:
+        a, a_sf, offsets, _, row_expert = _contiguous_case(counts, n, k, 3, 11, gen)
+        w, w_sf = _random_weights(len(counts), n, k, gen, "cuda")
+        bk, bk_sf = prepare_fp4_weights(*pad_fp4_weights((w, w_sf), np_, kp), mma="fp8")
+    else:
+        group = torch.cat([torch.full((c,), i, dtype=torch.int64) for i, c in enumerate(counts)])
+        layout = contiguous_layout(group, len(counts))
+        m = 2 + layout.num_rows + 7
+        x = torch.randn(m, k, generator=gen) * torch.exp2(torch.randint(-6, 7, (m, 1), generator=gen).float())
+        a, a_sf = (t.cuda() for t in quantize_fp8(x, recipe=(1, 1, 128)))
+        row_expert = torch.full((m,), -1, dtype=torch.int64)
+        row_expert[layout.row_index + 2] = group
+        row_expert = row_expert.cuda()
+        a.view(torch.uint8)[row_expert < 0] = 0x7F  # NaN in E4M3
+        offsets = (layout.offsets + 2).to(torch.int32).cuda()
+        w, w_sf = foldable_weights(len(counts), n, k, gen, "cuda")
+        bk, bk_sf = prepare_fp4_weights(*pad_fp4_weights((w, w_sf), np_, kp), mma="fp8", fold=True)
+    out = torch.full((a.shape[0], np_), float("nan"), dtype=torch.bfloat16, device="cuda")
+    grouped_gemm_fp8_fp4_contiguous(pad_columns(a, kp), pad_columns(a_sf, kp // 128), bk, bk_sf, offsets, out=out)
+    torch.cuda.synchronize()
+    what = f"recipe {recipe}, N x K = {n} x {k} run as {np_} x {kp}"
+    _check_rows(out[:, :n], a, a_sf, w, w_sf, row_expert, what, k32_per_sum=4 if recipe == 128 else 1)
+    valid = row_expert >= 0
+    assert torch.equal(out[valid, n:], torch.zeros_like(out[valid, n:])), f"{what}: padded output columns not zero"

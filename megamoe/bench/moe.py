@@ -81,8 +81,8 @@ PRESETS = {
     "gpt-oss-120b": dict(experts=128, topk=4, hidden=2880, intermediate=2880),
     "qwen3-30b-a3b": dict(experts=128, topk=8, hidden=2048, intermediate=768),
 }
-DEFAULT_TOKENS = {"tiny": [1, 8, 33], **dict.fromkeys(("flash", "pro", "gpt-oss-120b", "qwen3-30b-a3b"),
-                                                      [1, 8, 128, 512, 2048, 8192])}
+DEFAULT_TOKENS = {"tiny": [1, 8, 33], **{name: [1, 8, 128, 512, 2048, 8192]
+                                         for name in ("flash", "pro", "gpt-oss-120b", "qwen3-30b-a3b")}}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

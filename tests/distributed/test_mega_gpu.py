@@ -18,7 +18,8 @@ one progress line per rank and call, the contract errors, and any ``megamoe debu
   default ring is 128 rows already), and the skewed small-ring case again at H = I = 2048, where every CTA runs
   several tiles (the tile hand-off from the producer warp to the consumers wraps around its slots); then a CUDA
   graph captured once and replayed three times with new inputs
-  copied in between. Four ranks: uneven tokens incl. a rank
+  copied in between. Model sizes the kernels run zero-padded to 512 (``dims``: gpt-oss H = I = 2880, Qwen3-30B-A3B
+  H 2048 / I 768, 96 / 160; BF16 buffers unpadded) on one and two GPUs, recipe 128's staged SM90 path at them too. Four ranks: uneven tokens incl. a rank
   with 0 and one with 1, skewed, full with a clamp, and the graph. Recipe (1, 1, 128) (``r128_*`` cases, a buffer of that
   recipe: per-128 FP32 token scales, FP8 rings, folded FP8-mode weights): the Mega MoE kernel does not run it yet and
   must say so (NotImplementedError before any launch); the staged path with the SM90 GEMMs is checked against that
@@ -53,6 +54,7 @@ H, I, K, E_PER_RANK, T_MAX = 512, 512, 4, 8, 32
 GENERATIONS = 3
 SMALL_RING = 128  # ring rows of the small-ring cases: rank 0 receives more rows, so it reuses ring blocks
 WIDE = (2048, 2048)  # (H, I) of the case whose CTAs run several tiles each (L1: 32 column tiles per pool block)
+GPT_OSS, QWEN3, TINY = (2880, 2880), (2048, 768), (96, 160)  # model sizes the kernels run zero-padded to 512
 R128 = (1, 1, 128)
 DEBUG_TIMEOUT_S = "60"  # debug-mode spin-wait timeout inside the subprocesses: above the JIT compile of a rank
 # whose config (its own T) is new to it while its peer has it compiled already and waits at `ready` (seconds: a
@@ -72,6 +74,13 @@ CASES = {
         ("r128_no_tokens", dict(tokens=[0], recipe=R128)),
         ("r128_full_clamped", dict(tokens=[T_MAX], clamp=0.75, masked=0.1, recipe=R128)),
         ("r128_ieee_silu_wide", dict(tokens=[T_MAX], masked=0.1, fast_math=False, dims=WIDE, recipe=R128)),
+        ("gpt_oss_ragged_masked", dict(tokens=[29], masked=0.25, dims=GPT_OSS)),
+        ("gpt_oss_one_token_clamped", dict(tokens=[1], clamp=0.75, dims=GPT_OSS)),
+        ("qwen3_skewed", dict(tokens=[32], hot=K, dims=QWEN3)),
+        ("tiny_sizes_full_clamped", dict(tokens=[T_MAX], clamp=0.75, masked=0.1, dims=TINY)),
+        ("bf16_gpt_oss_ragged", dict(tokens=[29], masked=0.25, mma_type="bf16", dims=GPT_OSS)),
+        ("r128_gpt_oss_ragged_masked", dict(tokens=[29], masked=0.25, dims=GPT_OSS, recipe=R128)),
+        ("r128_qwen3_skewed", dict(tokens=[32], hot=K, dims=QWEN3, recipe=R128)),
     ],
     2: [
         ("ragged_masked_uneven", dict(tokens=[13, 5], masked=0.25)),
@@ -88,6 +97,8 @@ CASES = {
         ("r128_zero_token_rank", dict(tokens=[0, 9], recipe=R128)),
         ("r128_full_clamped", dict(tokens=[T_MAX, T_MAX], clamp=0.75, masked=0.1, recipe=R128)),
         ("r128_small_ring_skewed", dict(tokens=[24, 17], hot=K, ring=SMALL_RING, recipe=R128)),
+        ("gpt_oss_uneven", dict(tokens=[13, 5], masked=0.25, dims=GPT_OSS)),
+        ("qwen3_small_ring_skewed", dict(tokens=[24, 17], hot=K, ring=SMALL_RING, dims=QWEN3)),
     ],
     4: [
         ("ragged_masked_uneven", dict(tokens=[13, 0, 32, 1], masked=0.25)),
@@ -226,7 +237,7 @@ def _check_trace(rank, what: str, y, moe, buf, clamp, counts) -> None:
     cfg, lay = tile_config(buf.layout, y.shape[0], sms), buf.layout
     blocks = int(((counts + cfg.tile_tokens - 1) // cfg.tile_tokens).sum())
     tiles = (int(rows[:, COUNT["l1 tiles"]].sum()), int(rows[:, COUNT["l2 tiles"]].sum()))
-    want = (blocks * 2 * lay.intermediate_hidden // cfg.tile_n, blocks * lay.hidden // cfg.tile_n)
+    want = (blocks * 2 * lay.kernel_intermediate // cfg.tile_n, blocks * lay.kernel_hidden // cfg.tile_n)  # padded
     assert tiles == want, f"{what}: (L1, L2) tiles run {tiles}, want {want} ({blocks} pool blocks)"
     _say(rank, f"{what}: trace build bit-equal, {tiles} tiles on {rows.shape[0]} CTAs, stamps in order")
 
