@@ -1,5 +1,7 @@
 """The EP MoE benchmark, one process without torchrun: the tiny preset (on CPU: staged path, FP32 reference)."""
 
+import json
+
 import pytest
 import torch
 
@@ -14,6 +16,21 @@ def test_moe_bench_cycles_routings_and_checks_each():
     assert all(r["routings"] == 2 and r["correct"] and r["us"] > 0 for r in rows)
     # Two distinct routings of 3 tokens x top-4 over 16 experts: the mean routed rows is 3 * 4 (one rank).
     assert all(r["routed_rows_per_rank"] == 3 * 4 for r in rows if r["tokens_per_rank"] == 3)
+
+
+def test_moe_bench_model_presets_and_size_overrides(tmp_path):
+    """The model presets hold the models' routed-expert shapes; --experts/--hidden/--intermediate override a preset's
+    sizes (here tiny's, on CPU, at sizes the SM90 kernels would pad: every point checked, the receipt records them)."""
+    from megamoe.bench.moe import DEFAULT_TOKENS, PRESETS
+
+    assert PRESETS["gpt-oss-120b"] == {"experts": 128, "topk": 4, "hidden": 2880, "intermediate": 2880}
+    assert PRESETS["qwen3-30b-a3b"] == {"experts": 128, "topk": 8, "hidden": 2048, "intermediate": 768}
+    assert set(DEFAULT_TOKENS) == set(PRESETS)
+    path = tmp_path / "r.json"
+    rows = main(["--preset", "tiny", "--experts", "8", "--hidden", "96", "--intermediate", "160", "--tokens", "3",
+                 "--warmup", "1", "--iters", "2", "--recipe", "128", "--json", str(path)])
+    assert rows and all(r["correct"] for r in rows)
+    assert json.loads(path.read_text())["shape"] == {"experts": 8, "topk": 4, "hidden": 96, "intermediate": 160}
 
 
 def test_moe_bench_paths_filter():
