@@ -190,7 +190,7 @@ def l1_epilogue(
     """Steps 2-5 for L1 outputs ``acc [M, 2I]`` ([gate | up], FP32 or already BF16-rounded; the L1 bias, if any,
     already in it: step 1).
 
-    Returns ``(a_fp8 [M, I], a_sf [M, I/128])`` for the FP8 recipes (int32 packed UE8M0 per 32 for ``recipe``
+    Returns ``(a_fp8 [M, I], a_sf [M, ceil(I/128)])`` for the FP8 recipes (int32 packed UE8M0 per 32 for ``recipe``
     (1, 1, 32), float32 per 128 for (1, 1, 128): R2 as ``layouts.quantize_fp8``), ``(a_bf16, None)`` for BF16.
     """
     inter = acc.shape[-1] // 2

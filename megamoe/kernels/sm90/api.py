@@ -282,7 +282,8 @@ def _check_tokens(a: torch.Tensor, a_sf: torch.Tensor | None, ndim: int, mma: st
                  "FP32 scales float32 [..., K/128] (recipe (1, 1, 128))")
     check_tensor("a", a, contiguous=True)
     k = a.shape[-1]
-    check_multiple("a.shape[-1] (K)", k, K_MULTIPLE, "packed UE8M0 scale rows must be 16-byte aligned for TMA")
+    check_multiple("a.shape[-1] (K)", k, K_MULTIPLE, "packed UE8M0 scale rows must be 16-byte aligned for TMA; other "
+                   "multiples of 32 run zero-padded: layouts.weights.pad_fp4_weights once, pad_columns per call")
     if mma == "fp8":
         if not isinstance(a_sf, torch.Tensor) or a_sf.dtype not in (torch.int32, torch.float32):
             fail("a_sf", "must be int32 packed UE8M0 scales [..., K/128] (recipe (1, 1, 32)) or float32 scales "
