@@ -26,6 +26,10 @@ CASES = {
                                          recipe=(1, 1, 128)),
     "r4_ll_zero_token_rank_r128": dict(BASE, tokens_per_rank=[3, 0, 8, 1], masked_ratio=0.2, mode="low_latency",
                                        recipe=(1, 1, 128)),
+    # sizes that are multiples of 32 only (the buffers' x and x_sf views of the real H over padded storage)
+    "r2_qwen3_sizes_uneven": dict(BASE, hidden=2048, intermediate=768, tokens_per_rank=[7, 4], masked_ratio=0.2),
+    "r2_ll_sizes_96_160_r128": dict(BASE, hidden=96, intermediate=160, tokens_per_rank=[9, 0], mode="low_latency",
+                                    recipe=(1, 1, 128)),
 }
 
 
