@@ -123,12 +123,14 @@ def _published_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(e, n, k // 32, 16), unpack_ue8m0(sf).view(e, n, k // 32)
 
 
-def test_mxfp4_tensors_read_bit_exact():
+@pytest.mark.parametrize("h,i", [(256, 128), (2880, 96)])
+def test_mxfp4_tensors_read_bit_exact(h, i):
     """Random bytes and scale codes in the published layout: the canonical FP4 pair holds the same bytes and codes
-    (gate/up rows de-interleaved), and decodes to exactly what transformers' ``convert_moe_packed_tensors`` makes."""
+    (gate/up rows de-interleaved; gpt-oss's K = 2880 and K = 96: a partial last scale word), and decodes to exactly what
+    transformers' ``convert_moe_packed_tensors`` makes."""
     mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
     g = torch.Generator().manual_seed(3)
-    e, h, i = 4, 256, 128
+    e = 4
     blocks = {"gate_up_proj": torch.randint(0, 256, (e, 2 * i, h // 32, 16), generator=g, dtype=torch.uint8),
               "down_proj": torch.randint(0, 256, (e, h, i // 32, 16), generator=g, dtype=torch.uint8)}
     scales = {"gate_up_proj": torch.randint(110, 140, (e, 2 * i, h // 32), generator=g, dtype=torch.uint8),
@@ -137,9 +139,10 @@ def test_mxfp4_tensors_read_bit_exact():
     (w1, s1), (w2, s2) = read_fp4_expert_weights(sd, "m.", range(1, 3))
     bg, sg = blocks["gate_up_proj"][1:3].reshape(2, 2 * i, h // 2), scales["gate_up_proj"][1:3]
     assert torch.equal(w1[:, :i], bg[:, 0::2]) and torch.equal(w1[:, i:], bg[:, 1::2])
-    assert torch.equal(unpack_ue8m0(s1)[:, :i], sg[:, 0::2]) and torch.equal(unpack_ue8m0(s1)[:, i:], sg[:, 1::2])
+    c1, c2 = unpack_ue8m0(s1)[..., : h // 32], unpack_ue8m0(s2)[..., : i // 32]  # the codes; then padding codes
+    assert torch.equal(c1[:, :i], sg[:, 0::2]) and torch.equal(c1[:, i:], sg[:, 1::2])
     assert torch.equal(w2, blocks["down_proj"][1:3].reshape(2, h, i // 2))
-    assert torch.equal(unpack_ue8m0(s2), scales["down_proj"][1:3])
+    assert torch.equal(c2, scales["down_proj"][1:3])
     theirs1 = mxfp4.convert_moe_packed_tensors(blocks["gate_up_proj"][1:3], scales["gate_up_proj"][1:3],
                                                dtype=torch.float32).transpose(1, 2)  # [E, 2I, H] interleaved
     theirs2 = mxfp4.convert_moe_packed_tensors(blocks["down_proj"][1:3], scales["down_proj"][1:3],
@@ -331,14 +334,15 @@ def test_gpt_oss_epilogues_compile_for_sm90a(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", [(1, 1, 32), (1, 1, 128)])
 @pytest.mark.parametrize("fast_math", [True, False])
-@pytest.mark.parametrize("inter", [512, 1024])
-def test_staged_sm90_gpt_oss_experts_gpu(recipe, fast_math, inter):
+@pytest.mark.parametrize("hidden,inter", [(512, 512), (512, 1024), (2880, 2880)])
+def test_staged_sm90_gpt_oss_experts_gpu(recipe, fast_math, hidden, inter):
     """StagedMoE(gemm="sm90") with gpt-oss experts (the kernel's L1 epilogue adds the bias and applies
-    "swiglu_oai") == reference_moe within the contract's tolerances, both modes."""
+    "swiglu_oai") == reference_moe within the contract's tolerances, both modes; at gpt-oss's sizes the kernels run
+    H = I = 3072, the L1 bias zero-padded with the weights."""
     from megamoe import StagedMoE, get_symm_buffer_for_mega_moe
     from megamoe.inputs import fill_buffer
 
-    hidden, experts, topk = 512, 8, 3
+    experts, topk = 8, 3
     g = torch.Generator().manual_seed(12)
     w1 = torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5
     w2 = torch.randn(experts, hidden, inter, generator=g) * inter**-0.5

@@ -45,7 +45,8 @@ from collections.abc import Mapping
 import torch
 
 from ..checks import check_multiple, check_tensor, fail
-from ..layouts import PACKED_BLOCK_K, deinterleave_gate_up, dequantize_fp4, pack_ue8m0
+from ..layouts import deinterleave_gate_up, dequantize_fp4, pack_ue8m0
+from ..layouts.ue8m0 import pad_codes
 
 EXPERT_NAMINGS = {"gate_up_down": ("gate_proj", "up_proj", "down_proj"), "w1_w3_w2": ("w1", "w3", "w2")}
 GPT_OSS_NAMINGS = ("gpt_oss", "gpt_oss_mxfp4")
@@ -143,16 +144,15 @@ def read_expert_weights(
 
 def _fp4_tensor(ckpt: Checkpoint, key: str, experts: range) -> tuple[torch.Tensor, torch.Tensor]:
     """``{key}_blocks`` uint8 ``[E, N, K/32, 16]`` and ``{key}_scales`` uint8 ``[E, N, K/32]`` of ``experts`` ->
-    megamoe's FP4 pair (packed uint8 ``[E_l, N, K/2]``, packed int32 UE8M0 ``[E_l, N, K/128]``), bytes unchanged."""
+    megamoe's FP4 pair (packed uint8 ``[E_l, N, K/2]``, packed int32 UE8M0 ``[E_l, N, ceil(K/128)]``), bytes unchanged
+    (a partial last scale word, e.g. gpt-oss's K = 2880, gets ``layouts.ue8m0`` padding codes)."""
     blocks, scales = ckpt.get(f"{key}_blocks", experts), ckpt.get(f"{key}_scales", experts)
     check_tensor(f"{key}_blocks", blocks, dtype=torch.uint8, ndim=4)
     e, n, groups, width = blocks.shape
     if width != 16:
         fail(f"{key}_blocks", f"must hold 16 bytes (32 E2M1 values) per block in its last dim, got {list(blocks.shape)}")
     check_tensor(f"{key}_scales", scales, dtype=torch.uint8, shape=(e, n, groups))
-    check_multiple(f"{key}_blocks.shape[2] * 32 (K)", groups * 32, PACKED_BLOCK_K,
-                   "megamoe packs four UE8M0 codes per int32 (sizes that are multiples of 32 only: pad K at load)")
-    return blocks.reshape(e, n, groups * 16).contiguous(), pack_ue8m0(scales)
+    return blocks.reshape(e, n, groups * 16).contiguous(), pack_ue8m0(pad_codes(scales))
 
 
 def read_fp4_expert_weights(
