@@ -164,13 +164,13 @@ def test_unvalidated_bad_routing_sets_the_error_word(num_ranks):
 
 
 def _mega_entry(rank, group, device):
-    """The Mega MoE entry on several ranks marks the buffer on an error before the launch (here: every rank, a
-    hidden size the kernel cannot run); then a new buffer on every rank works."""
+    """The Mega MoE entry on several ranks marks the buffer on an error before the launch (here: every rank, weights
+    that are not transform_weights_for_mega_moe's tuples); then a new buffer on every rank works."""
     buf = get_symm_buffer_for_mega_moe(group, E, T_MAX, K, H, I, device=device)
     y = torch.empty(2, H, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="`sym_buffer hidden` must be a multiple of 512"):
+    with pytest.raises(ValueError, match=r"`l1` must be the \(weights, scales\) tuple of transform_weights_for_mega_moe"):
         fp8_fp4_mega_moe(y, None, None, buf)
-    with pytest.raises(OutOfStepError, match=r"refuses fp8_fp4_mega_moe: .*fp8_fp4_mega_moe: ValueError: .*hidden"):
+    with pytest.raises(OutOfStepError, match=r"refuses fp8_fp4_mega_moe: .*fp8_fp4_mega_moe: ValueError: .*`l1`"):
         fp8_fp4_mega_moe(y, None, None, buf)
     # every rank raised from that call: destroying the buffer and making a new one recovers
     buf.destroy()
