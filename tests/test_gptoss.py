@@ -167,6 +167,10 @@ def hf_gpt_oss(path, hidden=256, inter=256, seed=0):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+        # The model's own expert loop (GptOssExperts.forward) is the reference: on CUDA, transformers may dispatch
+        # the experts to another implementation (grouped_mm), which gave unrelated outputs with transformers 5.17.
+        if hasattr(model, "set_experts_implementation"):
+            model.set_experts_implementation("eager")
         with torch.no_grad():
             for layer in range(2):
                 mlp, pre = model.model.layers[layer].mlp, f"model.layers.{layer}.mlp."

@@ -363,7 +363,7 @@ def _stranded(entry: str) -> None:
             self.buffer = torch.zeros(self.layout.num_bytes, dtype=torch.uint8, device=self.device)
             self.peer = torch.zeros_like(self.buffer)
             for s in self.layout.sections:
-                setattr(self, s.name, self._view(self.buffer, s))
+                setattr(self, s.name, self._view(self.buffer, s, self.layout.user_shape(s.name)))
             self.errors = self.signals[ERRORS_WORD : ERRORS_WORD + 1]
 
         @property
