@@ -167,8 +167,8 @@ def hf_gpt_oss(path, hidden=256, inter=256, seed=0):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-        # The model's own expert loop (GptOssExperts.forward) is the reference: on CUDA, transformers may dispatch
-        # the experts to another implementation (grouped_mm), which gave unrelated outputs with transformers 5.17.
+        # The model's own expert loop (GptOssExperts.forward) is the reference on every device, as on CPU (on CUDA,
+        # transformers may otherwise dispatch the experts to another implementation).
         if hasattr(model, "set_experts_implementation"):
             model.set_experts_implementation("eager")
         with torch.no_grad():
