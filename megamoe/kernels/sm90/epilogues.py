@@ -202,8 +202,8 @@ class SwigluQuant128(SwigluQuant):
     token t's 32 values times its routing weight and their amax, which the four warpgroups exchange through the
     padding columns of the staging tile (a barrier of all consumer threads); then ``amax = max(amax_128, 1e-4)``,
     ``q = e4m3_rne_sat(v * (448 / amax))`` (``megamoe.numerics``; a block holding NaN or Inf: amax NaN, so every code
-    NaN and a NaN scale), 32 FP8 bytes per thread (``args.out``: (M, N/8) int32 view of FP8 [M, N/2]) and the FP32 scale ``amax / 448`` of the block (``args.out_sf``: (M, N/256) float32),
-    stored by warpgroup 0."""
+    NaN and a NaN scale), 32 FP8 bytes per thread (``args.out``: (M, N/8) int32 view of FP8 [M, N/2]) and the FP32
+    scale ``amax / 448`` of the block (``args.out_sf``: (M, N/256) float32), stored by warpgroup 0."""
 
     def __init__(self, config: GemmConfig, fast_math: bool):
         super().__init__(config, fast_math, bf16_out=False)
