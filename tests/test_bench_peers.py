@@ -94,6 +94,17 @@ def test_align_block_size_groups_rows_by_expert(block):
     assert padded.tolist() == [len(want_ids)] and len(want_ids) % block == 0
 
 
+def test_sublayers_must_agree_on_the_row_block():
+    """The indexed routing serves both GEMMs: where the sublayers' tuning intervals pick different row blocks the peer
+    refuses before any launch, naming both (the intervals here are made up; Humming's are (low, high] of shape_m)."""
+    layer = object.__new__(peer_lib._HummingLayer)
+    layer.tuning = {"w13": [(0, 64, {"block_shape": [16, 128, 128]}), (64, 1 << 30, {"block_shape": [64, 128, 128]})],
+                    "w2": [(0, 256, {"block_shape": [16, 128, 128]}), (256, 1 << 30, {"block_shape": [64, 256, 64]})]}
+    assert layer.shared_block_rows(8) == 16 and layer.shared_block_rows(1000) == 64
+    with pytest.raises(RuntimeError, match=r"shape_m=100 .*'w13': 64, 'w2': 16"):
+        layer.shared_block_rows(100)
+
+
 def test_peer_reference_bf16_matches_megamoe_reference_where_the_contracts_meet():
     """With one slot per token and unit weights the two contracts coincide for BF16 tokens (the routing weight's place
     does not matter, R4 sums one row): the peer's reference must equal megamoe's, bit for bit."""

@@ -251,6 +251,17 @@ class _HummingLayer:
                 return int(config["block_shape"][0])
         raise RuntimeError(f"humming: no tuning interval of {name} holds shape_m={valid_shape_m}: {self.tuning[name]}")
 
+    def shared_block_rows(self, valid_shape_m: int) -> int:
+        """The row block of every sublayer at ``valid_shape_m``: the indexed routing (rows padded per expert to the
+        block, one expert id per block) serves both GEMMs, so their tuning configs must agree on it (vLLM aligns once,
+        with w13's block configs). Raises ``RuntimeError`` naming both blocks where they differ, before any launch."""
+        blocks = {name: self.block_rows(name, valid_shape_m) for name in self.tuning}
+        if len(set(blocks.values())) > 1:
+            raise RuntimeError(f"humming peer: at shape_m={valid_shape_m} the sublayers' default tuning configs pick "
+                               f"different row blocks {blocks}; one indexed routing cannot serve both GEMMs "
+                               "(humming-kernels 0.1.20 chooses each sublayer's config independently)")
+        return next(iter(blocks.values()))
+
     def quant(self, name: str, inputs: torch.Tensor, quanted: torch.Tensor | None):
         return self.method.may_quant_input(layer=self.module, inputs=inputs, quanted_input=quanted, sublayer_name=name)
 
@@ -311,7 +322,7 @@ class HummingMoE:
         """Routing and buffers for BF16 tokens ``x [T, H]`` routed by ``topk_idx``/``topk_weights [T, k]``."""
         t, k = topk_idx.shape
         valid_shape_m = t * k  # vLLM's estimate at EP1: every (token, slot) row, unused slots included
-        ids = align_block_size(topk_idx, self.layer.block_rows("w13", valid_shape_m), self.experts)
+        ids = align_block_size(topk_idx, self.layer.shared_block_rows(valid_shape_m), self.experts)
         dev, bf16 = x.device, torch.bfloat16
         buffers = {
             "x": x.contiguous(), "idx": topk_idx.to(torch.int32).contiguous(),
