@@ -280,6 +280,13 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     return cfg
 
 
+OPERAND_LAYOUTS = {
+    RECIPE_32: (torch.int32, BF16_WORDS, "BF16-mode layout int32 [E/R, N/64, K/128, 64, 16]"),
+    RECIPE_128: (torch.uint8, CHUNK_BYTES, "FP8-mode layout uint8 [E/R, N/64, K/128, 64, 64] with folded scales"),
+}
+"""The kernel weight operands of each recipe (``transform_weights_for_mega_moe``): dtype, last dim, name."""
+
+
 def check_fp4_operands(l1, l2, sym_buffer: SymmBuffer, recipe=None) -> tuple[int, int, int]:
     """``fp8_fp4_mega_moe``'s weights (``transform_weights_for_mega_moe``'s operands) against the buffer's recipe
     (``recipe``: None, or the same); returns that recipe."""
@@ -290,31 +297,23 @@ def check_fp4_operands(l1, l2, sym_buffer: SymmBuffer, recipe=None) -> tuple[int
     recipe = lay.recipe
     e_l, h, i = lay.num_local_experts, lay.kernel_hidden, lay.kernel_intermediate  # the padded sizes
     transform = f"transform_weights_for_mega_moe(l1, l2, recipe={recipe})"
+    other = RECIPE_128 if recipe == RECIPE_32 else RECIPE_32
+    dtype, width, layout = OPERAND_LAYOUTS[recipe]
     for name, pair, n, kk in (("l1", l1, 2 * i, h), ("l2", l2, h, i)):
         if not (isinstance(pair, tuple) and len(pair) == 2):
             fail(name, "must be the (weights, scales) tuple of transform_weights_for_mega_moe")
         w, sf = pair
         if isinstance(w, torch.Tensor) and w.dtype == torch.uint8 and w.dim() == 3:
-            layout = ("int32 [E/R, N/64, K/128, 64, 16]" if recipe == RECIPE_32 else
-                      "uint8 [E/R, N/64, K/128, 64, 64] with folded scales")
             fail(f"{name}[0]", f"is uint8 (canonical FP4 weights?): pass the kernel operands of {transform}, {layout}")
+        if isinstance(w, torch.Tensor) and w.dtype == OPERAND_LAYOUTS[other][0]:
+            fail(f"{name}[0]", f"is in the {OPERAND_LAYOUTS[other][2]} (weights of recipe "
+                 f"{describe_recipe(other)}), but the buffer holds recipe {describe_recipe(recipe)}: use {transform}, "
+                 f"or a buffer allocated with recipe={tuple(other)}")
+        check_tensor(f"{name}[0]", w, dtype=dtype, shape=(e_l, n // ROW_BLOCK, kk // 128, ROW_BLOCK, width),
+                     device=sym_buffer.device, contiguous=True)
         if recipe == RECIPE_32:
-            if isinstance(w, torch.Tensor) and w.dtype == torch.uint8:
-                fail(f"{name}[0]", f"is in the FP8-mode layout uint8 [E/R, N/64, K/128, 64, 64] (weights of recipe "
-                     f"(1, 1, 128)), but the buffer holds recipe {describe_recipe(recipe)}: use {transform}, or a "
-                     "buffer allocated with recipe=(1, 1, 128)")
-            check_tensor(f"{name}[0]", w, dtype=torch.int32,
-                         shape=(e_l, n // ROW_BLOCK, kk // 128, ROW_BLOCK, BF16_WORDS), device=sym_buffer.device,
-                         contiguous=True)
             check_chunk_major_scales(f"{name}[1]", sf, e_l, n, kk, device=sym_buffer.device)
             continue
-        if isinstance(w, torch.Tensor) and w.dtype == torch.int32:
-            fail(f"{name}[0]", f"is in the BF16-mode layout int32 [E/R, N/64, K/128, 64, 16] (weights of recipe "
-                 f"(1, 1, 32)), but the buffer holds recipe {describe_recipe(recipe)}: use {transform}, or a buffer "
-                 "allocated with recipe=(1, 1, 32)")
-        check_tensor(f"{name}[0]", w, dtype=torch.uint8,
-                     shape=(e_l, n // ROW_BLOCK, kk // 128, ROW_BLOCK, CHUNK_BYTES), device=sym_buffer.device,
-                     contiguous=True)
         check_tensor(f"{name}[1]", sf, dtype=torch.int32, ndim=3, device=sym_buffer.device, contiguous=True)
         chunks = kk // 128
         if tuple(sf.shape) == (e_l, n, chunks):

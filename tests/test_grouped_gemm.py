@@ -438,17 +438,23 @@ def test_swiglu_contiguous(tile_tokens, tile_n, clamp, ctas, fold):
                   f"swiglu contiguous {cfg.describe('swiglu_fp8')} clamp={clamp}")
 
 
+def _masked_case(masked: list[int], max_m: int, k: int, gen):
+    """Recipe-32 tokens of masked groups (``[E * max_m, k]`` on the GPU, ``masked[e]`` valid rows per group) and
+    each row's expert (-1 past a group's count)."""
+    a, a_sf = _random_tokens(len(masked) * max_m, k, gen, "cuda")
+    row_expert = torch.full((len(masked), max_m), -1, dtype=torch.int64)
+    for i, c in enumerate(masked):
+        row_expert[i, :c] = i
+    return a, a_sf, row_expert.flatten().cuda()
+
+
 @gpu
 @needs_sm90
 def test_swiglu_masked():
     gen = torch.Generator().manual_seed(77)
     masked, max_m, inter, k = [3, 0, 40, 17], 40, 128, 512
     e = len(masked)
-    a, a_sf = _random_tokens(e * max_m, k, gen, "cuda")
-    row_expert = torch.full((e, max_m), -1, dtype=torch.int64)
-    for i, c in enumerate(masked):
-        row_expert[i, :c] = i
-    row_expert = row_expert.flatten().cuda()
+    a, a_sf, row_expert = _masked_case(masked, max_m, k, gen)
     w1, w1_sf = _random_weights(e, 2 * inter, k, gen, "cuda")
     bk, bk_sf = prepare_fp4_weights_l1(w1, w1_sf)
     row_weights = torch.rand(e, max_m, generator=gen).cuda()
@@ -479,11 +485,7 @@ def test_swiglu_oai_with_bias(layout):
     else:
         masked, max_m = [3, 0, 40, 17], 40
         e = len(masked)
-        a, a_sf = _random_tokens(e * max_m, k, gen, "cuda")
-        row_expert = torch.full((e, max_m), -1, dtype=torch.int64)
-        for i, c in enumerate(masked):
-            row_expert[i, :c] = i
-        row_expert = row_expert.flatten().cuda()
+        a, a_sf, row_expert = _masked_case(masked, max_m, k, gen)
     w1, w1_sf = _random_weights(e, 2 * inter, k, gen, "cuda")
     bias = (torch.randn(e, 2 * inter, generator=gen) * 2).bfloat16().cuda()
     bk, bk_sf = prepare_fp4_weights_l1(w1, w1_sf)
