@@ -230,6 +230,16 @@ def test_gpt_oss_block_swap(gpt_oss, checkpoint, mma_type, mode):
     check_gpt_oss_block(config, model, source, 1, x, mma_type, mode, "cpu")
 
 
+def test_gpt_oss_config_without_swiglu_fields(gpt_oss):
+    """A gpt_oss config without ``swiglu_limit`` and ``swiglu_alpha`` (transformers' ``GptOssConfig`` has neither up
+    to 5.17, whose experts clamp at 7.0 whatever the config says): the block clamps at gpt-oss's 7.0 (the tokens here
+    reach the clamp: without it the error is O(1)) and matches the model within the budget."""
+    config, model, path, _ = gpt_oss
+    bare = {k: v for k, v in config.to_dict().items() if k not in ("swiglu_limit", "swiglu_alpha")}
+    x = random_tokens(48, config.hidden_size, torch.Generator().manual_seed(7))
+    check_gpt_oss_block(bare, model, path, 1, x, "bf16", "normal", "cpu")
+
+
 def test_gpt_oss_checkpoints_load_the_same_layer(gpt_oss):
     """The published MXFP4 tensors load as the stored bytes, and hold the same values as the BF16 checkpoint
     quantized at load (whose codes may differ: a block whose largest code is small re-quantizes with a smaller scale,

@@ -20,7 +20,8 @@ gpt_oss       logits with ``router.bias``, top-k of the logits,     ``experts.ga
               softmax over the k chosen (rounded to the logits'     ... (MXFP4 as published) or
               dtype); block returns ``(y, router_scores)``          ``experts.gate_up_proj`` (BF16),
                                                                     biases; ``"swiglu_oai"`` clamped
-                                                                    at ``swiglu_limit``,
+                                                                    at ``swiglu_limit``
+                                                                    (7.0 if absent),
                                                                     E = ``num_local_experts``
 ============  ===================================================  =================================
 
@@ -47,6 +48,12 @@ from .layer import EPMoE
 from .routing import TopKRouter
 
 MODEL_TYPES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
+
+GPT_OSS_SWIGLU_LIMIT = 7.0
+"""gpt-oss's clamp ``limit``, used where a gpt_oss config has no ``swiglu_limit`` (or holds None): transformers'
+``GptOssConfig`` has no such field up to 5.17, whose ``GptOssExperts`` clamps at 7.0 whatever the config says, and
+the published checkpoints' config.json holds 7.0. Without the clamp a block would silently compute another function
+wherever a gate or up value passes 7."""
 
 
 class MoEBlock(nn.Module):
@@ -120,6 +127,7 @@ def moe_block_from_config(
         if alpha is not None and float(alpha) != SWIGLU_OAI_ALPHA:
             fail("config.swiglu_alpha", f"must be {SWIGLU_OAI_ALPHA} (megamoe's 'swiglu_oai'), got {alpha}")
         limit = config.get("swiglu_limit") if isinstance(config, Mapping) else getattr(config, "swiglu_limit", None)
+        limit = GPT_OSS_SWIGLU_LIMIT if limit is None else limit
         kwargs = {"activation": "swiglu_oai", "activation_clamp": limit, **kwargs}
     moe = EPMoE.from_checkpoint(ckpt, prefix, num_experts, routing["top_k"], max_tokens, group,
                                 shared_prefix=f"{prefix}shared_experts." if shared else None, **kwargs)
