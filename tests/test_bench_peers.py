@@ -280,6 +280,48 @@ def test_peer_reference_without_split_tiles_is_one_rounding_per_gemm():
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+def test_peer_reference_takes_the_stream_k_rounding_points_of_both_gemms():
+    """With a routing whose W13 and W2 launches split the tiles of some row blocks in two K slices, each (token, slot)
+    row in those blocks (found here by searching ``sorted_ids``) gets gate/up and its W2 output as the BF16 sum of two
+    BF16 half-K partials, later half first; rows elsewhere one rounding. Written out per row."""
+    from megamoe.layouts import dequantize_fp4
+    from megamoe.numerics import swiglu_weighted
+
+    gen = torch.Generator().manual_seed(10)
+    e, h, i, t, k = 4, 256, 128, 9, 2
+    l1, l2 = random_fp4_weights(e, 2 * i, h, gen), random_fp4_weights(e, h, i, gen)
+    x = random_tokens(t, h, gen)
+    idx, w = random_routing(t, e, k, gen, masked_ratio=0.2)
+    sorted_ids, expert_ids, padded = peer_lib.align_block_size(idx, 8, e)
+    split_blocks = {0, 2, 3}
+    w13 = peer_lib.StreamKSplit((8, 128, 64), {(m, n): ((128, 256), (0, 128)) for m in split_blocks for n in (0, 1)})
+    w2 = peer_lib.StreamKSplit((8, 128, 64), {(m, n): ((64, 128), (0, 64)) for m in split_blocks for n in (0, 1)})
+    routing = peer_lib.HummingRouting(t * k, sorted_ids, expert_ids, padded, {}, {"w13": w13, "w2": w2})
+    got = peer_lib.peer_reference(x, idx, w, l1, l2, "bf16", routing=routing)
+
+    def product(a, weight, half, split):
+        if not split:
+            return (a @ weight.T).to(torch.bfloat16).double()
+        hi = (a[half:] @ weight[:, half:].T).to(torch.bfloat16).double()
+        lo = (a[:half] @ weight[:, :half].T).to(torch.bfloat16).double()
+        return (hi + lo).to(torch.bfloat16).double()
+
+    ids = sorted_ids.tolist()
+    want = torch.zeros(t, h, dtype=torch.float64)
+    for tok in range(t):
+        for j in range(k):
+            ex = int(idx[tok, j])
+            if ex < 0:
+                continue
+            split = ids.index(tok * k + j) // 8 in split_blocks
+            gate_up = product(x[tok].double(), dequantize_fp4(l1[0][ex], l1[1][ex]).double(), 128, split)
+            a = swiglu_weighted(gate_up[:i].float(), gate_up[i:].float(), torch.ones(())).to(torch.bfloat16).double()
+            want[tok] += float(w[tok, j]) * product(a, dequantize_fp4(l2[0][ex], l2[1][ex]).double(), 64, split)
+    assert torch.equal(got.view(torch.int16), want.to(torch.bfloat16).view(torch.int16))
+    plain = peer_lib.peer_reference(x, idx, w, l1, l2, "bf16")
+    assert not torch.equal(got.view(torch.int16), plain.view(torch.int16))
+
+
 def test_peer_reference_bf16_matches_megamoe_reference_where_the_contracts_meet():
     """With one slot per token and unit weights the two contracts coincide for BF16 tokens (the routing weight's place
     does not matter, R4 sums one row): the peer's reference must equal megamoe's, bit for bit."""

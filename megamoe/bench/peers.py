@@ -274,8 +274,8 @@ def streamk_split(config: dict, shape_n: int, shape_k: int, rows_padded: int, nu
     return StreamKSplit((block_m, block_n, block_k), tiles)
 
 
-def streamk_product(a: torch.Tensor, w: torch.Tensor, positions: torch.Tensor,
-                    split: StreamKSplit | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def streamk_product(a: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, split: StreamKSplit | None,
+                    interval: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FP64 reference of one Humming GEMM's rows with its Stream-K rounding points, and the interval its unordered
     reductions allow.
 
@@ -293,6 +293,8 @@ def streamk_product(a: torch.Tensor, w: torch.Tensor, positions: torch.Tensor,
       ``STREAM_K_ENUMERATED_ORDERS``; past that, the bound: any order's result and ``ref`` are sums of the same
       ``p_i`` with S - 1 roundings, each of at most ``u = 2**-8`` times its running sum, every running sum at most
       ``A = sum |p_i|`` (times ``(1 + u)**S`` for the roundings before it), so ``|y - ref| <= 2 (S - 1) u (1 + u)**S A``.
+
+    ``interval=False``: ``low = high = ref`` everywhere (the caller uses ``ref`` alone).
     """
     out = bf16_rne(a @ w.T)
     low, high = out.double(), out.double()
@@ -310,7 +312,7 @@ def streamk_product(a: torch.Tensor, w: torch.Tensor, positions: torch.Tensor,
         ref = _add_in_bf16(parts[0], parts[1:])
         out[rows, cols] = ref.to(torch.bfloat16)
         lo = hi = ref
-        if len(parts) > STREAM_K_ORDERED_SLICES:
+        if interval and len(parts) > STREAM_K_ORDERED_SLICES:
             if math.factorial(len(parts) - 1) <= STREAM_K_ENUMERATED_ORDERS:
                 ends = torch.stack([_add_in_bf16(parts[0], order) for order in itertools.permutations(parts[1:])])
                 lo, hi = ends.amin(dim=0), ends.amax(dim=0)
@@ -367,11 +369,12 @@ def peer_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
         if tok.numel() == 0:
             continue
         at = positions[tok * k + slot] if positions is not None else tok
-        acc, _, _ = streamk_product(xd[tok], dequantize_fp4(l1[0][e], l1[1][e]).double(), at, splits.get("w13"))
+        acc, _, _ = streamk_product(xd[tok], dequantize_fp4(l1[0][e], l1[1][e]).double(), at, splits.get("w13"),
+                                    interval=False)
         gate, up = clamp_gate_up(acc[:, :inter].float(), acc[:, inter:].float(), clamp)  # R1
         a = bf16_rne(swiglu_weighted(gate, up, torch.ones(tok.numel(), device=x.device)))  # R2: BF16, FP8 below
         down, _, _ = streamk_product(_as_peer_input(a, activations), dequantize_fp4(l2[0][e], l2[1][e]).double(), at,
-                                     splits.get("w2"))
+                                     splits.get("w2"), interval=False)
         o[tok, slot] = down.double()  # R3
     weights = torch.where(topk_idx >= 0, topk_weights.double(), 0.0)
     return bf16_rne((o * weights.unsqueeze(-1)).sum(dim=1))  # R4 after the weighted sum (FP64 here)
