@@ -6,6 +6,7 @@ token sets / routings through the timed calls with stand-in peers, and the plot 
 matplotlib). On the GPU machine with humming-kernels installed: the peers' rows in both benches, every point checked.
 """
 
+import itertools
 import json
 import subprocess
 import sys
@@ -101,8 +102,224 @@ def test_sublayers_must_agree_on_the_row_block():
     layer.tuning = {"w13": [(0, 64, {"block_shape": [16, 128, 128]}), (64, 1 << 30, {"block_shape": [64, 128, 128]})],
                     "w2": [(0, 256, {"block_shape": [16, 128, 128]}), (256, 1 << 30, {"block_shape": [64, 256, 64]})]}
     assert layer.shared_block_rows(8) == 16 and layer.shared_block_rows(1000) == 64
-    with pytest.raises(RuntimeError, match=r"shape_m=100 .*'w13': 64, 'w2': 16"):
+    with pytest.raises(peer_lib.PeerRefused, match=r"shape_m=100 .*'w13': 64, 'w2': 16"):
         layer.shared_block_rows(100)
+
+
+def _config(block, stream_k=True, stages=4, ctas=1):
+    return {"block_shape": list(block), "use_stream_k": stream_k, "num_stages": stages, "num_ctas_per_sm": ctas}
+
+
+def test_streamk_split_by_hand():
+    """Humming's Stream-K schedule on cases worked out by hand from its scheduler: one tile of 8 K blocks on 4 CTAs
+    (2 blocks each, rounded up to the 4 pipeline stages: two slices, the last K half stored first); 9 tiles on 4
+    CTAs (two whole waves, the ninth tile shared: the same two slices); no Stream-K config: no split tile."""
+    one = peer_lib.streamk_split(_config((8, 128, 64)), 128, 512, 8, 4, 0)
+    assert one.block == (8, 128, 64) and one.tiles == {(0, 0): ((256, 512), (0, 256))} and one.max_slices() == 2
+    nine = peer_lib.streamk_split(_config((8, 128, 64)), 384, 512, 24, 4, 0)
+    assert nine.tiles == {(2, 2): ((256, 512), (0, 256))}
+    assert peer_lib.streamk_split(_config((8, 128, 64), stream_k=False), 128, 512, 8, 4, 0).tiles == {}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_streamk_split_slices_partition_k(seed):
+    """On random shapes every split tile's slices cover [0, K) once, in decreasing K order, at most 10 of them, and
+    the kernel's own slice count agrees (``streamk_split`` raises otherwise)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def pick(*v):
+        return v[int(torch.randint(len(v), (1,), generator=gen))]
+
+    block = (pick(8, 16, 40, 80), pick(128, 256), pick(64, 128))
+    n, k = block[1] * pick(1, 3, 8, 28), block[2] * pick(3, 16, 24, 112)
+    group = pick(0, 128)
+    split = peer_lib.streamk_split(_config(block, stages=pick(3, 4), ctas=pick(1, 2, 4)), n, k,
+                                   block[0] * pick(1, 6, 48, 300), pick(8, 132), group)
+    for ranges in split.tiles.values():
+        assert 2 <= len(ranges) <= peer_lib.STREAM_K_MAX_SLICES
+        assert [r[0] for r in ranges] == sorted((r[0] for r in ranges), reverse=True)
+        covered = sorted(ranges)
+        assert covered[0][0] == 0 and covered[-1][1] == k
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(covered))
+
+
+@pytest.mark.parametrize("activations", ["bf16", "fp8"])
+def test_streamk_split_marks_the_failing_receipt_points(activations):
+    """The H100 receipt's pro L2 peer points (its tuning configs recorded, 132 SMs): the split has tiles in two or
+    more K slices exactly where the GPU check against a one-rounding reference failed."""
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "bench/results/gemm/2026-12-06_gemm_humming_h100.json"
+    receipt = json.loads(path.read_text())
+    peer = receipt["peers"][f"humming {activations}-act"]
+    meta = json.loads(peer["layer_metas"]["w"])
+    checked = 0
+    for record in receipt["records"]:
+        point = record["point"]
+        if (point["preset"], point["layer"]) != ("pro", "l2"):
+            continue
+        verdict = next(r["verdict"] for r in record["results"] if r["impl"] == f"humming {activations}-act")
+        rows, experts = point["rows_per_expert"], point["experts"]
+        config = next(c for low, high, c in peer["tuning_configs"]["w"] if low < rows * experts <= high)
+        block_m = config["block_shape"][0]
+        split = peer_lib.streamk_split(config, meta["shape_n"], meta["shape_k"], experts * -(-rows // block_m) * block_m,
+                                       receipt["environment"]["sms"], meta["input_scale_group_size"])
+        assert bool(split.tiles) == verdict.startswith("FAIL"), (rows, verdict)
+        checked += 1
+    assert checked == 3
+
+
+def _bf16(v: float) -> float:
+    return float(torch.tensor(v, dtype=torch.float64).to(torch.bfloat16).double())
+
+
+def test_streamk_product_rounds_each_slice_then_each_sum():
+    """Ordered slices (at most 3): each slice's partial rounded to BF16, stored in slice order and each sum rounded,
+    element by element here; tiles not split (and rows of other row blocks): one rounding; the interval is exact."""
+    gen = torch.Generator().manual_seed(2)
+    a, w = torch.randn(6, 96, generator=gen, dtype=torch.float64), torch.randn(8, 96, generator=gen, dtype=torch.float64)
+    positions = torch.tensor([0, 1, 2, 3, 9, 10])  # block_m 4: rows 0-3 in row block 0, the others in block 2
+    ranges = ((64, 96), (32, 64), (0, 32))
+    split = peer_lib.StreamKSplit((4, 4, 32), {(0, 1): ranges})
+    ref, low, high = peer_lib.streamk_product(a, w, positions, split)
+    assert ref.dtype == torch.bfloat16 and torch.equal(low, ref.double()) and torch.equal(high, ref.double())
+    for r in range(6):
+        for c in range(8):
+            if r < 4 and 4 <= c < 8:
+                parts = [_bf16(float(a[r, k0:k1] @ w[c, k0:k1])) for k0, k1 in ranges]
+                want = _bf16(_bf16(parts[0] + parts[1]) + parts[2])
+            else:
+                want = _bf16(float(a[r] @ w[c]))
+            assert float(ref[r, c]) == want, (r, c)
+
+
+@pytest.mark.parametrize("slices", [4, 5, 7])
+def test_streamk_product_interval_holds_every_atomic_order(slices):
+    """Beyond 3 slices the later ones are added in any order: every order's result lies in [low, high] (all orders
+    enumerated up to 5 slices, the bound past that), while the one-rounding result and a result missing one slice
+    fall outside by more than the GEMM check's 1e-3."""
+    gen = torch.Generator().manual_seed(slices)
+    k = 32 * slices
+    a, w = torch.randn(4, k, generator=gen, dtype=torch.float64), torch.randn(4, k, generator=gen, dtype=torch.float64)
+    ranges = tuple((32 * s, 32 * s + 32) for s in reversed(range(slices)))
+    split = peer_lib.StreamKSplit((4, 4, 32), {(0, 0): ranges})
+    ref, low, high = peer_lib.streamk_product(a, w, torch.arange(4), split)
+    parts = [(a[:, k0:k1] @ w[:, k0:k1].T).to(torch.bfloat16).double() for k0, k1 in ranges]
+    orders = list(itertools.permutations(parts[1:]))[:24]
+    for order in orders:
+        y = parts[0]
+        for part in order:
+            y = (y + part).to(torch.bfloat16).double()
+        assert ((low <= y) & (y <= high)).all()
+        assert peer_lib.excess_rel_fro(y, ref, low, high) == 0.0
+    plain = (a @ w.T).to(torch.bfloat16)
+    missing = sum(parts[:-1]).to(torch.bfloat16)
+    assert peer_lib.excess_rel_fro(missing, ref, low, high) > 1e-3
+    if slices <= 5:
+        assert peer_lib.excess_rel_fro(plain, ref, low, high) > 0
+
+
+def test_excess_rel_fro_is_rel_fro_on_exact_intervals():
+    from megamoe.numerics import rel_fro_error
+
+    gen = torch.Generator().manual_seed(4)
+    ref = torch.randn(5, 7, generator=gen).to(torch.bfloat16)
+    y = (ref.double() * (1 + 1e-2 * torch.randn(5, 7, generator=gen, dtype=torch.float64))).to(torch.bfloat16)
+    assert peer_lib.excess_rel_fro(y, ref, ref.double(), ref.double()) == pytest.approx(rel_fro_error(y, ref), rel=1e-12)
+    y[1, 2] = float("nan")
+    assert peer_lib.excess_rel_fro(y, ref, ref.double(), ref.double()) == float("inf")
+
+
+def test_humming_fp8_values_by_element():
+    """Humming's dynamic per-128 FP8 quantization, written out per element in numpy float32: scale = amax / 448
+    (at least 1e-30), q = e4m3(x * (1 / scale)) saturated, value q * scale; an all-zero block gives zeros."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(6)
+    v = (torch.randn(3, 256, generator=gen) * torch.rand(3, 256, generator=gen) * 5).to(torch.bfloat16)
+    v[2, 128:] = 0
+    got = peer_lib.humming_fp8_values(v)
+    x = v.float().numpy()
+    for r in range(3):
+        for b in range(2):
+            blk = x[r, b * 128 : (b + 1) * 128]
+            scale = max(np.float32(np.abs(blk).max()) / np.float32(448), np.float32(1e-30))
+            mult = np.float32(1) / np.float32(scale)
+            q = torch.from_numpy(np.clip((blk * mult).astype(np.float32), -448, 448)).to(torch.float8_e4m3fn)
+            want = q.double() * float(np.float32(scale))
+            assert torch.equal(got[r, b * 128 : (b + 1) * 128], want), (r, b)
+    assert torch.equal(got[2, 128:], torch.zeros(128, dtype=torch.float64))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        peer_lib.humming_fp8_values(torch.zeros(2, 96))
+
+
+def test_routing_positions_invert_sorted_ids():
+    gen = torch.Generator().manual_seed(8)
+    idx, _ = random_routing(13, 6, 3, gen, masked_ratio=0.2)
+    sorted_ids, expert_ids, padded = peer_lib.align_block_size(idx, 8, 6)
+    routing = peer_lib.HummingRouting(idx.numel(), sorted_ids, expert_ids, padded, {})
+    pos = routing.positions(idx.numel())
+    ids = sorted_ids.tolist()
+    for flat, slot_expert in enumerate(idx.reshape(-1).tolist()):
+        assert pos[flat] == (ids.index(flat) if slot_expert >= 0 else -1)
+
+
+def test_peer_reference_without_split_tiles_is_one_rounding_per_gemm():
+    """A routing whose launches split no tile gives the one-rounding reference bit for bit."""
+    gen = torch.Generator().manual_seed(9)
+    e, h, i, t, k = 6, 256, 128, 7, 2
+    l1, l2 = random_fp4_weights(e, 2 * i, h, gen), random_fp4_weights(e, h, i, gen)
+    x = random_tokens(t, h, gen)
+    idx, w = random_routing(t, e, k, gen, masked_ratio=0.2)
+    ids = peer_lib.align_block_size(idx, 8, e)
+    none = peer_lib.StreamKSplit((8, 128, 64), {})
+    routing = peer_lib.HummingRouting(t * k, *ids, {}, {"w13": none, "w2": none})
+    for act in ("bf16", "fp8"):
+        want = peer_lib.peer_reference(x, idx, w, l1, l2, act)
+        got = peer_lib.peer_reference(x, idx, w, l1, l2, act, routing=routing)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_peer_reference_takes_the_stream_k_rounding_points_of_both_gemms():
+    """With a routing whose W13 and W2 launches split the tiles of some row blocks in two K slices, each (token, slot)
+    row in those blocks (found here by searching ``sorted_ids``) gets gate/up and its W2 output as the BF16 sum of two
+    BF16 half-K partials, later half first; rows elsewhere one rounding. Written out per row."""
+    from megamoe.layouts import dequantize_fp4
+    from megamoe.numerics import swiglu_weighted
+
+    gen = torch.Generator().manual_seed(10)
+    e, h, i, t, k = 4, 256, 128, 9, 2
+    l1, l2 = random_fp4_weights(e, 2 * i, h, gen), random_fp4_weights(e, h, i, gen)
+    x = random_tokens(t, h, gen)
+    idx, w = random_routing(t, e, k, gen, masked_ratio=0.2)
+    sorted_ids, expert_ids, padded = peer_lib.align_block_size(idx, 8, e)
+    split_blocks = {0, 2, 3}
+    w13 = peer_lib.StreamKSplit((8, 128, 64), {(m, n): ((128, 256), (0, 128)) for m in split_blocks for n in (0, 1)})
+    w2 = peer_lib.StreamKSplit((8, 128, 64), {(m, n): ((64, 128), (0, 64)) for m in split_blocks for n in (0, 1)})
+    routing = peer_lib.HummingRouting(t * k, sorted_ids, expert_ids, padded, {}, {"w13": w13, "w2": w2})
+    got = peer_lib.peer_reference(x, idx, w, l1, l2, "bf16", routing=routing)
+
+    def product(a, weight, half, split):
+        if not split:
+            return (a @ weight.T).to(torch.bfloat16).double()
+        hi = (a[half:] @ weight[:, half:].T).to(torch.bfloat16).double()
+        lo = (a[:half] @ weight[:, :half].T).to(torch.bfloat16).double()
+        return (hi + lo).to(torch.bfloat16).double()
+
+    ids = sorted_ids.tolist()
+    want = torch.zeros(t, h, dtype=torch.float64)
+    for tok in range(t):
+        for j in range(k):
+            ex = int(idx[tok, j])
+            if ex < 0:
+                continue
+            split = ids.index(tok * k + j) // 8 in split_blocks
+            gate_up = product(x[tok].double(), dequantize_fp4(l1[0][ex], l1[1][ex]).double(), 128, split)
+            a = swiglu_weighted(gate_up[:i].float(), gate_up[i:].float(), torch.ones(())).to(torch.bfloat16).double()
+            want[tok] += float(w[tok, j]) * product(a, dequantize_fp4(l2[0][ex], l2[1][ex]).double(), 64, split)
+    assert torch.equal(got.view(torch.int16), want.to(torch.bfloat16).view(torch.int16))
+    plain = peer_lib.peer_reference(x, idx, w, l1, l2, "bf16")
+    assert not torch.equal(got.view(torch.int16), plain.view(torch.int16))
 
 
 def test_peer_reference_bf16_matches_megamoe_reference_where_the_contracts_meet():
@@ -159,11 +376,11 @@ class _StandInPeer:
 
     def __call__(self, routing):
         self.calls.append(routing)
-        routing.buffers["y"].copy_(self.reference(*routing.buffers["case"]))
+        routing.buffers["y"].copy_(self.reference(routing))
         return routing.buffers["y"]
 
-    def reference(self, x, idx, w):
-        return peer_lib.peer_reference(x, idx, w, self.l1, self.l2, "bf16")
+    def reference(self, routing):
+        return peer_lib.peer_reference(*routing.buffers["case"], self.l1, self.l2, "bf16")
 
     def tolerances(self):
         return peer_lib.peer_tolerances(self.inter, "bf16")
@@ -197,6 +414,33 @@ def test_moe_peer_row_checks_every_routing_and_cycles_them(monkeypatch):
     assert row["routed_rows_per_rank"] == t * 2
 
 
+def test_moe_peer_row_reports_a_refused_point():
+    """A point the peer refuses before any launch is said and kept as a row with its reason, no figures, not correct
+    (the run then exits non-zero), and nothing is called or timed."""
+    gen = torch.Generator().manual_seed(12)
+    t, e, h, i = 3, 4, 256, 128
+    l1, l2 = random_fp4_weights(e, 2 * i, h, gen), random_fp4_weights(e, h, i, gen)
+    idx, w = random_routing(t, e, 2, gen)
+    cases = [(None, idx, None, random_tokens(t, h, gen), w)]
+
+    class Refusing(_StandInPeer):
+        def prepare(self, x, idx, w):
+            raise peer_lib.PeerRefused("humming peer: at shape_m=6 the sublayers' default tuning configs pick different")
+
+    def never(*a, **k):
+        raise AssertionError("a refused point must not be timed")
+
+    said = []
+    peer = Refusing(l1, l2)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench_moe, "time_graph", never)
+        row = bench_moe._peer_row("humming-fp8", peer, cases, t, bench_moe.parse_args([]), lambda: None, 0.0, 1000,
+                                  h, i, said.append)
+    assert row["correct"] is False and row["method"] == "refused" and "different" in row["refused"]
+    assert row["us"] != row["us"] and peer.calls == []  # NaN figures
+    assert said == [f"REFUSED: humming-fp8 at 3 tokens/rank: {row['refused']}"]
+
+
 def test_gemm_peer_checks_every_token_set_and_cycles_them(monkeypatch):
     """bench.gemm's peer rows: each token set checked against the FP64 product of the rows the peer reads and the
     canonical weights, the timed calls cycling through the sets; a wrong product fails the verdict."""
@@ -223,6 +467,13 @@ def test_gemm_peer_checks_every_token_set_and_cycles_them(monkeypatch):
             out = torch.cat([a[e * 3 : e * 3 + 3] @ dequantize_fp4(canonical[0][e], canonical[1][e]).double().T
                              for e in range(p.experts)])
             return (out * (1.5 if self.wrong else 1.0)).to(torch.bfloat16)
+
+        def reference(self, routing, read, w, rows):  # one rounding, no Stream-K: an exact interval
+            ref = (read @ w.T).to(torch.bfloat16)
+            return ref, ref.double(), ref.double()
+
+        def max_slices(self, routing):
+            return 1
 
     def time_stand_in(fn):
         for _ in range(4):
@@ -301,9 +552,9 @@ def test_plot_command_draws_a_receipt(tmp_path, receipt):
 
 @pytest.mark.gpu
 def test_moe_bench_humming_peers(tmp_path):
-    """GPU with humming-kernels: both peer variants next to megamoe's paths on the flash preset (Humming's FP8 path is
-    wrong at the tiny preset's I = 128: bench/findings/humming-peer.md), every point checked against the peer's
-    reference over 2 routings (one masked slot in four), receipt with the peers' configs."""
+    """GPU with humming-kernels: both peer variants next to megamoe's paths on the flash preset, every point checked
+    against the peer's reference (its Stream-K rounding points included) over 2 routings (one masked slot in four),
+    receipt with the peers' configs."""
     pytest.importorskip("humming")
     path = tmp_path / "moe.json"
     rows = bench_moe.main(["--preset", "flash", "--tokens", "1,33", "--routings", "2", "--masked-ratio", "0.25",
@@ -318,15 +569,45 @@ def test_moe_bench_humming_peers(tmp_path):
 
 
 @pytest.mark.gpu
+def test_moe_bench_humming_refuses_mismatched_row_blocks(tmp_path):
+    """GPU with humming-kernels, tiny preset (I = 128): Humming's FP8 sublayers pick different row blocks at these
+    points (w13 40 rows, w2 8 or 16), so humming-fp8 is refused before any launch with that reason and the run exits
+    1; humming-bf16 (both sublayers on one block, Stream-K tiles) runs and is checked correct."""
+    pytest.importorskip("humming")
+    path = tmp_path / "moe.json"
+    with pytest.raises(SystemExit) as info:
+        bench_moe.main(["--preset", "tiny", "--tokens", "1,8,33", "--routings", "2", "--paths", "humming",
+                        "--peers", "humming", "--warmup", "1", "--iters", "3", "--json", str(path)])
+    assert info.value.code == 1
+    rows = json.loads(path.read_text())["results"]
+    fp8 = [r for r in rows if r["path"] == "humming-fp8"]
+    bf16 = [r for r in rows if r["path"] == "humming-bf16"]
+    assert len(fp8) == len(bf16) == 3
+    assert all(r["method"] == "refused" and "different row blocks" in r["refused"] for r in fp8)
+    assert all(r["correct"] and r["us"] > 0 for r in bf16)
+
+
+@pytest.mark.gpu
 def test_gemm_bench_humming_peers(tmp_path):
+    """GPU with humming-kernels: the peer's grouped GEMMs at the EP8 points whose Stream-K BF16 reductions a
+    one-rounding reference missed (flash L1 64 rows, pro L1 1 and 64, pro L2 1 and 64) and their neighbours, all
+    checked against the reference with those rounding points at the GEMM check's 1e-3."""
     pytest.importorskip("humming")
     from megamoe.bench.gemm import main as gemm_main
 
     path = tmp_path / "gemm.json"
-    assert gemm_main(["--presets", "flash", "--ep", "8", "--rows", "1,64", "--layers", "l1,l2", "--no-baselines",
-                      "--no-alt", "--routings", "2", "--peers", "humming", "--json", str(path)]) == 0
+    assert gemm_main(["--presets", "flash,pro", "--ep", "8", "--rows", "1,64", "--layers", "l1,l2", "--mma", "bf16",
+                      "--no-baselines", "--no-alt", "--routings", "2", "--peers", "humming", "--json", str(path)]) == 0
     receipt = json.loads(path.read_text())
+    split = set()
     for record in receipt["records"]:
         impls = {r["impl"] for r in record["results"]}
         assert {"humming bf16-act", "humming fp8-act"} <= impls
         assert all(r["verdict"].startswith("PASS") and r["us"] > 0 for r in record["results"])
+        point = record["point"]
+        split |= {(point["preset"], point["layer"], point["rows_per_expert"], r["impl"].split()[1])
+                  for r in record["results"] if r["impl"].startswith("humming") and "up to 1 " not in r["config"]}
+    # the tuning configs humming-kernels 0.1.20 picks on a 132-SM H100 / H200 (reproduced on CPU from its heuristics)
+    assert split == {("flash", "l1", 64, "bf16-act"), ("flash", "l1", 64, "fp8-act"), ("pro", "l1", 1, "bf16-act"),
+                     ("pro", "l1", 1, "fp8-act"), ("pro", "l1", 64, "bf16-act"), ("pro", "l2", 64, "bf16-act"),
+                     ("pro", "l2", 1, "fp8-act")}

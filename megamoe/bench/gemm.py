@@ -240,10 +240,12 @@ def run_kernel(p: Point, weights, token_sets: list, cfg) -> Result:
 def run_peer(p: Point, peer, canonical, token_sets: list) -> Result:
     """A peer's grouped GEMM (``megamoe.bench.peers.HummingGemm``) on the point's token sets, dequantized to BF16
     (the peer quantizes them itself for FP8 activations, outside the timing); each set checked on sampled experts and
-    rows against an FP64 reference of the values the peer reads, then timed cycling through them."""
+    rows against an FP64 reference of the values the peer reads with its rounding points (``peer.reference``: one
+    BF16 rounding, or its Stream-K BF16 reductions, ``peers.streamk_product``; the error counted is the part outside
+    the interval unordered atomic reductions allow, ``peers.excess_rel_fro``), then timed cycling through them."""
     from megamoe.layouts import dequantize_fp4, dequantize_fp8
 
-    routings, verdicts = [], []
+    routings, verdicts, slices = [], [], 1
     for a, a_sf, _ in token_sets:
         routing, read = peer.prepare(dequantize_fp8(a, a_sf, torch.bfloat16), p.rows_per_expert)
         out = peer(routing)
@@ -251,17 +253,20 @@ def run_peer(p: Point, peer, canonical, token_sets: list) -> Result:
         worst, nan = 0.0, False
         for e in _check_experts(p):
             rows = slice(e * p.rows_per_expert, e * p.rows_per_expert + min(p.rows_per_expert, CHECK_ROWS))
-            ref = (read[rows] @ dequantize_fp4(canonical[0][e], canonical[1][e]).double().T).to(torch.bfloat16)
+            w = dequantize_fp4(canonical[0][e], canonical[1][e]).double()
+            ref, low, high = peer.reference(routing, read[rows], w, rows)
             nan |= bool(torch.isnan(out[rows].float()).any())
-            worst = max(worst, rel_fro_error(out[rows], ref))
+            worst = max(worst, peer_lib.excess_rel_fro(out[rows], ref, low, high))
         verdicts.append(_verdict(worst, 1e-3, nan) + f" on experts {_check_experts(p)} x <= {CHECK_ROWS} rows")
         routings.append(routing)
+        slices = max(slices, peer.max_slices(routing))
     turn = itertools.count()
     us = _time_us(lambda: peer(routings[next(turn) % len(routings)]))
     flops = 2.0 * p.experts * p.rows_per_expert * p.n * p.k
     wbytes = _weight_bytes(p, 0.5 + 1 / 32)
     return Result(f"humming {peer.activations}-act", _worst_verdict(verdicts), us, flops / us / 1e6, wbytes / us / 1e3,
-                  "indexed GEMM, top_k=1, routing prepared outside the timing")
+                  f"indexed GEMM, top_k=1, routing prepared outside the timing; up to {slices} Stream-K slice(s) "
+                  "per output tile, modelled by the reference")
 
 
 def _baseline_offsets(p: Point) -> tuple[torch.Tensor, int]:

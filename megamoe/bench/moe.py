@@ -377,15 +377,25 @@ def _peer_row(name: str, peer, cases: list, t: int, args, barrier, hbm: float, f
               hidden: int, inter: int, say) -> dict:
     """One peer at one point (one rank): its routings prepared (outside the timed call), every routing checked against
     the peer's own FP64 reference (``megamoe.bench.peers``), then timed as CUDA graphs of calls cycling through the
-    routings. Returns the table row (fields as megamoe's; no ring, no traffic)."""
+    routings. Returns the table row (fields as megamoe's; no ring, no traffic). A point the peer refuses before any
+    launch (``peers.PeerRefused``) is said and returned as a row with method ``refused``, its reason under
+    ``refused``, no figures (NaN) and ``correct`` False."""
     tol = peer.tolerances()
-    routings = [peer.prepare(x, idx, w) for _, idx, _, x, w in cases]
+    try:
+        routings = [peer.prepare(x, idx, w) for _, idx, _, x, w in cases]
+    except peer_lib.PeerRefused as ex:  # before any launch: a row saying why, counted as not correct
+        say(f"REFUSED: {name} at {t} tokens/rank: {ex}")
+        nan = float("nan")
+        return {"tokens_per_rank": t, "ring_tokens": None, "routings": len(cases), "path": name, "method": "refused",
+                "us": nan, "tflops": nan, "routed_rows_per_rank": nan, "experts_touched_per_rank": nan,
+                "weights_gbps": nan, "fp4_floor_us": None, "a2a_gbps": nan, "rel_fro": nan, "max_row_rel": nan,
+                "correct": False, "refused": str(ex)}
     fro = row_rel = routed = touched = 0.0
     for (_, idx, _, x, w), routing in zip(cases, routings):
         y = routing.buffers["y"]
         y.fill_(float("nan"))
         peer(routing)
-        ref = peer.reference(x, idx, w)
+        ref = peer.reference(routing)
         fro = max(fro, rel_fro_error(y, ref) if t else 0.0)
         row_rel = max(row_rel, max_row_rel_error(y, ref))
         used = idx[idx >= 0]

@@ -26,13 +26,22 @@ One call (``HummingMoE.__call__``) is vLLM's ``main_apply``: ``may_quant_input``
 Numerics: Humming applies the routing weight after the W2 GEMM, where megamoe's contract (``megamoe.numerics``)
 applies it inside the SwiGLU before R2, and rounds the SwiGLU output to BF16 before quantizing it. So a peer is
 checked against ``peer_reference``, an FP64 reference of its own rounding points (the structure of megamoe's:
-R1 gate/up to BF16, R2 the SwiGLU output to BF16 and, for FP8 activations, per 128 to E4M3 with an FP32 scale, R3
-each slot's W2 output to BF16, R4 ``bf16(sum_j w_j * o_j)``), with megamoe's tolerance rules
-(``peer_tolerances``: ``moe_tolerances`` of recipe (1, 1, 32) for BF16 activations, as megamoe's BF16 path uses,
-of recipe (1, 1, 128) for the per-128 FP8 ones).
+R1 gate/up to BF16, R2 the SwiGLU output to BF16 and, for FP8 activations, per 128 to E4M3 with an FP32 scale as
+Humming computes it (``humming_fp8_values``), R3 each slot's W2 output to BF16, R4 ``bf16(sum_j w_j * o_j)``), with
+megamoe's tolerance rules (``peer_tolerances``: ``moe_tolerances`` of recipe (1, 1, 32) for BF16 activations, as
+megamoe's BF16 path uses, of recipe (1, 1, 128) for the per-128 FP8 ones). R1 and R3 are not always one rounding:
+where a GEMM's tuning config uses Stream-K, Humming splits some output tiles along K and sums the slices' BF16
+partials in BF16 in the output (``streamk_split`` reproduces its schedule, ``streamk_product`` those rounding points;
+beyond ``STREAM_K_ORDERED_SLICES`` slices the adds are atomics in the hardware's order, which ``peer_reference``
+takes as slice order and the GEMM check bounds).
 
 ``HummingGemm`` is one of those GEMMs alone (``megamoe.bench gemm``): rows already grouped by expert (the contiguous
-layout megamoe's grouped GEMM reads), ``top_k = 1``, tokens quantized before the timed call as megamoe's are.
+layout megamoe's grouped GEMM reads), ``top_k = 1``, tokens quantized before the timed call as megamoe's are; its
+reference (``HummingGemm.reference``) is ``streamk_product`` of the values it reads, checked with the interval the
+unordered atomic adds allow (``excess_rel_fro``).
+
+Refusals: one indexed routing serves both MoE GEMMs, so their configs must pick one row block; where humming-kernels
+0.1.20 picks two (``_HummingLayer.shared_block_rows``), the point is refused before any launch (``PeerRefused``).
 
 Nothing in the megamoe library imports this module; ``humming`` is imported only when a peer is asked for.
 """
@@ -41,11 +50,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import itertools
 import json
+import math
 
 import torch
 
-from ..layouts import dequantize_fp4, dequantize_fp8, quantize_fp8, unpack_ue8m0
+from ..layouts import FP8_MAX, dequantize_fp4, dequantize_fp8, unpack_ue8m0
 from ..numerics import (
     RECIPE_32,
     RECIPE_128,
@@ -63,8 +74,25 @@ HUMMING_VERSION = "0.1.20"
 ACTIVATIONS = ("bf16", "fp8")
 FP8_GROUP = 128
 """Elements per FP32 activation scale of the FP8 variant."""
+WEIGHT_GROUP = 32
+"""Weights per E8M0 scale (MXFP4): with ``FP8_GROUP``, the K groups Humming's Stream-K split keeps whole."""
+STREAM_K_MAX_SLICES = 10
+"""Humming's cap on the K slices of one output tile (``kMaxSlices`` in its ``scheduler.cuh``)."""
+STREAM_K_ORDERED_SLICES = 3
+"""Up to this many K slices per tile, Humming adds them into the output in slice order under a lock; beyond it,
+with BF16 atomics in whatever order the slices arrive (``epilogue/gmem_writer.cuh``, SM90)."""
+STREAM_K_ENUMERATED_ORDERS = 120
+"""Up to this many atomic add orders (``(S - 1)!`` for S slices) the reference computes each one's result; past it,
+a bound (``streamk_product``)."""
+BF16_UNIT_ROUNDOFF = 2.0**-8
+"""Round to nearest in BF16 (8 significant bits): ``|bf16(x) - x| <= 2**-8 |x|``."""
 ROUTING_PREP = ("outside the timed call: once per routing, the (token, slot) rows sorted by expert and padded to the "
                 "GEMM's row block (vLLM's moe_align_block_size, here in torch); buffers allocated then too")
+
+
+class PeerRefused(RuntimeError):
+    """A point the peer cannot run the way vLLM runs it, refused before any launch (the bench reports it, with this
+    reason, as a refused point: never a silent skip, never a launch that reads out of bounds)."""
 
 
 def parse_peers(text: str) -> list[str]:
@@ -141,21 +169,192 @@ def _check_activations(activations: str) -> str:
 
 
 def _as_peer_input(v: torch.Tensor, activations: str) -> torch.Tensor:
-    """float64 values a peer's GEMM reads from ``v``: ``v`` itself (BF16), or its per-128 E4M3 quantization with
-    FP32 scales (``amax / 448``), dequantized exactly."""
+    """float64 values a peer's GEMM reads from ``v``: ``v`` itself (BF16), or ``humming_fp8_values(v)``."""
     if activations == "bf16":
         return v.double()
-    return dequantize_fp8(*quantize_fp8(v, recipe=RECIPE_128), torch.float64)
+    return humming_fp8_values(v)
+
+
+def humming_fp8_values(v: torch.Tensor) -> torch.Tensor:
+    """float64 values Humming's FP8 GEMMs read for rows ``v [..., K]`` (K a multiple of 128): its dynamic per-128
+    quantization (``process_input``, compiled without fast math, FP32 IEEE round-to-nearest throughout):
+    ``scale = max(amax / 448, 1e-30)``, ``q = sat_e4m3(RNE_e4m3(v * (1 / scale)))`` (a reciprocal, then a multiply;
+    megamoe's recipe 128 multiplies by ``448 / amax`` instead, which can differ by one FP32 ulp and so flip an E4M3
+    rounding), ``q * scale`` exact in float64."""
+    if v.shape[-1] % FP8_GROUP:
+        raise ValueError(f"humming FP8 activations: K={v.shape[-1]} must be a multiple of {FP8_GROUP}")
+    blocks = v.float().reshape(*v.shape[:-1], v.shape[-1] // FP8_GROUP, FP8_GROUP)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    # tensor / tensor: IEEE divisions (a Python scalar divisor would become a reciprocal multiply)
+    scale = torch.div(amax, torch.full_like(amax, FP8_MAX)).clamp(min=1e-30)
+    q = (blocks * torch.div(torch.ones_like(scale), scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (q.double() * scale.double()).reshape(v.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamKSplit:
+    """Which output tiles of one Humming GEMM launch are split along K (Stream-K), and how.
+
+    ``block`` is the config's ``(block_m, block_n, block_k)``; ``tiles`` maps an output tile ``(m_block, n_block)``
+    (rows ``[m_block * block_m, ...)`` of the routing, columns ``[n_block * block_n, ...)``) to its K slices as element
+    ranges ``(k_begin, k_end)`` in the order they reach the output: the first is stored, each later one is added to it
+    in BF16 (module ``streamk_split``). Tiles absent from ``tiles`` are computed whole (one slice)."""
+
+    block: tuple[int, int, int]
+    tiles: dict[tuple[int, int], tuple[tuple[int, int], ...]]
+
+    def max_slices(self) -> int:
+        return max((len(s) for s in self.tiles.values()), default=1)
+
+
+def streamk_split(config: dict, shape_n: int, shape_k: int, rows_padded: int, num_sms: int,
+                  input_group: int) -> StreamKSplit:
+    """Humming 0.1.20's Stream-K schedule (``Scheduler`` in ``include/humming/scheduler.cuh``, SM90 WGMMA, no CTA
+    clusters, as its indexed MoE GEMMs run) for one launch: tuning ``config`` (``block_shape``, ``num_stages``,
+    ``num_ctas_per_sm``, ``use_stream_k``), the padded problem ``shape_n x shape_k``, ``rows_padded`` routing rows
+    (``num_tokens_padded``), ``num_sms`` SMs (the grid is ``num_ctas_per_sm * num_sms`` CTAs), ``input_group``
+    activations per input scale (0: none). Written from that source:
+
+    * ``m_blocks = ceil(rows_padded / block_m)``, ``n_blocks = N / block_n``, ``K_BLOCKS = K / block_k``; the K space is
+      padded to a multiple of the scale-group alignment ``max(1, max(input_group, 32) // block_k)`` blocks;
+    * with ``G`` CTAs and ``T = m_blocks * n_blocks`` tiles, the last ``T mod G`` tiles (plus a whole wave when they are
+      at most a tenth of G) are shared out along K: each CTA takes ``ceil(tiles * K_BLOCKS / G)`` consecutive
+      (tile, k-block) iterations, at least ``ceil((K_BLOCKS - 1) / 9)``, rounded up to a multiple of
+      ``num_stages * alignment / gcd(alignment, num_stages)``; the others are computed whole, one per CTA and wave;
+    * a tile's pieces are its K slices; the slice holding the tile's last K block writes first (``slice_id`` 0, the
+      kernel counts them from the end), then the others in decreasing K order (under a lock for at most
+      ``STREAM_K_ORDERED_SLICES`` slices; beyond that every later slice adds with BF16 atomics, order unknown).
+
+    The slice count each CTA derives on its own (the kernel's formula) is checked against the pieces found here;
+    a ``RuntimeError`` names the tile where they differ (a model that no longer matches the kernel)."""
+    block_m, block_n, block_k = (int(v) for v in config["block_shape"])
+    if not config.get("use_stream_k", False):
+        return StreamKSplit((block_m, block_n, block_k), {})
+    if shape_n % block_n or shape_k % block_k:
+        raise ValueError(f"humming Stream-K model: N={shape_n}, K={shape_k} not multiples of block {config['block_shape']}")
+    stages, grid = int(config["num_stages"]), int(config.get("num_ctas_per_sm", 1)) * num_sms
+    k_blocks = shape_k // block_k
+    align = max(1, max(input_group, WEIGHT_GROUP) // block_k)
+    k_space = -(-k_blocks // align) * align
+    tiles_mn = -(-rows_padded // block_m) * (shape_n // block_n)
+    shared_tiles = tiles_mn
+    if tiles_mn > grid:
+        shared_tiles = tiles_mn % grid
+        if shared_tiles and shared_tiles * 10 <= grid:
+            shared_tiles += grid
+    waves = (tiles_mn - shared_tiles) // grid
+    per_cta = max(-(-shared_tiles * k_space // grid), -(-(k_space - 1) // (STREAM_K_MAX_SLICES - 1)))
+    step = align // math.gcd(align, stages) * stages
+    per_cta = -(-per_cta // step) * step
+    end = tiles_mn * k_space
+    pieces: dict[int, list[tuple[int, int, int]]] = {}  # tile -> (first k block, k blocks, kernel's slice count)
+    for cta in range(grid):
+        at = grid * waves * k_space + per_cta * cta
+        left = min(end - at, per_cta) if at < end else 0
+        while left:
+            tile, k0 = divmod(at, k_space)
+            taken = min(k_space - k0, left)
+            if k0 == 0:
+                count = -(-(k_space - taken) // per_cta) + 1
+            else:
+                first = k0 - k0 // per_cta * per_cta
+                count = -(-(k_space - first) // per_cta) + (1 if first else 0)
+            pieces.setdefault(tile, []).append((k0, min(k_blocks - k0, taken), count))
+            left -= taken
+            at += taken
+    tiles = {}
+    n_blocks = shape_n // block_n
+    for tile, got in pieces.items():
+        if any(count != len(got) for _, _, count in got):
+            raise RuntimeError(f"humming Stream-K model: tile {tile} has {len(got)} slices, the kernel counts "
+                               f"{sorted({c for _, _, c in got})}")
+        if len(got) > 1:
+            ranges = sorted(((k0 * block_k, (k0 + n) * block_k) for k0, n, _ in got), reverse=True)
+            tiles[divmod(tile, n_blocks)] = tuple(ranges)
+    return StreamKSplit((block_m, block_n, block_k), tiles)
+
+
+def streamk_product(a: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, split: StreamKSplit | None,
+                    interval: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP64 reference of one Humming GEMM's rows with its Stream-K rounding points, and the interval its unordered
+    reductions allow.
+
+    ``a`` float64 ``[R, K]``: the values the GEMM reads for R of its rows; ``w`` float64 ``[N, K]``: the rows' expert's
+    weights; ``positions`` int64 ``[R]``: each row's index in the routing (its ``sorted_ids`` slot: tile row block
+    ``position // block_m``). Returns ``(ref, low, high)``: ``ref`` BF16, ``low <= ref <= high`` float64, ``[R, N]``:
+
+    * a tile computed whole: ``ref = bf16(a . w)`` (FP32 accumulation inside a slice, one rounding: the FP32-vs-FP64
+      difference flips a rounding rarely, as for any GEMM), ``low = high = ref``;
+    * a tile split in K slices ``s_0, s_1, ...`` (``StreamKSplit`` order): each slice's FP32 partial is rounded to
+      BF16 (``p_i``), ``s_0`` is stored and each later one added in BF16: ``ref = bf16(...bf16(p_0 + p_1) + ...)``,
+      exact where the kernel adds in slice order (at most ``STREAM_K_ORDERED_SLICES`` slices; ``low = high = ref``);
+    * beyond that the S - 1 later slices are BF16 atomic adds in an order the hardware picks per element pair: ``ref``
+      keeps slice order and ``[low, high]`` spans every order's result, each computed (``(S - 1)!`` orders) up to
+      ``STREAM_K_ENUMERATED_ORDERS``; past that, the bound: any order's result and ``ref`` are sums of the same
+      ``p_i`` with S - 1 roundings, each of at most ``u = 2**-8`` times its running sum, every running sum at most
+      ``A = sum |p_i|`` (times ``(1 + u)**S`` for the roundings before it), so ``|y - ref| <= 2 (S - 1) u (1 + u)**S A``.
+
+    ``interval=False``: ``low = high = ref`` everywhere (the caller uses ``ref`` alone).
+    """
+    out = bf16_rne(a @ w.T)
+    low, high = out.double(), out.double()
+    if split is None or not split.tiles:
+        return out, low, high
+    block_m, block_n, _ = split.block
+    row_blocks = positions.to(a.device) // block_m
+    wanted = set(row_blocks.unique().tolist())
+    for (m_block, n_block), ranges in split.tiles.items():
+        if m_block not in wanted:
+            continue
+        rows = torch.nonzero(row_blocks == m_block).squeeze(1)
+        cols = slice(n_block * block_n, (n_block + 1) * block_n)
+        parts = [bf16_rne(a[rows, k0:k1] @ w[cols, k0:k1].T).double() for k0, k1 in ranges]
+        ref = _add_in_bf16(parts[0], parts[1:])
+        out[rows, cols] = ref.to(torch.bfloat16)
+        lo = hi = ref
+        if interval and len(parts) > STREAM_K_ORDERED_SLICES:
+            if math.factorial(len(parts) - 1) <= STREAM_K_ENUMERATED_ORDERS:
+                ends = torch.stack([_add_in_bf16(parts[0], order) for order in itertools.permutations(parts[1:])])
+                lo, hi = ends.amin(dim=0), ends.amax(dim=0)
+            else:
+                s = len(parts)
+                bound = 2 * (s - 1) * BF16_UNIT_ROUNDOFF * (1 + BF16_UNIT_ROUNDOFF) ** s
+                slack = bound * torch.stack(parts).abs().sum(dim=0)
+                lo, hi = ref - slack, ref + slack
+        low[rows, cols], high[rows, cols] = lo, hi
+    return out, low, high
+
+
+def _add_in_bf16(first: torch.Tensor, later) -> torch.Tensor:
+    """``first`` (BF16 values, float64) with each of ``later`` added in turn, each sum rounded to BF16."""
+    acc = first
+    for part in later:
+        acc = bf16_rne(acc + part).double()
+    return acc
+
+
+def excess_rel_fro(y: torch.Tensor, ref: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> float:
+    """``||d||_F / ||ref||_F`` in float64 with ``d`` each element's distance outside ``[low, high]``
+    (``streamk_product``); inf where ``y`` holds NaN or Inf. Where ``low = high = ref`` it is
+    ``numerics.rel_fro_error(y, ref)``."""
+    y = y.double()
+    if not torch.isfinite(y).all():
+        return float("inf")
+    excess = torch.maximum(low - y, y - high).clamp(min=0).norm()
+    den = ref.double().norm()
+    return float(excess / den) if den > 0 else float(excess)
 
 
 def peer_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, l1, l2, activations: str,
-                   activation_clamp: float | None = None) -> torch.Tensor:
+                   activation_clamp: float | None = None, routing: HummingRouting | None = None) -> torch.Tensor:
     """FP64 reference of a peer that applies routing weights after the second GEMM (module docstring).
 
     ``x`` BF16 ``[T, H]``; ``topk_idx`` ``[T, k]`` (-1 = unused slot), ``topk_weights`` float32 ``[T, k]``; ``l1`` /
     ``l2``: canonical FP4 ``(uint8 [E, 2I, H/2], int32 [E, 2I, H/128])`` / ``(.. [E, H, I/2], .. [E, H, I/128])``.
-    ``activations``: ``"bf16"`` or ``"fp8"`` (tokens and SwiGLU output quantized per 128 with FP32 scales). The clamp
-    applies to the BF16 gate/up in FP32 (gate <= c, |up| <= c). Returns BF16 ``[T, H]``.
+    ``activations``: ``"bf16"`` or ``"fp8"`` (tokens and SwiGLU output quantized as ``humming_fp8_values``). The
+    clamp applies to the BF16 gate/up in FP32 (gate <= c, |up| <= c). ``routing``: the prepared routing of these
+    tokens (``HummingMoE.prepare``); with it, R1 and R3 are the GEMMs' Stream-K rounding points (``streamk_product``,
+    its slice order where the kernel's order is the hardware's); without it, one rounding each. Returns BF16 ``[T, H]``.
     """
     _check_activations(activations)
     clamp = check_activation_clamp(activation_clamp)
@@ -163,14 +362,20 @@ def peer_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     hidden, inter = x.shape[1], l2[0].shape[-1] * 2
     o = torch.zeros(t, k, hidden, dtype=torch.float64, device=x.device)
     xd = _as_peer_input(x, activations)
+    splits = routing.splits if routing is not None else {}
+    positions = routing.positions(t * k) if routing is not None else None
     for e in range(l1[0].shape[0]):
         tok, slot = torch.nonzero(topk_idx == e, as_tuple=True)
         if tok.numel() == 0:
             continue
-        acc = xd[tok] @ dequantize_fp4(l1[0][e], l1[1][e]).double().T
-        gate, up = clamp_gate_up(bf16_rne(acc[:, :inter]).float(), bf16_rne(acc[:, inter:]).float(), clamp)  # R1
+        at = positions[tok * k + slot] if positions is not None else tok
+        acc, _, _ = streamk_product(xd[tok], dequantize_fp4(l1[0][e], l1[1][e]).double(), at, splits.get("w13"),
+                                    interval=False)
+        gate, up = clamp_gate_up(acc[:, :inter].float(), acc[:, inter:].float(), clamp)  # R1
         a = bf16_rne(swiglu_weighted(gate, up, torch.ones(tok.numel(), device=x.device)))  # R2: BF16, FP8 below
-        o[tok, slot] = bf16_rne(_as_peer_input(a, activations) @ dequantize_fp4(l2[0][e], l2[1][e]).double().T).double()
+        down, _, _ = streamk_product(_as_peer_input(a, activations), dequantize_fp4(l2[0][e], l2[1][e]).double(), at,
+                                     splits.get("w2"), interval=False)
+        o[tok, slot] = down.double()  # R3
     weights = torch.where(topk_idx >= 0, topk_weights.double(), 0.0)
     return bf16_rne((o * weights.unsqueeze(-1)).sum(dim=1))  # R4 after the weighted sum (FP64 here)
 
@@ -244,22 +449,39 @@ class _HummingLayer:
         }
         self.tuning_str = {name: json.dumps(configs) for name, configs in self.tuning.items()}
 
-    def block_rows(self, name: str, valid_shape_m: int) -> int:
-        """The row block of the tuning interval holding ``valid_shape_m`` (vLLM's choice of the alignment block)."""
+    def config_at(self, name: str, valid_shape_m: int) -> dict:
+        """The tuning config of the interval ``(low, high]`` holding ``valid_shape_m``: the one the launch runs."""
         for low, high, config in self.tuning[name]:
             if low < valid_shape_m <= high:
-                return int(config["block_shape"][0])
+                return config
         raise RuntimeError(f"humming: no tuning interval of {name} holds shape_m={valid_shape_m}: {self.tuning[name]}")
+
+    def block_rows(self, name: str, valid_shape_m: int) -> int:
+        """The row block of the tuning interval holding ``valid_shape_m`` (vLLM's choice of the alignment block)."""
+        return int(self.config_at(name, valid_shape_m)["block_shape"][0])
+
+    def split(self, name: str, valid_shape_m: int, rows_padded: int, device: torch.device) -> StreamKSplit:
+        """The Stream-K split of sublayer ``name``'s launch at ``valid_shape_m`` over ``rows_padded`` routing rows on
+        ``device`` (``streamk_split`` with the layer's padded N and K and, as the launcher, the config's ``num_sms``
+        where it has one, else the device's SM count)."""
+        meta, config = self.module.humming_metas[name], self.config_at(name, valid_shape_m)
+        sms = int(config.get("num_sms") or torch.cuda.get_device_properties(device).multi_processor_count)
+        return streamk_split(config, meta.shape_n, meta.shape_k, rows_padded, sms, meta.input_scale_group_size)
 
     def shared_block_rows(self, valid_shape_m: int) -> int:
         """The row block of every sublayer at ``valid_shape_m``: the indexed routing (rows padded per expert to the
-        block, one expert id per block) serves both GEMMs, so their tuning configs must agree on it (vLLM aligns once,
-        with w13's block configs). Raises ``RuntimeError`` naming both blocks where they differ, before any launch."""
+        block, one expert id per block) serves both GEMMs, so their tuning configs must agree on it. vLLM's
+        ``HummingIndexedExperts`` aligns once, with w13's block, and launches w2 with its own tuning configs, which
+        humming-kernels 0.1.20 picks independently: where w2's block is smaller, its kernel reads ``expert_ids`` and
+        ``sorted_ids`` past their ends (``m_blocks = ceil(num_tokens_padded / block_m)`` in its scheduler), where
+        larger, one block spans two experts' rows. Raises ``PeerRefused`` naming both blocks where they differ,
+        before any launch."""
         blocks = {name: self.block_rows(name, valid_shape_m) for name in self.tuning}
         if len(set(blocks.values())) > 1:
-            raise RuntimeError(f"humming peer: at shape_m={valid_shape_m} the sublayers' default tuning configs pick "
-                               f"different row blocks {blocks}; one indexed routing cannot serve both GEMMs "
-                               "(humming-kernels 0.1.20 chooses each sublayer's config independently)")
+            raise PeerRefused(f"humming peer: at shape_m={valid_shape_m} the sublayers' default tuning configs pick "
+                              f"different row blocks {blocks}; one indexed routing cannot serve both GEMMs "
+                              "(humming-kernels 0.1.20 chooses each sublayer's config independently; vLLM would "
+                              "launch w2 on a routing aligned to w13's block)")
         return next(iter(blocks.values()))
 
     def quant(self, name: str, inputs: torch.Tensor, quanted: torch.Tensor | None):
@@ -286,13 +508,24 @@ class _HummingLayer:
 
 @dataclasses.dataclass
 class HummingRouting:
-    """One routing's prepared state and buffers (built outside the timed call)."""
+    """One routing's prepared state and buffers (built outside the timed call), and each sublayer's Stream-K split
+    of its launch on it (for the reference)."""
 
     valid_shape_m: int
     sorted_ids: torch.Tensor
     expert_ids: torch.Tensor
     num_tokens_padded: torch.Tensor
     buffers: dict[str, torch.Tensor]
+    splits: dict[str, StreamKSplit] = dataclasses.field(default_factory=dict)
+
+    def positions(self, rows: int) -> torch.Tensor:
+        """int64 ``[rows]``: each flat (token, slot) row's index in ``sorted_ids`` (``rows`` = T * k, the padding id;
+        unused slots keep -1)."""
+        ids = self.sorted_ids.long()
+        real = torch.nonzero(ids < rows).squeeze(1)
+        pos = torch.full((rows,), -1, dtype=torch.int64, device=ids.device)
+        pos[ids[real]] = real
+        return pos
 
 
 class HummingMoE:
@@ -323,6 +556,7 @@ class HummingMoE:
         t, k = topk_idx.shape
         valid_shape_m = t * k  # vLLM's estimate at EP1: every (token, slot) row, unused slots included
         ids = align_block_size(topk_idx, self.layer.shared_block_rows(valid_shape_m), self.experts)
+        splits = {name: self.layer.split(name, valid_shape_m, ids[0].numel(), x.device) for name in ("w13", "w2")}
         dev, bf16 = x.device, torch.bfloat16
         buffers = {
             "x": x.contiguous(), "idx": topk_idx.to(torch.int32).contiguous(),
@@ -335,7 +569,7 @@ class HummingMoE:
         if self.activations == "fp8":
             buffers["x_q"] = torch.empty(t, self.hidden, dtype=torch.float8_e4m3fn, device=dev)
             buffers["act_q"] = torch.empty(t * k, self.inter, dtype=torch.float8_e4m3fn, device=dev)
-        return HummingRouting(valid_shape_m, *ids, buffers)
+        return HummingRouting(valid_shape_m, *ids, buffers, splits)
 
     def __call__(self, routing: HummingRouting) -> torch.Tensor:
         """One MoE layer call on a prepared routing; returns its BF16 output ``[T, H]`` (``buffers["y"]``)."""
@@ -348,8 +582,10 @@ class HummingMoE:
         layer.gemm("w2", inputs, scale, b["down"], routing, top_k=1)
         return self._topk_sum(b["down"], b["weights"], b["idx"], b["y"])
 
-    def reference(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return peer_reference(x, topk_idx, topk_weights, self.l1, self.l2, self.activations, self.clamp)
+    def reference(self, routing: HummingRouting) -> torch.Tensor:
+        """``peer_reference`` of the tokens and routing ``routing`` was prepared for, with its Stream-K splits."""
+        b = routing.buffers
+        return peer_reference(b["x"], b["idx"], b["weights"], self.l1, self.l2, self.activations, self.clamp, routing)
 
     def tolerances(self) -> dict[str, float]:
         return peer_tolerances(self.inter, self.activations)
@@ -376,12 +612,24 @@ class HummingGemm:
         inputs, scale = self.layer.quant("w", a, None)
         read = a.double() if scale is None else dequantize_fp8(inputs, scale.reshape(a.shape[0], -1), torch.float64)
         out = torch.full((a.shape[0], self.n), float("nan"), dtype=torch.bfloat16, device=a.device)
-        return HummingRouting(idx.numel(), *ids, {"inputs": inputs, "scale": scale, "out": out}), read
+        split = self.layer.split("w", idx.numel(), ids[0].numel(), a.device)
+        return HummingRouting(idx.numel(), *ids, {"inputs": inputs, "scale": scale, "out": out}, {"w": split}), read
 
     def __call__(self, routing: HummingRouting) -> torch.Tensor:
         b = routing.buffers
         self.layer.gemm("w", b["inputs"], b["scale"], b["out"], routing, top_k=1)
         return b["out"]
+
+    def max_slices(self, routing: HummingRouting) -> int:
+        """The most K slices one output tile of this launch is split in (1: no Stream-K split)."""
+        return routing.splits["w"].max_slices()
+
+    def reference(self, routing: HummingRouting, read: torch.Tensor, weights: torch.Tensor,
+                  rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``streamk_product`` of output rows ``rows`` (one expert's): ``read`` float64 ``[len, K]`` the values the
+        GEMM reads for them, ``weights`` float64 ``[N, K]`` their expert's; ``(ref, low, high)``."""
+        at = routing.positions(routing.buffers["out"].shape[0])[rows]
+        return streamk_product(read, weights, at, routing.splits["w"])
 
     def config(self) -> dict:
         return self.layer.config()
