@@ -164,8 +164,9 @@ def transform_weights_for_mega_moe(l1: tuple, l2: tuple, recipe=RECIPE_32, *, re
     * recipe (1, 1, 128): both in the FP8-mode layout (``uint8 [E_l, N/64, K/128, 64, 64]``) with the scales folded
       into exact E4M3 (``prepare_fp4_weights(..., mma="fp8", fold="auto")``): one FP32 scale per row (``int32 [E_l,
       K/128 + 1, N]``) where every row of the tensor fits, else one per row and 128-K chunk (``int32 [E_l, 2 * K/128,
-      N]``, with a ``FoldFallbackWarning`` naming the rows); a 128-K chunk whose nonzero blocks span more than 11
-      binades raises, naming expert, row and chunk (weights are never rounded).
+      N]``, with a ``FoldFallbackWarning`` naming the rows; the kernels multiply the per-row format only, so a call
+      with these raises before any launch, as the staged SM90 GEMMs do); a 128-K chunk whose nonzero blocks span more
+      than 11 binades raises, naming expert, row and chunk (weights are never rounded).
 
     ``return_reports``: also return ``{"l1": FoldReport, "l2": FoldReport}`` (recipe 128; None for recipe 32):
     which rows folded per row and which needed per-chunk scales (L1 rows named in checkpoint order).

@@ -35,6 +35,7 @@ one progress line per rank and call, the contract errors, and any ``megamoe debu
 * ``nonfinite`` (one GPU): a NaN / +-Inf routing weight makes its token's row NaN, the others stay exact.
 
     python -m pytest -q -m gpu tests/distributed/test_mega_gpu.py
+    MEGAMOE_GPU_CASES=r128 python -m pytest -q -m gpu tests/distributed/test_mega_gpu.py -k one_gpu  # a subset
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ SMALL_RING = 128  # ring rows of the small-ring cases: rank 0 receives more rows
 WIDE = (2048, 2048)  # (H, I) of the case whose CTAs run several tiles each (L1: 32 column tiles per pool block)
 GPT_OSS, QWEN3, TINY = (2880, 2880), (2048, 768), (96, 160)  # model sizes the kernels run zero-padded to 512
 R128 = (1, 1, 128)
+CASES_ENV = "MEGAMOE_GPU_CASES"
+"""Comma-separated words: run only the cases whose name holds one (and the graphs of their recipes); unset: all."""
 DEBUG_TIMEOUT_S = "60"  # debug-mode spin-wait timeout inside the subprocesses: above the JIT compile of a rank
 # whose config (its own T) is new to it while its peer has it compiled already and waits at `ready` (seconds: a
 # few-second limit times out there)
@@ -285,8 +288,11 @@ def _suite(rank, group, device, num_ranks: int) -> None:
         return (case.get("mma_type", "fp8xfp4"), case.get("ring"), case.get("dims", (H, I)), case.get("recipe", (1, 1, 32)),
                 case.get("topk", K))
 
+    words = [w for w in os.environ.get(CASES_ENV, "").split(",") if w]
+    cases = [(name, case) for name, case in CASES[num_ranks] if not words or any(w in name for w in words)]
+    graphs = {case.get("recipe", (1, 1, 32)) for _, case in cases} if words else {(1, 1, 32), R128}
     bufs = {}  # one buffer per (mma_type, ring, (H, I), recipe, top-k), made by every rank in the cases' order
-    for _, case in [("default", {}), ("default r128", {"recipe": R128})] + CASES[num_ranks]:
+    for _, case in [("default", {}), ("default r128", {"recipe": R128})] + cases:
         if key(case) not in bufs:
             mma, ring, (h, i), recipe, topk = key(case)
             bufs[key(case)] = get_symm_buffer_for_mega_moe(group, E_PER_RANK * num_ranks, T_MAX, topk, h, i,
@@ -296,11 +302,13 @@ def _suite(rank, group, device, num_ranks: int) -> None:
     _say(rank, f"{num_ranks} GPU(s), {torch.cuda.get_device_name(device)}; ring {buf.layout.num_ring_tokens} rows")
     try:
         for i, (name, case) in enumerate(CASES[num_ranks]):
+            if (name, case) not in cases:
+                continue
             start = time.perf_counter()
             _run_case(rank, device, bufs[key(case)], name, case, seed=100 * (i + 1))
             _say(rank, f"{name}: {GENERATIONS} calls in {time.perf_counter() - start:.1f} s")
-        _run_graph(rank, device, buf, GRAPH_TOKENS[num_ranks])
-        _run_graph(rank, device, bufs[key({"recipe": R128})], GRAPH_TOKENS[num_ranks])
+        for recipe in sorted(graphs):
+            _run_graph(rank, device, bufs[key({"recipe": recipe})], GRAPH_TOKENS[num_ranks])
     except BaseException:
         traceback.print_exc()
         _say(rank, f"device debug records: {[debug_report(b) for b in bufs.values()]}")
