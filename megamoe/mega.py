@@ -8,11 +8,14 @@ describes ``fp8_fp4_mega_moe``.
 ``fp8_fp4_mega_moe(y, l1, l2, sym_buffer, ...)`` computes the numerics contract of ``megamoe.numerics``
 (FP8 x FP4 recipe of the buffer) for the ``T = y.shape[0]`` tokens the caller copied into the buffer's ``x``,
 ``x_sf``, ``topk_idx`` and ``topk_weights`` views; ``l1``/``l2`` come from ``transform_weights_for_mega_moe`` with
-the buffer's recipe. The one-launch kernel runs recipe (1, 1, 32) (the default; described below): BF16-operand
-rings and weights in the BF16-mode layout. Recipe (1, 1, 128) (per-128 FP32 token scales; its buffer holds FP8 rings
-with FP32 scales, ``l1_acts_sf`` and ``l2_acts_sf``, its weights the FP8-mode layout with the scales folded into exact
-E4M3) is prepared and checked here, and a call raises NotImplementedError before any launch: the staged path with the
-SM90 GEMMs runs it (``StagedMoE(..., gemm="sm90", recipe=(1, 1, 128))``). It is
+the buffer's recipe. The one-launch kernel runs both recipes: (1, 1, 32) (the default; described below) on
+BF16-operand rings and weights in the BF16-mode layout (``kernels.sm90.mega_moe``), and (1, 1, 128) (per-128 FP32
+token scales; ``kernels.sm90.mega_moe_128``) on FP8 rings with their FP32 scales (``l1_acts_sf``, ``l2_acts_sf``:
+the pull warps copy a token's FP8 bytes and scale words verbatim, half the ring bytes) and weights in the FP8-mode
+layout with the scales folded into exact E4M3, one FP32 scale per row (the per-chunk fallback of the fold is refused
+before the launch); both GEMMs then run the FP8 block-128 mainloop and L1's epilogue quantizes per 128 (FP8 + FP32)
+into ``l2_acts``, on 256-row weight tiles (``tile_config``); the protocol, the tile order and the waits below are the
+same. Under either recipe the result equals the staged path's with the SM90 GEMMs bit for bit. It is
 collective: every rank of the buffer's group makes the same sequence of calls on the same buffer. One launch on the
 caller's stream, nothing else (no host sync, no host zeroing): ``kernels.sm90.mega_moe_sm90``, every
 CTA slot of the GPU (``tile_config``: three per SM on 64-row weight tiles for decode-sized calls, two on 128-row
@@ -27,13 +30,15 @@ work is complete and visible, as in plain stream order.
    over NVLink, count and pool the rows of local experts, grid barrier, the expert offsets (exclusive prefix
    of the counts) and the pool blocks (each expert's rows cut into token tiles) in each CTA's shared memory;
    then warps 2 and 3 of every CTA, while the tiles run, pull the FP8 token rows + scales + routing weights
-   into their block's rows of the bounded ring (``l1_acts`` as exact BF16, ``l1_topk_weights``, and
+   into their block's rows of the bounded ring (``l1_acts`` as exact BF16 -- recipe 128: FP8 and ``l1_acts_sf`` as
+   they are --, ``l1_topk_weights``, and
    ``ring_dest``: where each row's result goes); each pulled 2 KiB unit adds 1 (release) to its block's
    counter;
 2. L1 and L2 tiles (the tile order and every wait target: ``scheduler.tiles``; CTA c starts at tile c, then
    takes the next tile in the order from a shared counter): an L1 tile of a block loads
    its first weight chunks, then waits (acquire) until the block's rows are all pulled, then loads them; the
-   L1 tiles write ``l2_acts``, the FP8-quantized SwiGLU outputs as their exact BF16 values (steps 1-5); an L2
+   L1 tiles write ``l2_acts``, the FP8-quantized SwiGLU outputs as their exact BF16 values (recipe 128: FP8 with
+   ``l2_acts_sf``) (steps 1-5); an L2
    tile streams its first weight chunks while it waits for the L1 tiles of its block, and stores each BF16 row (step 6)
    straight into its source rank's ``combine[slot, token]`` over NVLink (whole 128-byte lines); each storing
    thread ends with ``fence.acq_rel.sys``. The same values bit for bit as the staged path's two SM90 GEMM launches
@@ -159,8 +164,9 @@ def transform_weights_for_mega_moe(l1: tuple, l2: tuple, recipe=RECIPE_32, *, re
     * recipe (1, 1, 128): both in the FP8-mode layout (``uint8 [E_l, N/64, K/128, 64, 64]``) with the scales folded
       into exact E4M3 (``prepare_fp4_weights(..., mma="fp8", fold="auto")``): one FP32 scale per row (``int32 [E_l,
       K/128 + 1, N]``) where every row of the tensor fits, else one per row and 128-K chunk (``int32 [E_l, 2 * K/128,
-      N]``, with a ``FoldFallbackWarning`` naming the rows); a 128-K chunk whose nonzero blocks span more than 11
-      binades raises, naming expert, row and chunk (weights are never rounded).
+      N]``, with a ``FoldFallbackWarning`` naming the rows; the kernels multiply the per-row format only, so a call
+      with these raises before any launch, as the staged SM90 GEMMs do); a 128-K chunk whose nonzero blocks span more
+      than 11 binades raises, naming expert, row and chunk (weights are never rounded).
 
     ``return_reports``: also return ``{"l1": FoldReport, "l2": FoldReport}`` (recipe 128; None for recipe 32):
     which rows folded per row and which needed per-chunk scales (L1 rows named in checkpoint order).
@@ -253,6 +259,11 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     would overstate them: it bounds the worst case), the token tile at most half the ring (a reused ring needs two
     blocks).
 
+    Recipe (1, 1, 128) (the layout's): ``config.per_128_swiglu_config``, the staged L1's rule -- FP8 mode, 256-row
+    weight tiles on four consumer warpgroups (its L1 epilogue quantizes 128 intermediate columns per token, and both
+    GEMMs share the config), one CTA per SM, the smallest token tile of 8, 16 or 32 rows covering the expected rows
+    (32, the most whose registers fit, beyond). The rest of this docstring is recipe (1, 1, 32)'s.
+
     Decode-sized calls whose 128-row L1 tiles (over the local experts expected to get a row) would not occupy every
     two-CTA slot run 64-row weight tiles on three CTAs per SM instead: the smaller tiles pay only where they fill
     slots the larger ones leave idle (faster for flash EP2 at 1 token/rank; slower where the 128-row tiles already
@@ -264,8 +275,11 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     keep the three-CTA tiles. Both thresholds come from alternated A/Bs with every row checked
     (bench/findings/mega-small-calls.md, bench/findings/four-consumer-warpgroups.md)."""
     from .kernels import sm90
+    from .kernels.sm90.config import per_128_swiglu_config
 
     rows_per_expert = min(layout.num_ranks * num_tokens * layout.num_topk / layout.num_experts, layout.num_ring_tokens // 2)
+    if layout.recipe == RECIPE_128:
+        return per_128_swiglu_config(rows_per_expert)
     h, i = layout.kernel_hidden, layout.kernel_intermediate  # the sizes the kernel runs
     n = math.gcd(2 * i, h)
     cfg = sm90.select_config(rows_per_expert, n, h, four_warpgroups=False)
@@ -325,6 +339,11 @@ def check_fp4_operands(l1, l2, sym_buffer: SymmBuffer, recipe=None) -> tuple[int
         if folded_scale_format(sf, chunks) == "absolute":
             fail(f"{name}[1]", f"holds absolute UE8M0 scales [E/R, K/128, N]; recipe {describe_recipe(recipe)} needs "
                  f"the weight scales folded into E4M3: {transform}")
+        if sf.shape[1] != chunks + 1:
+            fail(f"{name}[1]", f"holds folded scales per (row, 128-K chunk) [E/R, 2 * K/128, N] = {list(sf.shape)} (the "
+                 "fallback of fold='auto' for rows whose block scales span more binades than E4M3 holds), which the "
+                 "Mega MoE kernel does not multiply: only per-row folded scales [E/R, K/128 + 1, N]; the fold report "
+                 "(transform_weights_for_mega_moe(..., return_reports=True)) names the rows that need them")
     return recipe
 
 
@@ -467,7 +486,8 @@ def fp8_fp4_mega_moe(
     default holds every row a rank can receive up to 65536; a smaller ring is reused within the call, module
     docstring). ``cumulative_local_expert_recv_stats``: optional int32
     ``[E/R]``, incremented by the rows each local expert received. ``recipe``: None (the buffer's) or the buffer's
-    recipe, (1, 1, 32) or (1, 1, 128); weights of the other recipe raise before any launch.
+    recipe, (1, 1, 32) or (1, 1, 128); weights of the other recipe, and recipe-128 weights with per-chunk folded
+    scales (the fold's fallback), raise before any launch.
     ``activation_clamp``: ``gate <= c``, ``|up| <= c`` (rounded to BF16). ``fast_math``: silu with approximate
     exp and reciprocal (``ex2.approx``, ``rcp.approx``; the contract allows both), else the IEEE exp and division.
     ``debug``: module docstring (None: ``MEGAMOE_DEBUG``). Collective, asynchronous, CUDA-graph capturable
@@ -510,22 +530,12 @@ def trace_fp8_fp4_mega_moe(
     return trace
 
 
-def recipe_128_not_in_mega(subject: str) -> NotImplementedError:
-    """The error for recipe (1, 1, 128) on the Mega MoE path (``subject``: what names the recipe, e.g. "`recipe` is")."""
-    return NotImplementedError(
-        f"megamoe: {subject} recipe (1, 1, 128), which the Mega MoE kernel does not run yet (its buffer, weights and "
-        "checks are in place; the one-launch kernel multiplies recipe (1, 1, 32)). Run recipe (1, 1, 128) on the staged "
-        "path with the SM90 kernels: StagedMoE(l1, l2, 'low_latency', gemm='sm90', recipe=(1, 1, 128)), or use recipe "
-        "(1, 1, 32) with the Mega MoE kernel")
-
-
 def _check_fp8_fp4_call(y, l1, l2, buf: SymmBuffer, stats, activation, activation_clamp, fast_math, recipe):
     """Every check of an FP8 x FP4 call, before any device work; returns the launch's ``tile_config``."""
     from .kernels import runtime
 
     check_mega_call(y, buf, stats, activation, activation_clamp, fast_math, "fp8xfp4")
-    if check_fp4_operands(l1, l2, buf, recipe) == RECIPE_128:
-        raise recipe_128_not_in_mega("`sym_buffer` holds")
+    check_fp4_operands(l1, l2, buf, recipe)
     runtime.require_sm90(y, "y")
     return tile_config(buf.layout, y.shape[0], _state(buf).num_ctas)  # num_ctas: the GPU's SMs
 
@@ -545,6 +555,7 @@ def _fp8_fp4_launch(y, l1, l2, buf: SymmBuffer, stats, activation_clamp, fast_ma
         *l2, buf.ring_dest, buf.l2_acts, buf.expert_offsets, activation_clamp, cfg,
         st.gemm_sync, buf.rank, num_tokens, buf.buffer.data_ptr(), st.peers, stats,
         (st.record if trace is None else trace).data_ptr(), y, timeout_ns(debug), fast_math,
+        getattr(buf, "l1_acts_sf", None), getattr(buf, "l2_acts_sf", None),  # recipe (1, 1, 128)'s ring scales
     )
 
 

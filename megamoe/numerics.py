@@ -71,6 +71,11 @@ per-128 FP32 token scales (``layouts.quantize_fp8(x, recipe=RECIPE_128)``):
   ``448 / amax``, multiply, saturating RNE cast, ``scale = amax / 448``).
 * Step 6 in FP32 as step 1; R3 and R4 as in recipe 32.
 
+The paths add no rounding point: the staged path moves FP8 tokens and their FP32 scales as they are, and the Mega MoE
+kernel pulls them into its FP8 ring verbatim (bytes and scale words), runs the same block-128 mainloop and the same
+R2 epilogue as the staged SM90 GEMMs, and stores R2's FP8 values and FP32 scales into its L2 ring as they are: both
+paths give the same bits.
+
 The reference (``megamoe.reference``) takes the recipe from the token scales' dtype (int32 packed UE8M0: (1, 1, 32);
 float32: (1, 1, 128)) and dequantizes exactly (float64).
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The cost of zero padding on one GPU: each model shape whose H or I the SM90 kernels zero-pad (to multiples of
 # kernels.sm90.K_MULTIPLE) against the padded shape itself run as the model's sizes (no padding: same kernel work,
-# no pad / slice copies), at the model's expert count (EP1) and at one rank's share of EP8; both recipes (recipe 128
-# on the staged SM90 path only: the Mega MoE kernel runs recipe 32). Every point is checked; receipts in $OUT.
+# no pad / slice copies), at the model's expert count (EP1) and at one rank's share of EP8; both recipes, the Mega MoE
+# kernel and the staged SM90 path. Every point is checked; receipts in $OUT.
 #   scripts/padding_cost.sh            (OUT=bench/results/padding, TOKENS=1,8,128,512,2048,8192)
 # Compare the "us" of the same tokens/rank, path and recipe between a model row and its "native" row.
 set -euo pipefail
@@ -18,7 +18,7 @@ run() {  # name, recipe, paths, extra bench args...
 }
 for experts in 128 16; do
   for recipe in 32 128; do
-    paths=$([ "$recipe" = 32 ] && echo mega,sm90 || echo sm90)
+    paths=mega,sm90
     run "gpt-oss-120b-e$experts" "$recipe" "$paths" --preset gpt-oss-120b --experts "$experts"
     run "gpt-oss-120b-e$experts-native3072" "$recipe" "$paths" --preset gpt-oss-120b --experts "$experts" \
       --hidden 3072 --intermediate 3072

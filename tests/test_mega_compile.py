@@ -279,3 +279,35 @@ def test_tile_config_four_warpgroups_from_one_row_per_expert():
         e, k, h, i = shapes[preset]
         c = tile_config(symm_buffer_layout(2, e, tokens, k, h, i), tokens, 132)
         assert (c.tile_tokens, c.tile_n, c.ctas_per_sm) == expected, (preset, tokens, c)
+
+
+def test_tile_config_recipe_128_is_the_per_128_swiglu_config():
+    """Recipe (1, 1, 128): FP8 mode, per-128 token scales, 256-row weight tiles (the per-128 SwiGLU epilogue's 128
+    intermediate columns; both GEMMs share the config), one CTA per SM, the smallest of 8 / 16 / 32 token rows covering
+    the expected rows per expert (32 beyond, the most whose registers fit: ``config.FOUR_WG_FP8_MAX_TILE_TOKENS``)."""
+    from megamoe.mega import tile_config
+
+    shapes = {"flash": (256, 6, 4096, 2048), "pro": (384, 6, 7168, 3072)}
+    want = {("flash", 1): 8, ("flash", 8): 8, ("flash", 128): 8, ("flash", 512): 16, ("flash", 1024): 32,
+            ("flash", 8192): 32, ("pro", 8): 8, ("pro", 512): 8, ("pro", 1024): 16, ("pro", 2048): 32}
+    for (preset, tokens), tile_tokens in want.items():
+        e, k, h, i = shapes[preset]
+        rows = tokens * k / e  # one rank: every expert is local
+        c = tile_config(symm_buffer_layout(1, e, tokens, k, h, i, recipe=(1, 1, 128)), tokens, 132)
+        assert (c.mma, c.token_block, c.tile_n, c.ctas_per_sm) == ("fp8", 128, 256, 1), (preset, tokens, c)
+        assert c.tile_tokens == tile_tokens and (c.tile_tokens >= rows or c.tile_tokens == 32), (preset, tokens, c)
+
+
+def test_mega_compile_takes_the_recipes_config():
+    """The Mega MoE kernel of each recipe compiles for its own kind of config only: refused before any build."""
+    from megamoe.kernels.sm90 import GemmConfig, compile_mega_moe
+
+    r128 = EpCommConfig(symm_buffer_layout(1, 8, 16, 2, 512, 512, recipe=(1, 1, 128)), False)
+    r32 = EpCommConfig(symm_buffer_layout(1, 8, 16, 2, 512, 512), False)
+    with pytest.raises(ValueError, match=r"`config` must be FP8 mode with token_block=128 and tile_n=256 .*recipe "
+                       r"\(1, 1, 128\).* got mma='bf16'"):
+        compile_mega_moe(GemmConfig(tile_tokens=8, tile_n=256), r128)
+    with pytest.raises(ValueError, match=r"`config` must be FP8 mode .*got mma='fp8', token_block=128, tile_n=128"):
+        compile_mega_moe(GemmConfig(tile_tokens=8, tile_n=128, mma="fp8", token_block=128), r128)
+    with pytest.raises(ValueError, match=r"`config.mma` must be 'bf16' .*recipe \(1, 1, 32\), got 'fp8'"):
+        compile_mega_moe(GemmConfig(tile_tokens=8, tile_n=256, mma="fp8", token_block=128), r32)

@@ -237,13 +237,13 @@ def test_hf_model_swap(hf, model_type, mma_type):
 # EPMoE against the contract's reference
 
 def _layer(mma_type="fp8xfp4", mode="normal", shared=0, max_tokens=32, experts=8, topk=3, device="cpu", seed=0,
-           impl="staged", hidden=HIDDEN, inter=MOE_INTERMEDIATE):
+           impl="staged", hidden=HIDDEN, inter=MOE_INTERMEDIATE, recipe=(1, 1, 32)):
     """An EPMoE with random weights; returns (layer, w1, w2, shared weights or None)."""
     g = torch.Generator().manual_seed(seed)
     w1 = torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5
     w2 = torch.randn(experts, hidden, inter, generator=g) * inter**-0.5
     layer = EPMoE(experts, topk, hidden, inter, max_tokens, mma_type=mma_type, impl=impl, mode=mode,
-                  shared_intermediate=shared, device=device)
+                  shared_intermediate=shared, device=device, recipe=recipe)
     layer.load_experts(w1, w2)
     sw = None
     if shared:
@@ -442,11 +442,13 @@ def test_cuda_graph_low_latency_gpu():
 
 
 @pytest.mark.gpu
-def test_mega_impl_gpu():
-    """impl="mega" (the Mega MoE) on one GPU: the contract's reference plus the shared expert,
+@pytest.mark.parametrize("recipe", [(1, 1, 32), (1, 1, 128)])
+def test_mega_impl_gpu(recipe):
+    """impl="mega" (the Mega MoE) on one GPU, both recipes: the recipe's reference plus the shared expert,
     then a CUDA graph of the layer replaying new inputs exactly like eager calls."""
     hidden = inter = 512
-    layer, w1, w2, _ = _layer(impl="mega", mode=None, shared=128, device="cuda", hidden=hidden, inter=inter)
+    layer, w1, w2, _ = _layer(impl="mega", mode=None, shared=128, device="cuda", hidden=hidden, inter=inter,
+                              recipe=recipe)
     assert layer.cuda_graph_capturable
     l1, l2 = quantize_fp4(w1.cuda()), quantize_fp4(w2.cuda())
     g = torch.Generator().manual_seed(11)
@@ -455,6 +457,7 @@ def test_mega_impl_gpu():
         idx, w = (v.cuda() for v in random_routing(t, 8, 3, g, masked_ratio=0.2))
         with torch.no_grad():
             y = layer(x, idx, w)
-        routed = reference_moe(*quantize_fp8(x), idx, w, l1, l2)
-        check_moe_output(y, (routed.float() + layer.shared(x).float()).bfloat16(), inter, f"mega T={t}")
+        routed = reference_moe(*quantize_fp8(x, recipe=recipe), idx, w, l1, l2)
+        check_moe_output(y, (routed.float() + layer.shared(x).float()).bfloat16(), inter, f"mega {recipe} T={t}",
+                         recipe)
     _check_graph_replays_like_eager(layer, hidden, g)

@@ -472,23 +472,35 @@ def mega128():
                 canonical=(l1, l2), y=torch.empty(5, H, dtype=torch.bfloat16))
 
 
-def test_mega_recipe_128_valid_call_says_the_kernel_does_not_run_it_yet(mega128):
-    """The Mega MoE kernel multiplies recipe (1, 1, 32) only: a valid recipe-128 call raises before any device work,
-    naming the staged path that runs the recipe; the weights (and their fold reports) are prepared as for it."""
+def test_mega_recipe_128_valid_call_reaches_the_device_check(mega128):
+    """The Mega MoE kernel runs recipe (1, 1, 128): a valid call (fp8_fp4_mega_moe, MegaMoE, EPMoE(impl="mega")) passes
+    every host check and stops only at the device check on a CPU; the weights (and their fold reports) are prepared
+    as for the staged path."""
     c = mega128
-    with pytest.raises(NotImplementedError, match=r"recipe \(1, 1, 128\), which the Mega MoE kernel does not run yet.*"
-                       r"StagedMoE\(l1, l2, 'low_latency', gemm='sm90', recipe=\(1, 1, 128\)\)"):
+    with pytest.raises(ValueError, match="`y` must be a CUDA tensor"):
         fp8_fp4_mega_moe(c["y"], *c["w128"], c["buf"])
-    with pytest.raises(NotImplementedError, match="does not run yet"):
+    with pytest.raises(ValueError, match="`y` must be a CUDA tensor"):
         fp8_fp4_mega_moe(c["y"], *c["w128"], c["buf"], recipe=(1, 1, 128))
     moe = MegaMoE(*c["canonical"], recipe=RECIPE_128)
     assert moe.recipe == RECIPE_128 and moe.fold_reports["l1"].format == "row"
-    with pytest.raises(NotImplementedError, match="does not run yet"):
+    with pytest.raises(ValueError, match="`y` must be a CUDA tensor"):
         moe(c["y"], c["buf"])
     from megamoe.nn import EPMoE
 
-    with pytest.raises(NotImplementedError, match=r"`recipe` is recipe \(1, 1, 128\), which the Mega MoE kernel"):
-        EPMoE(E, K, H, I, T_MAX, impl="mega", recipe=RECIPE_128, device="cpu")
+    layer = EPMoE(E, K, H, I, T_MAX, impl="mega", recipe=RECIPE_128, device="cpu")
+    assert layer.recipe == RECIPE_128 and layer.buffer.layout.recipe == RECIPE_128
+    layer.destroy()
+
+
+def test_mega_recipe_128_refuses_per_chunk_folded_scales(mega128):
+    """The fold's fallback (one scale per row and 128-K chunk, [E/R, 2 * K/128, N]) is not what the Mega MoE kernel
+    multiplies: refused before launch, naming the tensor, the format and the fold report."""
+    c = mega128
+    (w1, s1), (w2, _) = c["w128"]
+    per_chunk = torch.zeros(E, 2 * (I // 128), H, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"`l2\[1\]` holds folded scales per \(row, 128-K chunk\) \[E/R, 2 \* K/128, N\] "
+                       r"= \[8, 8, 512\].*only per-row folded scales.*return_reports=True"):
+        fp8_fp4_mega_moe(c["y"], (w1, s1), (w2, per_chunk), c["buf"])
 
 
 def test_mega_recipe_mismatches_raise_before_launch(mega128):

@@ -87,11 +87,24 @@ MEGA_CASES = [
     (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), (1, 128, 64, 4, 2880, 2880)),
     (GemmConfig(tile_tokens=8, tile_n=64, ctas_per_sm=3), (8, 128, 64, 8, 2048, 768)),
 ]
+# The Mega MoE kernel of recipe (1, 1, 128) (FP8 rings with FP32 scales, both GEMMs in FP8 block-128 mode, the per-128
+# SwiGLU epilogue: ``mega.tile_config``'s configs): every token tile it runs, one and eight ranks, flash- and pro-like
+# sizes, gpt-oss's padded H = I = 2880.
+R128 = (1, 1, 128)
+MEGA128_CASES = [
+    (GemmConfig(tile_tokens=8, tile_n=256, mma="fp8", token_block=128), (2, 256, 64, 8, 4096, 2048, None, "fp8xfp4", R128)),
+    (GemmConfig(tile_tokens=16, tile_n=256, mma="fp8", token_block=128), (8, 384, 128, 6, 7168, 3072, None, "fp8xfp4",
+                                                                          R128)),
+    (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128), (1, 8, 33, 3, 512, 1024, None, "fp8xfp4", R128)),
+    (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128), (2, 128, 64, 4, 2880, 2880, None, "fp8xfp4",
+                                                                          R128)),
+]
 
 
 # The fused launch's debug builds (timed waits, printf): their function call serializes the wgmmas, by design.
 DEBUG_CASES = [(GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "l1_l2", None),
-               (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "l1_l2", MEGA_CASES[0][1])]
+               (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), "offsets", "l1_l2", MEGA_CASES[0][1]),
+               (MEGA128_CASES[0][0], "offsets", "l1_l2", MEGA128_CASES[0][1])]
 # SwiGLU epilogues with the IEEE exp and division (fast_math=False; every other case: approximate), the Mega MoE kernel
 # included.
 IEEE_SILU_CASES = [
@@ -99,6 +112,7 @@ IEEE_SILU_CASES = [
     (GemmConfig(tile_tokens=16, tile_n=128, ctas_per_sm=2, mma="fp8"), "masked", "swiglu_fp8", None),
     (GemmConfig(tile_tokens=128, tile_n=128), "offsets", "l1_l2", None),
     (MEGA_CASES[6][0], "offsets", "l1_l2", MEGA_CASES[6][1]),
+    (MEGA128_CASES[2][0], "offsets", "l1_l2", MEGA128_CASES[2][1]),
 ]
 # (config, group mode, epilogue, Mega MoE layout or None, trace build, folded FP8 scales, fast_math): the trace
 # build is a release build too.
@@ -118,6 +132,8 @@ RELEASE_CASES = ([(c, m, e, None, False, False, True) for c, m, e in COMPILE_CAS
                  + [(c, m, e, None, False, True, True) for c, m, e in RECIPE128_CASES]
                  + [(c, "offsets", "l1_l2", lay, False, False, True) for c, lay in MEGA_CASES]
                  + [(MEGA_CASES[0][0], "offsets", "l1_l2", MEGA_CASES[0][1], True, False, True)]
+                 + [(c, "offsets", "l1_l2", lay, False, False, True) for c, lay in MEGA128_CASES]
+                 + [(MEGA128_CASES[1][0], "offsets", "l1_l2", MEGA128_CASES[1][1], True, False, True)]
                  + [(c, m, e, lay, False, False, False) for c, m, e, lay in IEEE_SILU_CASES])
 
 _COMPILE_CHILD = """
@@ -184,7 +200,7 @@ def compile_report(cases: list, dump_dir) -> list[dict]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 RELEASE_IDS = [f"{c.mma}{'x128' if c.token_block == 128 else ''}-{c.tile_tokens}x{c.tile_n}x{c.ctas_per_sm}-{m}-{e}"
-               + ("" if lay is None else "-mega-r%d-e%d-h%d" % (lay[0], lay[1], lay[4]))
+               + ("" if lay is None else "-mega-r%d-e%d-h%d" % (lay[0], lay[1], lay[4]) + ("-r128" if R128 in lay else ""))
                + ("-trace" if trace else "") + ("-folded" if folded else "") + ("" if fast else "-ieee-silu")
                for c, m, e, lay, trace, folded, fast in RELEASE_CASES]
 

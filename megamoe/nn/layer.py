@@ -48,7 +48,7 @@ from ..inputs import fill_buffer
 from ..layouts import quantize_fp4
 from ..layouts.fp4 import check_finite_weights
 from ..staged import StagedMoE
-from ..mega import MegaMoE, recipe_128_not_in_mega
+from ..mega import MegaMoE
 from ..layouts import dequantize_fp4
 from ..layouts.weights import check_fp4_expert_weights
 from ..numerics import (RECIPE_32, RECIPE_128, check_activation, check_activation_clamp, check_expert_bias, check_recipe,
@@ -162,8 +162,6 @@ class EPMoE(nn.Module):
         mode = IMPLS[impl][0] if mode is None else mode
         if mode not in IMPLS[impl]:
             fail("mode", f"must be one of {IMPLS[impl]} for impl {impl!r}, got {mode!r}")
-        if impl == "mega" and recipe == RECIPE_128:
-            raise recipe_128_not_in_mega("`recipe` is")
         check_activation_clamp(activation_clamp)
         if check_activation(activation) != "swiglu" and impl == "mega":
             fail("activation", f"{activation!r} runs on impl='staged' only: the Mega MoE kernel computes 'swiglu' "

@@ -19,12 +19,13 @@ one progress line per rank and call, the contract errors, and any ``megamoe debu
   several tiles (the tile hand-off from the producer warp to the consumers wraps around its slots); then a CUDA
   graph captured once and replayed three times with new inputs
   copied in between. Model sizes the kernels run zero-padded to 512 (``dims``: gpt-oss H = I = 2880, Qwen3-30B-A3B
-  H 2048 / I 768, 96 / 160; BF16 buffers unpadded) on one and two GPUs, recipe 128's staged SM90 path at them too. Four ranks: uneven tokens incl. a rank
-  with 0 and one with 1, skewed, full with a clamp, and the graph. Recipe (1, 1, 128) (``r128_*`` cases, a buffer of that
-  recipe: per-128 FP32 token scales, FP8 rings, folded FP8-mode weights): the Mega MoE kernel does not run it yet and
-  must say so (NotImplementedError before any launch); the staged path with the SM90 GEMMs is checked against that
-  recipe's reference and tolerances on 1, 2 and 4 GPUs (ragged, skewed, no tokens, one token, full with a clamp, a
-  small ring on two).
+  H 2048 / I 768, 96 / 160; BF16 buffers unpadded) on one and two GPUs, recipe 128 at them too. Four ranks: uneven
+  tokens incl. a rank with 0 and one with 1, skewed, full with a clamp, and the graph. Recipe (1, 1, 128) (``r128_*``
+  cases, a buffer of that recipe: per-128 FP32 token scales, FP8 rings with FP32 scales, folded FP8-mode weights): the
+  Mega MoE kernel against that recipe's reference and tolerances and bit for bit against the staged path with the SM90
+  GEMMs, on 1, 2 and 4 GPUs (ragged with masked slots, skewed: empty experts, no tokens, one token, full with a clamp,
+  partial tiles, the IEEE silu with several tiles per CTA, model sizes, every token tile its ``tile_config`` picks:
+  8, 16 and 32 rows -- top-8 for the last --, a small ring on two), the trace build, and a CUDA graph of its own.
 * ``hang``: rank 1 never calls; rank 0's call, debug or release build (``MEGAMOE_TIMEOUT_S``), must trap with the
   diagnostic naming ``ready[src=1]`` (the host-mapped record; printf too in debug mode) instead of hanging.
 * ``stranded`` (one GPU): the same for rank 0 of a two-rank buffer whose rank 1 lives on the same GPU and never calls,
@@ -34,6 +35,7 @@ one progress line per rank and call, the contract errors, and any ``megamoe debu
 * ``nonfinite`` (one GPU): a NaN / +-Inf routing weight makes its token's row NaN, the others stay exact.
 
     python -m pytest -q -m gpu tests/distributed/test_mega_gpu.py
+    MEGAMOE_GPU_CASES=r128 python -m pytest -q -m gpu tests/distributed/test_mega_gpu.py -k one_gpu  # a subset
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ SMALL_RING = 128  # ring rows of the small-ring cases: rank 0 receives more rows
 WIDE = (2048, 2048)  # (H, I) of the case whose CTAs run several tiles each (L1: 32 column tiles per pool block)
 GPT_OSS, QWEN3, TINY = (2880, 2880), (2048, 768), (96, 160)  # model sizes the kernels run zero-padded to 512
 R128 = (1, 1, 128)
+CASES_ENV = "MEGAMOE_GPU_CASES"
+"""Comma-separated words: run only the cases whose name holds one (and the graphs of their recipes); unset: all."""
 DEBUG_TIMEOUT_S = "60"  # debug-mode spin-wait timeout inside the subprocesses: above the JIT compile of a rank
 # whose config (its own T) is new to it while its peer has it compiled already and waits at `ready` (seconds: a
 # few-second limit times out there)
@@ -81,6 +85,7 @@ CASES = {
         ("bf16_gpt_oss_ragged", dict(tokens=[29], masked=0.25, mma_type="bf16", dims=GPT_OSS)),
         ("r128_gpt_oss_ragged_masked", dict(tokens=[29], masked=0.25, dims=GPT_OSS, recipe=R128)),
         ("r128_qwen3_skewed", dict(tokens=[32], hot=K, dims=QWEN3, recipe=R128)),
+        ("r128_top8_32_row_tiles", dict(tokens=[T_MAX], topk=8, masked=0.1, recipe=R128)),
     ],
     2: [
         ("ragged_masked_uneven", dict(tokens=[13, 5], masked=0.25)),
@@ -97,6 +102,7 @@ CASES = {
         ("r128_zero_token_rank", dict(tokens=[0, 9], recipe=R128)),
         ("r128_full_clamped", dict(tokens=[T_MAX, T_MAX], clamp=0.75, masked=0.1, recipe=R128)),
         ("r128_small_ring_skewed", dict(tokens=[24, 17], hot=K, ring=SMALL_RING, recipe=R128)),
+        ("r128_top8_uneven", dict(tokens=[T_MAX, 19], topk=8, masked=0.1, recipe=R128)),
         ("gpt_oss_uneven", dict(tokens=[13, 5], masked=0.25, dims=GPT_OSS)),
         ("qwen3_small_ring_skewed", dict(tokens=[24, 17], hot=K, ring=SMALL_RING, dims=QWEN3)),
     ],
@@ -125,8 +131,8 @@ def _problem(seed: int, tokens: list[int], case: dict) -> dict:
     from megamoe.inputs import global_problem
 
     h, i = case.get("dims", (H, I))
-    return global_problem(seed, tokens, E_PER_RANK * len(tokens), K, h, i, case.get("mma_type", "fp8xfp4"),
-                          case.get("masked", 0.0), case.get("hot"))
+    return global_problem(seed, tokens, E_PER_RANK * len(tokens), case.get("topk", K), h, i,
+                          case.get("mma_type", "fp8xfp4"), case.get("masked", 0.0), case.get("hot"))
 
 
 def _expected(p: dict, weights: dict, rank: int, device, clamp, recipe=(1, 1, 32)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,25 +196,18 @@ def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
         stats = torch.full((E_PER_RANK,), 7, dtype=torch.int32, device=device)
         moe = MegaMoE(l1, l2, fast_math, recipe=recipe)
         ref, counts = _expected(p, p, rank, device, clamp, recipe)
-        if recipe == R128:  # the Mega MoE kernel multiplies recipe 32 only: it says so; the staged SM90 path runs it
-            try:
-                moe(y, buf, stats, activation_clamp=clamp, debug=debug)
-                raise AssertionError(f"{what}: the Mega MoE kernel accepted a recipe-128 buffer")
-            except NotImplementedError:
-                pass
-            _check(rank, what, y_staged, ref, stats_staged, stats_staged, y_staged, bitwise=False, inter=inter,
-                   recipe=recipe)
-            assert torch.equal(stats_staged, counts + 7), f"{what}: staged stats disagree with the routing"
-            continue
         moe(y, buf, stats, activation_clamp=clamp, debug=debug)
         # BF16: torch's grouped GEMM over different row counts may tile K differently: no bitwise claim.
         _check(rank, what, y, ref, stats, stats_staged, y_staged, bitwise=fp8, inter=inter, recipe=recipe)
         assert torch.equal(stats_staged, counts + 7), f"{what}: staged stats disagree with the routing"
         if fp8 and gen == GENERATIONS - 1:
             _check_trace(rank, what, y, moe, buf, clamp, counts)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        cfg = tile_config(buf.layout, t, sms)
+        if gen == 0:
+            _say(rank, f"{what}: {cfg.describe('l1_l2')}")
         if "ring" in case:  # rank 0 receives more rows than its ring holds: it reuses ring blocks
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            tt = tile_config(buf.layout, t, sms).tile_tokens
+            tt = cfg.tile_tokens
             _say(rank, f"{what}: {int(counts.sum())} rows in {int(((counts + tt - 1) // tt).sum())} pool blocks of "
                  f"{tt} rows, ring of {case['ring']} rows")
             assert rank != 0 or int(counts.sum()) > case["ring"], f"{what}: rank 0's rows fit the ring"
@@ -286,25 +285,33 @@ def _suite(rank, group, device, num_ranks: int) -> None:
     from megamoe.mega import debug_report
 
     def key(case: dict) -> tuple:
-        return case.get("mma_type", "fp8xfp4"), case.get("ring"), case.get("dims", (H, I)), case.get("recipe", (1, 1, 32))
+        return (case.get("mma_type", "fp8xfp4"), case.get("ring"), case.get("dims", (H, I)), case.get("recipe", (1, 1, 32)),
+                case.get("topk", K))
 
-    bufs = {}  # one buffer per (mma_type, ring, (H, I), recipe), made by every rank in the cases' order (collective)
-    for _, case in [("default", {})] + CASES[num_ranks]:
+    words = [w for w in os.environ.get(CASES_ENV, "").split(",") if w]
+    cases = [(name, case) for name, case in CASES[num_ranks] if not words or any(w in name for w in words)]
+    graphs = {case.get("recipe", (1, 1, 32)) for _, case in cases} if words else {(1, 1, 32), R128}
+    bufs = {}  # one buffer per (mma_type, ring, (H, I), recipe, top-k), made by every rank in the cases' order
+    for _, case in [("default", {}), ("default r128", {"recipe": R128})] + cases:
         if key(case) not in bufs:
-            mma, ring, (h, i), recipe = key(case)
-            bufs[key(case)] = get_symm_buffer_for_mega_moe(group, E_PER_RANK * num_ranks, T_MAX, K, h, i, mma_type=mma,
-                                                           num_ring_tokens=ring, device=device, recipe=recipe)
+            mma, ring, (h, i), recipe, topk = key(case)
+            bufs[key(case)] = get_symm_buffer_for_mega_moe(group, E_PER_RANK * num_ranks, T_MAX, topk, h, i,
+                                                           mma_type=mma, num_ring_tokens=ring, device=device,
+                                                           recipe=recipe)
     buf = bufs[key({})]
     _say(rank, f"{num_ranks} GPU(s), {torch.cuda.get_device_name(device)}; ring {buf.layout.num_ring_tokens} rows")
     try:
         for i, (name, case) in enumerate(CASES[num_ranks]):
+            if (name, case) not in cases:
+                continue
             start = time.perf_counter()
             _run_case(rank, device, bufs[key(case)], name, case, seed=100 * (i + 1))
             _say(rank, f"{name}: {GENERATIONS} calls in {time.perf_counter() - start:.1f} s")
-        _run_graph(rank, device, buf, GRAPH_TOKENS[num_ranks])
+        for recipe in sorted(graphs):
+            _run_graph(rank, device, bufs[key({"recipe": recipe})], GRAPH_TOKENS[num_ranks])
     except BaseException:
         traceback.print_exc()
-        _say(rank, f"device debug record: {debug_report(buf)}")
+        _say(rank, f"device debug records: {[debug_report(b) for b in bufs.values()]}")
         raise
     for b in bufs.values():
         b.destroy()

@@ -285,18 +285,25 @@ class EpPhases:
         src, q = self.decode(code)
         t = q // k
         peer = ptx.ld_cg_u64(peers + Int64(src) * 8)
-        dst = base + (cfg.offset("l1_acts") + Int64(row) * (hidden * 2))
-        if cutlass.const_expr(self.fp8):
-            self.pull_unit(peer + (cfg.offset("x") + Int64(t) * hidden),
-                           peer + (cfg.offset("x_sf") + Int64(t) * (hidden // 32)), dst, unit, lane)
-        else:
-            self.copy_unit(peer + (cfg.offset("x") + Int64(t) * (hidden * 2)), dst, hidden * 2 // VEC, unit, lane)
+        self.ring_unit(base, peer, t, row, unit, lane)
         if (unit == 0) & (lane == 0):
             weight = ptx.ld_cg_u32(peer + (cfg.offset("topk_weights") + Int64(q) * 4))
             ptx.st_global_u32(base + (cfg.offset("l1_topk_weights") + Int64(row) * 4), weight)
             j = q - t * k
             slot = peer + (cfg.offset("combine") + (Int64(j) * self.t_max + Int64(t)) * (hidden * 2))
             ptx.st_global_u64(base + (cfg.offset("ring_dest") + Int64(row) * 8), slot)
+
+    @cute.jit
+    def ring_unit(self, base: Int64, peer: Int64, t: Int32, row: Int32, unit: Int32, lane: Int32):
+        """One warp: unit ``unit`` of token t's row on the rank at ``peer`` into ring row ``row`` of ``l1_acts``, in
+        the BF16-operand ring: FP8 + packed UE8M0 dequantized exactly (``pull_unit``), or BF16 copied."""
+        cfg, hidden = self.cfg, self.hidden
+        dst = base + (cfg.offset("l1_acts") + Int64(row) * (hidden * 2))
+        if cutlass.const_expr(self.fp8):
+            self.pull_unit(peer + (cfg.offset("x") + Int64(t) * hidden),
+                           peer + (cfg.offset("x_sf") + Int64(t) * (hidden // 32)), dst, unit, lane)
+        else:
+            self.copy_unit(peer + (cfg.offset("x") + Int64(t) * (hidden * 2)), dst, hidden * 2 // VEC, unit, lane)
 
     @cute.jit
     def pull(self, me: Int32, base: Int64, peers: Int64, offs: cute.Tensor, total: Int32, gw: Int32, num_warps: Int32,
@@ -407,3 +414,27 @@ class EpPhases:
             ptx.st_global_u32(base + (self.cfg.offset("expert_counts") + Int64(e) * 4), 0)
         if tid == 0:
             ptx.st_global_u32(base + self.signals, call + 1)
+
+
+class Fp8RingPhases(EpPhases):
+    """``EpPhases`` whose pull fills the FP8-operand ring of recipe (1, 1, 128) (``symm_buffer``: ``l1_acts`` e4m3
+    ``[ring, Hk]``, ``l1_acts_sf`` float32 ``[ring, Hk/128]``): each token row's FP8 bytes and its FP32 scale words
+    copied verbatim (no dequantization: an FP8 value times a per-128 FP32 scale has no exact BF16 form), half the ring
+    bytes of the BF16 ring. A unit is the same 2 KiB of FP8 as ``pull_unit``'s and carries the 16 scale words of its
+    16 128-K blocks."""
+
+    @cute.jit
+    def ring_unit(self, base: Int64, peer: Int64, t: Int32, row: Int32, unit: Int32, lane: Int32):
+        """One warp: FP8 vectors ``[unit * 32 * VECS_PER_LANE, +32 * VECS_PER_LANE) ∩ [0, Hk/16)`` of token t's row
+        on the rank at ``peer`` into ring row ``row`` of ``l1_acts`` (``copy_unit``), and lane l < 16 the unit's
+        scale word ``unit * 16 + l`` (where < Hk/128) into ``l1_acts_sf[row]``; every load before the stores."""
+        cfg, hidden = self.cfg, self.hidden
+        words_per_row = hidden // 128  # FP32 scales of a row
+        words_per_unit = WARP * VECS_PER_LANE * VEC // 128
+        wi = unit * words_per_unit + lane
+        on = Int32(cutlass.select_((lane < words_per_unit) & (wi < words_per_row), Int32(1), Int32(0)))
+        word = ptx.ld_cg_u32_if(peer + (cfg.offset("x_sf") + (Int64(t) * words_per_row + Int64(wi)) * 4), on)
+        self.copy_unit(peer + (cfg.offset("x") + Int64(t) * hidden), base + (cfg.offset("l1_acts") + Int64(row) * hidden),
+                       hidden // VEC, unit, lane)
+        if on != 0:
+            ptx.st_global_u32(base + (cfg.offset("l1_acts_sf") + (Int64(row) * words_per_row + Int64(wi)) * 4), word)

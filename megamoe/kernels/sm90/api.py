@@ -22,7 +22,7 @@ from ...numerics import check_activation, check_activation_clamp, check_fast_mat
 from .. import runtime
 from ..weight_layout import BF16_WORDS, CHUNK_BYTES, K_CHUNK, ROW_BLOCK, check_blocked_layout
 from .args import EpilogueArgs, GemmArgs, GroupArgs, MegaArgs, SecondGemmArgs
-from .config import (EPILOGUES, FOUR_WG_FP8_MAX_TILE_TOKENS, GROUP_MODES, K_MULTIPLE, SWIGLU_EPILOGUES, GemmConfig,
+from .config import (EPILOGUES, GROUP_MODES, K_MULTIPLE, SWIGLU_EPILOGUES, GemmConfig, per_128_swiglu_config,
                      select_config, sync_words)
 from .counters import tile_counters
 from .weights import LAYOUTS
@@ -64,10 +64,10 @@ def _group_args(group_a, group_b, num_groups: int, max_m: int) -> GroupArgs:
                      cutlass.Int32(num_groups), cutlass.Int32(max_m))
 
 
-def _second_args(a2, b2, b2_sf, row_ptrs, timeout_ns: int) -> SecondGemmArgs:
+def _second_args(a2, b2, b2_sf, row_ptrs, timeout_ns: int, a2_sf=None) -> SecondGemmArgs:
     import cutlass
 
-    return SecondGemmArgs(_gemm_args(a2, None, b2, b2_sf), runtime.to_cute(row_ptrs, leading_dim=0, align=8),
+    return SecondGemmArgs(_gemm_args(a2, a2_sf, b2, b2_sf), runtime.to_cute(row_ptrs, leading_dim=0, align=8),
                           cutlass.Int64(timeout_ns))
 
 
@@ -164,11 +164,20 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
 
 
 def _compile_fused(config: GemmConfig, debug: bool, comm, fast_math: bool):
-    """The one-launch L1/L2 kernel (``l1_l2.FusedL1L2Sm90``), or with ``comm`` the Mega MoE kernel
-    (``mega_moe.MegaMoESm90``) for that buffer layout."""
+    """The one-launch L1/L2 kernel (``l1_l2.FusedL1L2Sm90``), or with ``comm`` the Mega MoE kernel for that buffer
+    layout: ``mega_moe.MegaMoESm90`` (recipe (1, 1, 32), BF16 mode) or ``mega_moe_128.MegaMoE128Sm90`` (recipe
+    (1, 1, 128), FP8 mode with per-128 token scales and 256-row weight tiles)."""
+    from ...numerics import RECIPE_128, describe_recipe
+
     check_fast_math(fast_math)
-    if config.mma != "bf16":
-        fail("config.mma", f"must be 'bf16' for the one-launch L1/L2 kernels, got {config.mma!r}")
+    recipe128 = comm is not None and comm.layout.recipe == RECIPE_128
+    if recipe128:
+        if (config.mma, config.token_block, config.tile_n) != ("fp8", 128, 256):
+            fail("config", f"must be FP8 mode with token_block=128 and tile_n=256 for the Mega MoE kernel of recipe "
+                 f"{describe_recipe(RECIPE_128)} (the per-128 SwiGLU epilogue's 128 intermediate columns, one scale "
+                 f"block per token), got mma={config.mma!r}, token_block={config.token_block}, tile_n={config.tile_n}")
+    elif config.mma != "bf16":
+        fail("config.mma", f"must be 'bf16' for the one-launch L1/L2 kernels of recipe (1, 1, 32), got {config.mma!r}")
 
     def build():
         m, n, k = _COMPILE_M, _COMPILE_N, _COMPILE_K
@@ -176,16 +185,31 @@ def _compile_fused(config: GemmConfig, debug: bool, comm, fast_math: bool):
             from .l1_l2 import FusedL1L2Sm90
 
             kernel, mega = FusedL1L2Sm90(config, debug, fast_math), MegaArgs.none()
+        elif recipe128:
+            from .mega_moe_128 import MegaMoE128Sm90
+
+            kernel, mega = MegaMoE128Sm90(config, comm, fast_math), _mega_args(0, 0, 0, None, None, 0, None)
         else:
             from .mega_moe import MegaMoESm90
 
             kernel, mega = MegaMoESm90(config, comm, fast_math), _mega_args(0, 0, 0, None, None, 0, None)
+        rows = torch.empty(m, dtype=torch.float32)
+        if recipe128:  # FP8 rings with FP32 scales per 128, folded FP8-mode weights (I = K: four scale words a row)
+            n, inter = 2 * k, k
+            second = _second_args(torch.empty(m, inter, dtype=torch.float8_e4m3fn),
+                                  torch.empty(_COMPILE_E, k // ROW_BLOCK, inter // 128, ROW_BLOCK, CHUNK_BYTES,
+                                              dtype=torch.uint8),
+                                  torch.empty(_COMPILE_E, inter // 128 + 1, k, dtype=torch.int32),
+                                  torch.empty(m, dtype=torch.int64), 0,
+                                  torch.empty(m, inter // 128, dtype=torch.float32))
+            epi = _epilogue_args(torch.empty(m, inter // 4, dtype=torch.int32),
+                                 torch.empty(m, inter // 128, dtype=torch.float32), rows, float("inf"))
+            return _compile(kernel, _placeholder_gemm(config, n, k, folded=True), second, epi, mega)
         a2 = torch.empty(m, n // 2, dtype=torch.bfloat16)
         b2 = torch.empty(_COMPILE_E, k // ROW_BLOCK, n // 2 // 128, ROW_BLOCK, BF16_WORDS, dtype=torch.int32)
         second = _second_args(a2, b2, torch.empty(_COMPILE_E, n // 2 // 128, k, dtype=torch.int32),
                               torch.empty(m, dtype=torch.int64), 0)
-        epi = _epilogue_args(torch.empty(m, n // 4, dtype=torch.int32), None, torch.empty(m, dtype=torch.float32),
-                             float("inf"))
+        epi = _epilogue_args(torch.empty(m, n // 4, dtype=torch.int32), None, rows, float("inf"))
         return _compile(kernel, _placeholder_gemm(config, n, k), second, epi, mega)
 
     return runtime.compiled(("sm90.l1_l2", config, debug, comm, fast_math), build)
@@ -201,8 +225,9 @@ def compile_l1_l2(config: GemmConfig, debug: bool = False, fast_math: bool = Tru
 
 
 def compile_mega_moe(config: GemmConfig, comm, fast_math: bool = True):
-    """Compile (and cache) the Mega MoE kernel (``mega_moe.MegaMoESm90``) for ``comm`` (the buffer's
-    ``comm.EpCommConfig``; its ``debug`` selects the debug build, ``trace`` the trace build)."""
+    """Compile (and cache) the Mega MoE kernel for ``comm`` (the buffer's ``comm.EpCommConfig``; its ``debug``
+    selects the debug build, ``trace`` the trace build; its layout's recipe the kernel: ``mega_moe.MegaMoESm90``
+    for (1, 1, 32), ``mega_moe_128.MegaMoE128Sm90`` for (1, 1, 128))."""
     return _compile_fused(config, comm.debug, comm, fast_math)
 
 
@@ -317,8 +342,7 @@ def _resolve_config(config: GemmConfig | None, rows_per_expert: float, n: int, k
     with ``token_block`` 128) needs 256-row weight tiles: 128 intermediate columns, one scale block."""
     if config is None:
         if swiglu and token_block == 128:
-            tokens = next((t for t in (8, 16, 32) if t >= rows_per_expert), FOUR_WG_FP8_MAX_TILE_TOKENS)
-            return GemmConfig(tile_tokens=tokens, tile_n=256, mma=mma, token_block=128)
+            return per_128_swiglu_config(rows_per_expert)
         return select_config(rows_per_expert, n, k, mma, four_warpgroups, token_block)
     if not isinstance(config, GemmConfig):
         raise TypeError(f"megamoe: `config` must be a GemmConfig or None, got {type(config).__name__}")
@@ -607,7 +631,7 @@ def mega_moe_sm90(comm, a: torch.Tensor, b1: torch.Tensor, b1_sf: torch.Tensor, 
                   b2: torch.Tensor, b2_sf: torch.Tensor, row_ptrs: torch.Tensor, act: torch.Tensor, offsets: torch.Tensor,
                   clamp: float | None, config: GemmConfig, sync: torch.Tensor, me: int, num_tokens: int, base: int,
                   peers: torch.Tensor, stats: torch.Tensor | None, record: int, y: torch.Tensor, timeout_ns: int,
-                  fast_math: bool) -> None:
+                  fast_math: bool, a_sf: torch.Tensor | None = None, act_sf: torch.Tensor | None = None) -> None:
     """Launch the one-launch Mega MoE kernel (``megamoe.mega`` validates the arguments; no checks here).
 
     ``grouped_gemm_fp8_fp4_l1_l2_contiguous`` on the SymmBuffer's ring (``a`` = ``l1_acts``, ``row_weights`` =
@@ -622,11 +646,16 @@ def mega_moe_sm90(comm, a: torch.Tensor, b1: torch.Tensor, b1_sf: torch.Tensor, 
     left zeroed; ``peers``: int64 [R] device array of the ranks' buffer bases; ``record``: host-mapped int64
     ``[CTAs, 8]`` (failed waits and checks), or in the trace build (``comm.trace``) a ``timeline.trace_buffer``;
     ``timeout_ns``: every spin-wait's limit in every build (0: never);
-    ``fast_math``: the L1 epilogue's silu (``grouped_gemm_fp8_fp4_swiglu_contiguous``)."""
+    ``fast_math``: the L1 epilogue's silu (``grouped_gemm_fp8_fp4_swiglu_contiguous``). Recipe (1, 1, 128) (the
+    layout's): ``a`` and ``act`` are the FP8 rings with their FP32 scales ``a_sf`` (``l1_acts_sf``) and ``act_sf``
+    (``l2_acts_sf``), the weights FP8-mode with folded scales, L1's epilogue quantizes per 128 (FP8 + FP32); else
+    both scales None (BF16 rings)."""
     m, inter = act.shape
     kernel = compile_mega_moe(config, comm, fast_math)
-    _launch(kernel, config, a.device, _gemm_args(a, None, b1, b1_sf), _second_args(act, b2, b2_sf, row_ptrs, timeout_ns),
-            _epilogue_args(act.view(torch.int32).view(m, inter // 2), None, row_weights, _bf16_clamp(clamp)),
+    act_words = act.view(torch.int32).view(m, inter * act.element_size() // 4)
+    _launch(kernel, config, a.device, _gemm_args(a, a_sf, b1, b1_sf),
+            _second_args(act, b2, b2_sf, row_ptrs, timeout_ns, act_sf),
+            _epilogue_args(act_words, act_sf, row_weights, _bf16_clamp(clamp)),
             _group_args(offsets, offsets, b1.shape[0], 0), sync, _mega_args(me, num_tokens, base, peers, stats, record, y),
             None)
 

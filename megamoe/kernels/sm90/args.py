@@ -48,6 +48,13 @@ class SecondGemmArgs(NamedTuple):
     timeout_ns: Any  # Int64: spin-wait limit (0: none) of the Mega MoE kernel and the fused launch's debug build
 
 
+class RowScales(NamedTuple):
+    """L1 + L2 in one launch with folded FP8-mode weights: both GEMMs' weight-row scales (``GemmArgs.row_scale``)."""
+
+    l1: Any  # (2I, E) float32
+    l2: Any  # (H, E) float32
+
+
 class MegaArgs(NamedTuple):
     """The Mega MoE kernel's communication: this rank, its token count, its SymmBuffer base, the peers' bases
     (device address of an int64 [R] array), the recv stats (int32 [E_l] address, 0: none), the record of failed waits

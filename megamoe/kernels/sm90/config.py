@@ -248,6 +248,16 @@ def token_widths(tile_tokens: int) -> tuple[int, ...]:
     return (tile_tokens,) if tile_tokens == 8 else (tile_tokens // 2, tile_tokens)
 
 
+def per_128_swiglu_config(expected_rows_per_expert: float) -> GemmConfig:
+    """The config of a GEMM whose epilogue quantizes per 128 columns (recipe (1, 1, 128)'s ``SwigluQuant128``, and
+    the Mega MoE kernel of that recipe, whose two GEMMs share one config): 256-row weight tiles (four consumer
+    warpgroups: 128 intermediate columns, one scale block per token), one CTA per SM, the smallest token tile covering
+    the expected group, at most ``FOUR_WG_FP8_MAX_TILE_TOKENS`` rows (the most whose registers fit)."""
+    tiles = tuple(t for t in TILE_TOKENS_CHOICES["fp8"] if t <= FOUR_WG_FP8_MAX_TILE_TOKENS)
+    tokens = next((t for t in tiles if t >= expected_rows_per_expert), tiles[-1])
+    return GemmConfig(tile_tokens=tokens, tile_n=256, mma="fp8", token_block=128)
+
+
 def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "bf16",
                   four_warpgroups: bool = True, token_block: int = 32) -> GemmConfig:
     """Heuristic config for ``mma`` mode from the expected rows per expert (tokens) and the problem's N, K.

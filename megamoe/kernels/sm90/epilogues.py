@@ -202,8 +202,10 @@ class SwigluQuant128(SwigluQuant):
     token t's 32 values times its routing weight and their amax, which the four warpgroups exchange through the
     padding columns of the staging tile (a barrier of all consumer threads); then ``amax = max(amax_128, 1e-4)``,
     ``q = e4m3_rne_sat(v * (448 / amax))`` (``megamoe.numerics``; a block holding NaN or Inf: amax NaN, so every code
-    NaN and a NaN scale), 32 FP8 bytes per thread (``args.out``: (M, N/8) int32 view of FP8 [M, N/2]) and the FP32
-    scale ``amax / 448`` of the block (``args.out_sf``: (M, N/256) float32), stored by warpgroup 0."""
+    NaN and a NaN scale) on the values multiplied again from the staging tile (the same products: no register holds
+    them across the barrier, where the Mega MoE kernel's consumers would spill them), 32 FP8 bytes per thread
+    (``args.out``: (M, N/8) int32 view of FP8 [M, N/2]) and the FP32 scale ``amax / 448`` of the block
+    (``args.out_sf``: (M, N/256) float32), stored by warpgroup 0."""
 
     def __init__(self, config: GemmConfig, fast_math: bool):
         super().__init__(config, fast_math, bf16_out=False)
@@ -219,15 +221,14 @@ class SwigluQuant128(SwigluQuant):
         ptx.barrier_sync(self.barrier_id0 + wg, 128)
         t = ctidx % 128
         m = row0 + t
-        vals = cute.make_rmem_tensor((32,), Float32)
+        weight = Float32(0.0)
         if t < self.tile_tokens:
-            weight = Float32(0.0)
             if m < row_end:
                 weight = Float32(args.rows[m])
             amax = Float32(0.0)
             for v in cutlass.range_constexpr(32):
-                vals[v] = smem[t, 32 * wg + v] * weight
-                amax = cutlass.max(amax, cutlass.max(vals[v], -vals[v]))
+                val = smem[t, 32 * wg + v] * weight
+                amax = cutlass.max(amax, cutlass.max(val, -val))
             smem[t, 128 + wg] = amax  # the padding columns
         ptx.barrier_sync(self.all_barrier_id, 512)
         if t < self.tile_tokens:
@@ -237,10 +238,13 @@ class SwigluQuant128(SwigluQuant):
                 if amax == Float32(float("inf")):  # Inf in the block (NaN propagates through the max): NaN codes and
                     amax = Float32(float("nan"))  # a NaN scale, as for NaN
                 inv = Float32(448.0) / amax
+                # The values again from the staging tile (the same products as for the amax).
+                vals = cute.make_rmem_tensor((4,), Float32)
                 words = cute.make_rmem_tensor((8,), Int32)
                 for w in cutlass.range_constexpr(8):
-                    words[w] = ptx.f32x4_to_e4m3x4(vals[4 * w] * inv, vals[4 * w + 1] * inv, vals[4 * w + 2] * inv,
-                                                   vals[4 * w + 3] * inv)
+                    for u in cutlass.range_constexpr(4):
+                        vals[u] = smem[t, 32 * wg + 4 * w + u] * weight
+                    words[w] = ptx.f32x4_to_e4m3x4(vals[0] * inv, vals[1] * inv, vals[2] * inv, vals[3] * inv)
                 cute.autovec_copy(words, cute.local_tile(args.out[m, None], (8,), (n_tile * 4 + wg,)))
                 if wg == 0:
                     args.out_sf[m, n_tile] = amax / Float32(448.0)

@@ -101,14 +101,18 @@ class GroupedGemmSm90:
         launch_regs = min(65536 // self.threads, 255) // 8 * 8
         self.consumer_regs = min(240, (launch_regs + (launch_regs - self.producer_regs) // self.num_consumer_wg) // 8 * 8)
         self.tiles = GroupTiles(group_mode, self.tile_tokens)
-        if self.bf16:
-            self.mainloop = Bf16Mainloop(config, self.stages, self.cps)
-        elif config.token_block == 128:
-            assert folded  # the per-128 recipe multiplies folded weights (api checks)
-            self.mainloop = Fp8Block128Mainloop(config, self.stages, self.cps)
-        else:
-            self.mainloop = Fp8Block32Mainloop(config, self.stages, self.cps, folded)
+        self.mainloop = self.make_mainloop(folded)
         self.epilogue = self.make_epilogue(epilogue, fast_math)
+
+    def make_mainloop(self, folded: bool):
+        """The consumers' K loop for the config's MMA mode and token scales (``mainloops``)."""
+        config = self.cfg
+        if self.bf16:
+            return Bf16Mainloop(config, self.stages, self.cps)
+        if config.token_block == 128:
+            assert folded  # the per-128 recipe multiplies folded weights (api checks)
+            return Fp8Block128Mainloop(config, self.stages, self.cps)
+        return Fp8Block32Mainloop(config, self.stages, self.cps, folded)
 
     def make_epilogue(self, epilogue: str, fast_math: bool):
         oai = self.activation == "swiglu_oai"
@@ -154,6 +158,7 @@ class GroupedGemmSm90:
         layouts = SmemLayouts(a_layout, w_layout, sfw_layout, sfa_layout)
 
         tma1 = self.make_tma(gemm, layouts)
+        row_scale = self.kernel_row_scale(gemm, second)
         tma2 = None
         if cutlass.const_expr(second is not None):
             tma2 = self.make_tma(second.gemm, layouts)
@@ -179,9 +184,14 @@ class GroupedGemmSm90:
         self.shared_storage = SharedStorage
         self.tx_bytes = self.cps * (tt * K_CHUNK * a_dtype.width // 8 + tn * (CHUNK_BYTES + 4)) + (0 if self.bf16 else 16 * tt)
 
-        self.kernel(tma1, tma2, gemm.row_scale, epi, groups, sync, second, mega, tiled_mma, layouts).launch(
+        self.kernel(tma1, tma2, row_scale, epi, groups, sync, second, mega, tiled_mma, layouts).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=self.cfg.ctas_per_sm, stream=stream,
             use_pdl=True)
+
+    def kernel_row_scale(self, gemm: GemmArgs, second):
+        """The folded weight-row scales the kernel takes (``GemmArgs.row_scale``; the consumers hand them to the
+        mainloop through ``tile_row_scale``): here the one GEMM's."""
+        return gemm.row_scale
 
     def make_tma(self, gemm: GemmArgs, layouts: SmemLayouts) -> TmaOps:
         """TMA atoms of one GEMM's operands (token scales in FP8 block-32 mode only). The weights' blocked kernel
@@ -340,6 +350,11 @@ class GroupedGemmSm90:
         block = e
         return phase, e, base, t_off, valid, row0, row_end, n_tile, block
 
+    def tile_row_scale(self, row_scale, phase, groups):
+        """What the mainloop takes as a tile's folded row scales (``kernel_row_scale``'s, of GEMM ``phase``): here
+        the kernel's as they are."""
+        return row_scale
+
     def k_steps(self, chunks):
         """K steps (pipeline stages) of a tile of ``chunks`` 128-K chunks (``cps`` divides every K: 512 | K)."""
         return chunks if cutlass.const_expr(self.cps == 1) else chunks // self.cps
@@ -354,10 +369,11 @@ class GroupedGemmSm90:
 
     @cute.jit
     def load_chunk(self, ab_pipeline, state, kt, ops: TmaOps, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile,
-                   tokens: cutlass.Constexpr[bool], weights: cutlass.Constexpr[bool]):
+                   tokens: cutlass.Constexpr[bool], weights: cutlass.Constexpr[bool], sfa=None):
         """TMA loads of K step ``kt`` (chunks ``kt * cps`` ..., ``cps`` of them) into ``state``'s stage (acquired by
         the caller): the token tiles and/or the weight tiles with their packed scale words (one box of the step's
-        chunks, tile_n words each)."""
+        chunks, tile_n words each). ``sfa``: FP8 mode, the token-scale partitions (``token_scale_partitions``),
+        loaded with the tokens: the 4-word box of chunks 4j..4j+3 that holds chunk ``kt``."""
         bar = ab_pipeline.producer_get_barrier(state)
         s = state.index
         for h in cutlass.range_constexpr(self.cps):
@@ -368,6 +384,9 @@ class GroupedGemmSm90:
                 cute.copy(ops.atom_w, tWg[(None, n_tile, c, e)], tWs[(None, s * self.cps + h)], tma_bar_ptr=bar)
         if cutlass.const_expr(weights):
             cute.copy(ops.atom_sfw, tSFWg[(None, n_tile, kt, e)], tSFWs[(None, s)], tma_bar_ptr=bar)
+        if cutlass.const_expr(tokens and sfa is not None):
+            tSFAg, tSFAs = sfa
+            cute.copy(ops.atom_sfa, tSFAg[(None, kt // 4)], tSFAs[(None, s)], tma_bar_ptr=bar)
 
     def weight_partitions(self, ops: TmaOps, sW, sSFW):
         """Weight and scale TMA partitions of one GEMM; static: (TMA, RestN, RestK, E)."""
@@ -388,6 +407,17 @@ class GroupedGemmSm90:
         gA = cute.local_tile(cute.domain_offset((row0, 0), ops.a), (self.tile_tokens, K_CHUNK), (0, None))
         return cpasync.tma_partition(ops.atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
                                      cute.group_modes(gA, 0, 2))
+
+    def token_scale_partitions(self, ops: TmaOps, row0, sSFA):
+        """FP8 mode: token-scale TMA partitions of one GEMM for the tile starting at ``row0``, (gmem, smem): (TMA,
+        4-chunk box); BF16 mode: None."""
+        if self.bf16:
+            return None
+        gSFA = cute.local_tile(cute.domain_offset((row0, 0), ops.sfa), (self.tile_tokens, 4), (0, None))
+        tSFAs, tSFAg = cpasync.tma_partition(
+            ops.atom_sfa, 0, cute.make_layout(1), cute.group_modes(sSFA, 0, 2), cute.group_modes(gSFA, 0, 2)
+        )
+        return tSFAg, tSFAs
 
     @cute.jit
     def prefetch_first_tile(self, ops: TmaOps, sW, sSFW, groups, total_rows: Int32, dims, bidx: Int32):
@@ -430,8 +460,9 @@ class GroupedGemmSm90:
                 state = self.load_first_gemm(ab_pipeline, state, tma1, (tAg, tAs, tWg, tWs, tSFWg, tSFWs), sSFA, e,
                                              n_tile, row0, row_end, block, dims, groups, sync, second, mega)
             else:
-                state, all_done = self.load_second_gemm(ab_pipeline, state, tma2, parts2, sA, e, n_tile, row0, block,
-                                                        t_off, dims, groups, total_rows, sync, second, mega, all_done)
+                state, all_done = self.load_second_gemm(ab_pipeline, state, tma2, parts2, sA, sSFA, e, n_tile, row0,
+                                                        block, t_off, dims, groups, total_rows, sync, second, mega,
+                                                        all_done)
             if cutlass.const_expr(self.published):
                 t = channel.fetch(self.word(sync, groups.num_groups, NEXT_TILE), gdim)
             else:
@@ -450,23 +481,15 @@ class GroupedGemmSm90:
         """A first-GEMM tile's loads: every K step's tokens, weights and scales (FP8 block-32 mode: and the token
         scale words). Returns the advanced pipeline state."""
         tAg, tAs, tWg, tWs, tSFWg, tSFWs = parts
-        tSFAs, tSFAg = None, None
-        if cutlass.const_expr(not self.bf16):
-            gSFA = cute.local_tile(cute.domain_offset((row0, 0), ops.sfa), (self.tile_tokens, 4), (0, None))
-            tSFAs, tSFAg = cpasync.tma_partition(
-                ops.atom_sfa, 0, cute.make_layout(1), cute.group_modes(sSFA, 0, 2), cute.group_modes(gSFA, 0, 2)
-            )
+        sfa = self.token_scale_partitions(ops, row0, sSFA)
         for kt in cutlass.range(self.k_steps(dims[0]), unroll=1):
             ab_pipeline.producer_acquire(state)
-            self.load_chunk(ab_pipeline, state, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile, True, True)
-            if cutlass.const_expr(not self.bf16):
-                bar = ab_pipeline.producer_get_barrier(state)
-                cute.copy(ops.atom_sfa, tSFAg[(None, kt // 4)], tSFAs[(None, state.index)], tma_bar_ptr=bar)
+            self.load_chunk(ab_pipeline, state, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile, True, True, sfa)
             ab_pipeline.producer_commit(state)
             state.advance()
         return state
 
-    def load_second_gemm(self, ab_pipeline, state, tma2, parts2, sA, e, n_tile, row0, block, t_off, dims, groups,
+    def load_second_gemm(self, ab_pipeline, state, tma2, parts2, sA, sSFA, e, n_tile, row0, block, t_off, dims, groups,
                          total_rows, sync, second, mega, all_done):
         """A second-GEMM tile's loads (none here: one GEMM). Returns (state, all_done)."""
         return state, all_done
@@ -518,8 +541,8 @@ class GroupedGemmSm90:
         while valid:
             k_tiles = self.tile_k_steps(phase, dims)
             acc.fill(0.0)
-            state, release = self.mainloop.tile(ab_pipeline, state, release, f, k_tiles, row0, row_end, row_scale,
-                                                n_tile, block)
+            state, release = self.mainloop.tile(ab_pipeline, state, release, f, k_tiles, row0, row_end,
+                                                self.tile_row_scale(row_scale, phase, groups), n_tile, block)
             if cutlass.const_expr(epi.bias is not None):
                 self.add_row_bias(acc, f.cC, epi.bias, block, n_tile)
             self.tile_epilogue(acc, f.cC, ctidx, phase, sAct, sOut, epi, second, row0, row_end, n_tile, groups)

@@ -28,7 +28,7 @@ from .. import ptx
 from ..weight_layout import K_CHUNK
 from .args import EpilogueArgs, TmaOps
 from .config import ALL_L1, FINISHED, L1_DONE, GemmConfig, named_barriers
-from .epilogues import ScatterRows, SwigluQuant
+from .epilogues import ScatterRows
 from .gemm import GroupedGemmSm90
 
 
@@ -38,15 +38,14 @@ class FusedL1L2Sm90(GroupedGemmSm90):
 
     kind = "l1_l2"
     published = False  # each role walks the tile list itself (``next_tile``)
+    l1_epilogue = "swiglu_fp8_bf16"  # the first GEMM's epilogue (``GroupedGemmSm90``'s names)
+    folded = False  # the weights' FP8-mode scales folded into the decode (``weight_layout.fold_fp8_scales``)
 
     def __init__(self, config: GemmConfig, debug: bool = False, fast_math: bool = True):
-        super().__init__(config, "offsets", "swiglu_fp8_bf16", False, fast_math)
+        super().__init__(config, "offsets", self.l1_epilogue, self.folded, fast_math)
         self.debug = debug
         self.scatter = True
         self.l2_epilogue = ScatterRows(config)
-
-    def make_epilogue(self, epilogue: str, fast_math: bool):
-        return SwigluQuant(self.cfg, fast_math, bf16_out=True)
 
     # ------------------------------------------------------------------------------------------
     # Hooks
@@ -114,7 +113,7 @@ class FusedL1L2Sm90(GroupedGemmSm90):
     # ------------------------------------------------------------------------------------------
 
     @cute.jit
-    def load_second_gemm(self, ab_pipeline, state, tma2, parts2, sA, e, n_tile, row0, block, t_off, dims, groups,
+    def load_second_gemm(self, ab_pipeline, state, tma2, parts2, sA, sSFA, e, n_tile, row0, block, t_off, dims, groups,
                          total_rows, sync, second, mega, all_done):
         """An L2 tile: load the weights of up to ``stages`` chunks (they do not depend on L1), then wait for its
         tokens' rows (the L1 tiles of its group), then load them (``load_tile``). Once every L1 tile is seen done
@@ -132,9 +131,9 @@ class FusedL1L2Sm90(GroupedGemmSm90):
                 cute.arch.fence_proxy("async.global")
             else:
                 ahead = self.chunks_ahead(addr, target, self.k_steps(dims[2]))
-        state = self.load_tile(ab_pipeline, state, tma2, (tAg2, tAs2, tWg2, tWs2, tSFWg2, tSFWs2), e, n_tile,
-                               self.k_steps(dims[2]), ahead, addr, target, second.timeout_ns, self.wait_index(e, block),
-                               self.wait_what, mega)
+        state = self.load_tile(ab_pipeline, state, tma2, (tAg2, tAs2, tWg2, tWs2, tSFWg2, tSFWs2),
+                               self.token_scale_partitions(tma2, row0, sSFA), e, n_tile, self.k_steps(dims[2]), ahead,
+                               addr, target, second.timeout_ns, self.wait_index(e, block), self.wait_what, mega)
         return state, all_done
 
     wait_what = "first-GEMM tiles of group"  # the debug report's name of an L2 tile's wait
@@ -184,14 +183,15 @@ class FusedL1L2Sm90(GroupedGemmSm90):
         return ahead
 
     @cute.jit
-    def load_tile(self, ab_pipeline, state, ops, parts, e: Int32, n_tile: Int32, k_tiles: Int32, ahead: Int32,
+    def load_tile(self, ab_pipeline, state, ops, parts, sfa, e: Int32, n_tile: Int32, k_tiles: Int32, ahead: Int32,
                   addr: Int64, target: Int32, timeout_ns: Int64, index: Int32, what: cutlass.Constexpr, mega):
         """The TMA loads of a tile whose token rows other CTAs produce in this launch. The first ``ahead`` chunks (at
         most ``stages``: they need no stage of this tile released) load their weights, then the wait for the counter
         (``wait_counter``; ``index``, ``what``: its name in the report; ``mega``: the kernel's ``MegaArgs``), then
         their tokens; the rest load both.
         ``ahead`` = 0: the rows are known ready (acquired, proxy-fenced). ``parts``: the GEMM's (tAg, tAs, tWg, tWs,
-        tSFWg, tSFWs) partitions. Returns the advanced pipeline state."""
+        tSFWg, tSFWs) partitions; ``sfa``: FP8 mode, its token-scale partitions, loaded with the tokens (they are
+        produced with them), else None. Returns the advanced pipeline state."""
         tAg, tAs, tWg, tWs, tSFWg, tSFWs = parts
         pending = state.clone()
         for kt in cutlass.range(ahead, unroll=1):
@@ -202,11 +202,11 @@ class FusedL1L2Sm90(GroupedGemmSm90):
         if ahead > 0:
             self.wait_counter(addr, target, index, timeout_ns, what, mega)
         for kt in cutlass.range(ahead, unroll=1):
-            self.load_chunk(ab_pipeline, pending, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile, True, False)
+            self.load_chunk(ab_pipeline, pending, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile, True, False, sfa)
             pending.advance()
         for kt in cutlass.range(ahead, k_tiles, unroll=1):
             ab_pipeline.producer_acquire(state)
-            self.load_chunk(ab_pipeline, state, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile, True, True)
+            self.load_chunk(ab_pipeline, state, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile, True, True, sfa)
             ab_pipeline.producer_commit(state)
             state.advance()
         return state

@@ -56,13 +56,14 @@ class MegaMoESm90(FusedL1L2Sm90):
 
     published = True  # the producer warp hands out the tiles (``TileChannel``)
     extra_tile_readers = 32  # the signal warp
+    ring_phases = EpPhases  # the dispatch and pull of every CTA (the pull fills the L1 ring: here the BF16-operand one)
 
     def __init__(self, config: GemmConfig, comm: EpCommConfig, fast_math: bool = True):
         self.comm = comm
         super().__init__(config, comm.debug, fast_math)
         self.trace = comm.trace  # phase timestamps into the record (``megamoe.timeline``)
         # Dispatch runs on every thread of the CTA; combine on the consumer warpgroups (named barrier).
-        self.ep_all = EpPhases(comm, self.threads, bounded_ring=True)
+        self.ep_all = self.ring_phases(comm, self.threads, bounded_ring=True)
         self.max_blocks = mega_max_blocks(comm.layout, self.tile_tokens)
         self.ep_cons = EpPhases(comm, 128 * self.num_consumer_wg, barrier_id=named_barriers(self.num_consumer_wg)[2])
 
@@ -195,8 +196,8 @@ class MegaMoESm90(FusedL1L2Sm90):
         addr = self.word(sync, groups.num_groups, PULLED, block)
         target = tiles.pulled_target(row_end - row0, self.ep_all.row_units)
         ahead = self.chunks_ahead(addr, target, self.k_steps(dims[0]))
-        return self.load_tile(ab_pipeline, state, ops, parts, e, n_tile, self.k_steps(dims[0]), ahead, addr, target,
-                              second.timeout_ns, block, SITE_PULLED, mega)
+        return self.load_tile(ab_pipeline, state, ops, parts, self.token_scale_partitions(ops, row0, sSFA), e, n_tile,
+                              self.k_steps(dims[0]), ahead, addr, target, second.timeout_ns, block, SITE_PULLED, mega)
 
     @cute.jit
     def first_gemm_count(self, sync: Int64, e: Int32, block: Int32, dims, groups, total_rows):
