@@ -53,6 +53,7 @@ from .epilogues import (
     SwigluQuant,
     SwigluQuant128,
 )
+from .mainloop_fp8_smem import Fp8SmemMainloop
 from .mainloops import Bf16Mainloop, Fp8Block32Mainloop, Fp8Block128Mainloop
 from .tile_scheduler import GroupTiles, TileChannel
 
@@ -96,18 +97,21 @@ class GroupedGemmSm90:
         # producer warpgroup gives back (1 / 2 consumer warpgroups: 240 / 232; 4: 112 with a 32-register producer up
         # to 32-row token tiles, 104 with 40 at 64 rows -- ptxas of CUDA 13.0 serializes the wgmmas (C7512) of
         # 32-row tiles at 104 and of 64-row tiles at 112).
-        four_small = self.num_consumer_wg == 4 and config.tile_tokens <= 32
-        self.producer_regs = 32 if four_small else 40
-        launch_regs = min(65536 // self.threads, 255) // 8 * 8
-        self.consumer_regs = min(240, (launch_regs + (launch_regs - self.producer_regs) // self.num_consumer_wg) // 8 * 8)
         self.tiles = GroupTiles(group_mode, self.tile_tokens)
         if self.bf16:
             self.mainloop = Bf16Mainloop(config, self.stages, self.cps)
+        elif config.decode == "smem":
+            assert folded and self.published and self.extra_tile_readers == 0  # api checks; warps 1-3 are free
+            self.mainloop = Fp8SmemMainloop(config, self.stages, self.cps)
         elif config.token_block == 128:
             assert folded  # the per-128 recipe multiplies folded weights (api checks)
             self.mainloop = Fp8Block128Mainloop(config, self.stages, self.cps)
         else:
             self.mainloop = Fp8Block32Mainloop(config, self.stages, self.cps, folded)
+        four_small = self.num_consumer_wg == 4 and config.tile_tokens <= 32
+        self.producer_regs = self.mainloop.producer_regs or (32 if four_small else 40)
+        launch_regs = min(65536 // self.threads, 255) // 8 * 8
+        self.consumer_regs = min(240, (launch_regs + (launch_regs - self.producer_regs) // self.num_consumer_wg) // 8 * 8)
         self.epilogue = self.make_epilogue(epilogue, fast_math)
 
     def make_epilogue(self, epilogue: str, fast_math: bool):
@@ -163,10 +167,13 @@ class GroupedGemmSm90:
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, st * 2]
+            dec_mbar: cute.struct.MemRange[cutlass.Int64, max(self.mainloop.decode_barriers, 1)]
             tile_mbar: cute.struct.MemRange[cutlass.Int64, 2 * TILE_SLOTS if self.published else 1]
             sTile: cute.struct.Align[cute.struct.MemRange[Int32, TILE_SLOTS * TILE_WORDS if self.published else 1], 16]
             sA: cute.struct.Align[cute.struct.MemRange[a_dtype, cute.cosize(a_layout)], 1024]
             sW: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(w_layout)], 1024]
+            # The mainloop's decoded weights (``Mainloop.decoded_bytes``; sW's size is a multiple of 1024: no padding)
+            sDec: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, max(self.mainloop.decoded_bytes, 1)], 1024]
             sSFW: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(sfw_layout)], 128]
             sSFA: cute.struct.Align[cute.struct.MemRange[Int32, 1 if self.bf16 else cute.cosize(sfa_layout)], 128]
             sScale: cute.struct.Align[cute.struct.MemRange[Float32, max(self.cfg.scale_table_bytes() // 4, 1)], 16]
@@ -224,17 +231,20 @@ class GroupedGemmSm90:
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
+        dec = self.mainloop.shared_state(storage, warp_idx)  # before the pipeline's barrier-init fence
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_consumer_wg),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     4 * self.num_consumer_wg + self.mainloop.stage_reader_warps),
             tx_count=self.tx_bytes,
         )
         channel = None
         if cutlass.const_expr(self.published):
             channel = TileChannel.create(storage.tile_mbar.data_ptr(), storage.sTile.get_tensor(TileChannel.smem_layout()),
-                                  128 * self.num_consumer_wg + self.extra_tile_readers)
+                                  128 * self.num_consumer_wg + self.extra_tile_readers
+                                  + 32 * self.mainloop.stage_reader_warps)
 
         dims = self.dims(tma1, tma2)
         total_rows = Int32(tma1.a.shape[0])
@@ -271,10 +281,11 @@ class GroupedGemmSm90:
                 self.producer(ab_pipeline, tma1, tma2, sA, sW, sSFW, sSFA, groups, total_rows, dims, sync, second,
                               mega, bidx, gdim, channel)
             self.other_warps(warp_idx, groups, total_rows, dims, sync, second, mega, ctx, bidx, gdim, channel)
+            self.mainloop.helper_warps(warp_idx, ab_pipeline, sW, sSFW, sSFA, dec, dims, channel)
         else:
             if cutlass.const_expr(self.rebalance_registers):
                 cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consumer(ab_pipeline, tiled_mma, tidx - 128, sA, sW, sSFW, sSFA, sScale, sAct, sOut, epi, second,
+            self.consumer(ab_pipeline, tiled_mma, tidx - 128, sA, sW, sSFW, sSFA, sScale, dec, sAct, sOut, epi, second,
                           row_scale, groups, total_rows, dims, bidx, gdim, channel, mega)
             self.after_consumers(tidx - 128, sync, groups, mega, ctx, bidx, gdim)
         self.finish(sync, groups, tidx, warp_idx, gdim, mega, ctx)
@@ -494,11 +505,11 @@ class GroupedGemmSm90:
     # ------------------------------------------------------------------------------------------
 
     @cute.jit
-    def consumer(self, ab_pipeline, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sScale, sAct, sOut, epi, second, row_scale,
-                 groups, total_rows, dims, bidx, gdim, channel, mega):
+    def consumer(self, ab_pipeline, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sScale, dec, sAct, sOut, epi, second,
+                 row_scale, groups, total_rows, dims, bidx, gdim, channel, mega):
         """Consumer warpgroups: every tile's mainloop and epilogue; the tiles come from the producer warp
-        (``TileChannel``) or, unpublished, from ``next_tile``."""
-        f = self.mainloop.fragments(tiled_mma, ctidx, sA, sW, sSFW, sSFA, sScale)
+        (``TileChannel``) or, unpublished, from ``next_tile``. ``dec``: the mainloop's ``shared_state``."""
+        f = self.mainloop.fragments(tiled_mma, ctidx, sA, sW, sSFW, sSFA, sScale, dec)
         acc = f.acc
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)  # BF16: one behind
