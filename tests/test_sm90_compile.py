@@ -356,6 +356,9 @@ def test_config_validation():
             GemmConfig(**bad)
     smem = GemmConfig(tile_tokens=128, mma="fp8", token_block=128, decode="smem")
     assert "decode=smem" in smem.describe() and "decode" not in GemmConfig(mma="fp8", token_block=128).describe()
-    # a decoded E4M3 weight tile per stage: 128 bytes per weight row
-    assert smem.stage_bytes() == GemmConfig(tile_tokens=128, mma="fp8", token_block=128).stage_bytes() + 128 * 128
+    # per stage a decoded E4M3 weight tile (128 bytes per weight row) and the token-scale table (4 lane quads x
+    # (32 scales + 4 padding) FP32)
+    regs = GemmConfig(tile_tokens=128, mma="fp8", token_block=128)
+    assert smem.stage_bytes() == regs.stage_bytes() + 128 * 128 + 4 * 36 * 4
+    assert smem.num_stages() < regs.num_stages()
 

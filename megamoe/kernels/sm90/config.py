@@ -59,6 +59,12 @@ SCATTER_PAD = 8
 """BF16 elements of padding per staged row of the scatter epilogue (rows stay 16-byte aligned)."""
 
 
+def decode_scale_stride(tile_tokens: int) -> int:
+    """Decode "smem": FP32 words per lane quad of a stage's token-scale table: the quad's ``tile_tokens / 4`` scales,
+    padded to a multiple of 4 plus 4, so that the four quads' 16-byte loads hit different banks."""
+    return max(tile_tokens // 4, 4) + 4
+
+
 def named_barriers(consumer_warpgroups: int) -> tuple[int, int, int]:
     """Named barrier ids of a kernel with ``consumer_warpgroups`` consumer warpgroups (0 is ``sync_threads``):
     (first epilogue barrier, first signal barrier, combine barrier). Consumer warpgroup w's epilogue (and the wide
@@ -154,14 +160,19 @@ class GemmConfig:
     def stage_bytes(self, epilogue: str = "bf16") -> int:
         """Shared memory of one pipeline stage: tokens, packed weights and the weights' packed scale words (4 bytes
         per row) of each chunk; FP8 mode: plus the tokens' 4-chunk scale box (16 bytes per row); decode "smem": plus
-        the decoded E4M3 weight tile (128 bytes per row)."""
+        the decoded E4M3 weight tile and the token-scale table (``decoded_stage_bytes``)."""
         return self._stage_bytes(self.chunks_per_stage(epilogue))
 
     def _stage_bytes(self, chunks: int) -> int:
         if self.mma == "bf16":
             return chunks * (self.tile_tokens * K_CHUNK * 2 + self.tile_n * (CHUNK_BYTES + 4))
-        decoded = self.tile_n * K_CHUNK if self.decode == "smem" else 0
-        return self.tile_tokens * K_CHUNK + self.tile_n * (CHUNK_BYTES + 4) + 16 * self.tile_tokens + decoded
+        return (self.tile_tokens * K_CHUNK + self.tile_n * (CHUNK_BYTES + 4) + 16 * self.tile_tokens
+                + self.decoded_stage_bytes())
+
+    def decoded_stage_bytes(self) -> int:
+        """Decode "smem": shared memory per stage besides the TMA's, the decoded E4M3 weight tile (128 bytes per row)
+        and the token-scale table (4 lane quads x ``decode_scale_stride`` FP32); else 0."""
+        return self.tile_n * K_CHUNK + 16 * decode_scale_stride(self.tile_tokens) if self.decode == "smem" else 0
 
     def epilogue_bytes(self, epilogue: str = "bf16") -> int:
         """Shared memory the epilogue needs besides the pipeline (SwiGLU: FP32 activations of one tile;

@@ -167,13 +167,14 @@ class GroupedGemmSm90:
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, st * 2]
-            dec_mbar: cute.struct.MemRange[cutlass.Int64, max(self.mainloop.decode_barriers, 1)]
+            if cutlass.const_expr(self.mainloop.decode_barriers):  # a mainloop's own barriers (``mainloop_fp8_smem``)
+                dec_mbar: cute.struct.MemRange[cutlass.Int64, self.mainloop.decode_barriers]
             tile_mbar: cute.struct.MemRange[cutlass.Int64, 2 * TILE_SLOTS if self.published else 1]
             sTile: cute.struct.Align[cute.struct.MemRange[Int32, TILE_SLOTS * TILE_WORDS if self.published else 1], 16]
             sA: cute.struct.Align[cute.struct.MemRange[a_dtype, cute.cosize(a_layout)], 1024]
             sW: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(w_layout)], 1024]
-            # The mainloop's decoded weights (``Mainloop.decoded_bytes``; sW's size is a multiple of 1024: no padding)
-            sDec: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, max(self.mainloop.decoded_bytes, 1)], 1024]
+            if cutlass.const_expr(self.mainloop.decoded_bytes):  # its decoded weights (no padding: 1024 | sW's size)
+                sDec: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.mainloop.decoded_bytes], 1024]
             sSFW: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(sfw_layout)], 128]
             sSFA: cute.struct.Align[cute.struct.MemRange[Int32, 1 if self.bf16 else cute.cosize(sfa_layout)], 128]
             sScale: cute.struct.Align[cute.struct.MemRange[Float32, max(self.cfg.scale_table_bytes() // 4, 1)], 16]

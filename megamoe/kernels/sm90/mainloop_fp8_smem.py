@@ -40,7 +40,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from .. import dequant
 from ..weight_layout import K_CHUNK
-from .config import GemmConfig
+from .config import GemmConfig, decode_scale_stride
 from .mainloops import Mainloop, make_tiled_mma
 from .tile_scheduler import TileChannel
 
@@ -62,11 +62,10 @@ class Fp8SmemMainloop(Mainloop):
     def __init__(self, config: GemmConfig, stages: int, cps: int):
         super().__init__(config, stages, cps)
         assert cps == 1  # FP8 mode: one 128-K chunk per stage
-        # The token-scale table: per stage and lane quad q its threads' tile_tokens / 4 scales, padded so that the four
-        # quads' 16-byte loads hit different banks (a multiple of 4 floats, at least 4 + 4).
-        self.scale_stride = max(self.tile_tokens // 4, 4) + 4
+        self.scale_stride = decode_scale_stride(self.tile_tokens)  # the token-scale table's words per lane quad
         self.tiles_bytes = self.tile_n * K_CHUNK * stages
-        self.decoded_bytes = self.tiles_bytes + 4 * self.scale_stride * 4 * stages
+        self.decoded_bytes = config.decoded_stage_bytes() * stages
+        assert self.decoded_bytes == self.tiles_bytes + 16 * self.scale_stride * stages
         self.decode_barriers = stages
 
     def tiled_mma(self, tokens: int):
