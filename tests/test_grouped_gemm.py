@@ -813,6 +813,26 @@ def test_recipe128_contiguous_ragged(tile_tokens, tile_n, ctas, decode):
 
 @gpu
 @needs_sm90
+@pytest.mark.parametrize("tile_tokens", [64, 128])
+def test_recipe128_smem_decode_many_tiles_per_cta(tile_tokens):
+    """The shared-memory decode over more tiles than CTAs (each CTA's decode warps and consumers take several tiles
+    from the producer, the stages' barriers wrap many times), groups of every size up to several token tiles."""
+    gen = torch.Generator().manual_seed(430 + tile_tokens)
+    counts, n, k = [300, 0, 1, 129, 64, 257, 200, 3, 511, 90], 2048, 1024
+    a, a_sf, offsets, row_expert = _recipe128_case(counts, n, k, gen)
+    w, w_sf = foldable_weights(len(counts), n, k, gen, "cuda")
+    bk, bk_sf = prepare_fp4_weights(w, w_sf, fold=True)
+    out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=128, mma="fp8", token_block=128, decode="smem")
+    tiles = sum(-(-c // tile_tokens) for c in counts) * (n // cfg.tile_n)
+    assert tiles > 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg)
+    torch.cuda.synchronize()
+    _check_rows(out, a, a_sf, w, w_sf, row_expert, f"recipe 128 contiguous {cfg.describe()}", k32_per_sum=4)
+
+
+@gpu
+@needs_sm90
 @pytest.mark.parametrize("config", [None, GemmConfig(tile_tokens=32, tile_n=128, mma="fp8", token_block=128,
                                                       decode="smem")], ids=["default", "smem-decode"])
 def test_recipe128_masked_one_row_and_empty(config):
