@@ -13,7 +13,8 @@ Roles (one CTA of 1 + tile_n/64 warpgroups per SM, or two / three smaller ones: 
   token scale words (a 4-word box covering chunks 4j..4j+3);
 * the consumer warpgroups: per tile the mainloop (``mainloops``: dequantize FP4 straight into the register A
   fragment, issue RS wgmma) and the epilogue, with their own named barriers (``config.named_barriers``);
-* warps 1-3: idle here; the subclasses give them work (``l1_l2``: the signal warp; ``mega_moe``: the pull warps).
+* warps 1-3: idle here; the subclasses give them work (``l1_l2``: the signal warp; ``mega_moe``: the pull warps),
+  or the mainloop (``mainloop_fp8_smem``: they decode each stage's weights into shared memory for the consumers).
 
 Tile handout: the producer takes tile ids from a per-stream counter (``counters.tile_counters``: CTA c starts at
 tile c, then asks the counter), so CTAs that run faster take more tiles, and the last CTA out zeroes the counter.
@@ -27,6 +28,10 @@ never a value).
 One CTA per SM: the consumers raise their registers (setmaxnreg) from the pool the producer warpgroup gives back,
 never more (an increase beyond it waits forever). A function call anywhere in a kernel makes ptxas serialize all its
 wgmmas (C7510), so release builds contain none (the CPU tests check every variant's PTX).
+
+A mainloop may bring its own shared memory and barriers (``Mainloop.shared_state``, sized by its ``decoded_bytes`` and
+``decode_barriers``), readers of every pipeline stage and published tile (``stage_reader_warps``) and work for warps 1-3
+(``helper_warps``), and set the producer warpgroup's registers (``producer_regs``).
 
 Subclasses extend it through hooks (``dims``, ``before_dependency_wait``, ``setup_groups``, ``other_warps``,
 ``load_second_gemm``, ``tile_epilogue``, ``after_consumers``, ``finish``, the trace hooks).

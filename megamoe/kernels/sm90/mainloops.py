@@ -46,7 +46,7 @@ class Mainloop:
     a_dtype = None  # the wgmma operand type (class attribute of each mainloop)
     # Hooks of mainloops that use other warps than the consumers (``mainloop_fp8_smem``); the register mainloops
     # use none of them.
-    stage_reader_warps = 0  # warps of the producer warpgroup that also wait for and free every pipeline stage
+    stage_reader_warps = 0  # warps 1.. of the producer warpgroup that wait for and free every stage and take every tile
     decoded_bytes = 0  # shared memory of the decoded weight stages
     decode_barriers = 0  # mbarriers of the decoded weight stages
     producer_regs = None  # the producer warpgroup's registers (None: the kernel's choice)
