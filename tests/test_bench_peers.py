@@ -249,27 +249,17 @@ def humming_on_h100(monkeypatch):
 
 
 def _humming_tables(experts, hidden, inter, activations):
-    """Layer metas and tuning tables of a MoE layer's two sublayers, built by Humming as ``peers._HummingLayer``
-    builds them (MXFP4 weights, N padded to 256, K to 128; the weight values play no part in either)."""
+    """Layer metas and tuning tables of a MoE layer's two sublayers: loaded as the peer loads them
+    (``peers.load_humming_sublayer``, on CPU; the weight values play no part in either), tables from Humming."""
     from humming.config import GemmType
     from humming.layer import HummingMethod
-    from humming.schema import HummingInputSchema
-    from humming.schema.mxfp4 import Mxfp4WeightSchema
 
-    inputs = {} if activations == "bf16" else {"a_dtype": "float8e4m3", "input_scale_group_size": 128}
     module, metas, tables = torch.nn.Module(), {}, {}
     for name, n, k, gated in (("w13", 2 * inter, hidden, True), ("w2", hidden, inter, False)):
-        tensors = {"weight": torch.zeros(experts, n, k // 2, dtype=torch.uint8),
-                   "weight_scale": torch.zeros(experts, n, k // 32, dtype=torch.uint8)}
-        stacks = [n // 2] * 2 if gated else [n]
-        weights, tensors = Mxfp4WeightSchema().convert_humming(
-            tensors=tensors, shape_n_stacks=stacks, shape_k_stacks=[k], param_dtype=torch.bfloat16, num_experts=experts)
-        acts, _ = HummingInputSchema(**inputs).convert_humming(
-            tensors=tensors, shape_n_stacks=stacks, shape_k_stacks=[k], param_dtype=torch.bfloat16, num_experts=experts)
-        meta = HummingMethod.prepare_layer_meta(
-            layer=module, shape_n=n, shape_k=k, weight_schema=weights, input_schema=acts, num_experts=experts,
-            pad_n_to_multiple=256, pad_k_to_multiple=128, has_bias=False, torch_dtype=torch.bfloat16, sublayer_name=name)
-        metas[name] = json.loads(meta.to_str())
+        packed = torch.zeros(experts, n, k // 2, dtype=torch.uint8)
+        peer_lib.load_humming_sublayer(module, name, packed, torch.zeros(experts, n, k // 128, dtype=torch.int32),
+                                       gated, activations)
+        metas[name] = json.loads(module.humming_metas[name].to_str())
         tables[name] = json.loads(json.dumps(HummingMethod.get_default_tuning_configs(
             layer=module, use_f16_accum=False, use_batch_invariant=False, gemm_type=GemmType.INDEXED,
             sublayer_name=name)))
@@ -278,7 +268,8 @@ def _humming_tables(experts, hidden, inter, activations):
 
 @pytest.mark.parametrize("activations", ["bf16", "fp8"])
 def test_h100_attributes_reproduce_the_receipts_tables(humming_on_h100, activations):
-    """With ``H100_ATTRIBUTES`` Humming's heuristics give the pro layer metas and tuning tables the H100 recorded."""
+    """With ``H100_ATTRIBUTES`` the peer's sublayers get the pro layer metas and Humming's heuristics the tuning
+    tables the H100 recorded (after its weight transform, which runs only on the GPU)."""
     recorded = _receipt("moe/2026-12-06_moe_pro_ep1_humming_refusal_h100.json")["peers"][f"humming-{activations}"]
     metas, tables = _humming_tables(384, 7168, 3072, activations)
     assert tables == recorded["tuning_configs"]

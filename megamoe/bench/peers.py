@@ -449,6 +449,41 @@ class RowBlockPlan:
     forced: dict[str, dict]
 
 
+def humming_input_config(activations: str) -> dict:
+    """Humming's input schema arguments for a variant: none (BF16 activations), or FP8 E4M3 with one FP32 scale per
+    ``FP8_GROUP`` elements, quantized per call (its dynamic group mode)."""
+    return {} if _check_activations(activations) == "bf16" else {"a_dtype": "float8e4m3",
+                                                                "input_scale_group_size": FP8_GROUP}
+
+
+def load_humming_sublayer(module: torch.nn.Module, name: str, packed: torch.Tensor, sf: torch.Tensor, gated: bool,
+                          activations: str) -> None:
+    """Sublayer ``name`` of ``module`` from canonical MXFP4 weights ``packed`` uint8 ``[E, N, K/2]`` and ``sf`` int32
+    ``[E, N, K/128]`` (``gated``: rows ``[0, N/2)`` gate, ``[N/2, N)`` up), prepared as vLLM's ``HummingMoEMethod``
+    prepares it up to its layer meta: Humming's tensors as parameters ``<name>_<tensor>`` and
+    ``module.humming_metas[name]`` (``mxfp4`` weight schema, the variant's input schema, N padded to a multiple of
+    256, K of 128, BF16 outputs). Runs no kernel: ``HummingMethod.transform_humming_layer`` follows on the GPU."""
+    from humming.layer import HummingMethod
+    from humming.schema import HummingInputSchema
+    from humming.schema.mxfp4 import Mxfp4WeightSchema
+
+    num_experts, n, k = packed.shape[0], packed.shape[1], packed.shape[2] * 2
+    tensors = {"weight": packed.contiguous(), "weight_scale": unpack_ue8m0(sf)}
+    stacks = [n // 2] * 2 if gated else [n]
+    weight_schema, tensors = Mxfp4WeightSchema().convert_humming(
+        tensors=tensors, shape_n_stacks=stacks, shape_k_stacks=[k], param_dtype=torch.bfloat16,
+        num_experts=num_experts)
+    input_schema, _ = HummingInputSchema(**humming_input_config(activations)).convert_humming(
+        tensors=tensors, shape_n_stacks=stacks, shape_k_stacks=[k], param_dtype=torch.bfloat16,
+        num_experts=num_experts)
+    for key, tensor in tensors.items():
+        setattr(module, f"{name}_{key}", torch.nn.Parameter(tensor, requires_grad=False))
+    HummingMethod.prepare_layer_meta(
+        layer=module, shape_n=n, shape_k=k, weight_schema=weight_schema, input_schema=input_schema,
+        num_experts=num_experts, pad_n_to_multiple=256, pad_k_to_multiple=128, has_bias=False,
+        torch_dtype=torch.bfloat16, sublayer_name=name)
+
+
 class _HummingLayer:
     """A module holding MXFP4 expert weights as Humming sublayers (``<name>_weight``, ``<name>_weight_scale``),
     prepared as vLLM's ``HummingMoEMethod.process_weights_after_loading`` prepares them."""
@@ -457,32 +492,15 @@ class _HummingLayer:
         self.humming = require_humming()
         from humming.config import GemmType
         from humming.layer import HummingMethod
-        from humming.schema import HummingInputSchema
-        from humming.schema.mxfp4 import Mxfp4WeightSchema
 
         self.method = HummingMethod
         self.activations = _check_activations(activations)
-        self.input_config = {} if activations == "bf16" else {"a_dtype": "float8e4m3", "input_scale_group_size": FP8_GROUP}
-        input_schema = HummingInputSchema(**self.input_config)
+        self.input_config = humming_input_config(activations)
         self.module = module = torch.nn.Module()
         device = None
         for name, (packed, sf, gated) in sublayers.items():
             device = packed.device
-            num_experts, n, k = packed.shape[0], packed.shape[1], packed.shape[2] * 2
-            tensors = {"weight": packed.contiguous(), "weight_scale": unpack_ue8m0(sf)}
-            stacks = [n // 2] * 2 if gated else [n]
-            weight_schema, tensors = Mxfp4WeightSchema().convert_humming(
-                tensors=tensors, shape_n_stacks=stacks, shape_k_stacks=[k], param_dtype=torch.bfloat16,
-                num_experts=num_experts)
-            layer_input_schema, _ = input_schema.convert_humming(
-                tensors=tensors, shape_n_stacks=stacks, shape_k_stacks=[k], param_dtype=torch.bfloat16,
-                num_experts=num_experts)
-            for key, tensor in tensors.items():
-                setattr(module, f"{name}_{key}", torch.nn.Parameter(tensor, requires_grad=False))
-            HummingMethod.prepare_layer_meta(
-                layer=module, shape_n=n, shape_k=k, weight_schema=weight_schema, input_schema=layer_input_schema,
-                num_experts=num_experts, pad_n_to_multiple=256, pad_k_to_multiple=128, has_bias=False,
-                torch_dtype=torch.bfloat16, sublayer_name=name)
+            load_humming_sublayer(module, name, packed, sf, gated, activations)
             HummingMethod.transform_humming_layer(module, sublayer_name=name)
         module.register_buffer("locks", torch.zeros(1024, dtype=torch.int32, device=device))
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
