@@ -6,6 +6,7 @@ token sets / routings through the timed calls with stand-in peers, and the plot 
 matplotlib). On the GPU machine with humming-kernels installed: the peers' rows in both benches, every point checked.
 """
 
+import contextlib
 import itertools
 import json
 import subprocess
@@ -95,15 +96,213 @@ def test_align_block_size_groups_rows_by_expert(block):
     assert padded.tolist() == [len(want_ids)] and len(want_ids) % block == 0
 
 
-def test_sublayers_must_agree_on_the_row_block():
-    """The indexed routing serves both GEMMs: where the sublayers' tuning intervals pick different row blocks the peer
-    refuses before any launch, naming both (the intervals here are made up; Humming's are (low, high] of shape_m)."""
+def _table_config(block_m, stages=4, **extra):
+    return {"block_shape": [block_m, 128, 128], "warp_shape": [block_m, 32, 128], "num_stages": stages, **extra}
+
+
+def _plan_layer(**tables):
     layer = object.__new__(peer_lib._HummingLayer)
-    layer.tuning = {"w13": [(0, 64, {"block_shape": [16, 128, 128]}), (64, 1 << 30, {"block_shape": [64, 128, 128]})],
-                    "w2": [(0, 256, {"block_shape": [16, 128, 128]}), (256, 1 << 30, {"block_shape": [64, 256, 64]})]}
-    assert layer.shared_block_rows(8) == 16 and layer.shared_block_rows(1000) == 64
-    with pytest.raises(peer_lib.PeerRefused, match=r"shape_m=100 .*'w13': 64, 'w2': 16"):
-        layer.shared_block_rows(100)
+    layer.tuning = tables
+    return layer
+
+
+def test_row_block_plan_forces_one_block_for_both_sublayers():
+    """Made-up tuning tables (Humming's are (low, high] intervals of shape_m): where the tuned blocks agree, the tuned
+    configs, nothing forced; where they differ, w2 runs the config of its own table with w13's block from the interval
+    nearest shape_m, and the record says from what and why; w13 follows w2 only where w2's table lacks w13's block;
+    where neither table has the other's block, the point is refused naming both."""
+    w13 = [[0, 64, _table_config(16)], [64, 1 << 30, _table_config(64)]]
+    w2 = [[0, 50, _table_config(16, stages=3)], [50, 256, _table_config(32)], [256, 400, _table_config(64, stages=5)],
+          [400, 1 << 30, _table_config(64)]]
+    layer = _plan_layer(w13=w13, w2=w2)
+    for m, block in ((8, 16), (1000, 64)):
+        plan = layer.row_block_plan(m)
+        assert plan.block == block and plan.forced == {}
+        assert plan.configs == {"w13": next(c for lo, hi, c in w13 if lo < m <= hi),
+                                "w2": next(c for lo, hi, c in w2 if lo < m <= hi)}
+    plan = layer.row_block_plan(100)  # w13 64, w2 32: w2's 64-row configs at (256, 400] (156 away) and (400, ...)
+    assert plan.block == 64 and plan.configs == {"w13": w13[1][2], "w2": w2[2][2]}
+    record = plan.forced["w2"]
+    assert set(plan.forced) == {"w2"} and record["block_m"] == 64 and record["tuned_block_m"] == 32
+    assert record["aligned_with"] == "w13" and record["launched_config_interval"] == [256, 400]
+    assert record["tuned_config"] is w2[1][2] and record["launched_config"] is w2[2][2]
+    assert record["differs_in"] == ["block_shape", "num_stages", "warp_shape"]
+    assert "out of bounds" in record["reason"] and "shape_m=100" in record["reason"]
+    plan = layer.row_block_plan(60)  # w13 16, w2 32 (larger: one block would span two experts)
+    assert plan.block == 16 and plan.configs["w2"] is w2[0][2] and plan.forced["w2"]["launched_config_interval"] == [0, 50]
+    assert "two experts' rows" in plan.forced["w2"]["reason"]
+
+    lone = _plan_layer(w13=[[0, 10, _table_config(16)], [10, 1 << 30, _table_config(40)]],
+                       w2=[[0, 1 << 30, _table_config(16)]])
+    plan = lone.row_block_plan(20)  # w2's table has no 40-row config: w13 runs its own 16-row one
+    assert plan.block == 16 and set(plan.forced) == {"w13"} and plan.forced["w13"]["aligned_with"] == "w2"
+    assert plan.configs == {"w13": lone.tuning["w13"][0][2], "w2": lone.tuning["w2"][0][2]}
+    with pytest.raises(peer_lib.PeerRefused, match=r"shape_m=12 .*'w13': 40, 'w2': 8"):
+        _plan_layer(w13=[[0, 1 << 30, _table_config(40)]], w2=[[0, 1 << 30, _table_config(8)]]).row_block_plan(12)
+
+
+def _receipt(name):
+    from pathlib import Path
+
+    return json.loads((Path(__file__).parents[1] / "bench/results" / name).read_text())
+
+
+def _tuned(table, m):
+    return next(config for low, high, config in table if low < m <= high)
+
+
+def _with_block(config, block):
+    """``config`` with its row block and warp rows set to ``block`` (one warp row per block in these configs)."""
+    assert config["block_shape"][0] == config["warp_shape"][0]
+    return {**config, "block_shape": [block, *config["block_shape"][1:]], "warp_shape": [block, *config["warp_shape"][1:]]}
+
+
+def _stand_in_moe(tables, metas, experts, hidden, inter, activations):
+    """A ``HummingMoE`` on recorded tuning tables and layer metas, without Humming or a GPU (``prepare`` only)."""
+    from types import SimpleNamespace
+
+    layer = _plan_layer(**tables)
+    layer.sms = 132
+    layer.module = SimpleNamespace(humming_metas={name: SimpleNamespace(**meta) for name, meta in metas.items()})
+    peer = object.__new__(peer_lib.HummingMoE)
+    peer.layer, peer.experts, peer.hidden, peer.inter, peer.activations, peer.forced = (
+        layer, experts, hidden, inter, activations, {})
+    return peer
+
+
+@pytest.mark.parametrize("activations", ["bf16", "fp8"])
+def test_pro_tables_of_the_h100_receipt_run_one_row_block(activations):
+    """The pro preset's tuning tables as humming-kernels picked them on the H100 (the refusal receipt): at 2048
+    tokens/rank (shape_m 12288) w13 is tuned to 48-row blocks and w2 to 40; the routing is aligned to 48 and w2 runs
+    its own table's 48-row config, the interval right above its tuned one, which is its tuned config with 48 rows;
+    the Stream-K split of w2's launch is that config's. The other default points run the tuned configs unchanged."""
+    receipt = _receipt("moe/2026-12-06_moe_pro_ep1_humming_refusal_h100.json")
+    recorded = receipt["peers"][f"humming-{activations}"]
+    tables = recorded["tuning_configs"]
+    metas = {name: json.loads(meta) for name, meta in recorded["layer_metas"].items()}
+    peer = _stand_in_moe(tables, metas, 384, 7168, 3072, activations)
+    for t in (1, 8, 128, 512, 8192):
+        plan = peer.layer.row_block_plan(t * 6)
+        assert plan.forced == {} and plan.configs == {n: _tuned(tables[n], t * 6) for n in tables}
+    m = 2048 * 6
+    w13, w2 = _tuned(tables["w13"], m), _tuned(tables["w2"], m)
+    assert (w13["block_shape"][0], w2["block_shape"][0]) == (48, 40)
+    tuned_high = next(high for low, high, config in tables["w2"] if low < m <= high)
+    above = next(config for low, high, config in tables["w2"] if low == tuned_high)
+    assert above == _with_block(w2, 48)
+
+    gen = torch.Generator().manual_seed(13)
+    idx, w = random_routing(2048, 384, 6, gen)
+    x = torch.zeros(2048, 7168, dtype=torch.bfloat16)
+    routing = peer.prepare(x, idx, w)
+    assert routing.forced["w2"]["launched_config"] == above and routing.forced["w2"]["tuned_block_m"] == 40
+    assert routing.forced["w2"]["differs_in"] == ["block_shape", "warp_shape"] and set(routing.forced) == {"w2"}
+    assert peer.forced == {m: routing.forced}
+    counts = torch.bincount(idx.reshape(-1), minlength=384)
+    assert routing.num_tokens_padded.item() == int(((counts + 47) // 48 * 48).sum())
+    assert routing.expert_ids.numel() * 48 == routing.sorted_ids.numel()
+    rows = routing.sorted_ids.numel()
+    group = metas["w2"]["input_scale_group_size"]
+    assert routing.splits["w2"] == peer_lib.streamk_split(above, 7168, 3072, rows, 132, group)
+    assert routing.splits["w2"].block[0] == routing.splits["w13"].block[0] == 48
+
+
+H100_ATTRIBUTES = {
+    "index": 0, "name": "NVIDIA H100 80GB HBM3", "is_ppu": False, "sm_count": 132, "sm_major": 9, "sm_minor": 0,
+    "sm_version": 90, "max_threads_per_block": 1024, "max_threads_per_sm": 2048, "max_registers_per_sm": 65536,
+    "l2_cache_size": 50 * 2**20, "l2_cache_size_mb": 50.0, "l1_cache_size": 256 * 1024, "l1_cache_size_kb": 256.0,
+    "default_smem_size": 48 * 1024, "max_smem_size": 227 * 1024, "max_smem_size_kb": 227.0,
+    "memory_clock_khz": 2619000, "memory_bus_width": 5120, "sm_clock_khz": 1980000,
+}
+"""The device attributes of an H100 SXM 80GB as Humming's device-info extension reads them (CUDA driver attributes);
+the two it derives, as its ``device_info.cpp`` does: HBM bandwidth ``clock * 2 * bus / 8`` and SM90 dense tensor
+throughput ``SMs * 4096 * clock`` per 16-bit element (twice that for 8-bit types)."""
+H100_ATTRIBUTES["memory_bandwidth_gbps"] = 2619000 * 2 * 5120 / 8 / 1e6
+H100_ATTRIBUTES["tensorcore_tops"] = {
+    dtype: 132 * 4096 * 1980000 / 1e9 * factor
+    for dtype, factor in (("float16", 1), ("bfloat16", 1), ("float8e4m3", 2), ("float8e5m2", 2), ("int8", 2),
+                          ("int4", 4))
+}
+
+
+@pytest.fixture
+def humming_on_h100(monkeypatch):
+    """Humming's tuning heuristics and layer metas on CPU as on an H100 (``H100_ATTRIBUTES``), wherever
+    humming-kernels is installed: its device info answers with those attributes and device 0 needs no CUDA; its
+    heuristics cache is emptied before and after (no answer for another device is reused, none leaks out)."""
+    pytest.importorskip("humming")
+    from types import SimpleNamespace
+
+    import humming.device
+    import humming.tune
+
+    fake = SimpleNamespace(**H100_ATTRIBUTES)
+    info = object.__new__(humming.device.DeviceInfo)
+    info._index, info._value = 0, fake
+    monkeypatch.setattr(humming.device.current_device, "_value", fake)
+    monkeypatch.setitem(humming.device.DeviceInfo._instances, 0, info)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    humming.tune._get_heuristics_config.cache_clear()
+    yield
+    humming.tune._get_heuristics_config.cache_clear()
+
+
+def _humming_tables(experts, hidden, inter, activations):
+    """Layer metas and tuning tables of a MoE layer's two sublayers: loaded as the peer loads them
+    (``peers.load_humming_sublayer``, on CPU; the weight values play no part in either), tables from Humming."""
+    from humming.config import GemmType
+    from humming.layer import HummingMethod
+
+    module, metas, tables = torch.nn.Module(), {}, {}
+    for name, n, k, gated in (("w13", 2 * inter, hidden, True), ("w2", hidden, inter, False)):
+        packed = torch.zeros(experts, n, k // 2, dtype=torch.uint8)
+        peer_lib.load_humming_sublayer(module, name, packed, torch.zeros(experts, n, k // 128, dtype=torch.int32),
+                                       gated, activations)
+        metas[name] = json.loads(module.humming_metas[name].to_str())
+        tables[name] = json.loads(json.dumps(HummingMethod.get_default_tuning_configs(
+            layer=module, use_f16_accum=False, use_batch_invariant=False, gemm_type=GemmType.INDEXED,
+            sublayer_name=name)))
+    return metas, tables
+
+
+@pytest.mark.parametrize("activations", ["bf16", "fp8"])
+def test_h100_attributes_reproduce_the_receipts_tables(humming_on_h100, activations):
+    """With ``H100_ATTRIBUTES`` the peer's sublayers get the pro layer metas and Humming's heuristics the tuning
+    tables the H100 recorded (after its weight transform, which runs only on the GPU)."""
+    recorded = _receipt("moe/2026-12-06_moe_pro_ep1_humming_refusal_h100.json")["peers"][f"humming-{activations}"]
+    metas, tables = _humming_tables(384, 7168, 3072, activations)
+    assert tables == recorded["tuning_configs"]
+    assert metas == {name: json.loads(meta) for name, meta in recorded["layer_metas"].items()}
+
+
+@pytest.mark.parametrize("activations", ["bf16", "fp8"])
+def test_tiny_points_run_one_row_block_on_h100_tables(humming_on_h100, activations):
+    """The tiny preset (16 experts, top-4, H 256, I 128) on Humming's H100 tables: with FP8 activations w13 is
+    tuned to 40-row blocks at 1, 8 and 33 tokens/rank, w2 to 8, 8 and 16; the routing is aligned to 40 and w2 runs
+    its own table's 40-row config, which is its tuned config with 40 rows, and the Stream-K split of its launch is
+    that config's (not the tuned one's). With BF16 activations both are tuned alike (8, 8, 16): nothing forced."""
+    metas, tables = _humming_tables(16, 256, 128, activations)
+    peer = _stand_in_moe(tables, metas, 16, 256, 128, activations)
+    gen = torch.Generator().manual_seed(14)
+    for t, w2_block in ((1, 8), (8, 8), (33, 16)):
+        m = 4 * t
+        w13, w2 = _tuned(tables["w13"], m), _tuned(tables["w2"], m)
+        idx, w = random_routing(t, 16, 4, gen)
+        routing = peer.prepare(torch.zeros(t, 256, dtype=torch.bfloat16), idx, w)
+        rows, group = routing.sorted_ids.numel(), metas["w2"]["input_scale_group_size"]
+        if activations == "bf16":
+            assert w13["block_shape"][0] == w2["block_shape"][0] == w2_block and routing.forced == {}
+            assert routing.splits["w2"] == peer_lib.streamk_split(w2, 256, 128, rows, 132, group)
+            continue
+        assert (w13["block_shape"][0], w2["block_shape"][0]) == (40, w2_block)
+        launched = _with_block(w2, 40)
+        assert launched in [config for _, _, config in tables["w2"]]
+        assert set(routing.forced) == {"w2"} and routing.forced["w2"]["launched_config"] == launched
+        assert routing.forced["w2"]["tuned_block_m"] == w2_block and routing.expert_ids.numel() * 40 == rows
+        assert routing.splits["w2"] == peer_lib.streamk_split(launched, 256, 128, rows, 132, group)
+        assert routing.splits["w2"] != peer_lib.streamk_split(w2, 256, 128, rows, 132, group)
+    assert sorted(peer.forced) == ([] if activations == "bf16" else [4, 32, 132])
 
 
 def _config(block, stream_k=True, stages=4, ctas=1):
@@ -414,6 +613,30 @@ def test_moe_peer_row_checks_every_routing_and_cycles_them(monkeypatch):
     assert row["routed_rows_per_rank"] == t * 2
 
 
+def test_moe_peer_row_records_a_forced_row_block(monkeypatch):
+    """A point where the peer launched a sublayer with another config than its tuned one: the row carries the
+    routing's record and the run says it."""
+    gen = torch.Generator().manual_seed(15)
+    t, e, h, i = 3, 4, 256, 128
+    l1, l2 = random_fp4_weights(e, 2 * i, h, gen), random_fp4_weights(e, h, i, gen)
+    idx, w = random_routing(t, e, 2, gen)
+    record = {"block_m": 40, "tuned_block_m": 8, "reason": "tuned row blocks {'w13': 40, 'w2': 8}"}
+
+    class Forced(_StandInPeer):
+        def prepare(self, x, idx, w):
+            routing = super().prepare(x, idx, w)
+            routing.forced = {"w2": record}
+            return routing
+
+    monkeypatch.setattr(bench_moe, "time_graph", lambda fn, warmup, iters, calls, before=None: [1.0] * iters)
+    said = []
+    row = bench_moe._peer_row("humming-fp8", Forced(l1, l2), [(None, idx, None, random_tokens(t, h, gen), w)], t,
+                              bench_moe.parse_args([]), lambda: None, 0.0, 1000, h, i, said.append)
+    assert row["correct"] and row["row_blocks_forced"] == {"w2": record}
+    note = "NOTE: humming-fp8 at 3 tokens/rank: w2 row block forced 8 -> 40 (tuned row blocks {'w13': 40, 'w2': 8})"
+    assert said == [note]
+
+
 def test_moe_peer_row_reports_a_refused_point():
     """A point the peer refuses before any launch is said and kept as a row with its reason, no figures, not correct
     (the run then exits non-zero), and nothing is called or timed."""
@@ -569,22 +792,35 @@ def test_moe_bench_humming_peers(tmp_path):
 
 
 @pytest.mark.gpu
-def test_moe_bench_humming_refuses_mismatched_row_blocks(tmp_path):
-    """GPU with humming-kernels, tiny preset (I = 128): Humming's FP8 sublayers pick different row blocks at these
-    points (w13 40 rows, w2 8 or 16), so humming-fp8 is refused before any launch with that reason and the run exits
-    1; humming-bf16 (both sublayers on one block, Stream-K tiles) runs and is checked correct."""
+def test_moe_bench_humming_runs_one_row_block_for_both_gemms(tmp_path):
+    """GPU with humming-kernels, tiny preset (I = 128): where Humming tunes the two sublayers to different row
+    blocks (read here from the receipt's tuning tables; on an H100 every FP8 point: w13 40 rows, w2 8, 8, 16),
+    the peer runs w2 on w13's block, says so in the row and its config, and the point is checked correct against
+    the reference of the launched configs (Stream-K rounding points included); elsewhere (BF16 on an H100: one
+    block) it runs as vLLM's call. No point is refused."""
     pytest.importorskip("humming")
     path = tmp_path / "moe.json"
-    with pytest.raises(SystemExit) as info:
-        bench_moe.main(["--preset", "tiny", "--tokens", "1,8,33", "--routings", "2", "--paths", "humming",
-                        "--peers", "humming", "--warmup", "1", "--iters", "3", "--json", str(path)])
-    assert info.value.code == 1
-    rows = json.loads(path.read_text())["results"]
-    fp8 = [r for r in rows if r["path"] == "humming-fp8"]
-    bf16 = [r for r in rows if r["path"] == "humming-bf16"]
-    assert len(fp8) == len(bf16) == 3
-    assert all(r["method"] == "refused" and "different row blocks" in r["refused"] for r in fp8)
-    assert all(r["correct"] and r["us"] > 0 for r in bf16)
+    rows = bench_moe.main(["--preset", "tiny", "--tokens", "1,8,33", "--routings", "2", "--paths", "humming",
+                           "--peers", "humming", "--warmup", "1", "--iters", "3", "--json", str(path)])
+    assert all(r["correct"] and r["us"] > 0 for r in rows)
+    receipt = json.loads(path.read_text())
+    forced_points = 0
+    for name, recorded in receipt["peers"].items():
+        tables = recorded["tuning_configs"]
+        peer_rows = [r for r in rows if r["path"] == name]
+        assert [r["tokens_per_rank"] for r in peer_rows] == [1, 8, 33]
+        for r in peer_rows:
+            m = 4 * r["tokens_per_rank"]
+            w13, w2 = (_tuned(tables[n], m)["block_shape"][0] for n in ("w13", "w2"))
+            if w13 == w2:
+                assert "row_blocks_forced" not in r and str(m) not in recorded["row_blocks_forced"]
+                continue
+            forced_points += 1
+            record = r["row_blocks_forced"]["w2"]
+            assert (record["block_m"], record["tuned_block_m"]) == (w13, w2) and set(r["row_blocks_forced"]) == {"w2"}
+            assert recorded["row_blocks_forced"][str(m)] == r["row_blocks_forced"]
+    if "H100" in receipt["environment"]["gpu"]:
+        assert forced_points == 3
 
 
 @pytest.mark.gpu

@@ -377,9 +377,10 @@ def _peer_row(name: str, peer, cases: list, t: int, args, barrier, hbm: float, f
               hidden: int, inter: int, say) -> dict:
     """One peer at one point (one rank): its routings prepared (outside the timed call), every routing checked against
     the peer's own FP64 reference (``megamoe.bench.peers``), then timed as CUDA graphs of calls cycling through the
-    routings. Returns the table row (fields as megamoe's; no ring, no traffic). A point the peer refuses before any
-    launch (``peers.PeerRefused``) is said and returned as a row with method ``refused``, its reason under
-    ``refused``, no figures (NaN) and ``correct`` False."""
+    routings. Returns the table row (fields as megamoe's; no ring, no traffic; where the peer launched a sublayer with
+    another config than its tuned one, ``row_blocks_forced``: the record of ``peers.RowBlockPlan.forced``, also
+    said). A point the peer refuses before any launch (``peers.PeerRefused``) is said and returned as a row with
+    method ``refused``, its reason under ``refused``, no figures (NaN) and ``correct`` False."""
     tol = peer.tolerances()
     try:
         routings = [peer.prepare(x, idx, w) for _, idx, _, x, w in cases]
@@ -390,6 +391,10 @@ def _peer_row(name: str, peer, cases: list, t: int, args, barrier, hbm: float, f
                 "us": nan, "tflops": nan, "routed_rows_per_rank": nan, "experts_touched_per_rank": nan,
                 "weights_gbps": nan, "fp4_floor_us": None, "a2a_gbps": nan, "rel_fro": nan, "max_row_rel": nan,
                 "correct": False, "refused": str(ex)}
+    forced = routings[0].forced  # one plan per point: every routing has t * k rows
+    for sublayer, record in forced.items():
+        say(f"NOTE: {name} at {t} tokens/rank: {sublayer} row block forced {record['tuned_block_m']} -> "
+            f"{record['block_m']} ({record['reason']})")
     fro = row_rel = routed = touched = 0.0
     for (_, idx, _, x, w), routing in zip(cases, routings):
         y = routing.buffers["y"]
@@ -416,6 +421,7 @@ def _peer_row(name: str, peer, cases: list, t: int, args, barrier, hbm: float, f
         "weights_gbps": touched * fp4_bytes_per_expert / (us * 1e-6) / 1e9,
         "fp4_floor_us": touched * fp4_bytes_per_expert / (hbm * 1e9) * 1e6 if hbm else None,
         "a2a_gbps": 0.0, "rel_fro": fro, "max_row_rel": row_rel, "correct": ok,
+        **({"row_blocks_forced": forced} if forced else {}),
     }
 
 

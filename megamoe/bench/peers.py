@@ -21,7 +21,22 @@ One call (``HummingMoE.__call__``) is vLLM's ``main_apply``: ``may_quant_input``
 * the SwiGLU is Humming's own fused ``process_input`` kernel (binary-split activation, FP32 math, BF16 out), one
   launch as vLLM's ``silu_and_mul``;
 * the weighted top-k sum is one Triton kernel (``megamoe.bench.topk_sum``), one launch as vLLM's
-  ``moe_fused_mul_sum``.
+  ``moe_fused_mul_sum``;
+* one row block for both GEMMs. The indexed routing (rows padded per expert to a block, one expert id per block)
+  serves both GEMMs, and each launch reads it with its own config's ``block_m`` (``m_blocks =
+  ceil(num_tokens_padded / block_m)`` entries of ``expert_ids``). vLLM's ``HummingIndexedExperts`` aligns with
+  w13's block and launches w2 with w2's own tuning table, and humming-kernels 0.1.20 tunes the two sublayers
+  independently: where w2's tuned block is smaller than w13's, vLLM's call would read ``expert_ids`` /
+  ``sorted_ids`` out of bounds here; where larger, one block would span two experts' rows. At such a point the
+  peer aligns with w13's block as vLLM does and launches w2 with a config from w2's own tuning table that has
+  that block: the one tuned for the ``shape_m`` nearest the point (``_HummingLayer.row_block_plan``): a config
+  Humming itself picks for this layer, where a block edited into the tuned config would need every field that
+  depends on it (warp M, stages, CTAs per SM, Stream-K, grid) refitted by hand. Only where w2's table has no
+  config with w13's block is w13 run on w2's block instead (from w13's table, the same way);
+  where neither table has the other's block, the point is refused before any launch (``PeerRefused``). The
+  receipt records every such point under ``row_blocks_forced`` (the peer's config) and in the point's row: the
+  sublayer, its tuned block and config, the launched block and config and the ``shape_m`` interval it was tuned
+  for, and the fields that differ.
 
 Numerics: Humming applies the routing weight after the W2 GEMM, where megamoe's contract (``megamoe.numerics``)
 applies it inside the SwiGLU before R2, and rounds the SwiGLU output to BF16 before quantizing it. So a peer is
@@ -40,8 +55,8 @@ layout megamoe's grouped GEMM reads), ``top_k = 1``, tokens quantized before the
 reference (``HummingGemm.reference``) is ``streamk_product`` of the values it reads, checked with the interval the
 unordered atomic adds allow (``excess_rel_fro``).
 
-Refusals: one indexed routing serves both MoE GEMMs, so their configs must pick one row block; where humming-kernels
-0.1.20 picks two (``_HummingLayer.shared_block_rows``), the point is refused before any launch (``PeerRefused``).
+Refusals: a point whose two sublayers' tuning tables share no row block for it (above) is refused before any
+launch (``PeerRefused``, naming both blocks; ``bench/findings/humming-peer.md`` lists the points concerned).
 
 Nothing in the megamoe library imports this module; ``humming`` is imported only when a peer is asked for.
 """
@@ -403,6 +418,72 @@ def align_block_size(topk_idx: torch.Tensor, block: int, num_experts: int) -> tu
     return sorted_ids, expert_ids, torch.tensor([total], dtype=torch.int32, device=flat.device)
 
 
+def block_m(config: dict) -> int:
+    """The row block (``block_shape[0]``) of a Humming tuning config."""
+    return int(config["block_shape"][0])
+
+
+def nearest_config_with_block(table: list, block: int, valid_shape_m: int) -> tuple[int, int, dict] | None:
+    """Of a Humming tuning table (``[low, high, config]`` intervals ``(low, high]`` of ``shape_m``), the interval whose
+    config has row block ``block`` and lies nearest ``valid_shape_m`` (distance 0 inside it, else to its nearer
+    end; the first of equals), as ``(low, high, config)``; None where no config has that block."""
+    def distance(low: int, high: int) -> int:
+        return low + 1 - valid_shape_m if valid_shape_m <= low else max(0, valid_shape_m - high)
+
+    found = [(distance(low, high), n) for n, (low, high, config) in enumerate(table) if block_m(config) == block]
+    if not found:
+        return None
+    low, high, config = table[min(found)[1]]
+    return int(low), int(high), config
+
+
+@dataclasses.dataclass(frozen=True)
+class RowBlockPlan:
+    """What the launches on one indexed routing run at one ``valid_shape_m`` (``_HummingLayer.row_block_plan``):
+    the routing's row block ``block``, each sublayer's launched tuning config (``configs``, all with that block)
+    and, for each sublayer whose launched config is not its tuned one, the receipt's record of why and from what
+    (``forced``; empty where the call is vLLM's)."""
+
+    block: int
+    configs: dict[str, dict]
+    forced: dict[str, dict]
+
+
+def humming_input_config(activations: str) -> dict:
+    """Humming's input schema arguments for a variant: none (BF16 activations), or FP8 E4M3 with one FP32 scale per
+    ``FP8_GROUP`` elements, quantized per call (its dynamic group mode)."""
+    return {} if _check_activations(activations) == "bf16" else {"a_dtype": "float8e4m3",
+                                                                "input_scale_group_size": FP8_GROUP}
+
+
+def load_humming_sublayer(module: torch.nn.Module, name: str, packed: torch.Tensor, sf: torch.Tensor, gated: bool,
+                          activations: str) -> None:
+    """Sublayer ``name`` of ``module`` from canonical MXFP4 weights ``packed`` uint8 ``[E, N, K/2]`` and ``sf`` int32
+    ``[E, N, K/128]`` (``gated``: rows ``[0, N/2)`` gate, ``[N/2, N)`` up), prepared as vLLM's ``HummingMoEMethod``
+    prepares it up to its layer meta: Humming's tensors as parameters ``<name>_<tensor>`` and
+    ``module.humming_metas[name]`` (``mxfp4`` weight schema, the variant's input schema, N padded to a multiple of
+    256, K of 128, BF16 outputs). Runs no kernel: ``HummingMethod.transform_humming_layer`` follows on the GPU."""
+    from humming.layer import HummingMethod
+    from humming.schema import HummingInputSchema
+    from humming.schema.mxfp4 import Mxfp4WeightSchema
+
+    num_experts, n, k = packed.shape[0], packed.shape[1], packed.shape[2] * 2
+    tensors = {"weight": packed.contiguous(), "weight_scale": unpack_ue8m0(sf)}
+    stacks = [n // 2] * 2 if gated else [n]
+    weight_schema, tensors = Mxfp4WeightSchema().convert_humming(
+        tensors=tensors, shape_n_stacks=stacks, shape_k_stacks=[k], param_dtype=torch.bfloat16,
+        num_experts=num_experts)
+    input_schema, _ = HummingInputSchema(**humming_input_config(activations)).convert_humming(
+        tensors=tensors, shape_n_stacks=stacks, shape_k_stacks=[k], param_dtype=torch.bfloat16,
+        num_experts=num_experts)
+    for key, tensor in tensors.items():
+        setattr(module, f"{name}_{key}", torch.nn.Parameter(tensor, requires_grad=False))
+    HummingMethod.prepare_layer_meta(
+        layer=module, shape_n=n, shape_k=k, weight_schema=weight_schema, input_schema=input_schema,
+        num_experts=num_experts, pad_n_to_multiple=256, pad_k_to_multiple=128, has_bias=False,
+        torch_dtype=torch.bfloat16, sublayer_name=name)
+
+
 class _HummingLayer:
     """A module holding MXFP4 expert weights as Humming sublayers (``<name>_weight``, ``<name>_weight_scale``),
     prepared as vLLM's ``HummingMoEMethod.process_weights_after_loading`` prepares them."""
@@ -411,34 +492,18 @@ class _HummingLayer:
         self.humming = require_humming()
         from humming.config import GemmType
         from humming.layer import HummingMethod
-        from humming.schema import HummingInputSchema
-        from humming.schema.mxfp4 import Mxfp4WeightSchema
 
         self.method = HummingMethod
         self.activations = _check_activations(activations)
-        self.input_config = {} if activations == "bf16" else {"a_dtype": "float8e4m3", "input_scale_group_size": FP8_GROUP}
-        input_schema = HummingInputSchema(**self.input_config)
+        self.input_config = humming_input_config(activations)
         self.module = module = torch.nn.Module()
         device = None
         for name, (packed, sf, gated) in sublayers.items():
             device = packed.device
-            num_experts, n, k = packed.shape[0], packed.shape[1], packed.shape[2] * 2
-            tensors = {"weight": packed.contiguous(), "weight_scale": unpack_ue8m0(sf)}
-            stacks = [n // 2] * 2 if gated else [n]
-            weight_schema, tensors = Mxfp4WeightSchema().convert_humming(
-                tensors=tensors, shape_n_stacks=stacks, shape_k_stacks=[k], param_dtype=torch.bfloat16,
-                num_experts=num_experts)
-            layer_input_schema, _ = input_schema.convert_humming(
-                tensors=tensors, shape_n_stacks=stacks, shape_k_stacks=[k], param_dtype=torch.bfloat16,
-                num_experts=num_experts)
-            for key, tensor in tensors.items():
-                setattr(module, f"{name}_{key}", torch.nn.Parameter(tensor, requires_grad=False))
-            HummingMethod.prepare_layer_meta(
-                layer=module, shape_n=n, shape_k=k, weight_schema=weight_schema, input_schema=layer_input_schema,
-                num_experts=num_experts, pad_n_to_multiple=256, pad_k_to_multiple=128, has_bias=False,
-                torch_dtype=torch.bfloat16, sublayer_name=name)
+            load_humming_sublayer(module, name, packed, sf, gated, activations)
             HummingMethod.transform_humming_layer(module, sublayer_name=name)
         module.register_buffer("locks", torch.zeros(1024, dtype=torch.int32, device=device))
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.compute = {"use_batch_invariant": False, "use_f16_accum": False, "gemm_type": GemmType.INDEXED.value}
         self.compute_str = json.dumps(self.compute)
         self.tuning = {
@@ -456,43 +521,63 @@ class _HummingLayer:
                 return config
         raise RuntimeError(f"humming: no tuning interval of {name} holds shape_m={valid_shape_m}: {self.tuning[name]}")
 
-    def block_rows(self, name: str, valid_shape_m: int) -> int:
-        """The row block of the tuning interval holding ``valid_shape_m`` (vLLM's choice of the alignment block)."""
-        return int(self.config_at(name, valid_shape_m)["block_shape"][0])
-
-    def split(self, name: str, valid_shape_m: int, rows_padded: int, device: torch.device) -> StreamKSplit:
-        """The Stream-K split of sublayer ``name``'s launch at ``valid_shape_m`` over ``rows_padded`` routing rows on
-        ``device`` (``streamk_split`` with the layer's padded N and K and, as the launcher, the config's ``num_sms``
-        where it has one, else the device's SM count)."""
-        meta, config = self.module.humming_metas[name], self.config_at(name, valid_shape_m)
-        sms = int(config.get("num_sms") or torch.cuda.get_device_properties(device).multi_processor_count)
+    def split(self, name: str, config: dict, rows_padded: int) -> StreamKSplit:
+        """The Stream-K split of sublayer ``name``'s launch with tuning ``config`` over ``rows_padded`` routing rows
+        (``streamk_split`` with the layer's padded N and K and, as the launcher, the config's ``num_sms`` where it
+        has one, else the device's SM count ``self.sms``)."""
+        meta = self.module.humming_metas[name]
+        sms = int(config.get("num_sms") or self.sms)
         return streamk_split(config, meta.shape_n, meta.shape_k, rows_padded, sms, meta.input_scale_group_size)
 
-    def shared_block_rows(self, valid_shape_m: int) -> int:
-        """The row block of every sublayer at ``valid_shape_m``: the indexed routing (rows padded per expert to the
-        block, one expert id per block) serves both GEMMs, so their tuning configs must agree on it. vLLM's
-        ``HummingIndexedExperts`` aligns once, with w13's block, and launches w2 with its own tuning configs, which
-        humming-kernels 0.1.20 picks independently: where w2's block is smaller, its kernel reads ``expert_ids`` and
-        ``sorted_ids`` past their ends (``m_blocks = ceil(num_tokens_padded / block_m)`` in its scheduler), where
-        larger, one block spans two experts' rows. Raises ``PeerRefused`` naming both blocks where they differ,
-        before any launch."""
-        blocks = {name: self.block_rows(name, valid_shape_m) for name in self.tuning}
-        if len(set(blocks.values())) > 1:
-            raise PeerRefused(f"humming peer: at shape_m={valid_shape_m} the sublayers' default tuning configs pick "
-                              f"different row blocks {blocks}; one indexed routing cannot serve both GEMMs "
-                              "(humming-kernels 0.1.20 chooses each sublayer's config independently; vLLM would "
-                              "launch w2 on a routing aligned to w13's block)")
-        return next(iter(blocks.values()))
+    def row_block_plan(self, valid_shape_m: int) -> RowBlockPlan:
+        """The row block of the indexed routing at ``valid_shape_m`` and the config each sublayer's launch runs on
+        it (module docstring, "one row block for both GEMMs"). Where the sublayers' tuned configs agree on
+        ``block_m``: those configs, nothing forced (vLLM's call). Else, with the first sublayer (w13, whose block
+        vLLM aligns with) leading, then the next: every other sublayer runs the config of its own tuning table
+        that has the leader's ``block_m``, from the interval nearest ``valid_shape_m``
+        (``nearest_config_with_block``); the first leader all others can follow wins. Raises ``PeerRefused``
+        naming the tuned blocks where no leader can be followed, before any launch."""
+        tuned = {name: self.config_at(name, valid_shape_m) for name in self.tuning}
+        blocks = {name: block_m(config) for name, config in tuned.items()}
+        first = next(iter(blocks))
+        vllm = ("read expert_ids/sorted_ids out of bounds" if min(blocks.values()) < blocks[first]
+                else "run blocks spanning two experts' rows")
+        for lead, block in blocks.items():
+            taken = {name: nearest_config_with_block(self.tuning[name], block, valid_shape_m)
+                     for name in self.tuning if blocks[name] != block}
+            if None in taken.values():
+                continue
+            configs, forced = dict(tuned), {}
+            for name, (low, high, config) in taken.items():
+                configs[name] = config
+                fields = sorted(key for key in tuned[name].keys() | config.keys()
+                                if tuned[name].get(key) != config.get(key))
+                forced[name] = {
+                    "block_m": block, "tuned_block_m": blocks[name], "aligned_with": lead,
+                    "reason": (f"tuned row blocks {blocks} at shape_m={valid_shape_m}: vLLM aligns the routing to "
+                               f"{first}'s block and launches the others on it, which would {vllm} here; aligned to "
+                               f"{lead}'s {block}-row blocks instead, {name} runs its own tuning table's config for "
+                               f"shape_m in ({low}, {high}]"),
+                    "launched_config": config, "launched_config_interval": [low, high],
+                    "tuned_config": tuned[name], "differs_in": fields,
+                }
+            return RowBlockPlan(block, configs, forced)
+        raise PeerRefused(f"humming peer: at shape_m={valid_shape_m} the sublayers' tuned configs pick different row "
+                          f"blocks {blocks} and no sublayer's tuning table has a config with another's block; one "
+                          "indexed routing cannot serve both GEMMs")
 
     def quant(self, name: str, inputs: torch.Tensor, quanted: torch.Tensor | None):
         return self.method.may_quant_input(layer=self.module, inputs=inputs, quanted_input=quanted, sublayer_name=name)
 
     def gemm(self, name: str, inputs, scale, outputs, routing: HummingRouting, top_k: int) -> None:
+        """Sublayer ``name``'s launch on ``routing``: with its tuning table (vLLM's call), or where ``routing``'s plan
+        forced its config, with that one config."""
+        forced = routing.forced.get(name)
+        tuning = json.dumps(forced["launched_config"]) if forced else self.tuning_str[name]
         self.method.forward_layer(
             layer=self.module, inputs=inputs, input_scale=scale, outputs=outputs, sublayer_name=name,
             sorted_ids=routing.sorted_ids, expert_ids=routing.expert_ids, num_tokens_padded=routing.num_tokens_padded,
-            top_k=top_k, valid_shape_m=routing.valid_shape_m, compute_config=self.compute_str,
-            tuning_config=self.tuning_str[name])
+            top_k=top_k, valid_shape_m=routing.valid_shape_m, compute_config=self.compute_str, tuning_config=tuning)
 
     def config(self) -> dict:
         """What the receipt records: the release, the activation schema, compute and tuning configs, layer metas."""
@@ -508,8 +593,9 @@ class _HummingLayer:
 
 @dataclasses.dataclass
 class HummingRouting:
-    """One routing's prepared state and buffers (built outside the timed call), and each sublayer's Stream-K split
-    of its launch on it (for the reference)."""
+    """One routing's prepared state and buffers (built outside the timed call), each sublayer's Stream-K split of its
+    launch on it (for the reference) and ``forced``: the sublayers launched with another config than their tuned one
+    (``RowBlockPlan.forced``)."""
 
     valid_shape_m: int
     sorted_ids: torch.Tensor
@@ -517,6 +603,7 @@ class HummingRouting:
     num_tokens_padded: torch.Tensor
     buffers: dict[str, torch.Tensor]
     splits: dict[str, StreamKSplit] = dataclasses.field(default_factory=dict)
+    forced: dict[str, dict] = dataclasses.field(default_factory=dict)
 
     def positions(self, rows: int) -> torch.Tensor:
         """int64 ``[rows]``: each flat (token, slot) row's index in ``sorted_ids`` (``rows`` = T * k, the padding id;
@@ -542,6 +629,7 @@ class HummingMoE:
         self.experts, self.hidden, self.inter = l1[0].shape[0], l1[0].shape[2] * 2, l2[0].shape[2] * 2
         self.layer = _HummingLayer({"w13": (*l1, True), "w2": (*l2, False)}, activations)
         self.activations = activations
+        self.forced: dict[int, dict[str, dict]] = {}  # valid_shape_m -> RowBlockPlan.forced, for the receipt
         from .topk_sum import topk_sum
 
         self._topk_sum = topk_sum
@@ -552,11 +640,16 @@ class HummingMoE:
         self.activation_impl = f"{gate} / (1.f + expf(-{gate})) * {up}"
 
     def prepare(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> HummingRouting:
-        """Routing and buffers for BF16 tokens ``x [T, H]`` routed by ``topk_idx``/``topk_weights [T, k]``."""
+        """Routing and buffers for BF16 tokens ``x [T, H]`` routed by ``topk_idx``/``topk_weights [T, k]``: aligned
+        to the row block of ``_HummingLayer.row_block_plan``, with the Stream-K splits of the configs launched on it
+        (a forced config's, not the tuned one's). Raises ``PeerRefused`` where the plan does."""
         t, k = topk_idx.shape
         valid_shape_m = t * k  # vLLM's estimate at EP1: every (token, slot) row, unused slots included
-        ids = align_block_size(topk_idx, self.layer.shared_block_rows(valid_shape_m), self.experts)
-        splits = {name: self.layer.split(name, valid_shape_m, ids[0].numel(), x.device) for name in ("w13", "w2")}
+        plan = self.layer.row_block_plan(valid_shape_m)
+        ids = align_block_size(topk_idx, plan.block, self.experts)
+        splits = {name: self.layer.split(name, config, ids[0].numel()) for name, config in plan.configs.items()}
+        if plan.forced:
+            self.forced[valid_shape_m] = plan.forced
         dev, bf16 = x.device, torch.bfloat16
         buffers = {
             "x": x.contiguous(), "idx": topk_idx.to(torch.int32).contiguous(),
@@ -569,7 +662,7 @@ class HummingMoE:
         if self.activations == "fp8":
             buffers["x_q"] = torch.empty(t, self.hidden, dtype=torch.float8_e4m3fn, device=dev)
             buffers["act_q"] = torch.empty(t * k, self.inter, dtype=torch.float8_e4m3fn, device=dev)
-        return HummingRouting(valid_shape_m, *ids, buffers, splits)
+        return HummingRouting(valid_shape_m, *ids, buffers, splits, plan.forced)
 
     def __call__(self, routing: HummingRouting) -> torch.Tensor:
         """One MoE layer call on a prepared routing; returns its BF16 output ``[T, H]`` (``buffers["y"]``)."""
@@ -591,7 +684,8 @@ class HummingMoE:
         return peer_tolerances(self.inter, self.activations)
 
     def config(self) -> dict:
-        return {**self.layer.config(), "swiglu": f"humming process_input binary_split: {self.activation_impl}",
+        return {**self.layer.config(), "row_blocks_forced": {str(m): f for m, f in sorted(self.forced.items())},
+                "swiglu": f"humming process_input binary_split: {self.activation_impl}",
                 "topk_sum": "Triton (megamoe.bench.topk_sum), FP32 sum in slot order", "tolerance": self.tolerances()}
 
 
@@ -608,11 +702,12 @@ class HummingGemm:
         """Rows ``a`` BF16 ``[E * r, K]`` (expert e's rows at ``[e * r, (e + 1) * r)``): the routing with the
         quantized inputs and a NaN-filled output, and the float64 rows the GEMM reads (for the check)."""
         idx = torch.arange(self.experts, device=a.device).repeat_interleave(rows_per_expert).unsqueeze(1)
-        ids = align_block_size(idx, self.layer.block_rows("w", idx.numel()), self.experts)
+        config = self.layer.config_at("w", idx.numel())
+        ids = align_block_size(idx, block_m(config), self.experts)
         inputs, scale = self.layer.quant("w", a, None)
         read = a.double() if scale is None else dequantize_fp8(inputs, scale.reshape(a.shape[0], -1), torch.float64)
         out = torch.full((a.shape[0], self.n), float("nan"), dtype=torch.bfloat16, device=a.device)
-        split = self.layer.split("w", idx.numel(), ids[0].numel(), a.device)
+        split = self.layer.split("w", config, ids[0].numel())
         return HummingRouting(idx.numel(), *ids, {"inputs": inputs, "scale": scale, "out": out}, {"w": split}), read
 
     def __call__(self, routing: HummingRouting) -> torch.Tensor:
