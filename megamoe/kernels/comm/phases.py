@@ -72,9 +72,15 @@ class EpPhases:
 
     @cute.jit
     def fail(self, site: cutlass.Constexpr, rank: Int32, record: Int64, index: Int32, expected: Int32, seen: Int32):
-        """Report and trap: the host-mapped record (``record``, 0: none; the host prints its line, ``megamoe.mega``)
-        and, in the debug build, the same line by printf (a function call: release builds of a kernel with wgmma
-        must not contain one)."""
+        """``report``, then trap."""
+        self.report(site, rank, record, index, expected, seen)
+        ptx.trap()
+
+    @cute.jit
+    def report(self, site: cutlass.Constexpr, rank: Int32, record: Int64, index: Int32, expected: Int32, seen: Int32):
+        """The host-mapped record (``record``, 0: none; the host prints its line, ``megamoe.mega``) and, in the debug
+        build, the same line by printf (a function call: release builds of a kernel with wgmma must not contain
+        one)."""
         cta = cute.arch.block_idx()[0]
         sm = ptx.smid()
         role, text = SITES[site]
@@ -83,7 +89,6 @@ class EpPhases:
                         seen)
         if record != Int64(0):
             _st_record(record, [Int32(site + 1), rank, cta, sm, index, expected, seen, Int32(int(self.debug))])
-        ptx.trap()
 
     @cute.jit
     def wait_flag(self, addr: Int64, expected: Int32, wide: cutlass.Constexpr, scope: cutlass.Constexpr,
@@ -106,12 +111,20 @@ class EpPhases:
     def grid_barrier(self, counter: Int64, target: Int32, q: cutlass.Constexpr, site: cutlass.Constexpr, tid: Int32,
                      rank: Int32, record: Int64, timeout_ns: Int64):
         """Barrier ``q`` over all CTAs: thread 0 of each adds 1 to the monotonic ``counter`` (gpu scope) and waits
-        for ``target`` arrivals."""
+        for ``target`` arrivals; after ``timeout_ns`` (0: never) it reports (``report``) and the group's closing
+        barrier (``bar.red.or``) has all its threads trap. The trap stays out of thread 0's branch: there, ptxas takes
+        the rest of the Mega MoE kernel for divergent code and its consumer mainloop loses the uniform datapath (the
+        wgmma descriptors computed in regular registers, each moved by ``R2UR``)."""
         self.group_sync()
+        late = Int32(0)
         if tid == 0:
             ptx.arrive(counter)
-            self.wait_flag(counter, target, False, "gpu", site, Int32(q), rank, record, timeout_ns)
-        self.group_sync()
+            seen = ptx.spin_until(counter, target, False, "gpu", timeout_ns, True)
+            late = ptx.behind(seen, target)
+            if late != 0:
+                self.report(site, rank, record, Int32(q), target, seen)
+        if ptx.barrier_any(0 if self.barrier_id is None else self.barrier_id, self.threads, late) != 0:
+            ptx.trap()
 
     @cute.jit
     def load_unit(self, src: Int64, num_vecs: cutlass.Constexpr, unit: Int32, lane: Int32):
@@ -241,9 +254,9 @@ class EpPhases:
     def expert_offsets(self, offs: cute.Tensor, base: Int64, peers: Int64, stats: Int64, tid: Int32, lane: Int32,
                        cta: Int32, num_ctas: Int32, store: cutlass.Constexpr, me: Int32, record: Int64) -> Int32:
         """Step 3 (after the scan's grid barrier): ``offs`` (shared, int32 [E_l + 1]) = the exclusive prefix of
-        the counts (clamped to the pool), then clamped to ``row_limit``: the rows past it (expert order) are dropped
-        (``drop_row``, every CTA's share); CTA 0 adds the counts to the recv stats (``cfg.has_stats``) and, with
-        ``store``, writes ``expert_offsets``. Returns the rows to pull."""
+        the counts (clamped to the pool), then clamped to ``row_limit``; CTA 0 adds the counts to the recv stats
+        (``cfg.has_stats``) and, with ``store``, writes ``expert_offsets``. Returns the rows routed here: the first
+        ``row_limit`` are pulled, the rest dropped (``drop_rows``)."""
         cfg = self.cfg
         counts = cfg.offset("expert_counts")
         for e in cutlass.range(tid, self.num_local, self.threads):
@@ -256,10 +269,6 @@ class EpPhases:
         if cutlass.const_expr(self.debug):  # noqa: SIM102 (compile-time test, then the runtime one)
             if (cta == 0) & (tid == 0) & (total > self.row_limit):
                 self.fail(SITE_ROWS, me, record, Int32(self.row_limit), total, total - self.row_limit)
-        for row in cutlass.range(self.row_limit + cta * self.threads + tid, total, num_ctas * self.threads, unroll=1):
-            e = tiles.expert_of_block(row, offs, self.num_local, DSL_OPS)
-            pool_entry = base + (cfg.offset("pool") + (Int64(e) * self.pool_cap + (row - offs[e])) * 4)
-            self.drop_row(ptx.ld_cg_u32(pool_entry), peers)
         self.group_sync()  # every thread read the total before it is clamped
         for e in cutlass.range(tid, self.num_local + 1, self.threads):
             offs[e] = cutlass.min(offs[e], self.row_limit)
@@ -272,7 +281,25 @@ class EpPhases:
                     if e < self.num_local:
                         stat = stats + Int64(e) * 4
                         ptx.st_global_u32(stat, ptx.ld_cg_u32(stat) + ptx.ld_cg_u32(base + (counts + Int64(e) * 4)))
-        return cutlass.min(total, self.row_limit)
+        return total
+
+    @cute.jit
+    def drop_rows(self, base: Int64, peers: Int64, total: Int32, tid: Int32, cta: Int32, num_ctas: Int32):
+        """Drop (``drop_row``, every CTA's share) the rows routed here past ``row_limit`` (``total``: the rows routed
+        here, ``expert_offsets``' result; none past it: nothing to do), in expert order. The offsets come again from
+        the counts (``expert_offsets`` clamps its shared ones), so the Mega MoE kernel's consumers drop after their
+        tiles: a dynamic loop over every thread before the roles start costs its consumer mainloop the uniform
+        datapath (``grid_barrier``). Before this rank's ``done`` (combine), as the rows of the L2 tiles."""
+        if total > self.row_limit:
+            cfg = self.cfg
+            start = Int32(0)
+            for e in cutlass.range(self.num_local, unroll=1):
+                rows = cutlass.min(ptx.ld_cg_u32(base + (cfg.offset("expert_counts") + Int64(e) * 4)), self.pool_cap)
+                first = cutlass.max(start, self.row_limit) + cta * self.threads + tid
+                for row in cutlass.range(first, start + rows, num_ctas * self.threads, unroll=1):
+                    pool_entry = base + (cfg.offset("pool") + (Int64(e) * self.pool_cap + (row - start)) * 4)
+                    self.drop_row(ptx.ld_cg_u32(pool_entry), peers)
+                start = start + rows
 
     @cute.jit
     def fetch_unit(self, me: Int32, base: Int64, peers: Int64, e: Int32, entry: Int32, row: Int32, unit: Int32,
