@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import torch
-import cutlass
 from cutlass import Int32, Int64, cute, utils
 
 from .. import runtime
@@ -38,9 +37,7 @@ class Dispatch(EpPhases):
         self.grid_barrier(base + (self.signals + 4), (call * BARRIERS_PER_CALL + 1) * num_ctas, 0, SITE_D_BARRIER, tid,
                           me, record, timeout_ns)
         total = self.expert_offsets(offs, base, peers, stats, tid, lane, cta, num_ctas, True, me, record)
-        self.drop_rows(base, peers, total, tid, cta, num_ctas)
-        self.pull(me, base, peers, offs, cutlass.min(total, self.row_limit), cta * WARPS + tid // WARP, num_ctas * WARPS,
-                  lane, record)
+        self.pull(me, base, peers, offs, total, cta * WARPS + tid // WARP, num_ctas * WARPS, lane, record)
 
 
 def compile_dispatch(cfg: EpCommConfig):

@@ -254,9 +254,15 @@ class EpPhases:
     def expert_offsets(self, offs: cute.Tensor, base: Int64, peers: Int64, stats: Int64, tid: Int32, lane: Int32,
                        cta: Int32, num_ctas: Int32, store: cutlass.Constexpr, me: Int32, record: Int64) -> Int32:
         """Step 3 (after the scan's grid barrier): ``offs`` (shared, int32 [E_l + 1]) = the exclusive prefix of
-        the counts (clamped to the pool), then clamped to ``row_limit``; CTA 0 adds the counts to the recv stats
-        (``cfg.has_stats``) and, with ``store``, writes ``expert_offsets``. Returns the rows routed here: the first
-        ``row_limit`` are pulled, the rest dropped (``drop_rows``)."""
+        the counts (clamped to the pool), then clamped to ``row_limit``: the rows past it (expert order) are dropped
+        (``drop_row``, every CTA's share); CTA 0 adds the counts to the recv stats (``cfg.has_stats``) and, with
+        ``store``, writes ``expert_offsets``. Returns the rows to pull.
+
+        A rank receives at most ``max_recv_rows`` rows (``R * T_max * k`` routing entries, at most ``R * T_max`` per
+        expert), the bounded ring's ``row_limit``: no drop loop there. That matters beyond its size: the one-launch
+        kernel runs this on every thread before its roles start, and this per-thread dynamic loop there makes ptxas take
+        the rest of the kernel for divergent code (its consumer mainloop loses the uniform datapath, see
+        ``grid_barrier``)."""
         cfg = self.cfg
         counts = cfg.offset("expert_counts")
         for e in cutlass.range(tid, self.num_local, self.threads):
@@ -269,6 +275,11 @@ class EpPhases:
         if cutlass.const_expr(self.debug):  # noqa: SIM102 (compile-time test, then the runtime one)
             if (cta == 0) & (tid == 0) & (total > self.row_limit):
                 self.fail(SITE_ROWS, me, record, Int32(self.row_limit), total, total - self.row_limit)
+        if cutlass.const_expr(self.row_limit < self.cfg.layout.max_recv_rows):
+            for row in cutlass.range(self.row_limit + cta * self.threads + tid, total, num_ctas * self.threads, unroll=1):
+                e = tiles.expert_of_block(row, offs, self.num_local, DSL_OPS)
+                pool_entry = base + (cfg.offset("pool") + (Int64(e) * self.pool_cap + (row - offs[e])) * 4)
+                self.drop_row(ptx.ld_cg_u32(pool_entry), peers)
         self.group_sync()  # every thread read the total before it is clamped
         for e in cutlass.range(tid, self.num_local + 1, self.threads):
             offs[e] = cutlass.min(offs[e], self.row_limit)
@@ -281,25 +292,7 @@ class EpPhases:
                     if e < self.num_local:
                         stat = stats + Int64(e) * 4
                         ptx.st_global_u32(stat, ptx.ld_cg_u32(stat) + ptx.ld_cg_u32(base + (counts + Int64(e) * 4)))
-        return total
-
-    @cute.jit
-    def drop_rows(self, base: Int64, peers: Int64, total: Int32, tid: Int32, cta: Int32, num_ctas: Int32):
-        """Drop (``drop_row``, every CTA's share) the rows routed here past ``row_limit`` (``total``: the rows routed
-        here, ``expert_offsets``' result; none past it: nothing to do), in expert order. The offsets come again from
-        the counts (``expert_offsets`` clamps its shared ones), so the Mega MoE kernel's consumers drop after their
-        tiles: a dynamic loop over every thread before the roles start costs its consumer mainloop the uniform
-        datapath (``grid_barrier``). Before this rank's ``done`` (combine), as the rows of the L2 tiles."""
-        if total > self.row_limit:
-            cfg = self.cfg
-            start = Int32(0)
-            for e in cutlass.range(self.num_local, unroll=1):
-                rows = cutlass.min(ptx.ld_cg_u32(base + (cfg.offset("expert_counts") + Int64(e) * 4)), self.pool_cap)
-                first = cutlass.max(start, self.row_limit) + cta * self.threads + tid
-                for row in cutlass.range(first, start + rows, num_ctas * self.threads, unroll=1):
-                    pool_entry = base + (cfg.offset("pool") + (Int64(e) * self.pool_cap + (row - start)) * 4)
-                    self.drop_row(ptx.ld_cg_u32(pool_entry), peers)
-                start = start + rows
+        return cutlass.min(total, self.row_limit)
 
     @cute.jit
     def fetch_unit(self, me: Int32, base: Int64, peers: Int64, e: Int32, entry: Int32, row: Int32, unit: Int32,

@@ -198,9 +198,8 @@ class GemmConfig:
 def mega_comm_words(comm) -> int:
     """int32 words of the Mega MoE kernel's ``sComm`` (``comm``: its ``comm.EpCommConfig``, or None): the expert
     offsets (int32 [E_l + 1]), the scan's two source token counts, the pool-block prefix (int32 [E_l + 1]), the
-    ring geometry (``Sm90Fp4GroupedGemm.ring_geometry``: 4 int32), the last-CTA flag and the rows routed to the rank
-    (``MegaContext.routed``)."""
-    return 0 if comm is None else -(-(2 * comm.layout.num_local_experts + 10) // 4) * 4
+    ring geometry (``Sm90Fp4GroupedGemm.ring_geometry``: 4 int32) and the last-CTA flag."""
+    return 0 if comm is None else -(-(2 * comm.layout.num_local_experts + 9) // 4) * 4
 
 
 def mega_smem_bytes(comm) -> int:

@@ -46,9 +46,8 @@ class MegaContext(NamedTuple):
     """What the dispatch leaves for the later phases."""
 
     call: Int32  # calls this rank's buffer completed before this one
-    total: Int32  # rows to pull: those routed to this rank, at most the ring's limit
+    total: Int32  # rows routed to this rank
     flag: cute.Tensor  # one shared int32: the end-of-call election
-    routed: cute.Tensor  # one shared int32: the rows routed to this rank, those past the ring's limit dropped
     timeout_ns: Int64  # spin-wait limit (0: never)
 
 
@@ -66,8 +65,7 @@ class MegaMoESm90(FusedL1L2Sm90):
         # Dispatch runs on every thread of the CTA; combine on the consumer warpgroups (named barrier).
         self.ep_all = self.ring_phases(comm, self.threads, bounded_ring=True)
         self.max_blocks = mega_max_blocks(comm.layout, self.tile_tokens)
-        self.ep_cons = EpPhases(comm, 128 * self.num_consumer_wg, barrier_id=named_barriers(self.num_consumer_wg)[2],
-                                bounded_ring=True)
+        self.ep_cons = EpPhases(comm, 128 * self.num_consumer_wg, barrier_id=named_barriers(self.num_consumer_wg)[2])
 
     def extra_smem_bytes(self) -> int:
         return mega_smem_bytes(self.comm)
@@ -99,7 +97,6 @@ class MegaMoESm90(FusedL1L2Sm90):
         t_src = cute.make_tensor(offs.iterator + (num_local + 1), cute.make_layout(2))
         firsts = cute.make_tensor(offs.iterator + (num_local + 3), cute.make_layout(num_local + 1))
         flag = cute.make_tensor(offs.iterator + (2 * num_local + 8), cute.make_layout(1))
-        routed = cute.make_tensor(offs.iterator + (2 * num_local + 9), cute.make_layout(1))
         lane = cute.arch.lane_idx()
         call = self.ep_all.current_call(mega.base)
         if bidx == 0:
@@ -118,11 +115,9 @@ class MegaMoESm90(FusedL1L2Sm90):
         cute.arch.sync_threads()
         if tidx == 0:
             self.store_ring_geometry(offs, firsts, total_rows)
-            routed[0] = total
         cute.arch.sync_threads()
         self.stamp(mega, gdim, bidx, tidx, "offsets")
-        return groups._replace(group_a=offs, group_b=firsts), MegaContext(
-            call, cutlass.min(total, self.ep_all.row_limit), flag, routed, timeout_ns)
+        return groups._replace(group_a=offs, group_b=firsts), MegaContext(call, total, flag, timeout_ns)
 
     @cute.jit
     def geometry_words(self, firsts: cute.Tensor):
@@ -282,13 +277,11 @@ class MegaMoESm90(FusedL1L2Sm90):
 
     @cute.jit
     def after_consumers(self, ctidx, sync, groups, mega, ctx, bidx, gdim):
-        """The rows routed past the ring's limit dropped (``EpPhases.drop_rows``: here, not in the dispatch, see
-        there), then combine on the consumer warpgroups (``comm`` combine steps 2-3): every row of every CTA is
-        stored (or zeroed) and fenced (sys) by its thread once all CTAs pass this barrier."""
+        """Combine on the consumer warpgroups (``comm`` combine steps 2-3): every row of every CTA is stored and
+        fenced (sys) by its thread once all CTAs pass this barrier."""
         timeout_ns = ctx.timeout_ns
         num_warps = self.ep_cons.warps
         self.stamp(mega, gdim, bidx, ctidx, "tiles done")
-        self.ep_cons.drop_rows(mega.base, mega.peers, Int32(ctx.routed[0]), ctidx, bidx, gdim)
         self.ep_cons.grid_barrier(self.word(sync, groups.num_groups, GRID), 2 * gdim, 1, SITE_C_BARRIER, ctidx,
                                   mega.me, mega.record, timeout_ns)
         self.stamp(mega, gdim, bidx, ctidx, "combine barrier")
