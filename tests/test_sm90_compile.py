@@ -4,7 +4,8 @@ Compiles (one child process that keeps the PTX): every release variant of the gr
 token tile, group mode and epilogue, folded FP8 scales), the one-launch L1/L2 kernel and the one-launch Mega MoE
 kernel, the IEEE-silu builds and the debug builds. Each release build issues wgmma and calls no function (ptxas would
 serialize its wgmmas; with a ``ptxas`` on PATH its advisories are checked too) and waits for the previous grid
-before touching global memory; with an ``nvdisasm`` too, the Mega MoE kernel's mainloop keeps the uniform datapath. Configs: ``token_widths``, ``select_config`` and ``GemmConfig`` validation.
+before touching global memory; with an ``nvdisasm`` too, the Mega MoE kernel's mainloop keeps the uniform datapath.
+Configs: ``token_widths``, ``select_config`` and ``GemmConfig`` validation.
 CPU only; the GPU results are in test_grouped_gemm.py.
 """
 

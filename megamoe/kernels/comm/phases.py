@@ -110,11 +110,19 @@ class EpPhases:
     @cute.jit
     def grid_barrier(self, counter: Int64, target: Int32, q: cutlass.Constexpr, site: cutlass.Constexpr, tid: Int32,
                      rank: Int32, record: Int64, timeout_ns: Int64):
+        """``grid_barrier_late``; after a timeout every thread of the group traps."""
+        if self.grid_barrier_late(counter, target, q, site, tid, rank, record, timeout_ns) != 0:
+            ptx.trap()
+
+    @cute.jit
+    def grid_barrier_late(self, counter: Int64, target: Int32, q: cutlass.Constexpr, site: cutlass.Constexpr,
+                          tid: Int32, rank: Int32, record: Int64, timeout_ns: Int64) -> Int32:
         """Barrier ``q`` over all CTAs: thread 0 of each adds 1 to the monotonic ``counter`` (gpu scope) and waits
-        for ``target`` arrivals; after ``timeout_ns`` (0: never) it reports (``report``) and the group's closing
-        barrier (``bar.red.or``) has all its threads trap. The trap stays out of thread 0's branch: there, ptxas takes
-        the rest of the Mega MoE kernel for divergent code and its consumer mainloop loses the uniform datapath (the
-        wgmma descriptors computed in regular registers, each moved by ``R2UR``)."""
+        for ``target`` arrivals; after ``timeout_ns`` (0: never) it reports (``report``). Returns 1 in every thread
+        of the group (the closing barrier's ``bar.red.or``) after a timeout, else 0: the caller traps (every thread).
+        The trap stays out of thread 0's branch: there, ptxas takes the rest of the Mega MoE kernel for divergent code
+        and its consumer mainloop loses the uniform datapath (the wgmma descriptors computed in regular registers,
+        each moved by ``R2UR``)."""
         self.group_sync()
         late = Int32(0)
         if tid == 0:
@@ -123,8 +131,7 @@ class EpPhases:
             late = ptx.behind(seen, target)
             if late != 0:
                 self.report(site, rank, record, Int32(q), target, seen)
-        if ptx.barrier_any(0 if self.barrier_id is None else self.barrier_id, self.threads, late) != 0:
-            ptx.trap()
+        return ptx.barrier_any(0 if self.barrier_id is None else self.barrier_id, self.threads, late)
 
     @cute.jit
     def load_unit(self, src: Int64, num_vecs: cutlass.Constexpr, unit: Int32, lane: Int32):
