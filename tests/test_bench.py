@@ -139,6 +139,22 @@ def test_gemm_bench_alternative_configs_differ_from_the_choice():
             assert kernel_configs(p, mma, False) == configs[:1]
 
 
+def test_gemm_bench_times_both_weight_decodes_of_recipe_128():
+    """``--decode regs,smem``: each recipe-128 config in the consumers' register decode, then each as the
+    shared-memory decode on one CTA per SM (configs that differ only in their CTAs per SM run once)."""
+    from megamoe.bench.gemm import Point, kernel_configs
+
+    for rows in (1, 64, 4096):
+        p = Point("flash", "l1", 8, 32, rows, 4096, 4096)
+        regs = kernel_configs(p, "fp8", True, 128)
+        both = kernel_configs(p, "fp8", True, 128, ("regs", "smem"))
+        smem = kernel_configs(p, "fp8", True, 128, ("smem",))
+        assert both == regs + smem and len(set(both)) == len(both)
+        assert all(c.decode == "regs" for c in regs) and all(c.decode == "smem" and c.ctas_per_sm == 1 for c in smem)
+        assert [(c.tile_tokens, c.tile_n) for c in smem] == [(c.tile_tokens, c.tile_n) for c in regs]
+    assert kernel_configs(p, "bf16", True, 32, ("regs", "smem")) == kernel_configs(p, "bf16", True)
+
+
 def test_ab_runs_the_builds_in_turn_each_its_own_source(tmp_path):
     """bench/ab.py: two builds of this tree (copied: no git needed) run in turn (one ``python -m
     torch.distributed.run`` each: no torchrun on PATH needed; tiny preset on CPU) into one receipt and a summary

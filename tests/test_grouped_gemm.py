@@ -780,19 +780,26 @@ def _recipe128_case(counts, n, k, gen, lead_pad=2, tail_pad=7):
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize("tile_tokens,tile_n,ctas", [(8, 128, 2), (16, 128, 2), (32, 128, 1), (64, 128, 1),
-                                                     (128, 128, 1), (128, 64, 1), (16, 256, 1), (32, 256, 1)])
-def test_recipe128_contiguous_ragged(tile_tokens, tile_n, ctas):
+@pytest.mark.parametrize("tile_tokens,tile_n,ctas,decode", [
+    (8, 128, 2, "regs"), (16, 128, 2, "regs"), (32, 128, 1, "regs"), (64, 128, 1, "regs"), (128, 128, 1, "regs"),
+    (128, 64, 1, "regs"), (16, 256, 1, "regs"), (32, 256, 1, "regs"),
+    # the weights decoded once per tile into shared memory (one CTA per SM; four consumer warpgroups up to 32 tokens)
+    (8, 128, 1, "smem"), (64, 128, 1, "smem"), (128, 128, 1, "smem"), (128, 64, 1, "smem"), (32, 256, 1, "smem")])
+def test_recipe128_contiguous_ragged(tile_tokens, tile_n, ctas, decode):
+    """Ragged groups (empty experts, one row, partial tiles, groups over several tiles) between NaN padding rows."""
     gen = torch.Generator().manual_seed(400 + tile_tokens + tile_n)
     counts, n, k = [0, 1, 37, 5, 0, 130, 64, 1, 200], 512, 1536
     a, a_sf, offsets, row_expert = _recipe128_case(counts, n, k, gen)
     w, w_sf = foldable_weights(len(counts), n, k, gen, "cuda")
     bk, bk_sf = prepare_fp4_weights(w, w_sf, fold=True)
     out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas, mma="fp8", token_block=128)
+    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas, mma="fp8", token_block=128,
+                     decode=decode)
     grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg)
     torch.cuda.synchronize()
     _check_rows(out, a, a_sf, w, w_sf, row_expert, f"recipe 128 contiguous {cfg.describe()}", k32_per_sum=4)
+    if decode == "smem":  # the default config below is the register decode's
+        return
     # the default config, in a CUDA graph replayed twice
     out.fill_(float("nan"))
     graph = torch.cuda.CUDAGraph()
@@ -806,7 +813,29 @@ def test_recipe128_contiguous_ragged(tile_tokens, tile_n, ctas):
 
 @gpu
 @needs_sm90
-def test_recipe128_masked_one_row_and_empty():
+@pytest.mark.parametrize("tile_tokens", [64, 128])
+def test_recipe128_smem_decode_many_tiles_per_cta(tile_tokens):
+    """The shared-memory decode over more tiles than CTAs (each CTA's decode warps and consumers take several tiles
+    from the producer, the stages' barriers wrap many times), groups of every size up to several token tiles."""
+    gen = torch.Generator().manual_seed(430 + tile_tokens)
+    counts, n, k = [300, 0, 1, 129, 64, 257, 200, 3, 511, 90], 2048, 1024
+    a, a_sf, offsets, row_expert = _recipe128_case(counts, n, k, gen)
+    w, w_sf = foldable_weights(len(counts), n, k, gen, "cuda")
+    bk, bk_sf = prepare_fp4_weights(w, w_sf, fold=True)
+    out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=128, mma="fp8", token_block=128, decode="smem")
+    tiles = sum(-(-c // tile_tokens) for c in counts) * (n // cfg.tile_n)
+    assert tiles > 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg)
+    torch.cuda.synchronize()
+    _check_rows(out, a, a_sf, w, w_sf, row_expert, f"recipe 128 contiguous {cfg.describe()}", k32_per_sum=4)
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("config", [None, GemmConfig(tile_tokens=32, tile_n=128, mma="fp8", token_block=128,
+                                                      decode="smem")], ids=["default", "smem-decode"])
+def test_recipe128_masked_one_row_and_empty(config):
     gen = torch.Generator().manual_seed(411)
     masked, max_m, n, k = [1, 0, 33, 16], 40, 256, 512
     e = len(masked)
@@ -816,19 +845,20 @@ def test_recipe128_masked_one_row_and_empty():
     bk, bk_sf = prepare_fp4_weights(w, w_sf, fold=True)
     out = torch.full((e, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     grouped_gemm_fp8_fp4_masked(a.view(e, max_m, k), a_sf.view(e, max_m, k // 128), bk, bk_sf,
-                                torch.tensor(masked, dtype=torch.int32, device="cuda"), out=out)
+                                torch.tensor(masked, dtype=torch.int32, device="cuda"), out=out, config=config)
     torch.cuda.synchronize()
     row_expert = torch.full((e, max_m), -1, dtype=torch.int64)
     for i, c in enumerate(masked):
         row_expert[i, :c] = i
-    _check_rows(out.view(e * max_m, n), a, a_sf, w, w_sf, row_expert.flatten().cuda(), "recipe 128 masked",
-                k32_per_sum=4)
+    _check_rows(out.view(e * max_m, n), a, a_sf, w, w_sf, row_expert.flatten().cuda(),
+                f"recipe 128 masked {config.describe() if config else 'default config'}", k32_per_sum=4)
 
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize("tile_tokens,clamp", [(8, None), (16, 3.0), (32, None)])
-def test_recipe128_swiglu(tile_tokens, clamp):
+@pytest.mark.parametrize("tile_tokens,clamp,decode", [(8, None, "regs"), (16, 3.0, "regs"), (32, None, "regs"),
+                                                       (8, 3.0, "smem"), (32, None, "smem")])
+def test_recipe128_swiglu(tile_tokens, clamp, decode):
     """L1 with the per-128 SwiGLU epilogue against an FP64 GEMM, the BF16 rounding of gate and up, the clamp, silu,
     the routing weight and the per-128 quantization, all written here: the dequantized rows within the contract's
     tolerance of recipe (1, 1, 128); padding rows keep their poison. The kernel's accumulation (FP32, and the FP8
@@ -844,7 +874,7 @@ def test_recipe128_swiglu(tile_tokens, clamp):
     row_weights = torch.rand(m, generator=gen).cuda()
     out = torch.full((m, inter), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
     out_sf = torch.full((m, inter // 128), float("nan"), dtype=torch.float32, device="cuda")
-    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=256, mma="fp8", token_block=128)
+    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=256, mma="fp8", token_block=128, decode=decode)
     grouped_gemm_fp8_fp4_swiglu_contiguous(a, a_sf, bk, bk_sf, offsets, row_weights, clamp=clamp, out=out,
                                            out_sf=out_sf, config=cfg)
     torch.cuda.synchronize()

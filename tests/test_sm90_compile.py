@@ -129,9 +129,20 @@ RECIPE128_CASES = [
     (GemmConfig(tile_tokens=8, tile_n=256, mma="fp8", token_block=128), "masked", "swiglu_fp8"),
     (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128), "offsets_counts", "swiglu_fp8"),
 ]
+# Recipe (1, 1, 128) with the weights decoded once per tile into shared memory (``decode="smem"``): the plain BF16
+# and the scatter epilogue on one and two consumer warpgroups, the per-128 SwiGLU epilogue on four, the three group
+# layouts.
+SMEM_DECODE_CASES = [
+    (GemmConfig(tile_tokens=128, tile_n=128, mma="fp8", token_block=128, decode="smem"), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=64, tile_n=128, mma="fp8", token_block=128, decode="smem"), "masked", "bf16"),
+    (GemmConfig(tile_tokens=128, tile_n=64, mma="fp8", token_block=128, decode="smem"), "offsets_counts", "bf16"),
+    (GemmConfig(tile_tokens=8, tile_n=128, mma="fp8", token_block=128, decode="smem"), "offsets", "bf16_scatter"),
+    (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128, decode="smem"), "offsets", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=8, tile_n=256, mma="fp8", token_block=128, decode="smem"), "masked", "swiglu_fp8"),
+]
 RELEASE_CASES = ([(c, m, e, None, False, False, True) for c, m, e in COMPILE_CASES]
                  + [(c, m, e, None, False, True, True) for c, m, e in FOLDED_CASES]
-                 + [(c, m, e, None, False, True, True) for c, m, e in RECIPE128_CASES]
+                 + [(c, m, e, None, False, True, True) for c, m, e in RECIPE128_CASES + SMEM_DECODE_CASES]
                  + [(c, "offsets", "l1_l2", lay, False, False, True) for c, lay in MEGA_CASES]
                  + [(MEGA_CASES[0][0], "offsets", "l1_l2", MEGA_CASES[0][1], True, False, True)]
                  + [(c, "offsets", "l1_l2", lay, False, False, True) for c, lay in MEGA128_CASES]
@@ -168,6 +179,7 @@ for i, (cfg, mode, epilogue, mega, debug, trace, folded, fast, *extra) in enumer
             cubin = path[:-3] + "cubin"
             out = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", cubin], capture_output=True, text=True)
             build["ptxas"] = [l for l in out.stderr.splitlines() if "(C75" in l or "error" in l]
+            build["spills"] = [int(n) for n in re.findall(r"(\\d+) bytes spill (?:stores|loads)", out.stderr)]
             if nvdisasm and out.returncode == 0:  # the SASS between the first and the last wgmma
                 sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
                 ops = re.findall(r"^\\s*/\\*[0-9a-f]+\\*/\\s*(?:@!?\\w+\\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
@@ -209,7 +221,8 @@ def compile_report(cases: list, dump_dir) -> list[dict]:
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
-RELEASE_IDS = [f"{c.mma}{'x128' if c.token_block == 128 else ''}-{c.tile_tokens}x{c.tile_n}x{c.ctas_per_sm}-{m}-{e}"
+RELEASE_IDS = [f"{c.mma}{'x128' if c.token_block == 128 else ''}{'-smem' if c.decode == 'smem' else ''}"
+               f"-{c.tile_tokens}x{c.tile_n}x{c.ctas_per_sm}-{m}-{e}"
                + ("" if lay is None else "-mega-r%d-e%d-h%d" % (lay[0], lay[1], lay[4]) + ("-r128" if R128 in lay else ""))
                + ("-trace" if trace else "") + ("-folded" if folded else "") + ("" if fast else "-ieee-silu")
                for c, m, e, lay, trace, folded, fast in RELEASE_CASES]
@@ -255,6 +268,19 @@ def test_programmatic_dependent_waits_before_global_memory(sm90a_builds, case):
     allowed = BEFORE_WAIT_ALWAYS + (BEFORE_WAIT_SEPARATE if separate else ())
     early = [op for op in build["before_wait"] if not op.startswith(allowed)]
     assert not early, f"global-memory instructions before griddepcontrol.wait: {early}"
+
+
+def test_smem_decode_builds_do_not_spill(sm90a_builds):
+    """The shared-memory decode variants within their setmaxnreg budgets (the consumers' and the decode warps'):
+    ptxas reports no spill stores or loads. Needs a ptxas on PATH."""
+    if "ptxas" not in sm90a_builds[0]:
+        pytest.skip("no ptxas on PATH")
+    first = len(COMPILE_CASES) + len(FOLDED_CASES) + len(RECIPE128_CASES)
+    for i, (cfg, mode, epilogue) in enumerate(SMEM_DECODE_CASES):
+        build = sm90a_builds[first + i]
+        assert RELEASE_CASES[first + i][0] == cfg
+        assert "error" not in build, build.get("error")
+        assert build["spills"] and not any(build["spills"]), f"{cfg.describe(epilogue)} {mode}: {build['spills']}"
 
 
 def test_debug_builds_compile_and_the_call_check_sees_their_printf(sm90a_builds):
@@ -368,4 +394,15 @@ def test_config_validation():
         GemmConfig(tile_tokens=8, tile_n=64, ctas_per_sm=3, mma="fp8")
     with pytest.raises(ValueError, match="config.mma"):
         GemmConfig(mma="int8")
+    for bad in ({"decode": "shared"}, {"decode": "smem"}, {"decode": "smem", "mma": "fp8"},
+                {"decode": "smem", "mma": "fp8", "token_block": 128, "tile_tokens": 16, "ctas_per_sm": 2}):
+        with pytest.raises(ValueError, match="config.decode` must be one of \\('regs', 'smem'\\)"):
+            GemmConfig(**bad)
+    smem = GemmConfig(tile_tokens=128, mma="fp8", token_block=128, decode="smem")
+    assert "decode=smem" in smem.describe() and "decode" not in GemmConfig(mma="fp8", token_block=128).describe()
+    # per stage a decoded E4M3 weight tile (128 bytes per weight row) and the token-scale table (4 lane quads x
+    # (32 scales + 4 padding) FP32)
+    regs = GemmConfig(tile_tokens=128, mma="fp8", token_block=128)
+    assert smem.stage_bytes() == regs.stage_bytes() + 128 * 128 + 4 * 36 * 4
+    assert smem.num_stages() < regs.num_stages()
 

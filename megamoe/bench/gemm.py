@@ -25,7 +25,10 @@ of those BF16 rows, before the timed call as megamoe's tokens are), built and ca
 asked for that is not installed or cannot run here stops the run. With ``--json``, a plot (us per call against rows
 per expert, one line per row kind, log-log) is saved beside the receipt when matplotlib is importable.
 
-    python -m megamoe.bench.gemm [--quick] [--recipe 32|128] [--mma bf16,fp8] [--fold row|chunk] [--no-alt]
+``--decode regs,smem`` (recipe 128): each FP8 config with the weights decoded in the consumers' registers and/or once
+per tile into shared memory (``GemmConfig.decode``), side by side.
+
+    python -m megamoe.bench.gemm [--quick] [--recipe 32|128] [--mma bf16,fp8] [--decode regs,smem] [--fold row|chunk] [--no-alt]
                                  [--presets flash,pro] [--layers l1,l2] [--ep 8,2] [--rows 1,4,16,64,256,1024,4096]
                                  [--routings N] [--peers humming] [--max-gb 100] [--json PATH]
 """
@@ -41,6 +44,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..kernels.sm90.config import DECODES
 from ..numerics import RECIPE_32, RECIPE_128, rel_fro_error
 from . import peers as peer_lib
 from .common import environment_receipt, measure_hbm_read_bandwidth, time_graph
@@ -183,10 +187,11 @@ def _weight_bytes(p: Point, bytes_per_weight: float) -> float:
     return p.experts * p.n * p.k * bytes_per_weight
 
 
-def kernel_configs(p: Point, mma: str, alternatives: bool, token_block: int = 32) -> list:
+def kernel_configs(p: Point, mma: str, alternatives: bool, token_block: int = 32, decodes=("regs",)) -> list:
     """``select_config``'s choice for ``mma`` (and the tokens' scale block), plus one alternative: in BF16 mode 128-row
     weight tiles where it picks 256 (two CTAs per SM where the token tile allows), 1 CTA/SM where it picks two,
-    tile_tokens=64 for 128 in either mode."""
+    tile_tokens=64 for 128 in either mode. FP8 mode with per-128 token scales: each of those for every weight decode
+    in ``decodes`` ("regs", "smem": ``GemmConfig.decode``; "smem" on one CTA per SM, which it needs)."""
     import dataclasses
 
     from megamoe.kernels.sm90 import select_config
@@ -199,7 +204,11 @@ def kernel_configs(p: Point, mma: str, alternatives: bool, token_block: int = 32
         configs.append(dataclasses.replace(cfg, ctas_per_sm=1))
     elif alternatives and cfg.tile_tokens == 128:
         configs.append(dataclasses.replace(cfg, tile_tokens=64))
-    return configs
+    if mma != "fp8" or token_block != 128:
+        return configs
+    smem = [dataclasses.replace(c, decode="smem", ctas_per_sm=1) for c in configs]
+    return [c for c in configs if "regs" in decodes] + [c for i, c in enumerate(smem) if "smem" in decodes
+                                                        and c not in smem[:i]]
 
 
 def _worst_verdict(verdicts: list[str]) -> str:
@@ -234,7 +243,8 @@ def run_kernel(p: Point, weights, token_sets: list, cfg) -> Result:
     us = _time_us(call)
     flops = 2.0 * calls[0][0].shape[0] * p.n * p.k
     wbytes = _weight_bytes(p, 0.5 + 1 / 32)  # FP4 values + one UE8M0 byte per 32
-    return Result(f"megamoe {cfg.mma}{'x128' if cfg.token_block == 128 else ''} mode", verdict, us, flops / us / 1e6, wbytes / us / 1e3, cfg.describe())
+    name = f"megamoe {cfg.mma}{'x128' if cfg.token_block == 128 else ''}{' smem-decode' if cfg.decode == 'smem' else ''}"
+    return Result(f"{name} mode", verdict, us, flops / us / 1e6, wbytes / us / 1e3, cfg.describe())
 
 
 def run_peer(p: Point, peer, canonical, token_sets: list) -> Result:
@@ -360,6 +370,8 @@ def main(argv=None) -> int:
                         "32, fp8 for recipe 128)")
     parser.add_argument("--fold", choices=("row", "chunk"), default="row",
                         help="FP8-mode weight scales folded per row (default) or per row and 128-K chunk")
+    parser.add_argument("--decode", default="regs", help="recipe 128: where the kernel decodes the weights (comma "
+                        "list of regs, smem; GemmConfig.decode)")
     parser.add_argument("--no-alt", action="store_true", help="no alternative config rows")
     parser.add_argument("--quick", action="store_true", help="flash only, EP8, rows 1,16,64,1024")
     parser.add_argument("--no-baselines", action="store_true")
@@ -378,6 +390,11 @@ def main(argv=None) -> int:
         parser.error(f"--mma takes bf16 and/or fp8, got {args.mma!r}")
     if recipe == RECIPE_128 and "bf16" in mmas:
         parser.error("--recipe 128 runs FP8 mode only (--mma fp8): FP8 tokens with FP32 scales have no exact BF16 form")
+    decodes = tuple(args.decode.split(","))
+    if not decodes or any(d not in DECODES for d in decodes):
+        parser.error(f"--decode takes regs and/or smem, got {args.decode!r}")
+    if recipe != RECIPE_128 and decodes != ("regs",):
+        parser.error("--decode smem runs recipe 128 only (--recipe 128)")
     if args.routings < 1:
         parser.error(f"--routings must be >= 1, got {args.routings}")
     try:
@@ -423,7 +440,7 @@ def main(argv=None) -> int:
         token_sets = [make_fp8_tokens(p, recipe) for _ in range(args.routings)]
         token_block = {"fp8": recipe[2], "bf16": 32}
         results = [run_kernel(p, weights, token_sets, cfg) for mma in mmas
-                   for cfg in kernel_configs(p, mma, not args.no_alt, token_block[mma])]
+                   for cfg in kernel_configs(p, mma, not args.no_alt, token_block[mma], decodes)]
         results += [run_peer(p, gemm, weights["canonical"], token_sets) for gemm in peer_gemms.values()]
         token_sets = None
         torch.cuda.empty_cache()

@@ -22,6 +22,9 @@ N_MULTIPLE = ROW_BLOCK  # weight rows: whole row blocks of the kernel layouts (6
 MMA_MODES = ("bf16", "fp8")
 TOKEN_BLOCKS = (32, 128)
 """K elements per token scale in FP8 mode (``GemmConfig.token_block``): the recipes (1, 1, 32) and (1, 1, 128)."""
+DECODES = ("regs", "smem")
+"""Where the weights are dequantized (``GemmConfig.decode``): into each consumer thread's registers (RS wgmma), or once
+per CTA tile into shared memory by the producer warpgroup's three other warps (SS wgmma; recipe (1, 1, 128) only)."""
 TILE_TOKENS_CHOICES = {"bf16": (8, 16, 32, 64, 128), "fp8": (8, 16, 32, 64, 128)}
 TILE_N_CHOICES = (64, 128, 256)
 FOUR_WG_MAX_TILE_TOKENS = 64
@@ -56,6 +59,12 @@ SCATTER_PAD = 8
 """BF16 elements of padding per staged row of the scatter epilogue (rows stay 16-byte aligned)."""
 
 
+def decode_scale_stride(tile_tokens: int) -> int:
+    """Decode "smem": FP32 words per lane quad of a stage's token-scale table: the quad's ``tile_tokens / 4`` scales,
+    padded to a multiple of 4 plus 4, so that the four quads' 16-byte loads hit different banks."""
+    return max(tile_tokens // 4, 4) + 4
+
+
 def named_barriers(consumer_warpgroups: int) -> tuple[int, int, int]:
     """Named barrier ids of a kernel with ``consumer_warpgroups`` consumer warpgroups (0 is ``sync_threads``):
     (first epilogue barrier, first signal barrier, combine barrier). Consumer warpgroup w's epilogue (and the wide
@@ -86,6 +95,9 @@ class GemmConfig:
     token_block: FP8 mode, the K elements one token scale covers: 32 (packed UE8M0 scales, recipe (1, 1, 32): an FP32
         promotion every 32 K) or 128 (one FP32 scale per 128 K, recipe (1, 1, 128): one promotion per 128-K chunk;
         folded weight scales only). BF16 mode: 32 (unused).
+    decode: "regs" (every consumer warp decodes its own weight rows into its RS wgmma A fragment) or "smem" (FP8 mode
+        with ``token_block`` 128 and one CTA per SM: warps 1-3 decode each stage's weight tile once into an E4M3
+        shared-memory tile that the consumers' SS wgmmas read: ``mainloop_fp8_smem``).
     """
 
     tile_tokens: int = 64
@@ -94,6 +106,7 @@ class GemmConfig:
     ctas_per_sm: int = 1
     mma: str = "bf16"
     token_block: int = 32
+    decode: str = "regs"
 
     def __post_init__(self):
         if self.mma not in MMA_MODES:
@@ -101,6 +114,10 @@ class GemmConfig:
         if self.token_block not in TOKEN_BLOCKS or (self.mma == "bf16" and self.token_block != 32):
             fail("config.token_block", f"must be one of {TOKEN_BLOCKS} (128: FP8 mode only), got {self.token_block} "
                  f"with mma={self.mma!r}")
+        if self.decode not in DECODES or (self.decode == "smem" and not (
+                self.mma == "fp8" and self.token_block == 128 and self.ctas_per_sm == 1)):
+            fail("config.decode", f"must be one of {DECODES} ('smem': mma='fp8', token_block=128, ctas_per_sm=1), got "
+                 f"{self.decode!r} with mma={self.mma!r}, token_block={self.token_block}, ctas_per_sm={self.ctas_per_sm}")
         allowed = {
             1: True,
             2: self.tile_tokens <= TWO_CTA_TILE_TOKENS[self.mma],
@@ -142,13 +159,20 @@ class GemmConfig:
 
     def stage_bytes(self, epilogue: str = "bf16") -> int:
         """Shared memory of one pipeline stage: tokens, packed weights and the weights' packed scale words (4 bytes
-        per row) of each chunk; FP8 mode: plus the tokens' 4-chunk scale box (16 bytes per row)."""
+        per row) of each chunk; FP8 mode: plus the tokens' 4-chunk scale box (16 bytes per row); decode "smem": plus
+        the decoded E4M3 weight tile and the token-scale table (``decoded_stage_bytes``)."""
         return self._stage_bytes(self.chunks_per_stage(epilogue))
 
     def _stage_bytes(self, chunks: int) -> int:
         if self.mma == "bf16":
             return chunks * (self.tile_tokens * K_CHUNK * 2 + self.tile_n * (CHUNK_BYTES + 4))
-        return self.tile_tokens * K_CHUNK + self.tile_n * (CHUNK_BYTES + 4) + 16 * self.tile_tokens
+        return (self.tile_tokens * K_CHUNK + self.tile_n * (CHUNK_BYTES + 4) + 16 * self.tile_tokens
+                + self.decoded_stage_bytes())
+
+    def decoded_stage_bytes(self) -> int:
+        """Decode "smem": shared memory per stage besides the TMA's, the decoded E4M3 weight tile (128 bytes per row)
+        and the token-scale table (4 lane quads x ``decode_scale_stride`` FP32); else 0."""
+        return self.tile_n * K_CHUNK + 16 * decode_scale_stride(self.tile_tokens) if self.decode == "smem" else 0
 
     def epilogue_bytes(self, epilogue: str = "bf16") -> int:
         """Shared memory the epilogue needs besides the pipeline (SwiGLU: FP32 activations of one tile;
@@ -191,7 +215,7 @@ class GemmConfig:
         return (
             f"sm90 fp4 swapAB mma={self.mma}{'x128' if self.token_block == 128 else ''} tile_tokens={self.tile_tokens} tile_n={self.tile_n} "
             f"stages={self.num_stages(epilogue)}x{K_CHUNK * self.chunks_per_stage(epilogue)}K ctas/SM={self.ctas_per_sm} "
-            f"epilogue={epilogue}"
+            f"{'decode=smem ' if self.decode == 'smem' else ''}epilogue={epilogue}"
         )
 
 

@@ -13,7 +13,8 @@ Roles (one CTA of 1 + tile_n/64 warpgroups per SM, or two / three smaller ones: 
   token scale words (a 4-word box covering chunks 4j..4j+3);
 * the consumer warpgroups: per tile the mainloop (``mainloops``: dequantize FP4 straight into the register A
   fragment, issue RS wgmma) and the epilogue, with their own named barriers (``config.named_barriers``);
-* warps 1-3: idle here; the subclasses give them work (``l1_l2``: the signal warp; ``mega_moe``: the pull warps).
+* warps 1-3: idle here; the subclasses give them work (``l1_l2``: the signal warp; ``mega_moe``: the pull warps),
+  or the mainloop (``mainloop_fp8_smem``: they decode each stage's weights into shared memory for the consumers).
 
 Tile handout: the producer takes tile ids from a per-stream counter (``counters.tile_counters``: CTA c starts at
 tile c, then asks the counter), so CTAs that run faster take more tiles, and the last CTA out zeroes the counter.
@@ -27,6 +28,10 @@ never a value).
 One CTA per SM: the consumers raise their registers (setmaxnreg) from the pool the producer warpgroup gives back,
 never more (an increase beyond it waits forever). A function call anywhere in a kernel makes ptxas serialize all its
 wgmmas (C7510), so release builds contain none (the CPU tests check every variant's PTX).
+
+A mainloop may bring its own shared memory and barriers (``Mainloop.shared_state``, sized by its ``decoded_bytes`` and
+``decode_barriers``), readers of every pipeline stage and published tile (``stage_reader_warps``) and work for warps 1-3
+(``helper_warps``), and set the producer warpgroup's registers (``producer_regs``).
 
 Subclasses extend it through hooks (``dims``, ``before_dependency_wait``, ``setup_groups``, ``other_warps``,
 ``load_second_gemm``, ``tile_epilogue``, ``after_consumers``, ``finish``, the trace hooks).
@@ -53,6 +58,7 @@ from .epilogues import (
     SwigluQuant,
     SwigluQuant128,
 )
+from .mainloop_fp8_smem import Fp8SmemMainloop
 from .mainloops import Bf16Mainloop, Fp8Block32Mainloop, Fp8Block128Mainloop
 from .tile_scheduler import GroupTiles, TileChannel
 
@@ -91,17 +97,17 @@ class GroupedGemmSm90:
         # every warp keeps the launch allocation (<= 64K / (2 * threads)); an increase could wait forever for
         # registers the other CTA holds.
         self.rebalance_registers = config.ctas_per_sm == 1
+        self.tiles = GroupTiles(group_mode, self.tile_tokens)
+        self.mainloop = self.make_mainloop(folded)
         # setmaxnreg.inc draws on the registers the CTA's other warps released (the pool is the launch allocation,
         # 64K / threads per thread, multiples of 8): the consumers get the launch count plus their share of what the
         # producer warpgroup gives back (1 / 2 consumer warpgroups: 240 / 232; 4: 112 with a 32-register producer up
         # to 32-row token tiles, 104 with 40 at 64 rows -- ptxas of CUDA 13.0 serializes the wgmmas (C7512) of
         # 32-row tiles at 104 and of 64-row tiles at 112).
         four_small = self.num_consumer_wg == 4 and config.tile_tokens <= 32
-        self.producer_regs = 32 if four_small else 40
+        self.producer_regs = self.mainloop.producer_regs or (32 if four_small else 40)
         launch_regs = min(65536 // self.threads, 255) // 8 * 8
         self.consumer_regs = min(240, (launch_regs + (launch_regs - self.producer_regs) // self.num_consumer_wg) // 8 * 8)
-        self.tiles = GroupTiles(group_mode, self.tile_tokens)
-        self.mainloop = self.make_mainloop(folded)
         self.epilogue = self.make_epilogue(epilogue, fast_math)
 
     def make_mainloop(self, folded: bool):
@@ -109,6 +115,9 @@ class GroupedGemmSm90:
         config = self.cfg
         if self.bf16:
             return Bf16Mainloop(config, self.stages, self.cps)
+        if config.decode == "smem":
+            assert folded and self.published and self.extra_tile_readers == 0  # api checks; warps 1-3 are free
+            return Fp8SmemMainloop(config, self.stages, self.cps)
         if config.token_block == 128:
             assert folded  # the per-128 recipe multiplies folded weights (api checks)
             return Fp8Block128Mainloop(config, self.stages, self.cps)
@@ -168,10 +177,14 @@ class GroupedGemmSm90:
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, st * 2]
+            if cutlass.const_expr(self.mainloop.decode_barriers):  # a mainloop's own barriers (``mainloop_fp8_smem``)
+                dec_mbar: cute.struct.MemRange[cutlass.Int64, self.mainloop.decode_barriers]
             tile_mbar: cute.struct.MemRange[cutlass.Int64, 2 * TILE_SLOTS if self.published else 1]
             sTile: cute.struct.Align[cute.struct.MemRange[Int32, TILE_SLOTS * TILE_WORDS if self.published else 1], 16]
             sA: cute.struct.Align[cute.struct.MemRange[a_dtype, cute.cosize(a_layout)], 1024]
             sW: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(w_layout)], 1024]
+            if cutlass.const_expr(self.mainloop.decoded_bytes):  # its decoded weights (no padding: 1024 | sW's size)
+                sDec: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.mainloop.decoded_bytes], 1024]
             sSFW: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(sfw_layout)], 128]
             sSFA: cute.struct.Align[cute.struct.MemRange[Int32, 1 if self.bf16 else cute.cosize(sfa_layout)], 128]
             sScale: cute.struct.Align[cute.struct.MemRange[Float32, max(self.cfg.scale_table_bytes() // 4, 1)], 16]
@@ -234,17 +247,20 @@ class GroupedGemmSm90:
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
+        dec = self.mainloop.shared_state(storage, warp_idx)  # before the pipeline's barrier-init fence
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_consumer_wg),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     4 * self.num_consumer_wg + self.mainloop.stage_reader_warps),
             tx_count=self.tx_bytes,
         )
         channel = None
         if cutlass.const_expr(self.published):
             channel = TileChannel.create(storage.tile_mbar.data_ptr(), storage.sTile.get_tensor(TileChannel.smem_layout()),
-                                  128 * self.num_consumer_wg + self.extra_tile_readers)
+                                  128 * self.num_consumer_wg + self.extra_tile_readers
+                                  + 32 * self.mainloop.stage_reader_warps)
 
         dims = self.dims(tma1, tma2)
         total_rows = Int32(tma1.a.shape[0])
@@ -281,10 +297,11 @@ class GroupedGemmSm90:
                 self.producer(ab_pipeline, tma1, tma2, sA, sW, sSFW, sSFA, groups, total_rows, dims, sync, second,
                               mega, bidx, gdim, channel)
             self.other_warps(warp_idx, groups, total_rows, dims, sync, second, mega, ctx, bidx, gdim, channel)
+            self.mainloop.helper_warps(warp_idx, ab_pipeline, sW, sSFW, sSFA, dec, dims, channel)
         else:
             if cutlass.const_expr(self.rebalance_registers):
                 cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consumer(ab_pipeline, tiled_mma, tidx - 128, sA, sW, sSFW, sSFA, sScale, sAct, sOut, epi, second,
+            self.consumer(ab_pipeline, tiled_mma, tidx - 128, sA, sW, sSFW, sSFA, sScale, dec, sAct, sOut, epi, second,
                           row_scale, groups, total_rows, dims, bidx, gdim, channel, mega)
             self.after_consumers(tidx - 128, sync, groups, mega, ctx, bidx, gdim)
         self.finish(sync, groups, tidx, warp_idx, gdim, mega, ctx)
@@ -517,11 +534,11 @@ class GroupedGemmSm90:
     # ------------------------------------------------------------------------------------------
 
     @cute.jit
-    def consumer(self, ab_pipeline, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sScale, sAct, sOut, epi, second, row_scale,
-                 groups, total_rows, dims, bidx, gdim, channel, mega):
+    def consumer(self, ab_pipeline, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sScale, dec, sAct, sOut, epi, second,
+                 row_scale, groups, total_rows, dims, bidx, gdim, channel, mega):
         """Consumer warpgroups: every tile's mainloop and epilogue; the tiles come from the producer warp
-        (``TileChannel``) or, unpublished, from ``next_tile``."""
-        f = self.mainloop.fragments(tiled_mma, ctidx, sA, sW, sSFW, sSFA, sScale)
+        (``TileChannel``) or, unpublished, from ``next_tile``. ``dec``: the mainloop's ``shared_state``."""
+        f = self.mainloop.fragments(tiled_mma, ctidx, sA, sW, sSFW, sSFA, sScale, dec)
         acc = f.acc
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)  # BF16: one behind

@@ -30,12 +30,13 @@ from ..weight_layout import BF16_ACC_SHIFT, E4M3_LUT_HI, E4M3_LUT_LO, K_CHUNK
 from .config import DEFERRED_MAX_TILE_TOKENS, GemmConfig, named_barriers, token_widths
 
 
-def make_tiled_mma(a_dtype, tokens: int, consumer_warpgroups: int):
-    """The consumer warpgroups' RS wgmma: 64 weight rows per warpgroup (A from registers) x ``tokens`` token
-    columns (B from shared memory), both K-major, FP32 accumulator."""
+def make_tiled_mma(a_dtype, tokens: int, consumer_warpgroups: int, smem_a: bool = False):
+    """The consumer warpgroups' wgmma: 64 weight rows per warpgroup (A from registers: RS; ``smem_a``: from shared
+    memory, SS) x ``tokens`` token columns (B from shared memory), both K-major, FP32 accumulator."""
     return sm90_utils.make_trivial_tiled_mma(
         a_dtype, a_dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
-        (consumer_warpgroups, 1, 1), (64, tokens), a_source=warpgroup.OperandSource.RMEM,
+        (consumer_warpgroups, 1, 1), (64, tokens),
+        a_source=warpgroup.OperandSource.SMEM if smem_a else warpgroup.OperandSource.RMEM,
     )
 
 
@@ -43,6 +44,12 @@ class Mainloop:
     """What every mainloop shares: the tile shape, the pipeline geometry and this thread's weight rows."""
 
     a_dtype = None  # the wgmma operand type (class attribute of each mainloop)
+    # Hooks of mainloops that use other warps than the consumers (``mainloop_fp8_smem``); the register mainloops
+    # use none of them.
+    stage_reader_warps = 0  # warps 1.. of the producer warpgroup that wait for and free every stage and take every tile
+    decoded_bytes = 0  # shared memory of the decoded weight stages
+    decode_barriers = 0  # mbarriers of the decoded weight stages
+    producer_regs = None  # the producer warpgroup's registers (None: the kernel's choice)
 
     def __init__(self, config: GemmConfig, stages: int, cps: int):
         self.tile_tokens = config.tile_tokens
@@ -53,6 +60,12 @@ class Mainloop:
 
     def tiled_mma(self, tokens: int):
         return make_tiled_mma(self.a_dtype, tokens, self.num_consumer_wg)
+
+    def shared_state(self, storage, warp_idx):
+        """Every thread, before the pipeline's barrier-init fence: the mainloop's own shared memory (None here)."""
+
+    def helper_warps(self, warp_idx, ab_pipeline, sW, sSFW, sSFA, dec, dims, channel):
+        """Warps 1-3 of the producer warpgroup, their other work done (nothing here)."""
 
     @cute.jit
     def common_fragments(self, tiled_mma, ctidx, sA, sW, k_elems: cutlass.Constexpr[int]):
@@ -111,7 +124,7 @@ class Bf16Mainloop(Mainloop):
     a_dtype = cutlass.BFloat16
 
     @cute.jit
-    def fragments(self, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sScale):
+    def fragments(self, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sScale, dec):
         f = self.common_fragments(tiled_mma, ctidx, sA, sW, 2)
         f.mult = cute.make_rmem_tensor((2, 2), Int32)  # (k32 block pair, r): two BF16 decode multipliers
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -258,7 +271,7 @@ class Fp8Block32Mainloop(Fp8Mainloop):
         self.scale_barrier_id = named_barriers(self.num_consumer_wg)[0]  # wide tiles: each warpgroup's own
 
     @cute.jit
-    def fragments(self, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sScale):
+    def fragments(self, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sScale, dec):
         f = self.common_fragments(tiled_mma, ctidx, sA, sW, 4)
         tt = self.tile_tokens
         n_cols = tt // 8
@@ -416,7 +429,7 @@ class Fp8Block128Mainloop(Fp8Mainloop):
     """
 
     @cute.jit
-    def fragments(self, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sScale):
+    def fragments(self, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sScale, dec):
         f = self.common_fragments(tiled_mma, ctidx, sA, sW, 4)
         thr_mma = tiled_mma.get_slice(ctidx)
         f.tCrA2 = thr_mma.make_fragment_A(thr_mma.partition_shape_A((self.tile_n, K_CHUNK)))  # the second buffer
