@@ -4,7 +4,8 @@ Compiles (one child process that keeps the PTX): every release variant of the gr
 token tile, group mode and epilogue, folded FP8 scales), the one-launch L1/L2 kernel and the one-launch Mega MoE
 kernel, the IEEE-silu builds and the debug builds. Each release build issues wgmma and calls no function (ptxas would
 serialize its wgmmas; with a ``ptxas`` on PATH its advisories are checked too) and waits for the previous grid
-before touching global memory. Configs: ``token_widths``, ``select_config`` and ``GemmConfig`` validation.
+before touching global memory; with an ``nvdisasm`` too, the Mega MoE kernel's mainloop keeps the uniform datapath.
+Configs: ``token_widths``, ``select_config`` and ``GemmConfig`` validation.
 CPU only; the GPU results are in test_grouped_gemm.py.
 """
 
@@ -86,6 +87,7 @@ MEGA_CASES = [
     (GemmConfig(tile_tokens=16, tile_n=256), (8, 256, 128, 8, 7168, 2048)),
     (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), (1, 128, 64, 4, 2880, 2880)),
     (GemmConfig(tile_tokens=8, tile_n=64, ctas_per_sm=3), (8, 128, 64, 8, 2048, 768)),
+    (GemmConfig(tile_tokens=64, tile_n=128), (1, 256, 8192, 6, 4096, 2048)),  # flash, one rank, 2048 tokens
 ]
 # The Mega MoE kernel of recipe (1, 1, 128) (FP8 rings with FP32 scales, both GEMMs in FP8 block-128 mode, the per-128
 # SwiGLU epilogue: ``mega.tile_config``'s configs): every token tile it runs, one and eight ranks, flash- and pro-like
@@ -152,7 +154,7 @@ import json, os, re, shutil, subprocess, sys
 from megamoe import symm_buffer_layout
 from megamoe.kernels.comm import EpCommConfig
 from megamoe.kernels import sm90
-ptxas, report = shutil.which("ptxas"), []
+ptxas, nvdisasm, report = shutil.which("ptxas"), shutil.which("nvdisasm"), []
 for i, (cfg, mode, epilogue, mega, debug, trace, folded, fast, *extra) in enumerate(json.loads(sys.argv[1])):
     try:
         cfg = sm90.GemmConfig(**cfg)
@@ -174,9 +176,16 @@ for i, (cfg, mode, epilogue, mega, debug, trace, folded, fast, *extra) in enumer
         if ptxas:  # its performance advisories (C75xx), e.g. C7510: wgmma serialized, and why
             path = os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], f"case{i}.ptx")
             open(path, "w").write(ptx)
-            out = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True)
+            cubin = path[:-3] + "cubin"
+            out = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", cubin], capture_output=True, text=True)
             build["ptxas"] = [l for l in out.stderr.splitlines() if "(C75" in l or "error" in l]
             build["spills"] = [int(n) for n in re.findall(r"(\\d+) bytes spill (?:stores|loads)", out.stderr)]
+            if nvdisasm and out.returncode == 0:  # the SASS between the first and the last wgmma
+                sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
+                ops = re.findall(r"^\\s*/\\*[0-9a-f]+\\*/\\s*(?:@!?\\w+\\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
+                gmma = [j for j, op in enumerate(ops) if op[1:5] == "GMMA"]  # HGMMA, QGMMA (FP8)
+                span = ops[gmma[0]:gmma[-1] + 1] if gmma else []
+                build["mainloop"] = [len(span), sum(op == "R2UR" for op in span)]
         report.append(build)
     except Exception as exc:  # reported per case by the test
         report.append({"error": f"{type(exc).__name__}: {exc}"})
@@ -188,7 +197,8 @@ print(json.dumps(report))
 def sm90a_builds(tmp_path_factory):
     """Compile every case of RELEASE_CASES and DEBUG_CASES (debug) for sm_90a in one child process
     that keeps the PTX (the DSL reads its dump settings at import); per case: wgmma present, call count, and
-    where a ``ptxas`` is on PATH, its C75xx advisories for that PTX."""
+    where a ``ptxas`` is on PATH, its C75xx advisories for that PTX, and with an ``nvdisasm`` too, the instructions
+    and the ``R2UR`` between the first and the last wgmma of the SASS (``mainloop``)."""
     import dataclasses
 
     cases = [(dataclasses.asdict(c), m, e, lay, False, trace, folded, fast)
@@ -291,6 +301,24 @@ def test_ptxas_reports_no_wgmma_serialization(sm90a_builds):
         for i, a in advisories.items())
     for build in sm90a_builds[len(RELEASE_CASES):]:
         assert any("C7510" in line for line in build["ptxas"])
+
+
+@pytest.mark.parametrize("case", range(len(RELEASE_CASES)), ids=RELEASE_IDS)
+def test_mega_moe_mainloop_keeps_the_uniform_datapath(sm90a_builds, case):
+    """The Mega MoE kernel's consumers compute their wgmma descriptors and pipeline state in uniform registers: no
+    ``R2UR`` (a regular register moved to a uniform one) between the first and the last wgmma of its SASS. ptxas
+    falls back to regular registers when it takes the consumer code for divergent, e.g. after a trap inside one
+    thread's branch or a per-thread dynamic loop before the roles start (``EpPhases.grid_barrier``, ``drop_rows``).
+    Needs a ``ptxas`` and an ``nvdisasm`` on PATH."""
+    if RELEASE_CASES[case][3] is None:
+        pytest.skip("not a Mega MoE kernel")
+    build = sm90a_builds[case]
+    assert "error" not in build, build.get("error")
+    if "mainloop" not in build:
+        pytest.skip("no ptxas or no nvdisasm on PATH")
+    span, r2ur = build["mainloop"]
+    assert span > 0, "no wgmma in the SASS"
+    assert r2ur == 0, f"{r2ur} R2UR in the {span} instructions between the first and the last wgmma"
 
 
 def test_compile_takes_fast_math_as_a_bool():

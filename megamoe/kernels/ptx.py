@@ -199,6 +199,16 @@ def smid(*, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def barrier_any(barrier_id: int, num_threads: int, flag, *, loc=None, ip=None) -> Int32:
+    """``bar.red.or.pred`` on barrier ``barrier_id`` over ``num_threads`` threads (a ``bar.sync`` of them): 1 in every
+    one of them when any one's ``flag`` (int32) is nonzero, else 0."""
+    text = (f"{{\n.reg .pred p, q;\nsetp.ne.s32 p, $1, 0;\nbar.red.or.pred q, {barrier_id}, {num_threads}, p;\n"
+            "selp.b32 $0, 1, 0, q;\n}")
+    return Int32(inline_asm([T.i32()], [ir_arg(flag, Int32, loc, ip)], text, "=r,r,~{memory}", loc, ip,
+                            side_effects=True)[0])
+
+
+@dsl_user_op
 def trap(*, loc=None, ip=None) -> None:
     inline_asm([], [], "trap;", "~{memory}", loc, ip, side_effects=True)
 

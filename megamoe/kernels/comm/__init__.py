@@ -59,9 +59,10 @@ then every ``ptx.SPINS_PER_CLOCK_READ`` loads; 0: never), writes ``rank, CTA (SM
 host-mapped memory (``record``: int64 [num_ctas, 8], one row per CTA, see ``format_record``; the host prints it) and
 traps. Routing: a ``topk_idx`` entry outside [-1, E) sets ``symm_buffer.ERROR_BAD_ID`` in the error word
 (``EpCommConfig.errors_offset``; scan, step 2, on every rank: each scans every rank's routing; the slot stays
-masked); an entry beyond an expert's pool (step 2) or the rows past ``row_limit`` (step 3) -- only duplicate experts
-in a token exceed them -- are dropped: their combine slot on the source rank is zeroed and ``ERROR_DUPLICATE_DROPPED``
-set on every rank.
+masked); an entry beyond an expert's pool (step 2) or the rows past ``row_limit`` (step 3, a staged ring smaller
+than ``max_recv_rows``) -- only duplicate experts in a token exceed them -- are dropped: their combine slot on the
+source rank is zeroed and ``ERROR_DUPLICATE_DROPPED`` set on every rank. A grid barrier's timeout traps every thread
+of the group at the barrier's end (``EpPhases.grid_barrier``).
 
 Debug mode (``debug=True``, a separate compile): the kernels also check the codes they read from ``pool`` and trap
 on the capacity overflows above, and every failure printf's its line too.

@@ -72,9 +72,15 @@ class EpPhases:
 
     @cute.jit
     def fail(self, site: cutlass.Constexpr, rank: Int32, record: Int64, index: Int32, expected: Int32, seen: Int32):
-        """Report and trap: the host-mapped record (``record``, 0: none; the host prints its line, ``megamoe.mega``)
-        and, in the debug build, the same line by printf (a function call: release builds of a kernel with wgmma
-        must not contain one)."""
+        """``report``, then trap."""
+        self.report(site, rank, record, index, expected, seen)
+        ptx.trap()
+
+    @cute.jit
+    def report(self, site: cutlass.Constexpr, rank: Int32, record: Int64, index: Int32, expected: Int32, seen: Int32):
+        """The host-mapped record (``record``, 0: none; the host prints its line, ``megamoe.mega``) and, in the debug
+        build, the same line by printf (a function call: release builds of a kernel with wgmma must not contain
+        one)."""
         cta = cute.arch.block_idx()[0]
         sm = ptx.smid()
         role, text = SITES[site]
@@ -83,7 +89,6 @@ class EpPhases:
                         seen)
         if record != Int64(0):
             _st_record(record, [Int32(site + 1), rank, cta, sm, index, expected, seen, Int32(int(self.debug))])
-        ptx.trap()
 
     @cute.jit
     def wait_flag(self, addr: Int64, expected: Int32, wide: cutlass.Constexpr, scope: cutlass.Constexpr,
@@ -105,13 +110,28 @@ class EpPhases:
     @cute.jit
     def grid_barrier(self, counter: Int64, target: Int32, q: cutlass.Constexpr, site: cutlass.Constexpr, tid: Int32,
                      rank: Int32, record: Int64, timeout_ns: Int64):
+        """``grid_barrier_late``; after a timeout every thread of the group traps."""
+        if self.grid_barrier_late(counter, target, q, site, tid, rank, record, timeout_ns) != 0:
+            ptx.trap()
+
+    @cute.jit
+    def grid_barrier_late(self, counter: Int64, target: Int32, q: cutlass.Constexpr, site: cutlass.Constexpr,
+                          tid: Int32, rank: Int32, record: Int64, timeout_ns: Int64) -> Int32:
         """Barrier ``q`` over all CTAs: thread 0 of each adds 1 to the monotonic ``counter`` (gpu scope) and waits
-        for ``target`` arrivals."""
+        for ``target`` arrivals; after ``timeout_ns`` (0: never) it reports (``report``). Returns 1 in every thread
+        of the group (the closing barrier's ``bar.red.or``) after a timeout, else 0: the caller traps (every thread).
+        The trap stays out of thread 0's branch: there, ptxas takes the rest of the Mega MoE kernel for divergent code
+        and its consumer mainloop loses the uniform datapath (the wgmma descriptors computed in regular registers,
+        each moved by ``R2UR``)."""
         self.group_sync()
+        late = Int32(0)
         if tid == 0:
             ptx.arrive(counter)
-            self.wait_flag(counter, target, False, "gpu", site, Int32(q), rank, record, timeout_ns)
-        self.group_sync()
+            seen = ptx.spin_until(counter, target, False, "gpu", timeout_ns, True)
+            late = ptx.behind(seen, target)
+            if late != 0:
+                self.report(site, rank, record, Int32(q), target, seen)
+        return ptx.barrier_any(0 if self.barrier_id is None else self.barrier_id, self.threads, late)
 
     @cute.jit
     def load_unit(self, src: Int64, num_vecs: cutlass.Constexpr, unit: Int32, lane: Int32):
@@ -243,7 +263,13 @@ class EpPhases:
         """Step 3 (after the scan's grid barrier): ``offs`` (shared, int32 [E_l + 1]) = the exclusive prefix of
         the counts (clamped to the pool), then clamped to ``row_limit``: the rows past it (expert order) are dropped
         (``drop_row``, every CTA's share); CTA 0 adds the counts to the recv stats (``cfg.has_stats``) and, with
-        ``store``, writes ``expert_offsets``. Returns the rows to pull."""
+        ``store``, writes ``expert_offsets``. Returns the rows to pull.
+
+        A rank receives at most ``max_recv_rows`` rows (``R * T_max * k`` routing entries, at most ``R * T_max`` per
+        expert), the bounded ring's ``row_limit``: no drop loop there. That matters beyond its size: the one-launch
+        kernel runs this on every thread before its roles start, and this per-thread dynamic loop there makes ptxas take
+        the rest of the kernel for divergent code (its consumer mainloop loses the uniform datapath, see
+        ``grid_barrier``)."""
         cfg = self.cfg
         counts = cfg.offset("expert_counts")
         for e in cutlass.range(tid, self.num_local, self.threads):
@@ -256,10 +282,11 @@ class EpPhases:
         if cutlass.const_expr(self.debug):  # noqa: SIM102 (compile-time test, then the runtime one)
             if (cta == 0) & (tid == 0) & (total > self.row_limit):
                 self.fail(SITE_ROWS, me, record, Int32(self.row_limit), total, total - self.row_limit)
-        for row in cutlass.range(self.row_limit + cta * self.threads + tid, total, num_ctas * self.threads, unroll=1):
-            e = tiles.expert_of_block(row, offs, self.num_local, DSL_OPS)
-            pool_entry = base + (cfg.offset("pool") + (Int64(e) * self.pool_cap + (row - offs[e])) * 4)
-            self.drop_row(ptx.ld_cg_u32(pool_entry), peers)
+        if cutlass.const_expr(self.row_limit < self.cfg.layout.max_recv_rows):
+            for row in cutlass.range(self.row_limit + cta * self.threads + tid, total, num_ctas * self.threads, unroll=1):
+                e = tiles.expert_of_block(row, offs, self.num_local, DSL_OPS)
+                pool_entry = base + (cfg.offset("pool") + (Int64(e) * self.pool_cap + (row - offs[e])) * 4)
+                self.drop_row(ptx.ld_cg_u32(pool_entry), peers)
         self.group_sync()  # every thread read the total before it is clamped
         for e in cutlass.range(tid, self.num_local + 1, self.threads):
             offs[e] = cutlass.min(offs[e], self.row_limit)

@@ -90,7 +90,10 @@ class MegaMoESm90(FusedL1L2Sm90):
     @cute.jit
     def setup_groups(self, storage, groups, total_rows, sync, second, mega, tidx, bidx, gdim):
         """Dispatch steps 1-3 on every thread: the expert offsets come from the counts in shared memory (they replace
-        ``group_a``), then the pool-block prefix (replaces ``group_b``); the pull (step 4) overlaps the tiles."""
+        ``group_a``), then the pool-block prefix (replaces ``group_b``); the pull (step 4) overlaps the tiles. A timed
+        out grid barrier (``EpPhases.grid_barrier_late``) traps once the offsets are in shared memory (nothing waits
+        before; the offsets of an incomplete scan are never used): every trap position tried right after the barrier
+        or at the end of this setup left ptxas a longer consumer mainloop schedule, or its regular-register one."""
         timeout_ns = second.timeout_ns
         num_local = self.ep_all.num_local
         offs = storage.sComm.get_tensor(cute.make_layout(num_local + 1))
@@ -103,13 +106,15 @@ class MegaMoESm90(FusedL1L2Sm90):
             self.ep_all.announce(mega.me, mega.num_tokens, mega.peers, call, tidx)
         self.ep_all.scan(mega.me, mega.base, mega.peers, call, t_src, tidx, bidx, gdim, mega.record, timeout_ns)
         self.stamp(mega, gdim, bidx, tidx, "scanned")
-        self.ep_all.grid_barrier(self.word(sync, groups.num_groups, GRID), gdim, 0, SITE_D_BARRIER, tidx, mega.me,
-                                 mega.record, timeout_ns)
+        late = self.ep_all.grid_barrier_late(self.word(sync, groups.num_groups, GRID), gdim, 0, SITE_D_BARRIER, tidx,
+                                             mega.me, mega.record, timeout_ns)
         total = self.ep_all.expert_offsets(offs, mega.base, mega.peers, mega.stats, tidx, lane, bidx, gdim, False, mega.me,
                                            mega.record)
         for g in cutlass.range(tidx, num_local, self.threads):
             firsts[g] = tiles.token_tiles(offs[g + 1] - offs[g], self.tile_tokens)
         cute.arch.sync_threads()
+        if late != 0:  # the grid barrier timed out (reported)
+            ptx.trap()
         if tidx < 32:
             self.ep_all.warp_exclusive_scan(firsts, lane)
         cute.arch.sync_threads()
