@@ -135,9 +135,9 @@ def test_both_paths_and_auto_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("hidden,inter", [(2880, 2880), (2048, 768), (1408, 1408), (96, 160)])
 def test_model_sizes_on_gpu(hidden, inter):
-    """Sizes the SM90 kernels run zero-padded (gpt-oss, Qwen3-30B-A3B, I = 1408, 96 / 160): warp decode (the padded
-    Mega MoE layout with padded ``x``, or the canonical SIMT kernels) and the grouped path, one token, masked slots,
-    a batch above the crossover."""
+    """Model sizes: multiples of 128 the kernels run as they are (Qwen3-30B-A3B, I = 1408: odd chunk counts) and
+    others they run zero-padded (gpt-oss, 96 / 160): warp decode (the tensor-core kernels on the Mega MoE layout, with
+    padded ``x`` where H is padded) and the grouped path, one token, masked slots, a batch above the crossover."""
     experts, k = 8, 4
     l1, l2 = _weights(experts, hidden, inter, 9, "cuda")
     dec = MoEDecoder(l1, l2, num_topk=k, max_tokens=16, crossover=2)
