@@ -549,21 +549,11 @@ def _gpus(n: int) -> None:
 
 
 @pytest.mark.gpu
-def test_mega_one_gpu():
-    _gpus(1)
-    _run("one", timeout=600)
-
-
-@pytest.mark.gpu
-def test_mega_two_gpus():
-    _gpus(2)
-    _run("two", timeout=600)
-
-
-@pytest.mark.gpu
-def test_mega_four_gpus():
-    _gpus(4)
-    _run("four", timeout=720)
+@pytest.mark.parametrize("gpus, mode, timeout", [(1, "one", 600), (2, "two", 600), (4, "four", 720)],
+                         ids=["one_gpu", "two_gpus", "four_gpus"])
+def test_mega(gpus, mode, timeout):
+    _gpus(gpus)
+    _run(mode, timeout=timeout)
 
 
 @pytest.mark.gpu
@@ -579,15 +569,11 @@ def test_mega_hang_diagnostic(tmp_path, build):
 
 
 @pytest.mark.gpu
-def test_bad_routing_counted_and_dropped_rows_add_nothing():
+@pytest.mark.parametrize("mode", ["routing", "nonfinite"],
+                         ids=["bad_routing_counted_and_dropped_rows_add_nothing", "nonfinite_routing_weight_gives_a_nan_row"])
+def test_routing_faults(mode):
     _gpus(1)
-    _run("routing", timeout=300)
-
-
-@pytest.mark.gpu
-def test_nonfinite_routing_weight_gives_a_nan_row():
-    _gpus(1)
-    _run("nonfinite", timeout=300)
+    _run(mode, timeout=300)
 
 
 @pytest.mark.gpu

@@ -122,10 +122,7 @@ class Fp8SmemMainloop(Mainloop):
             for kh in cutlass.range_constexpr(8):
                 offs[kh] = row0 * (K_CHUNK // 4) + 4 * (kh ^ (row0 % 8)) + q
             full, rest = divmod(self.tile_n * 4, threads)
-            w_words = cute.make_tensor(  # (word, segment, row, stage) of the packed FP4 chunks
-                cute.recast_ptr(sW.iterator, dtype=Int32),
-                cute.make_layout((4, 4, self.tile_n, self.stages), stride=(1, 4, 16, self.tile_n * 16)),
-            )
+            w_words = self.weight_words(sW)  # cps == 1: one slot per stage
             sfa = cute.make_tensor(cute.recast_ptr(sSFA.iterator, dtype=Float32), sSFA.layout)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             taken = TileChannel.consumer_state()

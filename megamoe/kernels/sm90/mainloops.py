@@ -89,24 +89,33 @@ class Mainloop:
         wrow0 = cA[(0, 0, 0), 0, 0][0]
         wrow1 = cA[(0, 1, 0), 0, 0][0]
         cC = thr_mma.partition_C(cute.make_identity_tensor((tn, tt)))
-        sW_words = cute.make_tensor(  # (word, quad, row, slot)
-            cute.recast_ptr(sW.iterator, dtype=Int32),
-            cute.make_layout((4, 4, tn, self.stages * self.cps), stride=(1, 4, 16, tn * 16)),
-        )
+        sW_words = self.weight_words(sW)
         wbuf = cute.make_rmem_tensor((4, 2), Int32)  # (word, r): FP8 k32 block kb / BF16 k16 blocks 2w, 2w+1
         sfw_words = cute.make_rmem_tensor((2,), Int32)  # the packed scale words of rows wrow0, wrow1
         return SimpleNamespace(tCrA=tCrA, frag=frag, tCrB=tCrB, acc_shape=acc_shape, acc=acc, q=q, wrow0=wrow0,
                                wrow1=wrow1, cC=cC, sW_words=sW_words, wbuf=wbuf, sfw_words=sfw_words)
 
+    def weight_words(self, sW):
+        """The packed FP4 weights of every stage slot as int32 words: (word, 16-byte segment, row, slot)."""
+        return cute.make_tensor(
+            cute.recast_ptr(sW.iterator, dtype=Int32),
+            cute.make_layout((4, 4, self.tile_n, self.stages * self.cps), stride=(1, 4, 16, self.tile_n * 16)),
+        )
+
     @cute.jit
     def apply_row_scales(self, acc, cC, row_scale, n_tile, group):
-        """Folded weight scales: each weight row of the accumulator times its FP32 scale (``row_scale``: (N, E), row
-        ``n_tile * tile_n + ...`` of expert ``group``), left out of the decode (exact: powers of two)."""
+        """Folded weight scales: each weight row of the accumulator times its FP32 scale (``row_scales``), left out
+        of the decode (exact: powers of two)."""
+        scales = self.row_scales(row_scale, n_tile * self.tile_n + cC[0][0], n_tile * self.tile_n + cC[2][0], group)
         for r in cutlass.range_constexpr(2):
-            scale = Float32(row_scale[n_tile * self.tile_n + cC[2 * r][0], group])
             for j in cutlass.range_constexpr(self.tile_tokens // 8):
                 for c in cutlass.range_constexpr(2):
-                    acc[c + 2 * r + 4 * j] = acc[c + 2 * r + 4 * j] * scale
+                    acc[c + 2 * r + 4 * j] = acc[c + 2 * r + 4 * j] * scales[r]
+
+    @cute.jit
+    def row_scales(self, row_scale, row0, row1, group):
+        """The FP32 scales of this thread's weight rows ``row0``, ``row1`` (``row_scale``: (N, E), expert ``group``)."""
+        return Float32(row_scale[row0, group]), Float32(row_scale[row1, group])
 
 
 class Bf16Mainloop(Mainloop):

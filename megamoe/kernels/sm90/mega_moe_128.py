@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import cutlass
 from cutlass import Float32, cute
 
 from ...scheduler import tiles
@@ -54,12 +53,10 @@ class Fp8Block128MegaMainloop(Fp8Block128Mainloop):
         self.num_local = num_local_experts
 
     @cute.jit
-    def apply_row_scales(self, acc, cC, row_scale, n_tile, group):
-        """Each weight row of the accumulator times its FP32 scale (exact: a power of two), from ``row_scale.l1`` or
-        ``.l2`` (``TileRowScales``) at row ``n_tile * tile_n + ...`` of the expert of pool block ``group``."""
+    def row_scales(self, row_scale, row0, row1, group):
+        """The FP32 scales of weight rows ``row0``, ``row1`` from ``row_scale.l1`` or ``.l2`` (``TileRowScales``), of
+        the expert of pool block ``group``."""
         e = tiles.expert_of_block(group, row_scale.firsts, self.num_local, DSL_OPS)
-        row0 = n_tile * self.tile_n + cC[0][0]
-        row1 = n_tile * self.tile_n + cC[2][0]
         s0 = Float32(0.0)
         s1 = Float32(0.0)
         if row_scale.phase == 0:
@@ -68,10 +65,7 @@ class Fp8Block128MegaMainloop(Fp8Block128Mainloop):
         else:
             s0 = Float32(row_scale.l2[row0, e])
             s1 = Float32(row_scale.l2[row1, e])
-        for j in cutlass.range_constexpr(self.tile_tokens // 8):
-            for c in cutlass.range_constexpr(2):
-                acc[c + 4 * j] = acc[c + 4 * j] * s0
-                acc[c + 2 + 4 * j] = acc[c + 2 + 4 * j] * s1
+        return s0, s1
 
 
 class MegaMoE128Sm90(MegaMoESm90):
