@@ -7,11 +7,10 @@
   activations, FP32 accumulation, one BF16 rounding of ``y``. Over the Mega MoE layout both projections run on
   tensor cores: up to 4 tokens the token-major kernels (``kernels.token_major_decode``: K split over the warps of a
   CTA, slots combined in shared memory), above it the expert-major ones (``kernels.expert_major_decode``: each
-  routed expert read once per batch). Which weights (``warp_layout``): the Mega MoE layout where H and I need no
-  padding (multiples of ``kernels.sm90.K_MULTIPLE``); else the per-pair SIMT kernels over the canonical weights
-  where H and I are multiples of 128 (no padding); else (multiples of 32 only) the Mega MoE layout at its
-  zero-padded sizes, ``x`` padded with zero columns per call and only the real H columns of ``y`` kept (exact: the
-  padded weights are zeros, ``symm_buffer``).
+  routed expert read once per batch). The weights are the grouped path's Mega MoE layout (``warp_weights``), at H
+  and I where they are multiples of 128 (the kernels' K chunk, ``kernels.sm90.K_MULTIPLE``), else (multiples of 32
+  only) at its zero-padded sizes: ``x`` padded with zero columns per call and only the real H columns of ``y`` kept
+  (exact: the padded weights are zeros, ``symm_buffer``).
 * ``"grouped"``: the Mega MoE on one rank (``megamoe.mega``: routing, contiguous expert groups,
   SM90 grouped GEMMs with the SwiGLU-quant epilogue, combine), after quantizing ``x`` to FP8 (the
   numerics contract of ``megamoe.numerics``). Its cost follows the distinct experts' weights.
@@ -22,9 +21,9 @@ decode was faster in ``python -m megamoe.bench decode``; other shapes use the ru
 points (``default_crossover``). The two paths differ by the FP8
 contract's error (the grouped path quantizes activations), never more than ``moe_tolerances``.
 
-The decoder holds the weights in two layouts: canonical (SIMT warp decode) and the Mega MoE layout of
-the grouped path and the tensor-core warp decode (twice the FP4 bytes), plus a one-rank SymmBuffer of
-``max_tokens`` rows.
+The decoder holds the weights in two layouts: canonical (as given; ``bench decode`` times the SIMT kernels on
+them) and the Mega MoE layout of the grouped path and the tensor-core warp decode (twice the FP4 bytes), plus a
+one-rank SymmBuffer of ``max_tokens`` rows.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ from __future__ import annotations
 import torch
 
 from .checks import check_range, check_tensor, fail
-from .layouts.ue8m0 import PACKED_BLOCK_K
 from .layouts.weights import check_fp4_expert_weights, pad_columns
 from .numerics import RECIPE_32, check_recipe
 
@@ -94,20 +92,13 @@ class MoEDecoder:
         self.mega = MegaMoE(l1, l2)
         self.buf = get_symm_buffer_for_mega_moe(None, experts, max_tokens, num_topk, hidden, inter, device=l1[0].device)
         self.kernel_hidden = self.buf.layout.kernel_hidden
-        padded = (self.kernel_hidden, self.buf.layout.kernel_intermediate) != (hidden, inter)
-        native_simt = hidden % PACKED_BLOCK_K == 0 and inter % PACKED_BLOCK_K == 0
-        self.warp_layout = "canonical" if padded and native_simt else "mega"
-        """The weights warp decode reads (module docstring): "mega" (``mega.l1``, ``mega.l2``, padded sizes where
-        ``kernel_hidden`` > H) or "canonical"."""
 
     def path_for(self, tokens: int) -> str:
         """The path ``auto`` takes for a batch of ``tokens``."""
         return "warp_decode" if tokens <= self.crossover else "grouped"
 
     def warp_weights(self) -> tuple[tuple, tuple]:
-        """The (l1, l2) warp decode runs on (``warp_layout``, module docstring)."""
-        if self.warp_layout == "canonical":
-            return self.l1, self.l2
+        """The (l1, l2) warp decode runs on: the Mega MoE layout (module docstring)."""
         return self.mega.l1, self.mega.l2
 
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -126,7 +117,7 @@ class MoEDecoder:
         tokens = x.shape[0]
         chosen = self.path_for(tokens) if path == "auto" else path
         if chosen == "warp_decode":
-            if self.warp_layout == "canonical" or self.kernel_hidden == self.hidden:
+            if self.kernel_hidden == self.hidden:
                 return moe_decode(x, topk_idx, topk_weights, *self.warp_weights(), activation_clamp, out)
             y = moe_decode(pad_columns(x, self.kernel_hidden), topk_idx, topk_weights, *self.warp_weights(),
                            activation_clamp)[:, : self.hidden]  # padded hidden: the real columns

@@ -132,7 +132,7 @@ from .checks import check_tensor, fail
 from .layouts.weights import check_chunk_major_scales, check_fp4_expert_weights, pad_fp4_expert_weights
 from .numerics import RECIPE_32, RECIPE_128, check_activation_clamp, check_fast_math, check_recipe, describe_recipe
 from .kernels.weight_layout import BF16_WORDS, CHUNK_BYTES, ROW_BLOCK, folded_scale_format
-from .symm_buffer import SymmBuffer, collective_call, kernel_size
+from .symm_buffer import SymmBuffer, collective_call, kernel_sizes
 from .timeline import trace_buffer, trace_buffer_words
 
 DEBUG_ENV = "MEGAMOE_DEBUG"
@@ -153,7 +153,8 @@ def transform_weights_for_mega_moe(l1: tuple, l2: tuple, recipe=RECIPE_32, *, re
 
     ``l1 = (uint8 [E_l, 2I, H/2], int32 [E_l, 2I, ceil(H/128)])`` rows [gate; up], ``l2 = (uint8 [E_l, H, I/2],
     int32 [E_l, H, ceil(I/128)])``; H and I multiples of 32. H and I are first zero-padded to ``Hk``, ``Ik``, the
-    multiples of ``kernels.sm90.K_MULTIPLE`` the kernels run (``symm_buffer``'s ``kernel_hidden`` / ``kernel_intermediate``;
+    multiples of 128 the kernels run (recipe (1, 1, 128): Hk of 256; ``symm_buffer.kernel_sizes``, the buffer's
+    ``kernel_hidden`` / ``kernel_intermediate``;
     ``layouts.weights.pad_fp4_expert_weights``: exact, padded columns add zero, padded outputs are never stored), so
     the shapes below are in Hk and Ik (H and I themselves where they are such multiples). Returns ``(l1k,
     l2k)``: L1 rows interleaved for the SwiGLU epilogue, and
@@ -181,7 +182,7 @@ def transform_weights_for_mega_moe(l1: tuple, l2: tuple, recipe=RECIPE_32, *, re
     check_tensor("l1[0]", l1[0], dtype=torch.uint8, ndim=3)
     hidden, inter = 2 * l1[0].shape[2], l1[0].shape[1] // 2
     check_fp4_expert_weights(l1, l2, hidden, inter)
-    l1, l2 = pad_fp4_expert_weights(l1, l2, kernel_size(hidden, "fp8xfp4"), kernel_size(inter, "fp8xfp4"))
+    l1, l2 = pad_fp4_expert_weights(l1, l2, *kernel_sizes(hidden, inter, "fp8xfp4", recipe))
     if recipe == RECIPE_32:
         l1k, l2k, reports = sm90.prepare_fp4_weights_l1(*l1, mma="bf16"), sm90.prepare_fp4_weights(*l2, mma="bf16"), None
     else:
@@ -257,7 +258,8 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     """The one-launch kernel's ``GemmConfig`` for a call of ``num_tokens`` tokens on a buffer ``layout`` on a GPU of
     ``num_sms`` SMs: tiles from the rows an expert gets when every rank routes T tokens uniformly (the ring's size
     would overstate them: it bounds the worst case), the token tile at most half the ring (a reused ring needs two
-    blocks).
+    blocks), built for the buffer's Hk and Ik (``GemmConfig.for_k``: an odd count of 128-K chunks in either makes it
+    a build for odd chunk counts).
 
     Recipe (1, 1, 128) (the layout's): ``config.per_128_swiglu_config``, the staged L1's rule -- FP8 mode, 256-row
     weight tiles on four consumer warpgroups (its L1 epilogue quantizes 128 intermediate columns per token, and both
@@ -278,20 +280,20 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     from .kernels.sm90.config import per_128_swiglu_config
 
     rows_per_expert = min(layout.num_ranks * num_tokens * layout.num_topk / layout.num_experts, layout.num_ring_tokens // 2)
-    if layout.recipe == RECIPE_128:
-        return per_128_swiglu_config(rows_per_expert)
     h, i = layout.kernel_hidden, layout.kernel_intermediate  # the sizes the kernel runs
+    if layout.recipe == RECIPE_128:
+        return per_128_swiglu_config(rows_per_expert).for_k(h, i)
     n = math.gcd(2 * i, h)
     cfg = sm90.select_config(rows_per_expert, n, h, four_warpgroups=False)
     touched = layout.num_local_experts * -math.expm1(-rows_per_expert)  # experts with a row (Poisson counts)
     l1_tiles = touched * 2 * i / 128
     if cfg.tile_tokens == sm90.THREE_CTA_TILE_TOKENS and cfg.ctas_per_sm == 2 and l1_tiles <= 2 * num_sms:
-        return sm90.GemmConfig(tile_tokens=sm90.THREE_CTA_TILE_TOKENS, tile_n=64, ctas_per_sm=3)
+        return sm90.GemmConfig(tile_tokens=sm90.THREE_CTA_TILE_TOKENS, tile_n=64, ctas_per_sm=3).for_k(h, i)
     wide = sm90.select_config(rows_per_expert, n, h)
     if (wide.consumer_warpgroups == 4 and rows_per_expert >= MEGA_FOUR_WG_MIN_ROWS
             and wide.tile_tokens <= MEGA_FOUR_WG_MAX_TILE_TOKENS):
-        return wide
-    return cfg
+        return wide.for_k(h, i)
+    return cfg.for_k(h, i)
 
 
 OPERAND_LAYOUTS = {

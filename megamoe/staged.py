@@ -22,9 +22,10 @@ numerics contract (``megamoe.numerics``) exactly. One call:
    ``gemm="sm90"`` runs the FP8-mode SM90 GEMMs on FP8 tokens with their FP32 scales and the weights
    folded into exact E4M3 (``prepare_fp4_weights(..., mma="fp8", fold="auto")``), L1's epilogue
    quantizing per 128 (FP8 + FP32 scales, L2's operand). The SM90 GEMMs run H and I zero-padded to multiples of
-   their K granularity (``symm_buffer.kernel_size``): the weights once at construction
+   their K granularity, 128 (``symm_buffer.kernel_size``): the weights once at construction
    (``layouts.weights.pad_fp4_expert_weights``), the token rows per call with zero columns (zero scales past the
-   real ones), and only the real H columns of L2's output are kept;
+   real ones; recipe 128's scale rows in storage padded to 16 bytes for TMA, ``kernels.sm90.pad_token_scales``),
+   and only the real H columns of L2's output are kept;
 4. combine: every slot's BF16 row returns to its source rank in one ``all_to_all`` and the source
    sums its slots in FP32 in slot order.
 
@@ -274,8 +275,9 @@ class StagedMoE:
             from .kernels import sm90
 
             hk = self.kernel_hidden
+            x_sf_k = sm90.pad_token_scales(pad_columns(x_sf, hk // 128))  # rows 16-byte aligned for TMA
             a, a_sf = sm90.grouped_gemm_fp8_fp4_swiglu_contiguous(
-                pad_columns(x, hk), pad_columns(x_sf, hk // 128), *self.l1k, grouped.offsets, weights, clamp=clamp,
+                pad_columns(x, hk), x_sf_k, *self.l1k, grouped.offsets, weights, clamp=clamp,
                 out_dtype=torch.float8_e4m3fn, fast_math=self.fast_math, activation=self.activation, bias=self.l1k_bias,
             )
             return sm90.grouped_gemm_fp8_fp4_contiguous(a, a_sf, *self.l2k, grouped.offsets)[:, : self.hidden]

@@ -20,17 +20,18 @@ x_sf               int32 / float32 [T_max, Hk/128]   token scales: packed UE8M0 
 topk_idx           int64 [T_max, k]                  routed expert ids, -1 = unused slot
 topk_weights       float32 [T_max, k]                routing weights
 l1_acts            bf16 / e4m3 [ring, Hk]            L1 input ring (pulled token rows)
-l1_acts_sf         float32 [ring, Hk/128]            their FP32 scales (recipe 128 only)
+l1_acts_sf         float32 [ring, Hk/128]            their FP32 scales (recipe 128 only; rows padded, below)
 l1_topk_weights    float32 [ring]                    routing weight of each ring row
 l2_acts            bf16 / e4m3 [ring, Ik]            L2 input ring (SwiGLU outputs, FP8-quantized values)
-l2_acts_sf         float32 [ring, Ik/128]            their FP32 scales (recipe 128 only)
+l2_acts_sf         float32 [ring, Ik/128]            their FP32 scales (recipe 128 only; rows padded, below)
 combine            bf16 [k, T_max, Hk]               L2 rows written back by expert ranks
 =================  ===============================  =============================================
 
 Sizes: H (``hidden``) and I (``intermediate_hidden``) are any multiples of 32. ``Hk`` and ``Ik``
 (``SymmBufferLayout.kernel_hidden`` / ``kernel_intermediate``) are the sizes the kernels run: for
-``mma_type="fp8xfp4"`` H and I rounded up to the SM90 grouped GEMM's K granularity (``kernels.sm90.K_MULTIPLE``;
-the weights are zero-padded to them once, ``transform_weights_for_mega_moe``), for BF16 H and I themselves. The
+``mma_type="fp8xfp4"`` H and I rounded up to the SM90 grouped GEMM's K granularity (``kernels.sm90.K_MULTIPLE``,
+whole 128-K chunks; recipe (1, 1, 128) rounds H to ``MEGA_128_HIDDEN_MULTIPLE``: ``kernel_sizes``; the weights are
+zero-padded to them once, ``transform_weights_for_mega_moe``), for BF16 H and I themselves. The
 buffer's ``x`` and ``x_sf`` attributes are views of the real sizes, ``[T_max, H]`` and ``[T_max, ceil(H/128)]``
 (strided where Hk > H): callers write those. The storage past them (columns ``[H, Hk)`` of ``x``, scale words past
 ``ceil(H/128)``) is zeroed at allocation and never written by the library, so the kernels read finite zeros there
@@ -62,8 +63,11 @@ L1 epilogue's FP8-quantized SwiGLU outputs are stored as their exact BF16 values
 contract is kept; ``l1_acts_sf`` and ``l2_acts_sf`` do not exist (the sections and offsets of before). Recipe (1, 1, 128): tokens are FP8 with one FP32
 scale per 128 (``x_sf`` float32), and the rings hold the FP8-mode operands, FP8 rows and their FP32 scales
 (``l1_acts`` / ``l2_acts`` e4m3, ``l1_acts_sf`` / ``l2_acts_sf`` float32 per 128): half the ring bytes of BF16
-rows, and no dequantization (a per-128 FP32 scale does not make an exact BF16 value). Every row stride of the
-storage is a multiple of 16 bytes (Hk, Ik multiples of 512 for FP8 x FP4; BF16 rows of H, I multiples of 32).
+rows, and no dequantization (a per-128 FP32 scale does not make an exact BF16 value). Every row stride the kernels
+read by TMA is a multiple of 16 bytes: the rows of Hk, Ik (multiples of 128) FP8 or BF16 values, and the ring
+scale sections, whose storage rows are padded to ``kernels.sm90.SCALE_ROW_WORDS`` words (zeros, never written; the
+attributes ``l1_acts_sf`` / ``l2_acts_sf`` are ``[ring, Hk/128]`` / ``[ring, Ik/128]`` views of them, strided where
+those are not multiples of 4). ``x_sf`` is read by the pull warps alone (32-bit loads): its rows are not padded.
 
 ``ring`` (``num_ring_tokens``) bounds the rows in flight on the expert side; by default it holds
 every row a rank can receive (``R * T_max * min(k, E/R)``) up to ``DEFAULT_MAX_RING_TOKENS``,
@@ -95,6 +99,9 @@ from .layouts.weights import round_up
 MMA_TYPES = ("fp8xfp4", "bf16")
 RING_SCALE_SECTIONS = ("l1_acts_sf", "l2_acts_sf")
 """Sections only recipe (1, 1, 128) buffers have (the FP32 scales of the FP8 rings)."""
+MEGA_128_HIDDEN_MULTIPLE = 256
+"""Recipe (1, 1, 128): the Mega MoE kernel's two GEMMs share one config of 256-row weight tiles
+(``kernels.sm90.config.per_128_swiglu_config``), so L2's N, the hidden size, runs as a multiple of 256."""
 SECTION_ALIGNMENT = 1024
 RING_ALIGNMENT = 128
 DEFAULT_MAX_RING_TOKENS = 65536
@@ -154,21 +161,23 @@ class SymmBufferLayout:
     @property
     def kernel_hidden(self) -> int:
         """Hk: the hidden size the kernels run (module docstring), H rounded up for FP8 x FP4."""
-        return kernel_size(self.hidden, self.mma_type)
+        return kernel_sizes(self.hidden, self.intermediate_hidden, self.mma_type, self.recipe)[0]
 
     @property
     def kernel_intermediate(self) -> int:
         """Ik: the intermediate size the kernels run (module docstring), I rounded up for FP8 x FP4."""
-        return kernel_size(self.intermediate_hidden, self.mma_type)
+        return kernel_sizes(self.hidden, self.intermediate_hidden, self.mma_type, self.recipe)[1]
 
     def user_shape(self, name: str) -> tuple[int, ...]:
         """The shape of the buffer's attribute ``name``: the section's, except ``x`` and ``x_sf``, narrowed to the
-        real H (module docstring)."""
+        real H, and the ring scales, narrowed to their words past the row padding (module docstring)."""
         shape = self.section(name).shape
         if name == "x":
             return shape[0], self.hidden
         if name == "x_sf" and shape[1]:
             return shape[0], scale_words(self.hidden)
+        if name in RING_SCALE_SECTIONS:
+            return shape[0], scale_words(self.kernel_hidden if name == "l1_acts_sf" else self.kernel_intermediate)
         return shape
 
     @property
@@ -192,12 +201,20 @@ class SymmBufferLayout:
         return "\n".join(lines)
 
 
-def kernel_size(n: int, mma_type: str) -> int:
+def kernel_size(n: int, mma_type: str, multiple: int | None = None) -> int:
     """The size the kernels run for a hidden or intermediate size ``n`` (a multiple of 32): FP8 x FP4 rounds up to
-    the SM90 grouped GEMM's K granularity (its weights are zero-padded to it), BF16 keeps ``n``."""
+    ``multiple`` (default the SM90 grouped GEMM's K granularity, ``kernels.sm90.K_MULTIPLE``; its weights are
+    zero-padded to it), BF16 keeps ``n``."""
     from .kernels.sm90.config import K_MULTIPLE
 
-    return round_up(n, K_MULTIPLE) if mma_type == "fp8xfp4" else n
+    return round_up(n, multiple or K_MULTIPLE) if mma_type == "fp8xfp4" else n
+
+
+def kernel_sizes(hidden: int, intermediate: int, mma_type: str, recipe) -> tuple[int, int]:
+    """(Hk, Ik): the sizes the Mega MoE kernels run for ``hidden``, ``intermediate`` (``kernel_size``); recipe
+    (1, 1, 128) rounds the hidden size to ``MEGA_128_HIDDEN_MULTIPLE`` (``recipe`` None: BF16)."""
+    multiple = MEGA_128_HIDDEN_MULTIPLE if recipe == RECIPE_128 else None
+    return kernel_size(hidden, mma_type, multiple), kernel_size(intermediate, mma_type)
 
 
 def max_recv_rows(num_ranks: int, num_max_tokens_per_rank: int, num_topk: int, num_local_experts: int) -> int:
@@ -252,8 +269,11 @@ def symm_buffer_layout(
     ring_act = torch.float8_e4m3fn if recipe == RECIPE_128 else torch.bfloat16  # FP8-mode rings for recipe 128
     ring_sf = recipe == RECIPE_128  # their FP32 scales
     t, k, ring = num_max_tokens_per_rank, num_topk, num_ring_tokens
-    h, i = kernel_size(hidden, mma_type), kernel_size(intermediate_hidden, mma_type)  # storage: the kernels' sizes
+    from .kernels.sm90.config import SCALE_ROW_WORDS
+
+    h, i = kernel_sizes(hidden, intermediate_hidden, mma_type, recipe)  # storage: the kernels' sizes
     blocks_h, blocks_i = scale_words(h), scale_words(i)
+    ring_words_h, ring_words_i = round_up(blocks_h, SCALE_ROW_WORDS), round_up(blocks_i, SCALE_ROW_WORDS)  # TMA rows
     specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
         ("signals", torch.int32, (16,)),
         ("ready", torch.int64, (num_ranks,)),
@@ -267,10 +287,10 @@ def symm_buffer_layout(
         ("topk_idx", torch.int64, (t, k)),
         ("topk_weights", torch.float32, (t, k)),
         ("l1_acts", ring_act, (ring, h)),
-        ("l1_acts_sf", torch.float32, (ring, blocks_h)),
+        ("l1_acts_sf", torch.float32, (ring, ring_words_h)),
         ("l1_topk_weights", torch.float32, (ring,)),
         ("l2_acts", ring_act, (ring, i)),
-        ("l2_acts_sf", torch.float32, (ring, blocks_i)),
+        ("l2_acts_sf", torch.float32, (ring, ring_words_i)),
         ("combine", torch.bfloat16, (k, t, h)),
     ]
     if not ring_sf:  # recipe (1, 1, 32) and BF16: BF16 rings, no ring scale sections (the layout of before)

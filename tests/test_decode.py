@@ -57,10 +57,10 @@ def test_path_choice_and_validation():
 
 
 def test_warp_path_picks_its_weights(monkeypatch):
-    """Warp decode gets both weights in the Mega MoE layout where H and I need no padding (tensor-core kernels), the
-    canonical weights where they are multiples of 128 but need padding (per-pair SIMT kernels), and the zero-padded
-    Mega MoE layout for other multiples of 32: then ``x`` arrives with zero columns up to the padded H and only
-    the real H columns of ``y`` come back (here ``moe_decode`` stands in, returning its ``x`` in ``out`` or a new tensor)."""
+    """Warp decode gets both weights in the Mega MoE layout (tensor-core kernels): at H and I where they are multiples
+    of 128, zero-padded to the next multiple for other multiples of 32: then ``x`` arrives with zero columns up to
+    the padded H and only the real H columns of ``y`` come back (here ``moe_decode`` stands in, returning its ``x``
+    in ``out`` or a new tensor)."""
     from megamoe.kernels import decode as decode_kernels
 
     seen = []
@@ -71,27 +71,26 @@ def test_warp_path_picks_its_weights(monkeypatch):
 
     monkeypatch.setattr(decode_kernels, "moe_decode", fake_decode)
     gen = torch.Generator().manual_seed(4)
-    mega, canonical = torch.int32, torch.uint8
-    for hidden, inter, layout, width in ((512, 512, "mega", 512), (384, 256, "canonical", 384),
-                                         (96, 160, "mega", 512), (2048, 768, "canonical", 2048)):
+    mega = torch.int32
+    for hidden, inter, width in ((512, 512, 512), (384, 256, 384), (96, 160, 128), (2048, 768, 2048),
+                                 (2880, 1408, 2944)):
         l1, l2 = _weights(8, hidden, inter, 0)
         dec = MoEDecoder(l1, l2, num_topk=2, max_tokens=16, crossover=16)
-        assert dec.warp_layout == layout, (hidden, inter)
+        assert dec.warp_weights() == (dec.mega.l1, dec.mega.l2)
         for tokens in (1, 2, 16):
             seen.clear()
             x = random_tokens(tokens, hidden, gen)
             out = torch.full_like(x, float("nan"))
             y = dec(x, *random_routing(tokens, 8, 2, gen), out=out)
-            kind = mega if layout == "mega" else canonical
-            assert seen == [(kind, kind, width)], (hidden, tokens, seen)
+            assert seen == [(mega, mega, width)], (hidden, tokens, seen)
             assert y is out and torch.equal(y, x), (hidden, tokens)
 
 
 def test_every_multiple_of_32_has_the_grouped_path():
     l1, l2 = _weights(4, 96, 160, 0)
     dec = MoEDecoder(l1, l2, num_topk=2, max_tokens=8, crossover=0)
-    assert dec.path_for(1) == "grouped" and dec.buf.layout.kernel_hidden == 512
-    assert dec.buf.x.shape == (8, 96) and dec.mega.l2[0].shape == (4, 512 // 64, 512 // 128, 64, 16)
+    assert dec.path_for(1) == "grouped" and dec.buf.layout.kernel_hidden == 128
+    assert dec.buf.x.shape == (8, 96) and dec.mega.l2[0].shape == (4, 128 // 64, 256 // 128, 64, 16)
     with pytest.raises(ValueError, match=r"`hidden \(l1\[0\].shape\[2\] \* 2\)` must be a multiple of 32"):
         MoEDecoder(*_weights(4, 80, 160, 0), num_topk=2, max_tokens=8)
 
@@ -136,9 +135,9 @@ def test_both_paths_and_auto_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("hidden,inter", [(2880, 2880), (2048, 768), (1408, 1408), (96, 160)])
 def test_model_sizes_on_gpu(hidden, inter):
-    """Sizes the SM90 kernels run zero-padded (gpt-oss, Qwen3-30B-A3B, I = 1408, 96 / 160): warp decode (the padded
-    Mega MoE layout with padded ``x``, or the canonical SIMT kernels) and the grouped path, one token, masked slots,
-    a batch above the crossover."""
+    """Model sizes: multiples of 128 the kernels run as they are (Qwen3-30B-A3B, I = 1408: odd chunk counts) and
+    others they run zero-padded (gpt-oss, 96 / 160): warp decode (the tensor-core kernels on the Mega MoE layout, with
+    padded ``x`` where H is padded) and the grouped path, one token, masked slots, a batch above the crossover."""
     experts, k = 8, 4
     l1, l2 = _weights(experts, hidden, inter, 9, "cuda")
     dec = MoEDecoder(l1, l2, num_topk=k, max_tokens=16, crossover=2)

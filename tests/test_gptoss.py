@@ -352,7 +352,7 @@ def test_gpt_oss_epilogues_compile_for_sm90a(tmp_path):
 def test_staged_sm90_gpt_oss_experts_gpu(recipe, fast_math, hidden, inter):
     """StagedMoE(gemm="sm90") with gpt-oss experts (the kernel's L1 epilogue adds the bias and applies
     "swiglu_oai") == reference_moe within the contract's tolerances, both modes; at gpt-oss's sizes the kernels run
-    H = I = 3072, the L1 bias zero-padded with the weights."""
+    H = I = 2944 (23 chunks of 128), the L1 bias zero-padded with the weights."""
     from megamoe import StagedMoE, get_symm_buffer_for_mega_moe
     from megamoe.inputs import fill_buffer
 

@@ -20,6 +20,7 @@ from megamoe.kernels.sm90 import (
     grouped_gemm_fp8_fp4_masked,
     grouped_gemm_fp8_fp4_swiglu_contiguous,
     grouped_gemm_fp8_fp4_swiglu_masked,
+    pad_token_scales,
     prepare_fp4_weights,
     prepare_fp4_weights_l1,
     prepare_l1_bias,
@@ -642,15 +643,20 @@ def test_bf16_counts_masked_graph_and_empty():
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize("tile_tokens,tile_n,ctas,clamp,fast_math",
-                         [(8, 128, 2, None, True), (16, 128, 2, None, True), (32, 64, 1, 5.0, True),
-                          (32, 128, 2, None, True), (128, 128, 1, None, True), (128, 128, 1, 5.0, False)])
-def test_bf16_l1_l2_one_launch_equals_two(tile_tokens, tile_n, ctas, clamp, fast_math):
+@pytest.mark.parametrize("tile_tokens,tile_n,ctas,clamp,fast_math,hidden,inter",
+                         [(8, 128, 2, None, True, 1024, 512), (16, 128, 2, None, True, 1024, 512),
+                          (32, 64, 1, 5.0, True, 1024, 512), (32, 128, 2, None, True, 1024, 512),
+                          (128, 128, 1, None, True, 1024, 512), (128, 128, 1, 5.0, False, 1024, 512),
+                          # whole 128-K chunks: odd counts in L1 (H), in L2 (I), in both, and even ones off 512
+                          (32, 64, 1, 5.0, True, 1408, 768), (8, 128, 2, None, True, 2048, 384),
+                          (128, 128, 1, None, True, 2944, 1408), (16, 128, 2, None, True, 768, 768)])
+def test_bf16_l1_l2_one_launch_equals_two(tile_tokens, tile_n, ctas, clamp, fast_math, hidden, inter):
     """The fused L1/L2 launch stores bit for bit what the SwiGLU launch then the scatter launch store (rows of
     no group untouched; either silu form), its L2 rows also pass the FP64 check against its own L1 output, and it
-    leaves its counters zeroed: a second call (new routing weights) equals the two launches again."""
-    gen = torch.Generator().manual_seed(5000 + tile_tokens + tile_n)
-    counts, hidden, inter = [0, 1, 37, 5, 0, 130, 9, 64], 1024, 512
+    leaves its counters zeroed: a second call (new routing weights) equals the two launches again. Sizes that are
+    multiples of 128 but not of 512 run natively (odd chunk counts: the entries' builds for them, for both launches)."""
+    gen = torch.Generator().manual_seed(5000 + tile_tokens + tile_n + hidden + inter)
+    counts = [0, 1, 37, 5, 0, 130, 9, 64]
     a, offsets, _, row_expert, w1, w1_sf = _bf16_case(counts, 2 * inter, hidden, gen, lead_pad=2, tail_pad=9)
     w2, w2_sf = _random_weights(len(counts), hidden, inter, gen, "cuda")
     b1, b1_sf = prepare_fp4_weights_l1(w1, w1_sf, mma="bf16")
@@ -878,6 +884,13 @@ def test_recipe128_swiglu(tile_tokens, clamp, decode):
     grouped_gemm_fp8_fp4_swiglu_contiguous(a, a_sf, bk, bk_sf, offsets, row_weights, clamp=clamp, out=out,
                                            out_sf=out_sf, config=cfg)
     torch.cuda.synchronize()
+    _check_swiglu_128(out, out_sf, a, a_sf, w1, w1_sf, row_expert, row_weights, clamp)
+
+
+def _check_swiglu_128(out, out_sf, a, a_sf, w1, w1_sf, row_expert, row_weights, clamp) -> None:
+    """``test_recipe128_swiglu``'s check of per-128 SwiGLU rows ``out`` / ``out_sf`` (padding rows poisoned with
+    E4M3 NaN bytes and NaN scales by the caller)."""
+    inter = out.shape[1]
     valid = (row_expert >= 0).nonzero().flatten()
     pad = (row_expert < 0).nonzero().flatten()
     assert bool((out[pad].view(torch.uint8) == 0x7F).all()) and bool(out_sf[pad].isnan().all()), "padding rows written"
@@ -902,6 +915,84 @@ def test_recipe128_swiglu(tile_tokens, clamp, decode):
     finite = bool(out[valid].float().isfinite().all())
     assert fro <= tol["rel_fro"] and row <= tol["max_row_rel"] and sf_rel <= 2.28 * 2.0**-7 and finite, (
         f"rel_fro={fro:.3e} max_row_rel={row:.3e} max scale change {sf_rel:.3e} finite {finite}")
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("chunks", [1, 3, 6, 11, 23])
+def test_whole_chunk_sizes_every_entry(chunks):
+    """K = H = I = 128 * chunks run natively (no padding to 512): odd chunk counts by the builds for them
+    (``GemmConfig.even_chunks`` False, set by the entries from K), token scales whose K/128 is not a multiple of 4 as
+    views of 16-byte-aligned rows (``pad_token_scales``; the SwiGLU entries allocate such views, or take them). Recipe
+    32, FP8 mode: the SwiGLU L1 into caller-given padded scale rows (the words past I/128 untouched), L2 on its output,
+    a masked GEMM; BF16 mode: the default config's contiguous GEMM; recipe 128: the per-128 SwiGLU L1 (scales
+    allocated by the entry), then L2 on its output with the register and the shared-memory decode. Each against the
+    FP64 reference (``_check_rows``, ``_check_swiglu``, ``_check_swiglu_128``), rows of no group keep their poison."""
+    k = inter = 128 * chunks
+    words, padded = chunks, -(-chunks // 4) * 4
+    gen = torch.Generator().manual_seed(7000 + chunks)
+    counts = [0, 1, 37, 5, 70, 9]
+    e = len(counts)
+    nan16 = float("nan")
+    # Recipe 32, FP8 mode: L1 (SwiGLU, FP8 + UE8M0) then L2 on its output.
+    a, a_sf, offsets, _, row_expert = _contiguous_case(counts, 2 * inter, k, 2, 9, gen)
+    a_sf = pad_token_scales(a_sf)
+    m = a.shape[0]
+    w1, w1_sf = _random_weights(e, 2 * inter, k, gen, "cuda")
+    w2, w2_sf = _random_weights(e, k, inter, gen, "cuda")
+    b1, b1_sf = prepare_fp4_weights_l1(w1, w1_sf)
+    b2, b2_sf = prepare_fp4_weights(w2, w2_sf)
+    row_weights = torch.rand(m, generator=gen).cuda()
+    act = torch.full((m, inter), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    act_sf_rows = torch.full((m, padded), -1, dtype=torch.int32, device="cuda")
+    act_sf = act_sf_rows[:, :words]
+    grouped_gemm_fp8_fp4_swiglu_contiguous(a, a_sf, b1, b1_sf, offsets, row_weights, out=act, out_sf=act_sf)
+    out = torch.full((m, k), nan16, dtype=torch.bfloat16, device="cuda")
+    grouped_gemm_fp8_fp4_contiguous(act, act_sf, b2, b2_sf, offsets, out=out)
+    torch.cuda.synchronize()
+    assert bool((act_sf_rows[:, words:] == -1).all()), "scale words past I/128 written"
+    _check_swiglu(act, act_sf, a, a_sf, w1, w1_sf, row_expert, row_weights, None, f"recipe 32 SwiGLU at K = I = {k}")
+    _check_rows(out, act, act_sf, w2, w2_sf, row_expert, f"recipe 32 L2 at K = {k} on padded scale rows")
+    # Recipe 32, masked.
+    masked, max_m = [3, 0, 40, 17], 40
+    am, am_sf, row_m = _masked_case(masked, max_m, k, gen)
+    am.view(torch.uint8)[row_m < 0] = 0x7F
+    am_sf.view(torch.uint8)[row_m < 0] = 0xFF
+    wm, wm_sf = _random_weights(len(masked), 192, k, gen, "cuda")
+    bm, bm_sf = prepare_fp4_weights(wm, wm_sf)
+    for cfg in (None, GemmConfig(tile_tokens=64, tile_n=64, mma="fp8")):
+        outm = torch.full((len(masked), max_m, 192), nan16, dtype=torch.bfloat16, device="cuda")
+        grouped_gemm_fp8_fp4_masked(am.view(len(masked), max_m, k),
+                                    pad_token_scales(am_sf.view(len(masked), max_m, words)), bm, bm_sf,
+                                    torch.tensor(masked, dtype=torch.int32, device="cuda"), out=outm, config=cfg)
+        torch.cuda.synchronize()
+        _check_rows(outm.view(-1, 192), am, am_sf, wm, wm_sf, row_m, f"recipe 32 masked at K = {k}, config {cfg}")
+    # BF16 mode, the default config (BF16 mode loads two chunks per stage where the count is even).
+    a16, offsets16, _, row16, v, v_sf = _bf16_case(counts, 256, k, gen)
+    bv, bv_sf = prepare_fp4_weights(v, v_sf, mma="bf16")
+    out16 = torch.full((a16.shape[0], 256), nan16, dtype=torch.bfloat16, device="cuda")
+    grouped_gemm_fp8_fp4_contiguous(a16, None, bv, bv_sf, offsets16, out=out16)
+    torch.cuda.synchronize()
+    _check_rows(out16, a16, None, v, v_sf, row16, f"BF16 mode at K = {k}, default config")
+    # Recipe 128: the per-128 SwiGLU L1 (its default config, 256-row tiles), then L2 on its output.
+    r, r_sf, r_offsets, r_rows = _recipe128_case(counts, 2 * inter, k, gen)
+    f1, f1_sf = foldable_weights(e, 2 * inter, k, gen, "cuda")
+    f2, f2_sf = foldable_weights(e, k, inter, gen, "cuda")
+    c1, c1_sf = prepare_fp4_weights_l1(f1, f1_sf, fold=True)
+    c2, c2_sf = prepare_fp4_weights(f2, f2_sf, fold=True)
+    r_sf = pad_token_scales(r_sf)
+    r_weights = torch.rand(r.shape[0], generator=gen).cuda()
+    r_act = torch.full((r.shape[0], inter), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    r_act_sf = pad_token_scales(torch.full((r.shape[0], words), nan16, dtype=torch.float32, device="cuda"))
+    grouped_gemm_fp8_fp4_swiglu_contiguous(r, r_sf, c1, c1_sf, r_offsets, r_weights, out=r_act, out_sf=r_act_sf)
+    torch.cuda.synchronize()
+    _check_swiglu_128(r_act, r_act_sf, r, r_sf, f1, f1_sf, r_rows, r_weights, None)
+    for cfg in (None, GemmConfig(tile_tokens=32, tile_n=128, mma="fp8", token_block=128, decode="smem")):
+        r_out = torch.full((r.shape[0], k), nan16, dtype=torch.bfloat16, device="cuda")
+        grouped_gemm_fp8_fp4_contiguous(r_act, r_act_sf, c2, c2_sf, r_offsets, out=r_out, config=cfg)
+        torch.cuda.synchronize()
+        _check_rows(r_out, r_act, r_act_sf, f2, f2_sf, r_rows, f"recipe 128 L2 at K = {k}, config {cfg}",
+                    k32_per_sum=4)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -970,13 +1061,16 @@ def test_swiglu_nonfinite_rows_quantize_to_nan(variant):
 @pytest.mark.parametrize("n,k", [(2880, 2880), (2048, 768), (768, 2048), (1408, 1408), (96, 96)])
 @pytest.mark.parametrize("recipe", [32, 128])
 def test_zero_padded_model_sizes(n, k, recipe):
-    """Model sizes (multiples of 32) the kernels run zero-padded to their K granularity, as the MoE paths do: weights
-    padded once (``pad_fp4_weights``: zero rows to N', zero K columns), token rows and their scales with zero
-    columns (``pad_columns``). The real N columns equal the FP64 reference at the real sizes (recipe 128: a partial
-    last scale block), the padded output columns are exact zeros, rows of no group stay untouched; ragged groups."""
+    """Model sizes (multiples of 32) as the MoE paths run them: natively where they are multiples of 128 (768,
+    2048, 1408: an odd count of 128-K chunks), else zero-padded to the next one (2880 as 2944, 23 chunks; 96 as 128,
+    one chunk): weights padded once (``pad_fp4_weights``: zero rows to N', zero K columns), token rows and their scales
+    with zero columns (``pad_columns``), the scale rows in 16-byte-aligned storage (``pad_token_scales``). The real N
+    columns equal the FP64 reference at the real sizes (recipe 128: a partial last scale block), the padded output
+    columns are exact zeros, rows of no group stay untouched; ragged groups; the default configs (odd chunk counts:
+    the builds for them)."""
     gen = torch.Generator().manual_seed(n + k + recipe)
     counts = [0, 1, 37, 5, 130, 64]
-    kp, np_ = round_up(k, 512), round_up(n, 512)
+    kp, np_ = round_up(k, 128), round_up(n, 128)
     if recipe == 32:
         a, a_sf, offsets, _, row_expert = _contiguous_case(counts, n, k, 3, 11, gen)
         w, w_sf = _random_weights(len(counts), n, k, gen, "cuda")
@@ -995,7 +1089,8 @@ def test_zero_padded_model_sizes(n, k, recipe):
         w, w_sf = foldable_weights(len(counts), n, k, gen, "cuda")
         bk, bk_sf = prepare_fp4_weights(*pad_fp4_weights((w, w_sf), np_, kp), mma="fp8", fold=True)
     out = torch.full((a.shape[0], np_), float("nan"), dtype=torch.bfloat16, device="cuda")
-    grouped_gemm_fp8_fp4_contiguous(pad_columns(a, kp), pad_columns(a_sf, kp // 128), bk, bk_sf, offsets, out=out)
+    grouped_gemm_fp8_fp4_contiguous(pad_columns(a, kp), pad_token_scales(pad_columns(a_sf, kp // 128)), bk, bk_sf,
+                                    offsets, out=out)
     torch.cuda.synchronize()
     what = f"recipe {recipe}, N x K = {n} x {k} run as {np_} x {kp}"
     _check_rows(out[:, :n], a, a_sf, w, w_sf, row_expert, what, k32_per_sum=4 if recipe == 128 else 1)

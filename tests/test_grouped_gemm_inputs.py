@@ -30,7 +30,10 @@ def _cpu_inputs(m=40, n=128, k=512, e=3):
     "name,change,pattern",
     [
         ("a", lambda d: d.update(a=d["a"].to(torch.bfloat16)), "`a` must have dtype float8_e4m3fn"),
-        ("a", lambda d: d.update(a=d["a"][:, :384].contiguous(), a_sf=d["a_sf"][:, :3].contiguous()), "of 512"),
+        ("a", lambda d: d.update(a=d["a"][:, :448].contiguous(), a_sf=d["a_sf"][:, :3].contiguous()), "of 128"),
+        ("a_sf", lambda d: d.update(a=d["a"][:, :384].contiguous(), a_sf=d["a_sf"][:, :3].contiguous()),
+         r"`a_sf` rows must be contiguous words 16-byte aligned for TMA .*pad_token_scales"),
+        ("a_sf", lambda d: d.update(a_sf=d["a_sf"].t().contiguous().t()), "`a_sf` rows must be contiguous words"),
         ("a", lambda d: d.update(a=d["a"].t().contiguous().t()), "`a` must be contiguous"),
         ("a_sf", lambda d: d.update(a_sf=d["a_sf"][:, :2]), "`a_sf` must have shape"),
         ("a_sf", lambda d: d.update(a_sf=d["a_sf"].to(torch.int64)), r"`a_sf` must be int32 packed UE8M0 scales \[..., K/128\] \(recipe \(1, 1, 32\)\) or float32"),
@@ -76,7 +79,7 @@ def _cpu_inputs_bf16(m=40, n=128, k=512, e=3):
         (lambda d: d.update(b=d["b"].float()), "`b` must be a kernel weight layout"),
         (lambda d: d.update(b=d["b"][..., :8].contiguous()), "SM90 bf16-mode weight layout"),
         (lambda d: d.update(config=GemmConfig(mma="fp8")), "config.mma"),
-        (lambda d: d.update(a=d["a"][:, :384].contiguous()), "of 512"),
+        (lambda d: d.update(a=d["a"][:, :448].contiguous()), "of 128"),
         (lambda d: None, "`a` must be a CUDA tensor"),  # all shapes right: the device check fires last
     ],
 )
@@ -172,8 +175,36 @@ def _l1_l2_cpu_inputs(hidden=512, inter=512, m=40, e=3):
 def test_l1_l2_validation(change, pattern):
     with pytest.raises(ValueError, match=pattern):
         grouped_gemm_fp8_fp4_l1_l2_contiguous(**{**_l1_l2_cpu_inputs(), **change})
-    with pytest.raises(ValueError, match=r"`I \(rows of b1 / 2\)` must be a multiple of 512"):
-        grouped_gemm_fp8_fp4_l1_l2_contiguous(**_l1_l2_cpu_inputs(inter=256))
+    with pytest.raises(ValueError, match=r"I must be a multiple of 128"):
+        grouped_gemm_fp8_fp4_l1_l2_contiguous(**_l1_l2_cpu_inputs(inter=192))
     with pytest.raises(TypeError, match="`fast_math` must be a bool"):
         grouped_gemm_fp8_fp4_l1_l2_contiguous(**_l1_l2_cpu_inputs(), fast_math="yes")
 
+
+
+@pytest.mark.parametrize("k", [384, 768, 1408, 2944])
+def test_whole_chunks_with_padded_scale_rows_reach_the_device_check(k):
+    """K any multiple of 128: FP8-mode token scales whose K/128 is not a multiple of 4 are taken as views of rows padded
+    to 4 words (``pad_token_scales``: zeros past K/128, no copy where the rows already are such), contiguous, masked
+    and SwiGLU entries alike; every shape right, the CPU tensors are refused last. The fused L1/L2 entry takes odd
+    chunk counts of H and I."""
+    from megamoe.kernels.sm90 import pad_token_scales
+
+    args = _cpu_inputs(k=k)
+    args["a_sf"] = torch.randint(-2**31, 2**31 - 1, (40, k // 128), dtype=torch.int32)
+    padded = pad_token_scales(args["a_sf"])
+    assert torch.equal(padded, args["a_sf"]) and padded.stride() == (-(-k // 512) * 4, 1)
+    assert pad_token_scales(padded) is padded
+    storage = padded.as_strided((40, padded.stride(0)), padded.stride())
+    assert not storage[:, k // 128 :].any()
+    if k % 512:
+        with pytest.raises(ValueError, match="`a_sf` rows must be contiguous words"):
+            grouped_gemm_fp8_fp4_contiguous(**args)
+    with pytest.raises(ValueError, match="`a` must be a CUDA tensor"):
+        grouped_gemm_fp8_fp4_contiguous(**{**args, "a_sf": padded})
+    masked = dict(args, a=args["a"][:30].view(3, 10, k), a_sf=pad_token_scales(args["a_sf"][:30].view(3, 10, -1)))
+    masked["masked_m"] = masked.pop("offsets")[:3]
+    with pytest.raises(ValueError, match="`a` must be a CUDA tensor"):
+        grouped_gemm_fp8_fp4_masked(**masked)
+    with pytest.raises(ValueError, match="`a` must be a CUDA tensor"):
+        grouped_gemm_fp8_fp4_l1_l2_contiguous(**_l1_l2_cpu_inputs(hidden=k, inter=k))

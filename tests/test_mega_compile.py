@@ -24,7 +24,7 @@ LAYOUTS = {
     "r8_flash_like": symm_buffer_layout(8, 256, 64, 6, 4096, 2048),
     "r4_wide_hidden": symm_buffer_layout(4, 64, 16, 8, 7168, 512),
     "r2_bf16": symm_buffer_layout(2, 16, 8, 4, 384, 256, mma_type="bf16"),
-    "r2_gpt_oss_padded": symm_buffer_layout(2, 16, 8, 4, 2880, 2880),  # rows of the padded H = 3072, y of 2880
+    "r2_gpt_oss_padded": symm_buffer_layout(2, 16, 8, 4, 2880, 2880),  # rows of the padded H = 2944, y of 2880
     "r2_bf16_gpt_oss": symm_buffer_layout(2, 16, 8, 4, 2880, 2880, mma_type="bf16"),
 }
 
@@ -146,8 +146,10 @@ def test_transform_weights_shapes():
     l1k, l2k = transform_weights_for_mega_moe(l1, l2)
     assert l1k[0].shape == (E, 2 * I // 64, H // 128, 64, 16) and l1k[0].dtype == torch.int32 and l1k[1].shape == (E, H // 128, 2 * I)
     assert l2k[0].shape == (E, H // 64, I // 128, 64, 16) and l2k[1].shape == (E, I // 128, H)
-    l1k, l2k = transform_weights_for_mega_moe(*_weights(hidden=256, inter=96))  # zero-padded to H = I = 512
-    assert l1k[0].shape == (E, 2 * 512 // 64, 512 // 128, 64, 16) and l2k[0].shape == (E, 512 // 64, 512 // 128, 64, 16)
+    l1k, l2k = transform_weights_for_mega_moe(*_weights(hidden=256, inter=96))  # I zero-padded to 128, H as it is
+    assert l1k[0].shape == (E, 2 * 128 // 64, 256 // 128, 64, 16) and l2k[0].shape == (E, 256 // 64, 128 // 128, 64, 16)
+    l1k, l2k = transform_weights_for_mega_moe(*_weights(hidden=1408, inter=96), recipe=(1, 1, 128))  # H to 256: 1536
+    assert l1k[0].shape == (E, 2 * 128 // 64, 1536 // 128, 64, 64) and l2k[0].shape == (E, 1536 // 64, 1, 64, 64)
     with pytest.raises(ValueError, match=r"`hidden \(l1\[0\].shape\[2\] \* 2\)` must be a multiple of 32"):
         transform_weights_for_mega_moe(*_weights(hidden=200))
     with pytest.raises(ValueError, match="l1"):
@@ -224,8 +226,8 @@ def test_buffer_recipe_and_shapes(cpu_call):
     bf16 = get_symm_buffer_for_mega_moe(None, E, T_MAX, K, H, I, mma_type="bf16", device="cpu")
     with pytest.raises(ValueError, match="mma_type='fp8xfp4'"):
         _call(cpu_call, sym_buffer=bf16)
-    wide = get_symm_buffer_for_mega_moe(None, E, T_MAX, K, 544, I, device="cpu")  # run as H = 1024: not the weights'
-    with pytest.raises(ValueError, match=r"`l1\[0\]` must have shape \[8, 16, 8, 64, 16\]"):
+    wide = get_symm_buffer_for_mega_moe(None, E, T_MAX, K, 544, I, device="cpu")  # run as H = 640: not the weights'
+    with pytest.raises(ValueError, match=r"`l1\[0\]` must have shape \[8, 16, 5, 64, 16\]"):
         _call(cpu_call, sym_buffer=wide, y=torch.empty(5, 544, dtype=torch.bfloat16))
 
 

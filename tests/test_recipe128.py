@@ -547,7 +547,7 @@ def test_staged_recipe_mismatches():
     pb = global_problem(0, [4], 8, 2, 256, 128, "bf16")
     with pytest.raises(ValueError, match="`recipe` applies to FP4 weights"):
         StagedMoE(pb["l1"], pb["l2"], recipe=RECIPE_128)
-    assert StagedMoE(p["l1"], p["l2"], gemm="sm90", recipe=RECIPE_128).l1k[0].shape[2] == 512 // 128  # H padded
+    assert StagedMoE(p["l1"], p["l2"], gemm="sm90", recipe=RECIPE_128).l1k[0].shape[2] == 256 // 128  # H as it is
     with pytest.raises(ValueError, match="`recipe` must be one of"):
         StagedMoE(p["l1"], p["l2"], recipe=(1, 1, 256))
 

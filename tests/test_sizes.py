@@ -4,8 +4,9 @@ Qwen3-30B-A3B (H 2048, I 768), Qwen1.5-MoE / DeepSeek-V2-Lite's I 1408, and 96.
 CPU: partial scale blocks quantize as zero-padded rows do (both recipes, FP4), the one-time weight padding is exact
 (dequantized padded weights = zero-padded dequantized weights, in the kernels' layouts of both recipes too), the
 staged path with torch's GEMMs against the FP32 reference at those sizes (both recipes, both modes, ragged and masked
-routing), errors for sizes that are not multiples of 32. GPU (``-m gpu``, sm_90): the staged path with megamoe's SM90
-GEMMs (which run the zero-padded sizes) against the same reference, both recipes. The Mega MoE path at these sizes:
+routing), errors for sizes that are not multiples of 32, the sizes the kernels run (multiples of 128: the real ones
+where they are such, else zero-padded to the next; recipe 128's Mega MoE hidden size to 256). GPU (``-m gpu``,
+sm_90): the staged path with megamoe's SM90 GEMMs (which run those sizes) against the same reference, both recipes. The Mega MoE path at these sizes:
 tests/distributed/test_mega_gpu.py; the grouped GEMM on zero-padded operands: test_grouped_gemm.py
 (``test_zero_padded_model_sizes``); MoEDecoder: test_decode.py (``test_model_sizes_on_gpu``).
 """
@@ -88,7 +89,7 @@ def _padded_dense(l1, l2, hk, ik):
 def test_padded_weights_are_the_zero_padded_experts(name):
     hidden, inter = MODEL_SIZES[name]
     l1, l2 = _experts(hidden, inter)
-    hk, ik = _up(hidden, K_MULTIPLE), _up(inter, K_MULTIPLE)
+    hk, ik = KERNEL_SIZES[name][0]
     p1, p2 = pad_fp4_expert_weights(l1, l2, hk, ik)
     want1, want2 = _padded_dense(l1, l2, hk, ik)
     assert torch.equal(dequantize_fp4(*p1).double(), want1) and torch.equal(dequantize_fp4(*p2).double(), want2)
@@ -99,14 +100,37 @@ def test_padded_weights_are_the_zero_padded_experts(name):
     assert pad_fp4_expert_weights(l1, l2, hidden, inter) == (l1, l2) if hidden % 128 == inter % 128 == 0 else True
 
 
+# (H, I) the kernels run for each model size: SM90 GEMMs (staged) and recipe 32's Mega MoE; recipe 128's Mega MoE
+# (its two GEMMs share 256-row weight tiles: H a multiple of 256).
+KERNEL_SIZES = {"gpt_oss": ((2944, 2944), (3072, 2944)), "qwen3_30b_a3b": ((2048, 768), (2048, 768)),
+                "i1408": ((1408, 1408), (1536, 1408)), "tiny96": ((128, 128), (256, 128))}
+
+
+@pytest.mark.parametrize("name", MODEL_SIZES)
+def test_kernel_sizes(name):
+    from megamoe.symm_buffer import symm_buffer_layout
+
+    hidden, inter = MODEL_SIZES[name]
+    staged, mega128 = KERNEL_SIZES[name]
+    assert K_MULTIPLE == 128
+    for recipe, want in ((R32, staged), (R128, mega128)):
+        lay = symm_buffer_layout(1, 8, 4, 2, hidden, inter, recipe=recipe)
+        assert (lay.kernel_hidden, lay.kernel_intermediate) == want, (name, recipe)
+    l1, l2 = _experts(hidden, inter, experts=2, seed=3)
+    for recipe in (R32, R128):
+        moe = StagedMoE(l1, l2, gemm="sm90", recipe=recipe)
+        assert (moe.kernel_hidden, moe.l2k[0].shape[2] * 128) == staged, (name, recipe)
+
+
 @pytest.mark.parametrize("recipe", [R32, R128], ids=["r32", "r128"])
-@pytest.mark.parametrize("name", ["gpt_oss", "qwen3_30b_a3b", "tiny96"])
+@pytest.mark.parametrize("name", ["gpt_oss", "qwen3_30b_a3b", "i1408", "tiny96"])
 def test_mega_moe_weights_hold_the_zero_padded_experts(name, recipe):
     """``transform_weights_for_mega_moe`` at model sizes: the kernel layouts (BF16 mode for recipe 32, folded FP8 mode
-    for recipe 128) decode to the zero-padded experts, L1 rows interleaved for the SwiGLU epilogue."""
+    for recipe 128) decode to the zero-padded experts (``KERNEL_SIZES``; none where the sizes are the real ones), L1
+    rows interleaved for the SwiGLU epilogue."""
     hidden, inter = MODEL_SIZES[name]
     l1, l2 = _experts(hidden, inter, experts=1, seed=1)
-    hk, ik = _up(hidden, K_MULTIPLE), _up(inter, K_MULTIPLE)
+    hk, ik = KERNEL_SIZES[name][recipe == R128]
     (l1k, l2k) = transform_weights_for_mega_moe(l1, l2, recipe)
     want1, want2 = _padded_dense(l1, l2, hk, ik)
     want1 = interleave_gate_up(want1, SWIGLU_GRANULARITY)

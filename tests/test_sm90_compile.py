@@ -73,8 +73,9 @@ FOLDED_CASES = [
 ]
 # The one-launch Mega MoE kernel ("l1_l2" with the comm phases) for SymmBuffer layouts (symm_buffer_layout
 # arguments: ranks, experts, T_max, top-k, H, I): every CTA-per-SM mode, four consumer warpgroups, a wide hidden size,
-# 8 ranks, and model sizes the kernel runs zero-padded (gpt-oss H = I = 2880 as 3072; Qwen3-30B-A3B I = 768 as 1024:
-# combine stores y rows of the real H from combine rows of the padded one).
+# 8 ranks, and model sizes: gpt-oss H = I = 2880 zero-padded to 2944 (23 chunks: the build for odd chunk counts,
+# ``GemmConfig.for_k``; combine stores y rows of the real H from combine rows of the padded one), Qwen3-30B-A3B
+# (H 2048, I 768) natively, H = I = 1408 (11 chunks) and H 1408 / I 768 (odd L1, even L2).
 MEGA_CASES = [
     (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), (2, 256, 64, 8, 4096, 2048)),
     (GemmConfig(tile_tokens=64, tile_n=128), (8, 256, 128, 8, 7168, 2048)),
@@ -88,10 +89,13 @@ MEGA_CASES = [
     (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2), (1, 128, 64, 4, 2880, 2880)),
     (GemmConfig(tile_tokens=8, tile_n=64, ctas_per_sm=3), (8, 128, 64, 8, 2048, 768)),
     (GemmConfig(tile_tokens=64, tile_n=128), (1, 256, 8192, 6, 4096, 2048)),  # flash, one rank, 2048 tokens
+    (GemmConfig(tile_tokens=32, tile_n=128, ctas_per_sm=2), (2, 64, 32, 8, 1408, 1408)),
+    (GemmConfig(tile_tokens=8, tile_n=64, ctas_per_sm=3), (2, 64, 32, 8, 1408, 768)),
+    (GemmConfig(tile_tokens=64, tile_n=128), (1, 128, 256, 8, 2048, 768)),
 ]
 # The Mega MoE kernel of recipe (1, 1, 128) (FP8 rings with FP32 scales, both GEMMs in FP8 block-128 mode, the per-128
 # SwiGLU epilogue: ``mega.tile_config``'s configs): every token tile it runs, one and eight ranks, flash- and pro-like
-# sizes, gpt-oss's padded H = I = 2880.
+# sizes, gpt-oss's padded H = I = 2880 (H 3072, I 2944: odd), Qwen3-30B-A3B natively, H = I = 1408 (H 1536, I 1408).
 R128 = (1, 1, 128)
 MEGA128_CASES = [
     (GemmConfig(tile_tokens=8, tile_n=256, mma="fp8", token_block=128), (2, 256, 64, 8, 4096, 2048, None, "fp8xfp4", R128)),
@@ -99,6 +103,10 @@ MEGA128_CASES = [
                                                                           R128)),
     (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128), (1, 8, 33, 3, 512, 1024, None, "fp8xfp4", R128)),
     (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128), (2, 128, 64, 4, 2880, 2880, None, "fp8xfp4",
+                                                                          R128)),
+    (GemmConfig(tile_tokens=8, tile_n=256, mma="fp8", token_block=128), (2, 128, 64, 8, 2048, 768, None, "fp8xfp4",
+                                                                         R128)),
+    (GemmConfig(tile_tokens=16, tile_n=256, mma="fp8", token_block=128), (2, 64, 32, 8, 1408, 1408, None, "fp8xfp4",
                                                                           R128)),
 ]
 
@@ -140,6 +148,24 @@ SMEM_DECODE_CASES = [
     (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128, decode="smem"), "offsets", "swiglu_fp8"),
     (GemmConfig(tile_tokens=8, tile_n=256, mma="fp8", token_block=128, decode="smem"), "masked", "swiglu_fp8"),
 ]
+# Builds for odd counts of 128-K chunks (``GemmConfig.even_chunks`` False: K a multiple of 128, not of 256): BF16 mode
+# with one chunk per stage where even counts load two (one CTA; the one-launch L1/L2 kernel's small and large token
+# tiles), recipe (1, 1, 128)'s pair loop with its parity tail on one, two and four consumer warpgroups (the per-128
+# SwiGLU epilogue), recipe (1, 1, 32)'s FP8 mode, the shared-memory decode.
+ODD_CHUNK_CASES = [
+    (GemmConfig(tile_tokens=8, tile_n=128, even_chunks=False), "offsets", "bf16", False),
+    (GemmConfig(tile_tokens=32, tile_n=256, even_chunks=False), "offsets_counts", "swiglu_fp8_bf16", False),
+    (GemmConfig(tile_tokens=32, tile_n=64, even_chunks=False), "offsets", "l1_l2", False),
+    (GemmConfig(tile_tokens=128, tile_n=128, even_chunks=False), "offsets", "l1_l2", False),
+    (GemmConfig(tile_tokens=16, tile_n=128, mma="fp8", even_chunks=False), "masked", "swiglu_fp8", False),
+    (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, mma="fp8", token_block=128, even_chunks=False), "offsets",
+     "bf16", True),
+    (GemmConfig(tile_tokens=64, tile_n=64, mma="fp8", token_block=128, even_chunks=False), "masked", "bf16", True),
+    (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128, even_chunks=False), "offsets", "swiglu_fp8",
+     True),
+    (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128, decode="smem", even_chunks=False), "offsets",
+     "swiglu_fp8", True),
+]
 RELEASE_CASES = ([(c, m, e, None, False, False, True) for c, m, e in COMPILE_CASES]
                  + [(c, m, e, None, False, True, True) for c, m, e in FOLDED_CASES]
                  + [(c, m, e, None, False, True, True) for c, m, e in RECIPE128_CASES + SMEM_DECODE_CASES]
@@ -147,7 +173,8 @@ RELEASE_CASES = ([(c, m, e, None, False, False, True) for c, m, e in COMPILE_CAS
                  + [(MEGA_CASES[0][0], "offsets", "l1_l2", MEGA_CASES[0][1], True, False, True)]
                  + [(c, "offsets", "l1_l2", lay, False, False, True) for c, lay in MEGA128_CASES]
                  + [(MEGA128_CASES[1][0], "offsets", "l1_l2", MEGA128_CASES[1][1], True, False, True)]
-                 + [(c, m, e, lay, False, False, False) for c, m, e, lay in IEEE_SILU_CASES])
+                 + [(c, m, e, lay, False, False, False) for c, m, e, lay in IEEE_SILU_CASES]
+                 + [(c, m, e, None, False, folded, True) for c, m, e, folded in ODD_CHUNK_CASES])
 
 _COMPILE_CHILD = """
 import json, os, re, shutil, subprocess, sys
@@ -222,6 +249,7 @@ def compile_report(cases: list, dump_dir) -> list[dict]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 RELEASE_IDS = [f"{c.mma}{'x128' if c.token_block == 128 else ''}{'-smem' if c.decode == 'smem' else ''}"
+               f"{'' if c.even_chunks else '-odd'}"
                f"-{c.tile_tokens}x{c.tile_n}x{c.ctas_per_sm}-{m}-{e}"
                + ("" if lay is None else "-mega-r%d-e%d-h%d" % (lay[0], lay[1], lay[4]) + ("-r128" if R128 in lay else ""))
                + ("-trace" if trace else "") + ("-folded" if folded else "") + ("" if fast else "-ieee-silu")
@@ -360,6 +388,27 @@ def test_select_config():
     assert select_config(200, 4096, 4096).num_stages("swiglu_fp8") >= 3
     with pytest.raises(ValueError, match="`mma` must be one of"):
         select_config(1, 4096, 4096, mma="fp16")
+
+
+def test_configs_for_whole_chunk_sizes():
+    """K any multiple of 128: a config is for even chunk counts unless some K of its build has an odd one
+    (``GemmConfig.for_k``); BF16 mode then loads one chunk per stage; the Mega MoE tile configs are for the buffer's
+    Hk and Ik."""
+    from megamoe import symm_buffer_layout
+    from megamoe.mega import tile_config
+
+    cfg = GemmConfig(tile_tokens=8, tile_n=128)
+    assert cfg.for_k(512, 768, 2048) is cfg and cfg.chunks_per_stage("l1_l2") == 2
+    odd = cfg.for_k(2048, 1408)
+    assert odd == GemmConfig(tile_tokens=8, tile_n=128, even_chunks=False) and odd.chunks_per_stage("l1_l2") == 1
+    assert odd.for_k(512) is odd and "odd-chunks" in odd.describe() and "odd-chunks" not in cfg.describe()
+    assert GemmConfig(tile_tokens=8, tile_n=128, mma="fp8").for_k(384).chunks_per_stage() == 1
+    for dims, recipe, even in (((2048, 768), (1, 1, 32), True), ((1408, 768), (1, 1, 32), False),
+                               ((2880, 2880), (1, 1, 32), False), ((2880, 2880), (1, 1, 128), False),
+                               ((1408, 1408), (1, 1, 128), False), ((2048, 768), (1, 1, 128), True)):
+        for tokens in (1, 8, 512):
+            lay = symm_buffer_layout(8, 128, 512, 8, *dims, recipe=recipe)
+            assert tile_config(lay, tokens, 132).even_chunks == even, (dims, recipe, tokens)
 
 
 def test_config_validation():

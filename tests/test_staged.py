@@ -104,8 +104,8 @@ def test_staged_weight_validation():
         StagedMoE(p["l1"], p["l2"], gemm="cublas")
     with pytest.raises(TypeError, match="`fast_math` must be a bool"):
         StagedMoE(p["l1"], p["l2"], fast_math=1)
-    # the SM90 GEMMs run H = 256, I = 128 zero-padded to their K granularity (prepared on any device)
-    assert StagedMoE(p["l1"], p["l2"], gemm="sm90").l1k[0].shape == (8, 2 * 512 // 64, 512 // 128, 64, 16)
+    # the SM90 GEMMs run H = 256, I = 128 as they are: whole 128-K chunks (prepared on any device)
+    assert StagedMoE(p["l1"], p["l2"], gemm="sm90").l1k[0].shape == (8, 2 * 128 // 64, 256 // 128, 64, 16)
     half = StagedMoE((w1[:4].contiguous(), s1[:4].contiguous()), (p["l2"][0][:4].contiguous(), p["l2"][1][:4].contiguous()))
     with pytest.raises(ValueError, match=r"`sym_buffer` has .* = \('fp8xfp4', 256, 128, 8\), the weights \('fp8xfp4', 256, 128, 4\)"):
         half(torch.empty(4, 256, dtype=torch.bfloat16), buf)

@@ -30,10 +30,10 @@ def test_bf16_layout_has_no_scales():
 
 
 def test_views_alias_one_allocation():
-    buf = get_symm_buffer_for_mega_moe(None, 16, 32, 4, 256, 128, device="cpu")
+    buf = get_symm_buffer_for_mega_moe(None, 16, 32, 4, 256, 96, device="cpu")
     assert buf.x.dtype == torch.float8_e4m3fn and buf.x.shape == (32, 256)
     assert buf.topk_idx.dtype == torch.int64 and buf.topk_weights.shape == (32, 4)
-    assert buf.l2_acts.shape == (buf.layout.num_ring_tokens, 512)  # I = 128 as the kernels run it, zero-padded
+    assert buf.l2_acts.shape == (buf.layout.num_ring_tokens, 128)  # I = 96 as the kernels run it, zero-padded
     base = buf.buffer.data_ptr()
     for s in buf.layout.sections:
         assert getattr(buf, s.name).data_ptr() == base + s.offset
@@ -48,20 +48,33 @@ def test_views_alias_one_allocation():
 
 
 @pytest.mark.parametrize("hidden,inter,recipe", [(2880, 2880, (1, 1, 32)), (2880, 2880, (1, 1, 128)),
-                                                (2048, 768, (1, 1, 32)), (96, 160, (1, 1, 128))])
+                                                (2048, 768, (1, 1, 32)), (2048, 768, (1, 1, 128)),
+                                                (1408, 1408, (1, 1, 128)), (96, 160, (1, 1, 128))])
 def test_views_of_the_real_sizes_over_zero_padded_storage(hidden, inter, recipe):
-    """FP8 x FP4 buffers store H and I as the kernels run them (rounded up to 512); ``x`` and ``x_sf`` are views of the
-    real H (``ceil(H/128)`` scale words); what a caller writes there never reaches the padding, which stays zero."""
+    """FP8 x FP4 buffers store H and I as the kernels run them (rounded up to 128; recipe (1, 1, 128)'s H to 256, the
+    Mega MoE kernel's shared 256-row weight tiles); ``x`` and ``x_sf`` are views of the real H (``ceil(H/128)`` scale
+    words); what a caller writes there never reaches the padding, which stays zero. Recipe 128's ring scales are
+    ``[ring, Hk/128]`` / ``[ring, Ik/128]`` views of rows padded to 4 words (16 bytes, TMA), the padding zero."""
     from megamoe.inputs import fill_buffer, random_routing, random_tokens
     from megamoe.layouts import quantize_fp8
 
-    t, hk, ik, words = 8, -(-hidden // 512) * 512, -(-inter // 512) * 512, -(-hidden // 128)
+    h_multiple = 256 if recipe == (1, 1, 128) else 128
+    t, hk, ik, words = 8, -(-hidden // h_multiple) * h_multiple, -(-inter // 128) * 128, -(-hidden // 128)
     buf = get_symm_buffer_for_mega_moe(None, 8, t, 2, hidden, inter, device="cpu", recipe=recipe)
     lay = buf.layout
     assert (lay.hidden, lay.intermediate_hidden, lay.kernel_hidden, lay.kernel_intermediate) == (hidden, inter, hk, ik)
     assert buf.x.shape == (t, hidden) and buf.x_sf.shape == (t, words)
     assert lay.section("x").shape == (t, hk) and lay.section("x_sf").shape == (t, hk // 128)
     assert lay.section("combine").shape == (2, t, hk) and buf.l2_acts.shape == (lay.num_ring_tokens, ik)
+    if recipe == (1, 1, 128):
+        ring = lay.num_ring_tokens
+        for name, k in (("l1_acts_sf", hk), ("l2_acts_sf", ik)):
+            view, padded = getattr(buf, name), -(-k // 512) * 4
+            assert view.shape == (ring, k // 128) and view.stride() == (padded, 1)
+            assert lay.section(name).shape == (ring, padded)
+            view.fill_(1.0)  # the views never reach the padding words
+            row_storage = buf._view(buf.buffer, lay.section(name), lay.section(name).shape)
+            assert (row_storage[:, : k // 128] == 1).all() and not row_storage[:, k // 128 :].any()
     gen = torch.Generator().manual_seed(hidden + inter)
     x = random_tokens(t, hidden, gen)
     x_q, x_sf = fill_buffer(buf, x, *random_routing(t, 8, 2, gen))

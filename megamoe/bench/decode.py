@@ -38,8 +38,8 @@ from .common import environment_receipt, fp4_expert_bytes, measure_hbm_read_band
 SHAPES = {"flash": (4096, 2048, (32, 128)), "pro": (7168, 3072, (48, 192)),
           "gpt-oss-120b": (2880, 2880, (16, 128)), "qwen3-30b-a3b": (2048, 768, (16, 128))}
 """name -> (hidden, intermediate, expert counts run). For the two model shapes: one rank's experts at EP8 and all of
-them; their top-k (4 and 8) goes in ``--topk``; their sizes run zero-padded on the grouped path (``megamoe.decode``
-says which weights warp decode reads)."""
+them; their top-k (4 and 8) goes in ``--topk``; gpt-oss's sizes run zero-padded to 2944, Qwen3-30B-A3B's as they
+are (``megamoe.decode``: warp decode reads the Mega MoE layout at those sizes)."""
 DECODE_TOL = 2.0**-8  # BF16 rounding of y; FP32 accumulation (see tests/test_warp_decode.py)
 ROW_TOL = 2.0**-8 * 1.05
 TORCH_TOL = 2.0**-4  # FP8 rowwise activations in the torch baseline: a few 2**-5 per row

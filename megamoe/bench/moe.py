@@ -20,9 +20,9 @@ Presets (``PRESETS``) are model shapes; ``gpt-oss-120b`` and ``qwen3-30b-a3b`` r
 with megamoe's SwiGLU experts (gpt-oss's own activation and biases are not modelled here). ``--experts``,
 ``--hidden`` and ``--intermediate`` override a preset's sizes: e.g. a rank's expert count at EP8 (``--experts 16``
 on one GPU for gpt-oss-120b), or the padding cost of sizes the SM90 kernels zero-pad (H, I not multiples of
-``kernels.sm90.K_MULTIPLE``) against the padded sizes run natively: ``--preset gpt-oss-120b`` (2880, run as 3072)
-against ``--preset gpt-oss-120b --hidden 3072 --intermediate 3072``; ``scripts/padding_cost.sh`` runs that
-comparison for both new presets.
+``kernels.sm90.K_MULTIPLE``) against the padded sizes run natively: ``--preset gpt-oss-120b`` (2880, run as 2944;
+recipe 128's Mega MoE H as 3072) against ``--preset gpt-oss-120b --hidden 2944 --intermediate 2944``;
+``scripts/padding_cost.sh`` runs that comparison.
 
 ``--routings N`` (default 1): N buffers per point, each with its own random tokens and routing (each
 checked); timed calls cycle through them, so consecutive calls touch different experts, as consecutive

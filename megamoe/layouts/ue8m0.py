@@ -114,9 +114,10 @@ def pack_ue8m0(codes: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
-    """packed int32 ``[..., m]`` -> uint8 codes ``[..., 4 * m]``."""
+    """packed int32 ``[..., m]`` -> uint8 codes ``[..., 4 * m]``. (Through a flat copy: torch calls a tensor with
+    m = 1 contiguous whatever its last stride, which the dtype view refuses.)"""
     check_tensor("packed", packed, dtype=torch.int32)
-    return packed.contiguous().view(torch.uint8)
+    return packed.reshape(-1).view(torch.uint8).view(*packed.shape[:-1], 4 * packed.shape[-1])
 
 
 def apply_block_scales(values: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

@@ -18,9 +18,11 @@ one progress line per rank and call, the contract errors, and any ``megamoe debu
   default ring is 128 rows already), and the skewed small-ring case again at H = I = 2048, where every CTA runs
   several tiles (the tile hand-off from the producer warp to the consumers wraps around its slots); then a CUDA
   graph captured once and replayed three times with new inputs
-  copied in between. Model sizes the kernels run zero-padded to 512 (``dims``: gpt-oss H = I = 2880, Qwen3-30B-A3B
-  H 2048 / I 768, 96 / 160; BF16 buffers unpadded) on one and two GPUs, recipe 128 at them too. Four ranks: uneven
-  tokens incl. a rank with 0 and one with 1, skewed, full with a clamp, and the graph. Recipe (1, 1, 128) (``r128_*``
+  copied in between. Model sizes (``dims``): natively where they are multiples of 128 (Qwen3-30B-A3B H 2048 / I 768:
+  6 chunks; H = I = 1408: 11, an odd count of 128-K chunks, the builds for odd chunk counts), zero-padded to the next
+  multiple of 128 otherwise (gpt-oss H = I = 2880 as 2944, 23 chunks; 96 / 160; recipe 128 pads H to 256: 3072,
+  1536), BF16 buffers unpadded; on one and two GPUs, recipe 128 at them too, 32-row token tiles (top-8) at 1408
+  and gpt-oss. Four ranks: uneven tokens incl. a rank with 0 and one with 1, skewed, full with a clamp, and the graph. Recipe (1, 1, 128) (``r128_*``
   cases, a buffer of that recipe: per-128 FP32 token scales, FP8 rings with FP32 scales, folded FP8-mode weights): the
   Mega MoE kernel against that recipe's reference and tolerances and bit for bit against the staged path with the SM90
   GEMMs, on 1, 2 and 4 GPUs (ragged with masked slots, skewed: empty experts, no tokens, one token, full with a clamp,
@@ -56,7 +58,7 @@ H, I, K, E_PER_RANK, T_MAX = 512, 512, 4, 8, 32
 GENERATIONS = 3
 SMALL_RING = 128  # ring rows of the small-ring cases: rank 0 receives more rows, so it reuses ring blocks
 WIDE = (2048, 2048)  # (H, I) of the case whose CTAs run several tiles each (L1: 32 column tiles per pool block)
-GPT_OSS, QWEN3, TINY = (2880, 2880), (2048, 768), (96, 160)  # model sizes the kernels run zero-padded to 512
+GPT_OSS, QWEN3, I1408, TINY = (2880, 2880), (2048, 768), (1408, 1408), (96, 160)  # model sizes (module docstring)
 R128 = (1, 1, 128)
 CASES_ENV = "MEGAMOE_GPU_CASES"
 """Comma-separated words: run only the cases whose name holds one (and the graphs of their recipes); unset: all."""
@@ -85,6 +87,10 @@ CASES = {
         ("bf16_gpt_oss_ragged", dict(tokens=[29], masked=0.25, mma_type="bf16", dims=GPT_OSS)),
         ("r128_gpt_oss_ragged_masked", dict(tokens=[29], masked=0.25, dims=GPT_OSS, recipe=R128)),
         ("r128_qwen3_skewed", dict(tokens=[32], hot=K, dims=QWEN3, recipe=R128)),
+        ("i1408_ragged_masked", dict(tokens=[29], masked=0.25, dims=I1408)),
+        ("i1408_top8_full_clamped", dict(tokens=[T_MAX], topk=8, clamp=0.75, masked=0.1, dims=I1408)),
+        ("r128_i1408_ragged_masked", dict(tokens=[29], masked=0.25, dims=I1408, recipe=R128)),
+        ("r128_gpt_oss_top8_full", dict(tokens=[T_MAX], topk=8, masked=0.1, dims=GPT_OSS, recipe=R128)),
         ("r128_top8_32_row_tiles", dict(tokens=[T_MAX], topk=8, masked=0.1, recipe=R128)),
     ],
     2: [
@@ -105,6 +111,8 @@ CASES = {
         ("r128_top8_uneven", dict(tokens=[T_MAX, 19], topk=8, masked=0.1, recipe=R128)),
         ("gpt_oss_uneven", dict(tokens=[13, 5], masked=0.25, dims=GPT_OSS)),
         ("qwen3_small_ring_skewed", dict(tokens=[24, 17], hot=K, ring=SMALL_RING, dims=QWEN3)),
+        ("i1408_small_ring_skewed", dict(tokens=[24, 17], hot=K, ring=SMALL_RING, dims=I1408)),
+        ("r128_i1408_uneven", dict(tokens=[13, 5], masked=0.25, dims=I1408, recipe=R128)),
     ],
     4: [
         ("ragged_masked_uneven", dict(tokens=[13, 0, 32, 1], masked=0.25)),

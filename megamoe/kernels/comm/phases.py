@@ -457,6 +457,7 @@ class Fp8RingPhases(EpPhases):
         scale word ``unit * 16 + l`` (where < Hk/128) into ``l1_acts_sf[row]``; every load before the stores."""
         cfg, hidden = self.cfg, self.hidden
         words_per_row = hidden // 128  # FP32 scales of a row
+        ring_words = cfg.layout.section("l1_acts_sf").shape[1]  # their ring row: padded for TMA (symm_buffer)
         words_per_unit = WARP * VECS_PER_LANE * VEC // 128
         wi = unit * words_per_unit + lane
         on = Int32(cutlass.select_((lane < words_per_unit) & (wi < words_per_row), Int32(1), Int32(0)))
@@ -464,4 +465,4 @@ class Fp8RingPhases(EpPhases):
         self.copy_unit(peer + (cfg.offset("x") + Int64(t) * hidden), base + (cfg.offset("l1_acts") + Int64(row) * hidden),
                        hidden // VEC, unit, lane)
         if on != 0:
-            ptx.st_global_u32(base + (cfg.offset("l1_acts_sf") + (Int64(row) * words_per_row + Int64(wi)) * 4), word)
+            ptx.st_global_u32(base + (cfg.offset("l1_acts_sf") + (Int64(row) * ring_words + Int64(wi)) * 4), word)

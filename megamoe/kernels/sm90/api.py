@@ -22,8 +22,8 @@ from ...numerics import check_activation, check_activation_clamp, check_fast_mat
 from .. import runtime
 from ..weight_layout import BF16_WORDS, CHUNK_BYTES, K_CHUNK, ROW_BLOCK, check_blocked_layout
 from .args import EpilogueArgs, GemmArgs, GroupArgs, MegaArgs, SecondGemmArgs
-from .config import (EPILOGUES, GROUP_MODES, K_MULTIPLE, SWIGLU_EPILOGUES, GemmConfig, per_128_swiglu_config,
-                     select_config, sync_words)
+from .config import (EPILOGUES, GROUP_MODES, K_MULTIPLE, SCALE_ROW_WORDS, SWIGLU_EPILOGUES, GemmConfig,
+                     per_128_swiglu_config, select_config, sync_words)
 from .counters import tile_counters
 from .weights import LAYOUTS
 
@@ -227,8 +227,10 @@ def compile_l1_l2(config: GemmConfig, debug: bool = False, fast_math: bool = Tru
 def compile_mega_moe(config: GemmConfig, comm, fast_math: bool = True):
     """Compile (and cache) the Mega MoE kernel for ``comm`` (the buffer's ``comm.EpCommConfig``; its ``debug``
     selects the debug build, ``trace`` the trace build; its layout's recipe the kernel: ``mega_moe.MegaMoESm90``
-    for (1, 1, 32), ``mega_moe_128.MegaMoE128Sm90`` for (1, 1, 128))."""
-    return _compile_fused(config, comm.debug, comm, fast_math)
+    for (1, 1, 32), ``mega_moe_128.MegaMoE128Sm90`` for (1, 1, 128)), built for the layout's Hk and Ik
+    (``GemmConfig.for_k``)."""
+    return _compile_fused(config.for_k(comm.layout.kernel_hidden, comm.layout.kernel_intermediate), comm.debug, comm,
+                          fast_math)
 
 
 def _launch(kernel, config: GemmConfig, device, gemm: GemmArgs, second, epi: EpilogueArgs, groups: GroupArgs, sync,
@@ -307,14 +309,57 @@ def _check_tokens(a: torch.Tensor, a_sf: torch.Tensor | None, ndim: int, mma: st
                  "FP32 scales float32 [..., K/128] (recipe (1, 1, 128))")
     check_tensor("a", a, contiguous=True)
     k = a.shape[-1]
-    check_multiple("a.shape[-1] (K)", k, K_MULTIPLE, "packed UE8M0 scale rows must be 16-byte aligned for TMA; other "
-                   "multiples of 32 run zero-padded: layouts.weights.pad_fp4_weights once, pad_columns per call")
+    check_multiple("a.shape[-1] (K)", k, K_MULTIPLE, "whole 128-K chunks; other multiples of 32 run zero-padded: "
+                   "layouts.weights.pad_fp4_weights once, pad_columns per call")
     if mma == "fp8":
         if not isinstance(a_sf, torch.Tensor) or a_sf.dtype not in (torch.int32, torch.float32):
             fail("a_sf", "must be int32 packed UE8M0 scales [..., K/128] (recipe (1, 1, 32)) or float32 scales "
                  f"[..., K/128] (one per 128 K, recipe (1, 1, 128)), got {getattr(a_sf, 'dtype', type(a_sf).__name__)}")
-        check_tensor("a_sf", a_sf, shape=(*a.shape[:-1], k // K_CHUNK), device=a.device, contiguous=True)
+        check_scale_rows("a_sf", a_sf, (*a.shape[:-1], k // K_CHUNK), a.device)
     return k
+
+
+def _scale_rows_ok(sf: torch.Tensor) -> bool:
+    """Whether ``sf``'s rows (its last dim) are contiguous, each starts 16 bytes after a multiple of
+    ``SCALE_ROW_WORDS`` words from the previous, and the leading dims flatten into one row index."""
+    shape, stride = sf.shape, sf.stride()
+    if sf.dim() < 2 or stride[-1] != 1 or stride[-2] % SCALE_ROW_WORDS or stride[-2] < shape[-1]:
+        return False
+    return all(stride[i] == stride[i + 1] * shape[i + 1] for i in range(sf.dim() - 2))
+
+
+def check_scale_rows(name: str, sf: object, shape: tuple[int, ...], device) -> torch.Tensor:
+    """FP8-mode token scales ``[..., K/128]`` (one 32-bit word per 128-K chunk) as TMA reads them: ``shape`` on
+    ``device``, rows of contiguous words at a row stride that is a multiple of ``SCALE_ROW_WORDS`` words (16 bytes):
+    contiguous where K/128 is a multiple of 4, else a view of padded storage (``pad_token_scales``)."""
+    check_tensor(name, sf, shape=shape, device=device)
+    if not _scale_rows_ok(sf):
+        fail(name, f"rows must be contiguous words {SCALE_ROW_WORDS * 4}-byte aligned for TMA (a row stride that is a "
+             f"multiple of {SCALE_ROW_WORDS} words, leading dims dense), got strides {sf.stride()} for shape "
+             f"{list(sf.shape)}; kernels.sm90.pad_token_scales({name}) gives such rows (zero-padded storage, the same "
+             "view)")
+    return sf
+
+
+def empty_token_scales(rows: tuple[int, ...], words: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Uninitialised token scales ``[*rows, words]`` whose storage rows are padded to ``SCALE_ROW_WORDS`` words (the
+    padding zeroed: the TMA boxes that cover it read finite zeros), a view of that storage."""
+    padded = -(-words // SCALE_ROW_WORDS) * SCALE_ROW_WORDS
+    storage = torch.empty(*rows, padded, dtype=dtype, device=device)
+    storage[..., words:].zero_()
+    return storage[..., :words]
+
+
+def pad_token_scales(sf: torch.Tensor) -> torch.Tensor:
+    """FP8-mode token scales ``[..., K/128]`` (int32 or float32) with rows the kernels can read by TMA
+    (``check_scale_rows``): ``sf`` itself where they already are, else a copy into storage padded to
+    ``SCALE_ROW_WORDS`` words per row (zeros past K/128), returned as the same ``[..., K/128]`` view."""
+    check_tensor("sf", sf, dtype=(torch.int32, torch.float32))
+    if sf.dim() >= 2 and _scale_rows_ok(sf):
+        return sf
+    out = empty_token_scales(tuple(sf.shape[:-1]), sf.shape[-1], sf.dtype, sf.device)
+    out.copy_(sf)
+    return out
 
 
 def _token_block(a_sf: torch.Tensor | None, b: torch.Tensor, b_sf: torch.Tensor, name: str = "b_sf") -> int:
@@ -338,12 +383,13 @@ def _check_device(a: torch.Tensor, **tensors: torch.Tensor | None) -> None:
 
 def _resolve_config(config: GemmConfig | None, rows_per_expert: float, n: int, k: int, mma: str,
                     four_warpgroups: bool = True, token_block: int = 32, swiglu: bool = False) -> GemmConfig:
-    """The caller's config, checked against the operands, or ``select_config``'s. The per-128 SwiGLU epilogue (``swiglu``
-    with ``token_block`` 128) needs 256-row weight tiles: 128 intermediate columns, one scale block."""
+    """The caller's config, checked against the operands, or ``select_config``'s, for K ``k`` (``GemmConfig.for_k``).
+    The per-128 SwiGLU epilogue (``swiglu`` with ``token_block`` 128) needs 256-row weight tiles: 128 intermediate
+    columns, one scale block."""
     if config is None:
         if swiglu and token_block == 128:
-            return per_128_swiglu_config(rows_per_expert)
-        return select_config(rows_per_expert, n, k, mma, four_warpgroups, token_block)
+            return per_128_swiglu_config(rows_per_expert).for_k(k)
+        return select_config(rows_per_expert, n, k, mma, four_warpgroups, token_block).for_k(k)
     if not isinstance(config, GemmConfig):
         raise TypeError(f"megamoe: `config` must be a GemmConfig or None, got {type(config).__name__}")
     if config.mma != mma:
@@ -355,7 +401,7 @@ def _resolve_config(config: GemmConfig | None, rows_per_expert: float, n: int, k
              f"scale block), got {config.tile_n}")
     if n % config.tile_n:
         fail("config.tile_n", f"must divide N={n}, got {config.tile_n}")
-    return config
+    return config.for_k(k)
 
 
 def _rows_view(a_sf: torch.Tensor | None, rows: int) -> torch.Tensor | None:
@@ -406,8 +452,9 @@ def grouped_gemm_fp8_fp4_contiguous(
     ``counts`` (``int32 [E]``, e.g. ``ContiguousLayout.counts``) is given. Any alignment; rows of no group are
     neither read as data for the output nor written. Group bounds are read on the device (no sync; CUDA-graph
     capturable: the stream's tile counters, ``tile_counters``, exist once the weights were prepared on this
-    device) and clamped to ``[0, M)``. Needs K % 512 == 0, N % 64 == 0. Returns ``out`` (``bf16 [M, N]``,
-    allocated uninitialised when None).
+    device) and clamped to ``[0, M)``. Needs K % 128 == 0, N % 64 == 0; FP8 mode, a_sf's rows 16-byte aligned
+    (``check_scale_rows``: contiguous where K % 512 == 0, else a view of padded rows, ``pad_token_scales``).
+    Returns ``out`` (``bf16 [M, N]``, allocated uninitialised when None).
 
     ``out_row_ptrs`` (``int64 [M]``, instead of ``out``; returns None): row m's N BF16 values are stored at
     the device address ``out_row_ptrs[m]`` (16-byte aligned; any memory this GPU maps, e.g. a peer rank's
@@ -473,7 +520,10 @@ SWIGLU_OUT_DTYPES = {torch.float8_e4m3fn: "swiglu_fp8", torch.bfloat16: "swiglu_
 def _swiglu_outputs(rows: tuple[int, ...], inter: int, out, out_sf, out_dtype, device, name: str = "out",
                     token_block: int = 32):
     """Check or allocate the L1 outputs (``out`` called ``name``; ``token_block`` 128, recipe (1, 1, 128): FP8 with one
-    FP32 scale per 128 intermediate columns); returns (epilogue, out, out_sf or None, kernel views of both)."""
+    FP32 scale per 128 intermediate columns); returns (epilogue, out, out_sf or None, kernel views of both). An
+    allocated ``out_sf`` is a view of rows padded to ``SCALE_ROW_WORDS`` words (``empty_token_scales``), so that the
+    next GEMM can read it by TMA; a given one may be contiguous (the next GEMM then needs I % 512 == 0 or
+    ``pad_token_scales``) or such a view."""
     if token_block == 128:
         if out_dtype != torch.float8_e4m3fn:
             fail("out_dtype", f"must be torch.float8_e4m3fn with per-128 token scales (recipe (1, 1, 128): FP8 + FP32 "
@@ -492,8 +542,11 @@ def _swiglu_outputs(rows: tuple[int, ...], inter: int, out, out_sf, out_dtype, d
         return "swiglu_fp8_bf16", out, None, out.view(torch.int32).view(n_rows, inter // 2), None
     sf_dtype = torch.float32 if token_block == 128 else torch.int32
     if out_sf is None:
-        out_sf = torch.empty(*rows, inter // K_CHUNK, dtype=sf_dtype, device=device)
-    check_tensor("out_sf", out_sf, dtype=sf_dtype, shape=(*rows, inter // K_CHUNK), device=device, contiguous=True)
+        out_sf = empty_token_scales(rows, inter // K_CHUNK, sf_dtype, device)
+    check_tensor("out_sf", out_sf, dtype=sf_dtype, shape=(*rows, inter // K_CHUNK), device=device)
+    if not (out_sf.is_contiguous() or _scale_rows_ok(out_sf)):  # the epilogue's stores take any row stride
+        fail("out_sf", f"must be contiguous or a view of padded rows (pad_token_scales), got strides {out_sf.stride()} "
+             f"for shape {list(out_sf.shape)}")
     sf_view = out_sf.view(n_rows, inter // K_CHUNK) if token_block == 128 else out_sf.view(torch.uint8).view(n_rows, inter // 32)
     return "swiglu_fp8", out, out_sf, out.view(torch.int32).view(n_rows, inter // 4), sf_view
 
@@ -591,7 +644,7 @@ def grouped_gemm_fp8_fp4_l1_l2_contiguous(
     ``prepare_fp4_weights(..., mma="bf16")`` (N = H, K = I); offsets ``int32 [E+1]``; row_weights ``float32
     [M]``; out_row_ptrs ``int64 [M]`` (as ``grouped_gemm_fp8_fp4_contiguous``; every storing thread ends with
     ``fence.acq_rel.sys``); act ``bfloat16 [M, I]`` (allocated when None; rows of no group are not written).
-    H and I multiples of 512; ``config`` serves both GEMMs (its tile_n must divide 2I and H). ``sync``: ``int32
+    H and I multiples of 128; ``config`` serves both GEMMs (its tile_n must divide 2I and H). ``sync``: ``int32
     [E + 2]`` zeros, left zeroed by the launch (one per stream: launches in flight at once must not share it;
     None: a fresh zeroed tensor). ``timeout_ns`` > 0 runs the debug build: a spin-wait that lasts longer
     printf's what it waits for and traps (the printf call makes ptxas serialize that build's wgmmas: slower).
@@ -616,7 +669,7 @@ def grouped_gemm_fp8_fp4_l1_l2_contiguous(
     if sync is None:
         sync = torch.zeros(sync_words(e), dtype=torch.int32, device=a.device)
     check_tensor("sync", sync, dtype=torch.int32, shape=(sync_words(e),), device=a.device, contiguous=True)
-    cfg = _resolve_config(config, m / max(e, 1), math.gcd(n1, k), k, "bf16", four_warpgroups=False)
+    cfg = _resolve_config(config, m / max(e, 1), math.gcd(n1, k), k, "bf16", four_warpgroups=False).for_k(inter)
     _check_device(a, b1=b1, b1_sf=b1_sf, b2=b2, b2_sf=b2_sf, act=act)
     max_tiles = (m // cfg.tile_tokens + e) * ((n1 + k) // cfg.tile_n)
     if max_tiles > 0 and m > 0:

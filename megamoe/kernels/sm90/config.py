@@ -11,13 +11,19 @@ wgmma N granularity of 8.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...checks import check_range, fail
 from ..weight_layout import CHUNK_BYTES, K_CHUNK, ROW_BLOCK
 
 SMEM_CAPACITY = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
-K_MULTIPLE = 512
+K_MULTIPLE = K_CHUNK
+"""K granularity of the kernels (H and I of the fused ones): whole 128-K chunks. Other multiples of 32 run
+zero-padded to the next multiple (``layouts.weights.pad_fp4_expert_weights`` once, ``pad_columns`` per call)."""
+SCALE_ROW_WORDS = 4
+"""FP8 mode: the token scales (one 32-bit word per 128-K chunk) are read by TMA, whose row stride must be a multiple
+of 16 bytes: their storage rows are padded to a multiple of this many words (``pad_token_scales``); the
+``[..., K/128]`` views the entries take and return are strided where K/128 is not such a multiple."""
 N_MULTIPLE = ROW_BLOCK  # weight rows: whole row blocks of the kernel layouts (64 per warpgroup tile)
 MMA_MODES = ("bf16", "fp8")
 TOKEN_BLOCKS = (32, 128)
@@ -98,6 +104,10 @@ class GemmConfig:
     decode: "regs" (every consumer warp decodes its own weight rows into its RS wgmma A fragment) or "smem" (FP8 mode
         with ``token_block`` 128 and one CTA per SM: warps 1-3 decode each stage's weight tile once into an E4M3
         shared-memory tile that the consumers' SS wgmmas read: ``mainloop_fp8_smem``).
+    even_chunks: every K the build runs is an even number of 128-K chunks (K % 256 == 0), so BF16 mode may load two
+        chunks per stage (``chunks_per_stage``) and recipe (1, 1, 128)'s register mainloop runs chunk pairs without a
+        tail; False runs any whole number of chunks (one per stage; the pair loop's odd tail). The entry points set it
+        from the shapes (``for_k``): a config with True is replaced for an odd chunk count.
     """
 
     tile_tokens: int = 64
@@ -107,6 +117,7 @@ class GemmConfig:
     mma: str = "bf16"
     token_block: int = 32
     decode: str = "regs"
+    even_chunks: bool = True
 
     def __post_init__(self):
         if self.mma not in MMA_MODES:
@@ -141,6 +152,13 @@ class GemmConfig:
         if self.stages is not None:
             check_range("config.stages", self.stages, 2, self.max_stages())
 
+    def for_k(self, *ks: int) -> GemmConfig:
+        """This config for GEMMs of K ``ks`` (multiples of ``K_MULTIPLE``): ``even_chunks`` False where some K is an
+        odd number of 128-K chunks, else this config as it is."""
+        if self.even_chunks and any(k // K_CHUNK % 2 for k in ks):
+            return replace(self, even_chunks=False)
+        return self
+
     @property
     def consumer_warpgroups(self) -> int:
         return self.tile_n // 64
@@ -150,8 +168,8 @@ class GemmConfig:
         172.5 instead of 183-186 SASS instructions per chunk and warp at 8-16 rows) for the one-launch L1/L2
         kernels ("l1_l2") with token tiles of up to 32 rows, and for one-CTA tiles where ``MIN_WIDE_STAGES`` such
         stages fit; else 1 (the separate launches' two-CTA variants would run out of registers for their
-        wgmmas, ptxas C7512)."""
-        if self.mma != "bf16":
+        wgmmas, ptxas C7512). Builds for odd chunk counts (``even_chunks`` False): 1."""
+        if self.mma != "bf16" or not self.even_chunks:
             return 1
         if epilogue == "l1_l2" and self.tile_tokens <= 32:
             return 2
@@ -215,7 +233,7 @@ class GemmConfig:
         return (
             f"sm90 fp4 swapAB mma={self.mma}{'x128' if self.token_block == 128 else ''} tile_tokens={self.tile_tokens} tile_n={self.tile_n} "
             f"stages={self.num_stages(epilogue)}x{K_CHUNK * self.chunks_per_stage(epilogue)}K ctas/SM={self.ctas_per_sm} "
-            f"{'decode=smem ' if self.decode == 'smem' else ''}epilogue={epilogue}"
+            f"{'decode=smem ' if self.decode == 'smem' else ''}{'' if self.even_chunks else 'odd-chunks '}epilogue={epilogue}"
         )
 
 

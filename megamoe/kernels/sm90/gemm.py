@@ -9,8 +9,8 @@ Roles (one CTA of 1 + tile_n/64 warpgroups per SM, or two / three smaller ones: 
 * warp 0 (producer): takes the CTA's tiles (``tile_scheduler``) and publishes each to the consumers, then TMA-loads
   its K chunks into a ``stages``-deep mbarrier pipeline: tokens [tile_tokens, 128] 128B-swizzled, packed weights
   [tile_n, 64 B] (one to four contiguous 4 KiB row blocks of the blocked layout), the packed weight-scale words of
-  the stage's chunks (one contiguous (tile_n, chunks) box of the chunk-major scales), in FP8 block-32 mode the
-  token scale words (a 4-word box covering chunks 4j..4j+3);
+  the stage's chunks (one contiguous (tile_n, chunks) box of the chunk-major scales), in FP8 mode the
+  token scale words (a 4-word box covering chunks 4j..4j+3; past the last chunk, TMA's zero fill);
 * the consumer warpgroups: per tile the mainloop (``mainloops``: dequantize FP4 straight into the register A
   fragment, issue RS wgmma) and the epilogue, with their own named barriers (``config.named_barriers``);
 * warps 1-3: idle here; the subclasses give them work (``l1_l2``: the signal warp; ``mega_moe``: the pull warps),
@@ -373,7 +373,8 @@ class GroupedGemmSm90:
         return row_scale
 
     def k_steps(self, chunks):
-        """K steps (pipeline stages) of a tile of ``chunks`` 128-K chunks (``cps`` divides every K: 512 | K)."""
+        """K steps (pipeline stages) of a tile of ``chunks`` 128-K chunks (``cps`` divides every chunk count: 2 only in
+        builds for even ones, ``GemmConfig.even_chunks``)."""
         return chunks if cutlass.const_expr(self.cps == 1) else chunks // self.cps
 
     def tile_k_steps(self, phase, dims):

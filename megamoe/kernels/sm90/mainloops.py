@@ -57,6 +57,7 @@ class Mainloop:
         self.num_consumer_wg = config.consumer_warpgroups
         self.stages = stages
         self.cps = cps  # 128-K chunks per pipeline stage
+        self.even_chunks = config.even_chunks  # every K an even number of chunks (``GemmConfig.even_chunks``)
 
     def tiled_mma(self, tokens: int):
         return make_tiled_mma(self.a_dtype, tokens, self.num_consumer_wg)
@@ -433,8 +434,10 @@ class Fp8Block128Mainloop(Fp8Mainloop):
     and decodes chunk c + 1 into the other buffer; then it waits, frees chunk c's stage, promotes and issues chunk
     c + 1's wgmmas at once. Only the promotion leaves this warpgroup's tensor work idle, and the other warpgroup's
     wgmmas fill it. Chunks go in pairs (one per fragment buffer: registers cannot be indexed at run time); the last
-    pair is peeled, so no data-dependent branch lies between two wgmmas (ptxas would serialize them all). After the K
-    loop each weight row is multiplied by its FP32 scale (exact: a power of two).
+    pair is peeled, so no data-dependent branch lies between two wgmmas (ptxas would serialize them all). Builds for
+    odd chunk counts (``GemmConfig.even_chunks`` False) peel the last one or two chunks by the tile's parity: the
+    branch lies between steps, each of which has retired its wgmmas. After the K loop each weight row is multiplied by
+    its FP32 scale (exact: a power of two).
     """
 
     @cute.jit
@@ -502,17 +505,28 @@ class Fp8Block128Mainloop(Fp8Mainloop):
 
     @cute.jit
     def tile(self, ab_pipeline, state, release, f, k_tiles, row0, row_end, row_scale, n_tile, group):
-        """One tile's K loop into ``f.acc`` (zeroed by the caller; ``k_tiles`` is even: 512 | K), then each weight row
-        times its scale (``row_scale``: (N, E) float32, row ``n_tile * tile_n + ...`` of expert ``group``).
-        ``state``: the stage to wait for next; ``release``: the next to free (they stay equal between tiles)."""
+        """One tile's K loop into ``f.acc`` (zeroed by the caller; ``k_tiles`` >= 1, even unless the build is for odd
+        chunk counts), then each weight row times its scale (``row_scale``: (N, E) float32, row ``n_tile * tile_n +
+        ...`` of expert ``group``). ``state``: the stage to wait for next; ``release``: the next to free (they stay
+        equal between tiles)."""
         ahead = state
         ab_pipeline.consumer_wait(ahead)
         self.decode(f, f.frag, ahead.index)
         ahead.advance()
-        for kp in cutlass.range(k_tiles // 2 - 1, unroll=1):
-            ahead, release = self.step(ab_pipeline, f, ahead, release, 2 * kp, f.tCrA, f.frag2)
-            ahead, release = self.step(ab_pipeline, f, ahead, release, 2 * kp + 1, f.tCrA2, f.frag)
-        ahead, release = self.step(ab_pipeline, f, ahead, release, k_tiles - 2, f.tCrA, f.frag2)
-        ahead, release = self.step(ab_pipeline, f, ahead, release, k_tiles - 1, f.tCrA2, None)
+        if cutlass.const_expr(self.even_chunks):
+            for kp in cutlass.range(k_tiles // 2 - 1, unroll=1):
+                ahead, release = self.step(ab_pipeline, f, ahead, release, 2 * kp, f.tCrA, f.frag2)
+                ahead, release = self.step(ab_pipeline, f, ahead, release, 2 * kp + 1, f.tCrA2, f.frag)
+            ahead, release = self.step(ab_pipeline, f, ahead, release, k_tiles - 2, f.tCrA, f.frag2)
+            ahead, release = self.step(ab_pipeline, f, ahead, release, k_tiles - 1, f.tCrA2, None)
+        else:
+            for kp in cutlass.range((k_tiles - 1) // 2, unroll=1):  # every pair before the last chunk
+                ahead, release = self.step(ab_pipeline, f, ahead, release, 2 * kp, f.tCrA, f.frag2)
+                ahead, release = self.step(ab_pipeline, f, ahead, release, 2 * kp + 1, f.tCrA2, f.frag)
+            if k_tiles % 2 == 0:  # the last pair: chunk k - 2 in the first buffer, k - 1 in the second
+                ahead, release = self.step(ab_pipeline, f, ahead, release, k_tiles - 2, f.tCrA, f.frag2)
+                ahead, release = self.step(ab_pipeline, f, ahead, release, k_tiles - 1, f.tCrA2, None)
+            else:  # the last chunk alone, decoded into the first buffer
+                ahead, release = self.step(ab_pipeline, f, ahead, release, k_tiles - 1, f.tCrA, None)
         self.apply_row_scales(f.acc, f.cC, row_scale, n_tile, group)
         return ahead, release
