@@ -159,7 +159,8 @@ class GemmConfig:
                 and self.tile_tokens <= four_wg_tokens):
             fail("config.tile_n", f"256 needs mma='bf16' (or FP8 with token_block=128), ctas_per_sm=1 and tile_tokens "
                  f"<= {FOUR_WG_MAX_TILE_TOKENS} ({FOUR_WG_FP8_MAX_TILE_TOKENS} in FP8 mode); got mma={self.mma}, "
-                 f"token_block={self.token_block}, ctas_per_sm={self.ctas_per_sm}, tile_tokens={self.tile_tokens}")
+                 f"token_block={self.token_block}, ctas_per_sm={self.ctas_per_sm}, tile_tokens={self.tile_tokens} "
+                 f"(FP8 token_block=128 tiles of {TWO_PASS_TILE_TOKENS} token rows: n_passes=2)")
         if self.stages is not None:
             check_range("config.stages", self.stages, 2, self.max_stages())
 
@@ -303,7 +304,8 @@ def token_widths(tile_tokens: int) -> tuple[int, ...]:
 
 def per_128_swiglu_config(expected_rows_per_expert: float) -> GemmConfig:
     """The config of a GEMM whose epilogue quantizes per 128 columns (recipe (1, 1, 128)'s ``SwigluQuant128``, and
-    the Mega MoE kernel of that recipe, whose two GEMMs share one config): 256-row weight tiles (four consumer
+    the Mega MoE kernel of that recipe up to ``FOUR_WG_FP8_MAX_TILE_TOKENS`` expected rows, whose two GEMMs share one
+    config; above, ``two_pass_128_config``): 256-row weight tiles (four consumer
     warpgroups: 128 intermediate columns, one scale block per token), one CTA per SM, the smallest token tile covering
     the expected group, at most ``FOUR_WG_FP8_MAX_TILE_TOKENS`` rows (the most whose registers fit)."""
     tiles = tuple(t for t in TILE_TOKENS_CHOICES["fp8"] if t <= FOUR_WG_FP8_MAX_TILE_TOKENS)

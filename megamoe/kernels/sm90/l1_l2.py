@@ -62,7 +62,8 @@ class FusedL1L2Sm90(GroupedGemmSm90):
     def epilogue_smem(self, storage):
         """One region serves both epilogues: rows of both staging tiles are 2 * tile_n + 16 bytes, and consumer
         warpgroup w touches only bytes [128w, 128w + 128) of each row in both, which it runs one after the other (a
-        pipeline stage more at large tiles)."""
+        pipeline stage more at large tiles); beyond them only the per-128 SwiGLU epilogue writes (its second pass's
+        columns, its amax exchange: after a barrier of all consumer warpgroups), which no scatter tile touches."""
         assert self.act_stride * 4 == self.out_stride * 2
         sAct = storage.sAct.get_tensor(cute.make_layout((self.tile_tokens, self.act_stride), stride=(self.act_stride, 1)))
         out_layout = cute.make_layout((self.tile_tokens, self.out_stride), stride=(self.out_stride, 1))
