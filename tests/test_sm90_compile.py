@@ -378,7 +378,7 @@ def test_config_validation():
                 {"decode": "smem", "mma": "fp8", "token_block": 128, "tile_tokens": 16, "ctas_per_sm": 2}):
         with pytest.raises(ValueError, match="config.decode` must be one of \\('regs', 'smem'\\)"):
             GemmConfig(**bad)
-    two_pass = dict(tile_n=256, mma="fp8", token_block=128, n_passes=2)
+    two_pass = {"tile_n": 256, "mma": "fp8", "token_block": 128, "n_passes": 2}
     for bad in ({"n_passes": 3}, {"n_passes": 2}, {**two_pass, "tile_tokens": 32}, {**two_pass, "tile_n": 128},
                 {**two_pass, "token_block": 32}, {**two_pass, "decode": "smem"}):
         with pytest.raises(ValueError, match="config.n_passes` must be one of \\(1, 2\\) \\(2: mma='fp8', token_block=128"):
