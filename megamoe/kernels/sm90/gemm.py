@@ -12,7 +12,9 @@ Roles (one CTA of 1 + tile_n/64 warpgroups per SM, or two / three smaller ones: 
   the stage's chunks (one contiguous (tile_n, chunks) box of the chunk-major scales), in FP8 block-32 mode the
   token scale words (a 4-word box covering chunks 4j..4j+3);
 * the consumer warpgroups: per tile the mainloop (``mainloops``: dequantize FP4 straight into the register A
-  fragment, issue RS wgmma) and the epilogue, with their own named barriers (``config.named_barriers``);
+  fragment, issue RS wgmma) and the epilogue, with their own named barriers (``config.named_barriers``) -- once per
+  pass of ``pass_n`` weight rows where a tile has several (``GemmConfig.n_passes``: the Mega MoE kernel of recipe
+  (1, 1, 128), whose producer loads every pass's K steps in turn, ``l1_l2.load_tile``);
 * warps 1-3: idle here; the subclasses give them work (``l1_l2``: the signal warp; ``mega_moe``: the pull warps),
   or the mainloop (``mainloop_fp8_smem``: they decode each stage's weights into shared memory for the consumers).
 
