@@ -261,10 +261,14 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     blocks), built for the buffer's Hk and Ik (``GemmConfig.for_k``: an odd count of 128-K chunks in either makes it
     a build for odd chunk counts).
 
-    Recipe (1, 1, 128) (the layout's): ``config.per_128_swiglu_config``, the staged L1's rule -- FP8 mode, 256-row
-    weight tiles on four consumer warpgroups (its L1 epilogue quantizes 128 intermediate columns per token, and both
-    GEMMs share the config), one CTA per SM, the smallest token tile of 8, 16 or 32 rows covering the expected rows
-    (32, the most whose registers fit, beyond). The rest of this docstring is recipe (1, 1, 32)'s.
+    Recipe (1, 1, 128) (the layout's): FP8 mode, 256-row weight tiles (its L1 epilogue quantizes 128 intermediate
+    columns per token, and both GEMMs share the config), one CTA per SM. Up to ``FOUR_WG_FP8_MAX_TILE_TOKENS``
+    expected rows, ``config.per_128_swiglu_config`` (the staged L1's rule): four consumer warpgroups, the smallest
+    token tile of 8, 16 or 32 rows covering the expected rows; above, ``config.two_pass_128_config``: each tile as two
+    128-row passes on two consumer warpgroups, the smallest token tile of 64 or 128 rows covering the expected rows
+    (128 beyond), as the recipe-32 rule covers them: faster than the four-warpgroup tiles from 2048 tokens/rank on
+    flash and pro (bench/findings/recipe-128-mega.md; the switch point itself is not measured). The rest of this
+    docstring is recipe (1, 1, 32)'s.
 
     Decode-sized calls whose 128-row L1 tiles (over the local experts expected to get a row) would not occupy every
     two-CTA slot run 64-row weight tiles on three CTAs per SM instead: the smaller tiles pay only where they fill
@@ -277,12 +281,18 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     keep the three-CTA tiles. Both thresholds come from alternated A/Bs with every row checked
     (bench/findings/mega-small-calls.md, bench/findings/four-consumer-warpgroups.md)."""
     from .kernels import sm90
-    from .kernels.sm90.config import per_128_swiglu_config
+    from .kernels.sm90.config import (
+        FOUR_WG_FP8_MAX_TILE_TOKENS,
+        per_128_swiglu_config,
+        two_pass_128_config,
+    )
 
     rows_per_expert = min(layout.num_ranks * num_tokens * layout.num_topk / layout.num_experts, layout.num_ring_tokens // 2)
     h, i = layout.kernel_hidden, layout.kernel_intermediate  # the sizes the kernel runs
     if layout.recipe == RECIPE_128:
-        return per_128_swiglu_config(rows_per_expert).for_k(h, i)
+        if rows_per_expert <= FOUR_WG_FP8_MAX_TILE_TOKENS:
+            return per_128_swiglu_config(rows_per_expert).for_k(h, i)
+        return two_pass_128_config(rows_per_expert).for_k(h, i)
     n = math.gcd(2 * i, h)
     cfg = sm90.select_config(rows_per_expert, n, h, four_warpgroups=False)
     touched = layout.num_local_experts * -math.expm1(-rows_per_expert)  # experts with a row (Poisson counts)

@@ -283,21 +283,27 @@ def test_tile_config_four_warpgroups_from_one_row_per_expert():
         assert (c.tile_tokens, c.tile_n, c.ctas_per_sm) == expected, (preset, tokens, c)
 
 
-def test_tile_config_recipe_128_is_the_per_128_swiglu_config():
+def test_tile_config_recipe_128():
     """Recipe (1, 1, 128): FP8 mode, per-128 token scales, 256-row weight tiles (the per-128 SwiGLU epilogue's 128
-    intermediate columns; both GEMMs share the config), one CTA per SM, the smallest of 8 / 16 / 32 token rows covering
-    the expected rows per expert (32 beyond, the most whose registers fit: ``config.FOUR_WG_FP8_MAX_TILE_TOKENS``)."""
+    intermediate columns; both GEMMs share the config), one CTA per SM. Up to 32 expected rows per expert
+    (``config.FOUR_WG_FP8_MAX_TILE_TOKENS``) the staged L1's config: four consumer warpgroups, the smallest of 8 / 16 /
+    32 token rows covering them; above, two 128-row passes on two consumer warpgroups with the smallest of 64 / 128
+    token rows covering them (128 beyond)."""
     from megamoe.mega import tile_config
 
     shapes = {"flash": (256, 6, 4096, 2048), "pro": (384, 6, 7168, 3072)}
-    want = {("flash", 1): 8, ("flash", 8): 8, ("flash", 128): 8, ("flash", 512): 16, ("flash", 1024): 32,
-            ("flash", 8192): 32, ("pro", 8): 8, ("pro", 512): 8, ("pro", 1024): 16, ("pro", 2048): 32}
-    for (preset, tokens), tile_tokens in want.items():
+    want = {("flash", 1): (8, 1), ("flash", 8): (8, 1), ("flash", 128): (8, 1), ("flash", 512): (16, 1),
+            ("flash", 1024): (32, 1), ("flash", 2048): (64, 2), ("flash", 8192): (128, 2), ("pro", 8): (8, 1),
+            ("pro", 512): (8, 1), ("pro", 1024): (16, 1), ("pro", 2048): (32, 1), ("pro", 4096): (64, 2),
+            ("pro", 8192): (128, 2)}
+    for (preset, tokens), (tile_tokens, passes) in want.items():
         e, k, h, i = shapes[preset]
         rows = tokens * k / e  # one rank: every expert is local
         c = tile_config(symm_buffer_layout(1, e, tokens, k, h, i, recipe=(1, 1, 128)), tokens, 132)
         assert (c.mma, c.token_block, c.tile_n, c.ctas_per_sm) == ("fp8", 128, 256, 1), (preset, tokens, c)
-        assert c.tile_tokens == tile_tokens and (c.tile_tokens >= rows or c.tile_tokens == 32), (preset, tokens, c)
+        assert (c.tile_tokens, c.n_passes) == (tile_tokens, passes), (preset, tokens, c)
+        assert c.tile_tokens >= rows or c.tile_tokens == 128, (preset, tokens, c)
+        assert c.consumer_warpgroups == 4 // passes and c.pass_n == 256 // passes, (preset, tokens, c)
 
 
 def test_mega_compile_takes_the_recipes_config():
@@ -313,3 +319,5 @@ def test_mega_compile_takes_the_recipes_config():
         compile_mega_moe(GemmConfig(tile_tokens=8, tile_n=128, mma="fp8", token_block=128), r128)
     with pytest.raises(ValueError, match=r"`config.mma` must be 'bf16' .*recipe \(1, 1, 32\), got 'fp8'"):
         compile_mega_moe(GemmConfig(tile_tokens=8, tile_n=256, mma="fp8", token_block=128), r32)
+    with pytest.raises(ValueError, match=r"`config.mma` must be 'bf16' .*recipe \(1, 1, 32\), got 'fp8'"):
+        compile_mega_moe(GemmConfig(tile_tokens=64, tile_n=256, mma="fp8", token_block=128, n_passes=2), r32)

@@ -171,18 +171,20 @@ def test_skewed_routing(seed):
     Simulator(4, 3, 1, 2, 3, 6, 3, 3, calls, seed=seed).run()
 
 
-@pytest.mark.parametrize("tokens,topk,seed", [(6, 4, 0), (16, 4, 1), (32, 8, 2)])
+@pytest.mark.parametrize("tokens,topk,seed", [(6, 4, 0), (16, 4, 1), (32, 4, 2), (32, 8, 3)])
 def test_protocol_completes_with_the_recipe_128_tiles(tokens, topk, seed):
-    """Recipe (1, 1, 128)'s Mega MoE geometry: ``mega.tile_config``'s token tile (8, 16, 32 rows: each case one) and
-    256-row weight tiles (L1: 2I / 256, L2: H / 256), pull units of 2 KiB of FP8 per row, a ring of two blocks that
-    the calls' rows overflow: every tile runs once and the ring is reused."""
+    """Recipe (1, 1, 128)'s Mega MoE geometry: ``mega.tile_config``'s token tile (8, 16, 32 rows on four consumer
+    warpgroups, 64 rows in two passes: each case one) and 256-row weight tiles (L1: 2I / 256, L2: H / 256; the passes
+    are inside a tile), pull units of 2 KiB of FP8 per row, a ring of two blocks that the calls' rows overflow: every
+    tile runs once and the ring is reused."""
     from megamoe import symm_buffer_layout
     from megamoe.mega import tile_config
 
     ranks, local, h, i = 2, 4, 512, 1024
     layout = symm_buffer_layout(ranks, ranks * local, tokens, topk, h, i, num_ring_tokens=128, recipe=(1, 1, 128))
     cfg = tile_config(layout, tokens, 132)
-    assert cfg.tile_n == 256 and cfg.tile_tokens == {6: 8, 16: 16, 32: 32}[tokens]
+    want = {(6, 4): (8, 1), (16, 4): (16, 1), (32, 4): (32, 1), (32, 8): (64, 2)}[tokens, topk]
+    assert cfg.tile_n == 256 and (cfg.tile_tokens, cfg.n_passes) == want
     calls = _calls(seed, ranks, local, topk, tokens=(tokens,), masked=0.1)
     sim = Simulator(local, cfg.tile_tokens, 2 * i // 256, h // 256, -(-h // 2048), 2 * cfg.tile_tokens, topk, 3, calls,
                     seed=seed)

@@ -97,6 +97,8 @@ MEGA_CASES = [
 # SwiGLU epilogue: ``mega.tile_config``'s configs): every token tile it runs, one and eight ranks, flash- and pro-like
 # sizes, gpt-oss's padded H = I = 2880 (H 3072, I 2944: odd), Qwen3-30B-A3B natively, H = I = 1408 (H 1536, I 1408).
 R128 = (1, 1, 128)
+TWO_PASS_64 = GemmConfig(tile_tokens=64, tile_n=256, mma="fp8", token_block=128, n_passes=2)
+TWO_PASS_128 = GemmConfig(tile_tokens=128, tile_n=256, mma="fp8", token_block=128, n_passes=2)
 MEGA128_CASES = [
     (GemmConfig(tile_tokens=8, tile_n=256, mma="fp8", token_block=128), (2, 256, 64, 8, 4096, 2048, None, "fp8xfp4", R128)),
     (GemmConfig(tile_tokens=16, tile_n=256, mma="fp8", token_block=128), (8, 384, 128, 6, 7168, 3072, None, "fp8xfp4",
@@ -108,6 +110,12 @@ MEGA128_CASES = [
                                                                          R128)),
     (GemmConfig(tile_tokens=16, tile_n=256, mma="fp8", token_block=128), (2, 64, 32, 8, 1408, 1408, None, "fp8xfp4",
                                                                           R128)),
+    # 256-row tiles as two 128-row passes on two consumer warpgroups (``GemmConfig.n_passes``): flash-like sizes on one
+    # rank (top-8), pro-like on eight, gpt-oss's sizes.
+    (TWO_PASS_64, (1, 256, 512, 8, 4096, 2048, None, "fp8xfp4", R128)),
+    (TWO_PASS_128, (1, 256, 2048, 8, 4096, 2048, None, "fp8xfp4", R128)),
+    (TWO_PASS_128, (8, 384, 1024, 6, 7168, 3072, None, "fp8xfp4", R128)),
+    (TWO_PASS_64, (1, 128, 1024, 4, 2880, 2880, None, "fp8xfp4", R128)),  # gpt-oss: odd chunk counts (I 2944)
 ]
 
 
@@ -123,6 +131,7 @@ IEEE_SILU_CASES = [
     (GemmConfig(tile_tokens=128, tile_n=128), "offsets", "l1_l2", None),
     (MEGA_CASES[6][0], "offsets", "l1_l2", MEGA_CASES[6][1]),
     (MEGA128_CASES[2][0], "offsets", "l1_l2", MEGA128_CASES[2][1]),
+    (MEGA128_CASES[5][0], "offsets", "l1_l2", MEGA128_CASES[5][1]),
 ]
 # (config, group mode, epilogue, Mega MoE layout or None, trace build, folded FP8 scales, fast_math): the trace
 # build is a release build too.
@@ -172,7 +181,7 @@ RELEASE_CASES = ([(c, m, e, None, False, False, True) for c, m, e in COMPILE_CAS
                  + [(c, "offsets", "l1_l2", lay, False, False, True) for c, lay in MEGA_CASES]
                  + [(MEGA_CASES[0][0], "offsets", "l1_l2", MEGA_CASES[0][1], True, False, True)]
                  + [(c, "offsets", "l1_l2", lay, False, False, True) for c, lay in MEGA128_CASES]
-                 + [(MEGA128_CASES[1][0], "offsets", "l1_l2", MEGA128_CASES[1][1], True, False, True)]
+                 + [(MEGA128_CASES[i][0], "offsets", "l1_l2", MEGA128_CASES[i][1], True, False, True) for i in (1, 6)]
                  + [(c, m, e, lay, False, False, False) for c, m, e, lay in IEEE_SILU_CASES]
                  + [(c, m, e, None, False, folded, True) for c, m, e, folded in ODD_CHUNK_CASES])
 
@@ -250,7 +259,7 @@ def compile_report(cases: list, dump_dir) -> list[dict]:
 
 RELEASE_IDS = [f"{c.mma}{'x128' if c.token_block == 128 else ''}{'-smem' if c.decode == 'smem' else ''}"
                f"{'' if c.even_chunks else '-odd'}"
-               f"-{c.tile_tokens}x{c.tile_n}x{c.ctas_per_sm}-{m}-{e}"
+               f"-{c.tile_tokens}x{c.tile_n}x{c.ctas_per_sm}{'-2pass' if c.n_passes == 2 else ''}-{m}-{e}"
                + ("" if lay is None else "-mega-r%d-e%d-h%d" % (lay[0], lay[1], lay[4]) + ("-r128" if R128 in lay else ""))
                + ("-trace" if trace else "") + ("-folded" if folded else "") + ("" if fast else "-ieee-silu")
                for c, m, e, lay, trace, folded, fast in RELEASE_CASES]
@@ -447,6 +456,21 @@ def test_config_validation():
                 {"decode": "smem", "mma": "fp8", "token_block": 128, "tile_tokens": 16, "ctas_per_sm": 2}):
         with pytest.raises(ValueError, match="config.decode` must be one of \\('regs', 'smem'\\)"):
             GemmConfig(**bad)
+    two_pass = {"tile_n": 256, "mma": "fp8", "token_block": 128, "n_passes": 2}
+    for bad in ({"n_passes": 3}, {"n_passes": 2}, {**two_pass, "tile_tokens": 32}, {**two_pass, "tile_n": 128},
+                {**two_pass, "token_block": 32}, {**two_pass, "decode": "smem"}):
+        with pytest.raises(ValueError, match="config.n_passes` must be one of \\(1, 2\\) \\(2: mma='fp8', token_block=128"):
+            GemmConfig(**bad)
+    # Two passes: 128 weight rows per pass on two consumer warpgroups; a stage holds one pass's weights, the SwiGLU
+    # staging tile all 128 intermediate columns of the tile.
+    wide = GemmConfig(tile_tokens=128, **two_pass)
+    one_pass = GemmConfig(tile_tokens=128, tile_n=128, mma="fp8", token_block=128)
+    assert (wide.pass_n, wide.consumer_warpgroups) == (128, 2) and "passes=2" in wide.describe()
+    assert wide.stage_bytes() == one_pass.stage_bytes()
+    assert wide.epilogue_bytes("swiglu_fp8") == 128 * (128 + 4) * 4 and wide.max_stages("l1_l2") >= 4
+    assert "passes" not in one_pass.describe() and one_pass.pass_n == 128
+    with pytest.raises(ValueError, match="config.n_passes` must be 1 for the separate grouped GEMM"):
+        compile_grouped_gemm(wide, "offsets", "swiglu_fp8", folded=True)
     smem = GemmConfig(tile_tokens=128, mma="fp8", token_block=128, decode="smem")
     assert "decode=smem" in smem.describe() and "decode" not in GemmConfig(mma="fp8", token_block=128).describe()
     # per stage a decoded E4M3 weight tile (128 bytes per weight row) and the token-scale table (4 lane quads x

@@ -27,7 +27,10 @@ one progress line per rank and call, the contract errors, and any ``megamoe debu
   Mega MoE kernel against that recipe's reference and tolerances and bit for bit against the staged path with the SM90
   GEMMs, on 1, 2 and 4 GPUs (ragged with masked slots, skewed: empty experts, no tokens, one token, full with a clamp,
   partial tiles, the IEEE silu with several tiles per CTA, model sizes, every token tile its ``tile_config`` picks:
-  8, 16 and 32 rows -- top-8 for the last --, a small ring on two), the trace build, and a CUDA graph of its own.
+  8, 16 and 32 rows -- top-8 for the last -- on four consumer warpgroups, and 64 and 128 rows as two 128-row passes
+  on two (``r128_two_pass_*``: buffers of T_max 64 / 128, top-8, each case checks that its config has two passes;
+  with a clamp, ragged partial tiles, the IEEE silu at H = I = 2048, two ranks, a small ring) --, a small ring on
+  two), the trace build, and a CUDA graph of its own.
 * ``hang``: rank 1 never calls; rank 0's call, debug or release build (``MEGAMOE_TIMEOUT_S``), must trap with the
   diagnostic naming ``ready[src=1]`` (the host-mapped record; printf too in debug mode) instead of hanging.
 * ``stranded`` (one GPU): the same for rank 0 of a two-rank buffer whose rank 1 lives on the same GPU and never calls,
@@ -92,6 +95,11 @@ CASES = {
         ("r128_i1408_ragged_masked", dict(tokens=[29], masked=0.25, dims=I1408, recipe=R128)),
         ("r128_gpt_oss_top8_full", dict(tokens=[T_MAX], topk=8, masked=0.1, dims=GPT_OSS, recipe=R128)),
         ("r128_top8_32_row_tiles", dict(tokens=[T_MAX], topk=8, masked=0.1, recipe=R128)),
+        ("r128_two_pass_64_row_tiles", dict(tokens=[64], t_max=64, topk=8, clamp=0.75, masked=0.1, recipe=R128,
+                                            passes=2)),
+        ("r128_two_pass_128_row_tiles_ragged", dict(tokens=[117], t_max=128, topk=8, masked=0.25, recipe=R128, passes=2)),
+        ("r128_two_pass_ieee_silu_wide", dict(tokens=[64], t_max=64, topk=8, masked=0.1, fast_math=False, dims=WIDE,
+                                              recipe=R128, passes=2)),
     ],
     2: [
         ("ragged_masked_uneven", dict(tokens=[13, 5], masked=0.25)),
@@ -109,6 +117,9 @@ CASES = {
         ("r128_full_clamped", dict(tokens=[T_MAX, T_MAX], clamp=0.75, masked=0.1, recipe=R128)),
         ("r128_small_ring_skewed", dict(tokens=[24, 17], hot=K, ring=SMALL_RING, recipe=R128)),
         ("r128_top8_uneven", dict(tokens=[T_MAX, 19], topk=8, masked=0.1, recipe=R128)),
+        ("r128_two_pass_uneven", dict(tokens=[128, 77], t_max=128, topk=8, masked=0.1, recipe=R128, passes=2)),
+        ("r128_two_pass_small_ring_skewed", dict(tokens=[64, 50], t_max=64, topk=8, hot=8, ring=SMALL_RING,
+                                                 recipe=R128, passes=2)),
         ("gpt_oss_uneven", dict(tokens=[13, 5], masked=0.25, dims=GPT_OSS)),
         ("qwen3_small_ring_skewed", dict(tokens=[24, 17], hot=K, ring=SMALL_RING, dims=QWEN3)),
         ("i1408_small_ring_skewed", dict(tokens=[24, 17], hot=K, ring=SMALL_RING, dims=I1408)),
@@ -214,6 +225,8 @@ def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
         cfg = tile_config(buf.layout, t, sms)
         if gen == 0:
             _say(rank, f"{what}: {cfg.describe('l1_l2')}")
+        if "passes" in case:  # the case exists to run this tile shape
+            assert cfg.n_passes == case["passes"], f"{what}: tile config {cfg.describe('l1_l2')}, want {case['passes']} passes"
         if "ring" in case:  # rank 0 receives more rows than its ring holds: it reuses ring blocks
             tt = cfg.tile_tokens
             _say(rank, f"{what}: {int(counts.sum())} rows in {int(((counts + tt - 1) // tt).sum())} pool blocks of "
@@ -294,16 +307,16 @@ def _suite(rank, group, device, num_ranks: int) -> None:
 
     def key(case: dict) -> tuple:
         return (case.get("mma_type", "fp8xfp4"), case.get("ring"), case.get("dims", (H, I)), case.get("recipe", (1, 1, 32)),
-                case.get("topk", K))
+                case.get("topk", K), case.get("t_max", T_MAX))
 
     words = [w for w in os.environ.get(CASES_ENV, "").split(",") if w]
     cases = [(name, case) for name, case in CASES[num_ranks] if not words or any(w in name for w in words)]
     graphs = {case.get("recipe", (1, 1, 32)) for _, case in cases} if words else {(1, 1, 32), R128}
-    bufs = {}  # one buffer per (mma_type, ring, (H, I), recipe, top-k), made by every rank in the cases' order
+    bufs = {}  # one buffer per (mma_type, ring, (H, I), recipe, top-k, T_max), made by every rank in the cases' order
     for _, case in [("default", {}), ("default r128", {"recipe": R128})] + cases:
         if key(case) not in bufs:
-            mma, ring, (h, i), recipe, topk = key(case)
-            bufs[key(case)] = get_symm_buffer_for_mega_moe(group, E_PER_RANK * num_ranks, T_MAX, topk, h, i,
+            mma, ring, (h, i), recipe, topk, t_max = key(case)
+            bufs[key(case)] = get_symm_buffer_for_mega_moe(group, E_PER_RANK * num_ranks, t_max, topk, h, i,
                                                            mma_type=mma, num_ring_tokens=ring, device=device,
                                                            recipe=recipe)
     buf = bufs[key({})]

@@ -130,6 +130,9 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
         fail("folded", f"applies to FP8-mode GEMMs only, got mma={config.mma!r}")
     if config.token_block == 128 and not folded:
         fail("folded", "must be True with per-128 token scales (config.token_block=128)")
+    if config.n_passes != 1:
+        fail("config.n_passes", f"must be 1 for the separate grouped GEMM (two-pass tiles: the Mega MoE kernel of "
+             f"recipe (1, 1, 128) only), got {config.n_passes}")
     check_fast_math(fast_math)
     check_activation(activation)
     if not isinstance(bias, bool):
@@ -166,7 +169,7 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
 def _compile_fused(config: GemmConfig, debug: bool, comm, fast_math: bool):
     """The one-launch L1/L2 kernel (``l1_l2.FusedL1L2Sm90``), or with ``comm`` the Mega MoE kernel for that buffer
     layout: ``mega_moe.MegaMoESm90`` (recipe (1, 1, 32), BF16 mode) or ``mega_moe_128.MegaMoE128Sm90`` (recipe
-    (1, 1, 128), FP8 mode with per-128 token scales and 256-row weight tiles)."""
+    (1, 1, 128), FP8 mode with per-128 token scales and 256-row weight tiles, in one pass or two)."""
     from ...numerics import RECIPE_128, describe_recipe
 
     check_fast_math(fast_math)

@@ -41,6 +41,12 @@ FOUR_WG_FP8_MAX_TILE_TOKENS = 32
 """FP8 mode with per-128 token scales on four consumer warpgroups (``tile_n`` 256: the per-128 SwiGLU epilogue's 128
 intermediate columns): the largest token tile whose accumulator, temporary and two fragment buffers fit 112
 registers."""
+PASSES = (1, 2)
+"""Weight-row passes per tile (``GemmConfig.n_passes``)."""
+TWO_PASS_TILE_TOKENS = (64, 128)
+"""Token tiles of two-pass configs (``GemmConfig.n_passes`` 2): the 256-row tiles' two 128-row passes run on two
+consumer warpgroups (232 registers each), whose accumulator, temporary and fragment buffers fit 128-row token tiles
+(the separate recipe-128 GEMM's 128 x 128 tiles); below 64 rows the four-warpgroup tiles serve."""
 TWO_CTA_TILE_TOKENS = {"bf16": 32, "fp8": 16}
 """Largest token tile that may run two CTAs per SM (``GemmConfig.ctas_per_sm``), per MMA mode."""
 DEFERRED_MAX_TILE_TOKENS = 8
@@ -108,6 +114,13 @@ class GemmConfig:
         chunks per stage (``chunks_per_stage``) and recipe (1, 1, 128)'s register mainloop runs chunk pairs without a
         tail; False runs any whole number of chunks (one per stage; the pair loop's odd tail). The entry points set it
         from the shapes (``for_k``): a config with True is replaced for an odd chunk count.
+    n_passes: 1, or 2: each ``tile_n``-row tile (the unit of the tile order, its counters and signals) runs as two
+        sequential passes of ``pass_n`` = tile_n / 2 weight rows on ``pass_n / 64`` consumer warpgroups, the tokens
+        loaded again for the second pass (L2 hits). Only ``tile_n`` 256 in FP8 mode with ``token_block`` 128,
+        register decode, one CTA per SM and ``TWO_PASS_TILE_TOKENS``: the Mega MoE kernel of recipe (1, 1, 128),
+        whose per-128 SwiGLU epilogue needs the 128 intermediate columns of a 256-row tile together
+        (``SwigluQuant128`` stages the first pass's half, quantizes after the second), with 128-row passes on two
+        consumer warpgroups instead of four warpgroups of 32-row token tiles.
     """
 
     tile_tokens: int = 64
@@ -118,6 +131,7 @@ class GemmConfig:
     token_block: int = 32
     decode: str = "regs"
     even_chunks: bool = True
+    n_passes: int = 1
 
     def __post_init__(self):
         if self.mma not in MMA_MODES:
@@ -143,12 +157,21 @@ class GemmConfig:
                  f"got {self.tile_tokens}")
         if self.tile_n not in TILE_N_CHOICES:
             fail("config.tile_n", f"must be one of {TILE_N_CHOICES}, got {self.tile_n}")
+        if self.n_passes not in PASSES or (self.n_passes == 2 and not (
+                self.mma == "fp8" and self.token_block == 128 and self.tile_n == 256 and self.ctas_per_sm == 1
+                and self.decode == "regs" and self.tile_tokens in TWO_PASS_TILE_TOKENS)):
+            fail("config.n_passes", f"must be one of {PASSES} (2: mma='fp8', token_block=128, tile_n=256, ctas_per_sm=1, "
+                 f"decode='regs', tile_tokens in {TWO_PASS_TILE_TOKENS}), got {self.n_passes} with mma={self.mma!r}, "
+                 f"token_block={self.token_block}, tile_n={self.tile_n}, ctas_per_sm={self.ctas_per_sm}, "
+                 f"decode={self.decode!r}, tile_tokens={self.tile_tokens}")
         four_wg_tokens = FOUR_WG_MAX_TILE_TOKENS if self.mma == "bf16" else FOUR_WG_FP8_MAX_TILE_TOKENS
-        if self.tile_n == 256 and not ((self.mma == "bf16" or self.token_block == 128) and self.ctas_per_sm == 1
-                                       and self.tile_tokens <= four_wg_tokens):
+        if self.tile_n == 256 and self.n_passes == 1 and not (
+                (self.mma == "bf16" or self.token_block == 128) and self.ctas_per_sm == 1
+                and self.tile_tokens <= four_wg_tokens):
             fail("config.tile_n", f"256 needs mma='bf16' (or FP8 with token_block=128), ctas_per_sm=1 and tile_tokens "
                  f"<= {FOUR_WG_MAX_TILE_TOKENS} ({FOUR_WG_FP8_MAX_TILE_TOKENS} in FP8 mode); got mma={self.mma}, "
-                 f"token_block={self.token_block}, ctas_per_sm={self.ctas_per_sm}, tile_tokens={self.tile_tokens}")
+                 f"token_block={self.token_block}, ctas_per_sm={self.ctas_per_sm}, tile_tokens={self.tile_tokens} "
+                 f"(FP8 token_block=128 tiles of {TWO_PASS_TILE_TOKENS} token rows: n_passes=2)")
         if self.stages is not None:
             check_range("config.stages", self.stages, 2, self.max_stages())
 
@@ -160,8 +183,14 @@ class GemmConfig:
         return self
 
     @property
+    def pass_n(self) -> int:
+        """Weight rows one pass multiplies (the mainloop's, a pipeline stage's and the epilogues' tile): ``tile_n``
+        over ``n_passes``."""
+        return self.tile_n // self.n_passes
+
+    @property
     def consumer_warpgroups(self) -> int:
-        return self.tile_n // 64
+        return self.pass_n // 64
 
     def chunks_per_stage(self, epilogue: str = "bf16") -> int:
         """128-K chunks per pipeline stage, in BF16 mode 2 (one barrier wait and release, one loop step per 256 K:
@@ -177,14 +206,14 @@ class GemmConfig:
 
     def stage_bytes(self, epilogue: str = "bf16") -> int:
         """Shared memory of one pipeline stage: tokens, packed weights and the weights' packed scale words (4 bytes
-        per row) of each chunk; FP8 mode: plus the tokens' 4-chunk scale box (16 bytes per row); decode "smem": plus
+        per row of a pass) of each chunk; FP8 mode: plus the tokens' 4-chunk scale box (16 bytes per row); decode "smem": plus
         the decoded E4M3 weight tile and the token-scale table (``decoded_stage_bytes``)."""
         return self._stage_bytes(self.chunks_per_stage(epilogue))
 
     def _stage_bytes(self, chunks: int) -> int:
         if self.mma == "bf16":
             return chunks * (self.tile_tokens * K_CHUNK * 2 + self.tile_n * (CHUNK_BYTES + 4))
-        return (self.tile_tokens * K_CHUNK + self.tile_n * (CHUNK_BYTES + 4) + 16 * self.tile_tokens
+        return (self.tile_tokens * K_CHUNK + self.pass_n * (CHUNK_BYTES + 4) + 16 * self.tile_tokens
                 + self.decoded_stage_bytes())
 
     def decoded_stage_bytes(self) -> int:
@@ -193,7 +222,7 @@ class GemmConfig:
         return self.tile_n * K_CHUNK + 16 * decode_scale_stride(self.tile_tokens) if self.decode == "smem" else 0
 
     def epilogue_bytes(self, epilogue: str = "bf16") -> int:
-        """Shared memory the epilogue needs besides the pipeline (SwiGLU: FP32 activations of one tile;
+        """Shared memory the epilogue needs besides the pipeline (SwiGLU: FP32 activations of one tile, all its passes;
         scatter: the BF16 tile, rows padded by 16 bytes; "l1_l2": one region for both)."""
         swiglu = self.tile_tokens * (self.tile_n // 2 + 4) * 4
         scatter = self.tile_tokens * (self.tile_n + SCATTER_PAD) * 2
@@ -233,7 +262,8 @@ class GemmConfig:
         return (
             f"sm90 fp4 swapAB mma={self.mma}{'x128' if self.token_block == 128 else ''} tile_tokens={self.tile_tokens} tile_n={self.tile_n} "
             f"stages={self.num_stages(epilogue)}x{K_CHUNK * self.chunks_per_stage(epilogue)}K ctas/SM={self.ctas_per_sm} "
-            f"{'decode=smem ' if self.decode == 'smem' else ''}{'' if self.even_chunks else 'odd-chunks '}epilogue={epilogue}"
+            f"{'decode=smem ' if self.decode == 'smem' else ''}{f'passes={self.n_passes} ' if self.n_passes > 1 else ''}"
+            f"{'' if self.even_chunks else 'odd-chunks '}epilogue={epilogue}"
         )
 
 
@@ -292,12 +322,22 @@ def token_widths(tile_tokens: int) -> tuple[int, ...]:
 
 def per_128_swiglu_config(expected_rows_per_expert: float) -> GemmConfig:
     """The config of a GEMM whose epilogue quantizes per 128 columns (recipe (1, 1, 128)'s ``SwigluQuant128``, and
-    the Mega MoE kernel of that recipe, whose two GEMMs share one config): 256-row weight tiles (four consumer
+    the Mega MoE kernel of that recipe up to ``FOUR_WG_FP8_MAX_TILE_TOKENS`` expected rows, whose two GEMMs share one
+    config; above, ``two_pass_128_config``): 256-row weight tiles (four consumer
     warpgroups: 128 intermediate columns, one scale block per token), one CTA per SM, the smallest token tile covering
     the expected group, at most ``FOUR_WG_FP8_MAX_TILE_TOKENS`` rows (the most whose registers fit)."""
     tiles = tuple(t for t in TILE_TOKENS_CHOICES["fp8"] if t <= FOUR_WG_FP8_MAX_TILE_TOKENS)
     tokens = next((t for t in tiles if t >= expected_rows_per_expert), tiles[-1])
     return GemmConfig(tile_tokens=tokens, tile_n=256, mma="fp8", token_block=128)
+
+
+def two_pass_128_config(expected_rows_per_expert: float) -> GemmConfig:
+    """Recipe (1, 1, 128)'s Mega MoE config for groups larger than ``FOUR_WG_FP8_MAX_TILE_TOKENS`` rows: 256-row
+    tiles (the per-128 SwiGLU epilogue's 128 intermediate columns) as two 128-row passes on two consumer warpgroups
+    (``GemmConfig.n_passes``), the smallest of ``TWO_PASS_TILE_TOKENS`` covering the expected group (the largest
+    beyond)."""
+    tokens = next((t for t in TWO_PASS_TILE_TOKENS if t >= expected_rows_per_expert), TWO_PASS_TILE_TOKENS[-1])
+    return GemmConfig(tile_tokens=tokens, tile_n=256, mma="fp8", token_block=128, n_passes=2)
 
 
 def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "bf16",

@@ -13,8 +13,12 @@ rows of the warpgroup's 64) and token column ``8j + 2q + c`` (``cC[i]`` gives bo
 * ``SwigluOaiQuant``, ``SwigluOaiQuant128``: both with gpt-oss's activation (``"swiglu_oai"``, step 4) through the
   ``activate`` hook (``OaiActivation``).
 
-Each is called as ``epilogue(acc, cC, ctidx, smem, args, row0, row_end, n_tile)``: ``args`` an ``args.EpilogueArgs``,
-``smem`` its shared-memory staging tile (None for ``Bf16Store``).
+Each is called once per pass of a tile (``GemmConfig.n_passes``; ``tile_n`` here is the config's ``pass_n``, the rows
+of one accumulator) as ``epilogue(acc, cC, ctidx, smem, args, row0, row_end, n_tile)``, ``n_tile`` the accumulator's
+weight rows in units of ``pass_n`` (the kernel's ``pass_tile``: the tile itself with one pass); the SwiGLU epilogues as
+``epilogue(acc, cC, ctidx, smem, args, row0, row_end, n_tile, p)``, ``n_tile`` the tile (``config.tile_n`` rows, all
+its passes) and ``p`` the pass (static). ``args`` an ``args.EpilogueArgs``, ``smem`` its shared-memory staging tile
+(None for ``Bf16Store``).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ class Epilogue:
 
     def __init__(self, config: GemmConfig):
         self.tile_tokens = config.tile_tokens
-        self.tile_n = config.tile_n
+        self.tile_n = config.pass_n  # the accumulator's weight rows
         self.barrier_id0 = named_barriers(config.consumer_warpgroups)[0]
 
     def barrier(self, wg):
@@ -146,7 +150,8 @@ class SwigluQuant(Epilogue):
         return self.gate_sigmoid(gate, gate) * up
 
     @cute.jit
-    def __call__(self, acc, cC, ctidx, smem, args, row0, row_end, n_tile):
+    def __call__(self, acc, cC, ctidx, smem, args, row0, row_end, n_tile, p):
+        # One pass (``p`` 0): the per-32 blocks lie in one warpgroup's rows.
         wg = ctidx // 128
         barrier = self.barrier(wg)
         self.stage_activations(acc, cC, smem, args)
@@ -197,27 +202,54 @@ class SwigluQuant(Epilogue):
 
 
 class SwigluQuant128(SwigluQuant):
-    """Recipe (1, 1, 128) of ``SwigluQuant``: the 32 columns of each of the four consumer warpgroups (``tile_n`` 256:
-    128 intermediate columns per tile) form one scale block per token. Phase 2: thread t of each warpgroup takes
-    token t's 32 values times its routing weight and their amax, which the four warpgroups exchange through the
-    padding columns of the staging tile (a barrier of all consumer threads); then ``amax = max(amax_128, 1e-4)``,
+    """Recipe (1, 1, 128) of ``SwigluQuant``: the 128 intermediate columns of a 256-row tile (``config.tile_n``) form
+    one scale block per token, in 32-column segments: segment ``s`` is the rows of consumer warpgroup ``s % W`` in pass
+    ``s // W`` (``W`` consumer warpgroups, ``4 / W`` passes: four warpgroups in one pass, or two in two,
+    ``GemmConfig.n_passes``). Each pass stages its ``silu(gate) * up`` values (``stage_activations``) into the staging
+    tile's columns of its segments; after the last, thread t of each warpgroup takes token t's values of the
+    warpgroup's segments times its routing weight and their amax, which the warpgroups exchange through the padding
+    columns of the staging tile (a barrier of all consumer threads); then ``amax = max(amax_128, 1e-4)``,
     ``q = e4m3_rne_sat(v * (448 / amax))`` (``megamoe.numerics``; a block holding NaN or Inf: amax NaN, so every code
     NaN and a NaN scale) on the values multiplied again from the staging tile (the same products: no register holds
-    them across the barrier, where the Mega MoE kernel's consumers would spill them), 32 FP8 bytes per thread
+    them across the barrier, where the Mega MoE kernel's consumers would spill them), 32 FP8 bytes per segment
     (``args.out``: (M, N/8) int32 view of FP8 [M, N/2]) and the FP32 scale ``amax / 448`` of the block
-    (``args.out_sf``: (M, N/256) float32), stored by warpgroup 0."""
+    (``args.out_sf``: (M, N/256) float32), stored by warpgroup 0. The values, their order within a segment, the amax
+    (a maximum: exact in any order) and every rounding are the same for both shapes: the same bytes."""
 
     def __init__(self, config: GemmConfig, fast_math: bool):
         super().__init__(config, fast_math, bf16_out=False)
-        assert config.consumer_warpgroups == 4 and self.stride >= 128 + 4
-        self.all_barrier_id = named_barriers(4)[2]
+        self.warpgroups = config.consumer_warpgroups
+        self.passes = config.n_passes
+        assert config.tile_n == 256 and self.warpgroups * self.passes == 4 and self.stride >= 128 + self.warpgroups
+        self.all_barrier_id = named_barriers(self.warpgroups)[2]
+
+    def segment(self, wg, i: int):
+        """Segment of warpgroup ``wg``'s rows in pass ``i``."""
+        return wg if i == 0 else wg + self.warpgroups * i
+
+    def amax_tree(self, smem, t, first: int, count: int):
+        """The maximum of token t's ``count`` exchanged amaxes from padding column ``128 + first``, pairwise."""
+        if count == 1:
+            return smem[t, 128 + first]
+        half = count // 2
+        return cutlass.max(self.amax_tree(smem, t, first, half), self.amax_tree(smem, t, first + half, half))
 
     @cute.jit
-    def __call__(self, acc, cC, ctidx, smem, args, row0, row_end, n_tile):
+    def __call__(self, acc, cC, ctidx, smem, args, row0, row_end, n_tile, p):
         # Barriers in their non-aligned form: the compiler duplicates the barrier between the two token-row branches
         # into both paths, which a warp with rows on both sides takes at different instructions.
         wg = ctidx // 128
-        self.stage_activations(acc, cC, smem, args)
+        if cutlass.const_expr(p == 0):
+            self.stage_activations(acc, cC, smem, args)
+        else:  # this pass's segments: columns 32 * W * p on
+            self.stage_activations(acc, cC, cute.make_tensor(smem.iterator + 32 * self.warpgroups * p, smem.layout),
+                                   args)
+        if cutlass.const_expr(p == self.passes - 1):
+            self.quantize(ctidx, wg, smem, args, row0, row_end, n_tile)
+
+    @cute.jit
+    def quantize(self, ctidx, wg, smem, args, row0, row_end, n_tile):
+        """After the last pass: token t's block amax and its FP8 codes and scale (the class's phase 2)."""
         ptx.barrier_sync(self.barrier_id0 + wg, 128)
         t = ctidx % 128
         m = row0 + t
@@ -226,29 +258,33 @@ class SwigluQuant128(SwigluQuant):
             if m < row_end:
                 weight = Float32(args.rows[m])
             amax = Float32(0.0)
-            for v in cutlass.range_constexpr(32):
-                val = smem[t, 32 * wg + v] * weight
-                amax = cutlass.max(amax, cutlass.max(val, -val))
+            for i in cutlass.range_constexpr(self.passes):
+                seg = self.segment(wg, i)
+                for v in cutlass.range_constexpr(32):
+                    val = smem[t, 32 * seg + v] * weight
+                    amax = cutlass.max(amax, cutlass.max(val, -val))
             smem[t, 128 + wg] = amax  # the padding columns
-        ptx.barrier_sync(self.all_barrier_id, 512)
+        ptx.barrier_sync(self.all_barrier_id, 128 * self.warpgroups)
         if t < self.tile_tokens:
             if m < row_end:
-                amax = cutlass.max(cutlass.max(smem[t, 128], smem[t, 129]), cutlass.max(smem[t, 130], smem[t, 131]))
+                amax = self.amax_tree(smem, t, 0, self.warpgroups)
                 amax = cutlass.max(amax, Float32(1e-4))
                 if amax == Float32(float("inf")):  # Inf in the block (NaN propagates through the max): NaN codes and
                     amax = Float32(float("nan"))  # a NaN scale, as for NaN
                 inv = Float32(448.0) / amax
-                # The values again from the staging tile (the same products as for the amax).
-                vals = cute.make_rmem_tensor((4,), Float32)
-                words = cute.make_rmem_tensor((8,), Int32)
-                for w in cutlass.range_constexpr(8):
-                    for u in cutlass.range_constexpr(4):
-                        vals[u] = smem[t, 32 * wg + 4 * w + u] * weight
-                    words[w] = ptx.f32x4_to_e4m3x4(vals[0] * inv, vals[1] * inv, vals[2] * inv, vals[3] * inv)
-                cute.autovec_copy(words, cute.local_tile(args.out[m, None], (8,), (n_tile * 4 + wg,)))
+                for i in cutlass.range_constexpr(self.passes):
+                    seg = self.segment(wg, i)
+                    # The values again from the staging tile (the same products as for the amax).
+                    vals = cute.make_rmem_tensor((4,), Float32)
+                    words = cute.make_rmem_tensor((8,), Int32)
+                    for w in cutlass.range_constexpr(8):
+                        for u in cutlass.range_constexpr(4):
+                            vals[u] = smem[t, 32 * seg + 4 * w + u] * weight
+                        words[w] = ptx.f32x4_to_e4m3x4(vals[0] * inv, vals[1] * inv, vals[2] * inv, vals[3] * inv)
+                    cute.autovec_copy(words, cute.local_tile(args.out[m, None], (8,), (n_tile * 4 + seg,)))
                 if wg == 0:
                     args.out_sf[m, n_tile] = amax / Float32(448.0)
-        ptx.barrier_sync(self.all_barrier_id, 512)
+        ptx.barrier_sync(self.all_barrier_id, 128 * self.warpgroups)
 
 
 class OaiActivation:

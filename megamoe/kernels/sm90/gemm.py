@@ -12,7 +12,9 @@ Roles (one CTA of 1 + tile_n/64 warpgroups per SM, or two / three smaller ones: 
   the stage's chunks (one contiguous (tile_n, chunks) box of the chunk-major scales), in FP8 mode the
   token scale words (a 4-word box covering chunks 4j..4j+3; past the last chunk, TMA's zero fill);
 * the consumer warpgroups: per tile the mainloop (``mainloops``: dequantize FP4 straight into the register A
-  fragment, issue RS wgmma) and the epilogue, with their own named barriers (``config.named_barriers``);
+  fragment, issue RS wgmma) and the epilogue, with their own named barriers (``config.named_barriers``) -- once per
+  pass of ``pass_n`` weight rows where a tile has several (``GemmConfig.n_passes``: the Mega MoE kernel of recipe
+  (1, 1, 128), whose producer loads every pass's K steps in turn, ``l1_l2.load_tile``);
 * warps 1-3: idle here; the subclasses give them work (``l1_l2``: the signal warp; ``mega_moe``: the pull warps),
   or the mainloop (``mainloop_fp8_smem``: they decode each stage's weights into shared memory for the consumers).
 
@@ -82,7 +84,9 @@ class GroupedGemmSm90:
         self.group_mode = group_mode
         self.epilogue_kind = epilogue
         self.tile_tokens = config.tile_tokens
-        self.tile_n = config.tile_n
+        self.tile_n = config.tile_n  # weight rows of a tile of the tile order
+        self.n_passes = config.n_passes
+        self.pass_n = config.pass_n  # weight rows of a pass: the mainloop's, a stage's, the TMA boxes', the epilogues'
         self.num_consumer_wg = config.consumer_warpgroups
         self.bf16 = config.mma == "bf16"
         sizing = self.kind or epilogue
@@ -153,7 +157,7 @@ class GroupedGemmSm90:
         """Launch on ``num_ctas`` CTAs (all resident). ``gemm``: the GEMM's operands; ``second``: the second GEMM of a
         one-launch L1/L2 kernel (``args.SecondGemmArgs``) or None; ``sync``: zeroed int32 counters, left zeroed (this
         class: the stream's ``tile_counters``); ``mega``: ``MegaArgs.none()`` but in the Mega MoE kernel."""
-        tt, tn, st = self.tile_tokens, self.tile_n, self.stages
+        tt, tn, st = self.tile_tokens, self.pass_n, self.stages
         slots = st * self.cps  # token, weight and weight-scale chunk slots
         a_dtype = self.mainloop.a_dtype
         a_layout = cute.tile_to_shape(
@@ -211,7 +215,7 @@ class GroupedGemmSm90:
         layout (``w``: (64 rows, N/64, 64 bytes, K/128, E) uint8) is viewed as logical (N, K/2, E) = ((64, N/64),
         (64, K/128), E), so the 64-row box of one K chunk is contiguous (static 64s: the TMA box must map onto static
         modes)."""
-        tt, tn = self.tile_tokens, self.tile_n
+        tt, tn = self.tile_tokens, self.pass_n
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         atom_a, a = cpasync.make_tiled_tma_atom(g2s, gemm.a, cute.slice_(layouts.a, (None, None, 0)), (tt, K_CHUNK))
         mW = gemm.w
@@ -407,15 +411,16 @@ class GroupedGemmSm90:
             cute.copy(ops.atom_sfa, tSFAg[(None, kt // 4)], tSFAs[(None, s)], tma_bar_ptr=bar)
 
     def weight_partitions(self, ops: TmaOps, sW, sSFW):
-        """Weight and scale TMA partitions of one GEMM; static: (TMA, RestN, RestK, E)."""
+        """Weight and scale TMA partitions of one GEMM; static: (TMA, RestN, RestK, E), RestN in passes
+        (``pass_tile``)."""
         one = cute.make_layout(1)
         tWs, tWg = cpasync.tma_partition(
             ops.atom_w, 0, one, cute.group_modes(sW, 0, 2),
-            cute.group_modes(cute.local_tile(ops.w, (self.tile_n, CHUNK_BYTES), (None, None, None)), 0, 2),
+            cute.group_modes(cute.local_tile(ops.w, (self.pass_n, CHUNK_BYTES), (None, None, None)), 0, 2),
         )
         tSFWs, tSFWg = cpasync.tma_partition(
             ops.atom_sfw, 0, one, cute.group_modes(sSFW, 0, 2),
-            cute.group_modes(cute.local_tile(ops.sfw, (self.tile_n, self.cps), (None, None, None)), 0, 2),
+            cute.group_modes(cute.local_tile(ops.sfw, (self.pass_n, self.cps), (None, None, None)), 0, 2),
         )
         return tWs, tWg, tSFWs, tSFWg
 
@@ -558,12 +563,14 @@ class GroupedGemmSm90:
             )
         while valid:
             k_tiles = self.tile_k_steps(phase, dims)
-            acc.fill(0.0)
-            state, release = self.mainloop.tile(ab_pipeline, state, release, f, k_tiles, row0, row_end,
-                                                self.tile_row_scale(row_scale, phase, groups), n_tile, block)
-            if cutlass.const_expr(epi.bias is not None):
-                self.add_row_bias(acc, f.cC, epi.bias, block, n_tile)
-            self.tile_epilogue(acc, f.cC, ctidx, phase, sAct, sOut, epi, second, row0, row_end, n_tile, groups)
+            for p in cutlass.range_constexpr(self.n_passes):  # the tile's passes (``GemmConfig.n_passes``)
+                acc.fill(0.0)
+                state, release = self.mainloop.tile(ab_pipeline, state, release, f, k_tiles, row0, row_end,
+                                                    self.tile_row_scale(row_scale, phase, groups),
+                                                    self.pass_tile(n_tile, p), block)
+                if cutlass.const_expr(epi.bias is not None):
+                    self.add_row_bias(acc, f.cC, epi.bias, block, self.pass_tile(n_tile, p))
+                self.tile_epilogue(acc, f.cC, ctidx, phase, sAct, sOut, epi, second, row0, row_end, n_tile, groups, p)
             self.trace_tile(mega, gdim, bidx, ctidx, phase)
             if cutlass.const_expr(self.published):
                 channel.release(taken)
@@ -577,21 +584,26 @@ class GroupedGemmSm90:
         if cutlass.const_expr(self.scatter):
             ptx.fence_acq_rel_sys()  # rows stored to other GPUs precede any release after this kernel
 
+    def pass_tile(self, n_tile, p: int):
+        """Pass ``p``'s weight rows as an index in units of ``pass_n`` rows: tile ``n_tile`` itself with one pass."""
+        return n_tile if self.n_passes == 1 else n_tile * self.n_passes + p
+
     @cute.jit
-    def add_row_bias(self, acc, cC, bias, e, n_tile):
+    def add_row_bias(self, acc, cC, bias, e, n_pass):
         """``megamoe.numerics`` step 1's bias: each accumulator value plus its weight row's bias of expert ``e``
         (``bias``: (E, N) float32, kernel row order; ``e``: the tile's group, which this class publishes as the tile's
-        block word), one FP32 add per value."""
+        block word; ``n_pass``: the accumulator's ``pass_tile``), one FP32 add per value."""
         for r in cutlass.range_constexpr(2):  # a thread's values of one r share their weight row
-            row_bias = Float32(bias[e, n_tile * self.tile_n + cC[2 * r][0]])
+            row_bias = Float32(bias[e, n_pass * self.pass_n + cC[2 * r][0]])
             for j in cutlass.range_constexpr(self.tile_tokens // 8):
                 for c in cutlass.range_constexpr(2):
                     acc[c + 2 * r + 4 * j] = acc[c + 2 * r + 4 * j] + row_bias
 
     @cute.jit
-    def tile_epilogue(self, acc, cC, ctidx, phase, sAct, sOut, epi, second, row0, row_end, n_tile, groups):
-        """The tile's epilogue (``epilogues``) on its staging tile."""
+    def tile_epilogue(self, acc, cC, ctidx, phase, sAct, sOut, epi, second, row0, row_end, n_tile, groups, p):
+        """Pass ``p`` (static) of the tile's epilogue (``epilogues``: the SwiGLU ones take the tile and the pass, the
+        others the pass's rows) on its staging tile."""
         if cutlass.const_expr(self.swiglu):
-            self.epilogue(acc, cC, ctidx, sAct, epi, row0, row_end, n_tile)
+            self.epilogue(acc, cC, ctidx, sAct, epi, row0, row_end, n_tile, p)
         else:
-            self.epilogue(acc, cC, ctidx, sOut, epi, row0, row_end, n_tile)
+            self.epilogue(acc, cC, ctidx, sOut, epi, row0, row_end, self.pass_tile(n_tile, p))

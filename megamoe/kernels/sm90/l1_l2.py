@@ -62,7 +62,8 @@ class FusedL1L2Sm90(GroupedGemmSm90):
     def epilogue_smem(self, storage):
         """One region serves both epilogues: rows of both staging tiles are 2 * tile_n + 16 bytes, and consumer
         warpgroup w touches only bytes [128w, 128w + 128) of each row in both, which it runs one after the other (a
-        pipeline stage more at large tiles)."""
+        pipeline stage more at large tiles); beyond them only the per-128 SwiGLU epilogue writes (its second pass's
+        columns, its amax exchange: after a barrier of all consumer warpgroups), which no scatter tile touches."""
         assert self.act_stride * 4 == self.out_stride * 2
         sAct = storage.sAct.get_tensor(cute.make_layout((self.tile_tokens, self.act_stride), stride=(self.act_stride, 1)))
         out_layout = cute.make_layout((self.tile_tokens, self.out_stride), stride=(self.out_stride, 1))
@@ -188,25 +189,37 @@ class FusedL1L2Sm90(GroupedGemmSm90):
         """The TMA loads of a tile whose token rows other CTAs produce in this launch. The first ``ahead`` chunks (at
         most ``stages``: they need no stage of this tile released) load their weights, then the wait for the counter
         (``wait_counter``; ``index``, ``what``: its name in the report; ``mega``: the kernel's ``MegaArgs``), then
-        their tokens; the rest load both.
+        their tokens; the rest load both. A tile of several passes (``GemmConfig.n_passes``) loads this way its first
+        pass's weight rows, then every K step of each later pass's (its rows ready: waited for in the first).
         ``ahead`` = 0: the rows are known ready (acquired, proxy-fenced). ``parts``: the GEMM's (tAg, tAs, tWg, tWs,
         tSFWg, tSFWs) partitions; ``sfa``: FP8 mode, its token-scale partitions, loaded with the tokens (they are
         produced with them), else None. Returns the advanced pipeline state."""
         tAg, tAs, tWg, tWs, tSFWg, tSFWs = parts
+        n0 = self.pass_tile(n_tile, 0)
         pending = state.clone()
         for kt in cutlass.range(ahead, unroll=1):
             ab_pipeline.producer_acquire(state)
-            self.load_chunk(ab_pipeline, state, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile, False, True)
+            self.load_chunk(ab_pipeline, state, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n0, False, True)
             ab_pipeline.producer_commit(state)
             state.advance()
         if ahead > 0:
             self.wait_counter(addr, target, index, timeout_ns, what, mega)
         for kt in cutlass.range(ahead, unroll=1):
-            self.load_chunk(ab_pipeline, pending, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile, True, False, sfa)
+            self.load_chunk(ab_pipeline, pending, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n0, True, False, sfa)
             pending.advance()
-        for kt in cutlass.range(ahead, k_tiles, unroll=1):
+        state = self.load_chunks(ab_pipeline, state, ahead, k_tiles, ops, parts, sfa, e, n0)
+        for p in cutlass.range_constexpr(1, self.n_passes):
+            state = self.load_chunks(ab_pipeline, state, Int32(0), k_tiles, ops, parts, sfa, e, self.pass_tile(n_tile, p))
+        return state
+
+    @cute.jit
+    def load_chunks(self, ab_pipeline, state, start: Int32, k_tiles: Int32, ops, parts, sfa, e: Int32, n_pass: Int32):
+        """K steps [start, k_tiles) of the weight rows ``n_pass`` (``pass_tile``) with their tokens (``load_tile``'s
+        arguments), each in a stage acquired here. Returns the advanced pipeline state."""
+        tAg, tAs, tWg, tWs, tSFWg, tSFWs = parts
+        for kt in cutlass.range(start, k_tiles, unroll=1):
             ab_pipeline.producer_acquire(state)
-            self.load_chunk(ab_pipeline, state, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile, True, True, sfa)
+            self.load_chunk(ab_pipeline, state, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_pass, True, True, sfa)
             ab_pipeline.producer_commit(state)
             state.advance()
         return state
@@ -248,14 +261,19 @@ class FusedL1L2Sm90(GroupedGemmSm90):
     # ------------------------------------------------------------------------------------------
 
     @cute.jit
-    def tile_epilogue(self, acc, cC, ctidx, phase, sAct, sOut, epi, second, row0, row_end, n_tile, groups):
+    def tile_epilogue(self, acc, cC, ctidx, phase, sAct, sOut, epi, second, row0, row_end, n_tile, groups, p):
+        """Pass ``p`` (static) of the tile's epilogue; after the last pass the tile's rows are stored (L1: the signal
+        warp counts them) or read (L2: ``after_l2_tile``)."""
         if phase == 0:
-            self.epilogue(acc, cC, ctidx, sAct, epi, row0, row_end, n_tile)
-            # This warpgroup's rows of the tile are stored: hand the count to the signal warp.
-            self.signal_barrier(ctidx // 128).arrive_and_wait()
+            self.epilogue(acc, cC, ctidx, sAct, epi, row0, row_end, n_tile, p)
+            if cutlass.const_expr(p == self.n_passes - 1):
+                # This warpgroup's rows of the tile are stored: hand the count to the signal warp.
+                self.signal_barrier(ctidx // 128).arrive_and_wait()
         else:
-            self.l2_epilogue(acc, cC, ctidx, sOut, EpilogueArgs(None, None, second.row_addr, None), row0, row_end, n_tile)
-            self.after_l2_tile(ctidx, groups)
+            self.l2_epilogue(acc, cC, ctidx, sOut, EpilogueArgs(None, None, second.row_addr, None), row0, row_end,
+                             self.pass_tile(n_tile, p))
+            if cutlass.const_expr(p == self.n_passes - 1):
+                self.after_l2_tile(ctidx, groups)
 
     def after_l2_tile(self, ctidx, groups):
         """After an L2 tile's stores (nothing here)."""

@@ -53,7 +53,7 @@ class Mainloop:
 
     def __init__(self, config: GemmConfig, stages: int, cps: int):
         self.tile_tokens = config.tile_tokens
-        self.tile_n = config.tile_n
+        self.tile_n = config.pass_n  # the weight rows of one K loop: a pass of the tile (``GemmConfig.n_passes``)
         self.num_consumer_wg = config.consumer_warpgroups
         self.stages = stages
         self.cps = cps  # 128-K chunks per pipeline stage

@@ -11,8 +11,14 @@ What differs from the recipe (1, 1, 32) kernel (``mega_moe``), each through a ho
   tile's GEMM and of the expert that owns its pool block (``Fp8Block128MegaMainloop``); the producer loads each
   stage's token-scale box with its tokens (``load_tile``'s ``sfa``), so the scales wait with the rows they scale;
 * the L1 epilogue is ``SwigluQuant128`` (FP8 + one FP32 scale per 128 intermediate columns into the L2 ring), which
-  needs 256-row weight tiles: four consumer warpgroups, one CTA per SM, token tiles of at most
-  ``config.FOUR_WG_FP8_MAX_TILE_TOKENS`` rows (``mega.tile_config``);
+  needs the 128 intermediate columns of a 256-row weight tile together. Both GEMMs run 256-row tiles (``mega.tile_config``)
+  in one of two shapes: four consumer warpgroups of 64 rows, token tiles of at most
+  ``config.FOUR_WG_FP8_MAX_TILE_TOKENS`` rows (small groups); or (``GemmConfig.n_passes`` 2) two sequential passes of
+  128 rows on two consumer warpgroups with token tiles of ``config.TWO_PASS_TILE_TOKENS`` rows, so each decoded weight
+  serves up to four times the tokens: the producer loads every K step of pass 0's weight rows, then of pass 1's (the
+  same tokens and token scales again: L2 hits), the consumers run the mainloop and the epilogue per pass (L2: each pass
+  stores its own 128 rows; L1: pass 0 stages its half of the 128 columns, pass 1 the other and quantizes the block).
+  The tile order, the tile counts, the counters and the signals are per 256-row tile in both shapes;
 * the L2 tiles, their stores into the source ranks' combine slots, the signals, combine and the ring schedule are
   the recipe-32 kernel's.
 
@@ -70,7 +76,8 @@ class Fp8Block128MegaMainloop(Fp8Block128Mainloop):
 
 class MegaMoE128Sm90(MegaMoESm90):
     """The one-launch Mega MoE kernel of recipe (1, 1, 128) for one SymmBuffer layout of that recipe (``comm``: its
-    ``EpCommConfig``); ``config``: FP8 mode, ``token_block`` 128, ``tile_n`` 256 (``mega.tile_config``)."""
+    ``EpCommConfig``); ``config``: FP8 mode, ``token_block`` 128, ``tile_n`` 256, one pass or two
+    (``mega.tile_config``)."""
 
     l1_epilogue = "swiglu_fp8"  # SwigluQuant128: FP8 + FP32 per-128 scales into l2_acts / l2_acts_sf
     folded = True
