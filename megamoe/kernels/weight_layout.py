@@ -414,18 +414,35 @@ def dequantize_sm90_fp8_weights(bk: torch.Tensor, bk_sf: torch.Tensor) -> torch.
     from ..layouts.fp4 import e2m1_table
     from ..layouts.ue8m0 import code_to_scale
 
-    canonical = from_sm90_weight_layout(bk)
-    e, n, half_k = canonical.shape
-    chunks = 2 * half_k // K_CHUNK
-    check_tensor("bk_sf", bk_sf, dtype=torch.int32, ndim=3)
-    if bk_sf.shape[0] != e or bk_sf.shape[2] != n:
-        fail("bk_sf", f"must be chunk-major [E, rows, N] with E = {e}, N = {n}, got {list(bk_sf.shape)}")
-    fmt = folded_scale_format(bk_sf, chunks)
-    values = e2m1_table(bk.device).double()[unpack_fp4_codes(canonical).long()]  # [E, N, K]
+    chunks, fmt = _fp8_weight_format(bk, bk_sf)
+    values = e2m1_table(bk.device).double()[unpack_fp4_codes(from_sm90_weight_layout(bk)).long()]  # [E, N, K]
     blocks = values.unflatten(-1, (-1, 32))  # [E, N, K/32, 32]
     if fmt == "absolute":
         scales = code_to_scale(unpack_ue8m0(bk_sf.transpose(1, 2).contiguous())).double()
         return (blocks * scales[..., None]).flatten(-2)
+    decoded = _folded_e4m3_values(blocks, bk_sf, chunks)
+    scale = bk_sf[:, chunks:].view(torch.float32).double().transpose(1, 2)  # [E, N, 1] or [E, N, K/128]
+    if fmt == "chunk":
+        scale = scale.repeat_interleave(4, -1)  # per 32-block
+    return (decoded * scale[..., None]).flatten(-2)
+
+
+def _fp8_weight_format(bk: torch.Tensor, bk_sf: torch.Tensor) -> tuple[int, str]:
+    """K/128 of FP8-mode kernel weights ``bk`` and the format of their scales ``bk_sf`` (``folded_scale_format``),
+    checked against each other."""
+    check_tensor("bk", bk, dtype=torch.uint8, ndim=5)
+    e, blocks, chunks = bk.shape[:3]
+    check_tensor("bk_sf", bk_sf, dtype=torch.int32, ndim=3)
+    if bk_sf.shape[0] != e or bk_sf.shape[2] != blocks * ROW_BLOCK:
+        fail("bk_sf", f"must be chunk-major [E, rows, N] with E = {e}, N = {blocks * ROW_BLOCK}, got "
+             f"{list(bk_sf.shape)}")
+    return chunks, folded_scale_format(bk_sf, chunks)
+
+
+def _folded_e4m3_values(blocks: torch.Tensor, bk_sf: torch.Tensor, chunks: int) -> torch.Tensor:
+    """Folded FP8-mode weights: the E2M1 values ``blocks`` (float64 ``[E, N, K/32, 32]``) times ``2**d`` of their
+    block (the biased codes of ``bk_sf``'s first ``chunks`` rows, either folded format) -- the E4M3 values the kernels'
+    decode makes -- checked to be exact normal E4M3 numbers (or zero); float64 ``[E, N, K/32, 32]``."""
     words = bk_sf[:, :chunks].transpose(1, 2).contiguous()
     d = unpack_ue8m0(words).to(torch.int32) + FOLD_MIN_SHIFT  # [E, N, K/32]
     if int(d.max()) > FOLD_MAX_SHIFT:
@@ -435,7 +452,34 @@ def dequantize_sm90_fp8_weights(bk: torch.Tensor, bk_sf: torch.Tensor) -> torch.
     tiny = (decoded != 0) & (decoded.abs() < 2.0**-6)  # E4M3 subnormal: the decode's table has normals only
     if not torch.equal(e4m3, decoded) or bool(tiny.any()):
         fail("bk_sf", "folds a block to values that are not exact normal E4M3 numbers")
-    scale = bk_sf[:, chunks:].view(torch.float32).double().transpose(1, 2)  # [E, N, 1] or [E, N, K/128]
-    if fmt == "chunk":
-        scale = scale.repeat_interleave(4, -1)  # per 32-block
-    return (decoded * scale[..., None]).flatten(-2)
+    return decoded
+
+
+def e4m3_weight_copy(bk: torch.Tensor, bk_sf: torch.Tensor) -> torch.Tensor:
+    """The E4M3 copy of folded FP8-mode kernel weights that ``GemmConfig(decode="copy")`` reads instead of decoding:
+    ``float8_e4m3fn [E, N, K]``, K-major, row n of expert e in the kernel's row order (that of ``bk``, e.g. L1's
+    interleaved gate/up rows), each value exactly the E4M3 ``v * 2**d`` the kernels' decode makes from the E2M1
+    value ``v`` and its block's relative code ``d`` (``fold_fp8_scales``), so that the FP32 scales of ``bk_sf`` still
+    apply after the K loop: the kernels multiply ``copy[e, n, :]`` and then row n's scale (``per="row"``, the format
+    the kernels take; a ``per="chunk"`` fold's copy is defined the same way, each chunk's values relative to that
+    chunk's scale).
+
+    ``bk``: ``uint8 [E, N/64, K/128, 64, 64]`` (``prepare_fp4_weights(..., mma="fp8", fold=True)``); ``bk_sf``: its
+    folded scales ``int32 [E, K/128 + 1, N]`` (or ``[E, 2 * K/128, N]``). Absolute (unfolded) scales are rejected:
+    without a fold the per-32 scales are not in the values. Why: a compute-bound call (thousands of token rows per
+    expert) can afford one byte per weight instead of half a byte, and the decode, not the tensor cores, bounds the
+    kernel. Runs on ``bk``'s device, one expert at a time (float64 intermediates of one expert); weight-load time."""
+    chunks, fmt = _fp8_weight_format(bk, bk_sf)
+    if fmt == "absolute":
+        fail("bk_sf", "holds absolute UE8M0 scales [E, K/128, N]; the E4M3 copy needs folded ones "
+             "(prepare_fp4_weights(..., mma='fp8', fold=True)): the copy's values carry the block scales")
+    from ..layouts.fp4 import e2m1_table
+
+    table = e2m1_table(bk.device).double()
+    e, blocks = bk.shape[:2]
+    out = torch.empty(e, blocks * ROW_BLOCK, chunks * K_CHUNK, dtype=torch.float8_e4m3fn, device=bk.device)
+    for i in range(e):
+        values = table[unpack_fp4_codes(from_sm90_weight_layout(bk[i:i + 1])).long()]  # [1, N, K]
+        out[i] = _folded_e4m3_values(values.unflatten(-1, (-1, 32)), bk_sf[i:i + 1], chunks).flatten(-2)[0].to(
+            torch.float8_e4m3fn)
+    return out
