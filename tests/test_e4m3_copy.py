@@ -91,7 +91,7 @@ def test_copy_of_chunk_fold():
     tops = torch.tensor([60, 200, 90, 140], dtype=torch.int32)  # per chunk: windows far apart
     spread = torch.randint(0, FOLD_WINDOW + 1, (e, n, k // 32), generator=gen, dtype=torch.int32)
     scale_codes = (tops.repeat_interleave(4) - spread).to(torch.uint8)
-    bk, bk_sf = weights(codes, scale_codes, "chunk")
+    _, bk_sf = weights(codes, scale_codes, "chunk")
     assert bk_sf.shape[1] == 2 * (k // K_CHUNK)
     check_copy(codes, scale_codes, "chunk")
 
