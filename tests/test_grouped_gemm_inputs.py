@@ -13,6 +13,7 @@ from megamoe.kernels.sm90 import (
     grouped_gemm_fp8_fp4_l1_l2_contiguous,
     grouped_gemm_fp8_fp4_masked,
     grouped_gemm_fp8_fp4_swiglu_contiguous,
+    grouped_gemm_fp8_fp4_swiglu_masked,
 )
 from megamoe.kernels.weight_layout import from_sm90_weight_layout
 
@@ -208,3 +209,49 @@ def test_whole_chunks_with_padded_scale_rows_reach_the_device_check(k):
         grouped_gemm_fp8_fp4_masked(**masked)
     with pytest.raises(ValueError, match="`a` must be a CUDA tensor"):
         grouped_gemm_fp8_fp4_l1_l2_contiguous(**_l1_l2_cpu_inputs(hidden=k, inter=k))
+
+
+def _cpu_inputs_copy(m=48, n=256, k=512, e=3):
+    """Recipe (1, 1, 128) operands with the weights' E4M3 copy and its config (``decode="copy"``)."""
+    return {"a": torch.zeros(m, k, dtype=torch.float8_e4m3fn), "a_sf": torch.ones(m, k // 128, dtype=torch.float32),
+            "b": torch.zeros(e, n // 64, k // 128, 64, 64, dtype=torch.uint8),
+            "b_sf": torch.zeros(e, k // 128 + 1, n, dtype=torch.int32), "offsets": torch.zeros(e + 1, dtype=torch.int32),
+            "w_e4m3": torch.zeros(e, n, k, dtype=torch.float8_e4m3fn),
+            "config": GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128, decode="copy")}
+
+
+@pytest.mark.parametrize(
+    "change,pattern",
+    [
+        (lambda d: d.update(w_e4m3=None), "`w_e4m3` is required with config.decode='copy'"),
+        (lambda d: d.update(config=None), "`w_e4m3` is given but config.decode is 'regs'"),
+        (lambda d: d.update(config=GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128, decode="smem")),
+         "`w_e4m3` is given but config.decode is 'smem'"),
+        (lambda d: d.update(w_e4m3=d["w_e4m3"].view(torch.uint8)), "`w_e4m3` must have dtype float8_e4m3fn"),
+        (lambda d: d.update(w_e4m3=d["w_e4m3"][:, :, :384]), "`w_e4m3` must have shape"),
+        (lambda d: d.update(w_e4m3=d["w_e4m3"][:2]), "`w_e4m3` must have shape"),
+        (lambda d: d.update(w_e4m3=d["w_e4m3"].transpose(1, 2).contiguous().transpose(1, 2)),
+         "`w_e4m3` must be contiguous"),
+        (lambda d: d.update(a_sf=d["a_sf"].view(torch.int32)), "`config.token_block` is 128 but"),
+        (lambda d: None, "`a` must be a CUDA tensor"),  # all shapes right: the device check fires last
+    ],
+)
+def test_weight_copy_validation(change, pattern):
+    """The E4M3 weight copy (``w_e4m3``) with ``GemmConfig(decode="copy")`` and only with it, on every entry that
+    takes it (contiguous and masked, plain and SwiGLU): named before any launch."""
+    for entry in ("contiguous", "masked", "swiglu_contiguous", "swiglu_masked"):
+        args = _cpu_inputs_copy()
+        change(args)
+        masked = entry.endswith("masked")
+        if masked:
+            args["a"] = args["a"].view(3, 16, 512)
+            args["a_sf"] = args["a_sf"].view(3, 16, 4)
+            args["masked_m"] = torch.zeros(3, dtype=torch.int32)
+            del args["offsets"]
+        if entry.startswith("swiglu"):
+            args["row_weights"] = torch.zeros(args["a"].shape[:-1], dtype=torch.float32)
+        fn = {"contiguous": grouped_gemm_fp8_fp4_contiguous, "masked": grouped_gemm_fp8_fp4_masked,
+              "swiglu_contiguous": grouped_gemm_fp8_fp4_swiglu_contiguous,
+              "swiglu_masked": grouped_gemm_fp8_fp4_swiglu_masked}[entry]
+        with pytest.raises(ValueError, match=pattern):
+            fn(**args)

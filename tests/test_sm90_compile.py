@@ -157,6 +157,17 @@ SMEM_DECODE_CASES = [
     (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128, decode="smem"), "offsets", "swiglu_fp8"),
     (GemmConfig(tile_tokens=8, tile_n=256, mma="fp8", token_block=128, decode="smem"), "masked", "swiglu_fp8"),
 ]
+# Recipe (1, 1, 128) reading the weights' E4M3 copy (``decode="copy"``, no decode): 128 and 64 token rows x 128 weight
+# rows (the compute-bound shapes it is for) with the plain BF16 epilogue, one consumer warpgroup, the scatter epilogue,
+# and the per-128 SwiGLU epilogue of the staged L1 on four consumer warpgroups.
+COPY_CASES = [
+    (GemmConfig(tile_tokens=128, tile_n=128, mma="fp8", token_block=128, decode="copy"), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=64, tile_n=128, mma="fp8", token_block=128, decode="copy"), "masked", "bf16"),
+    (GemmConfig(tile_tokens=128, tile_n=64, mma="fp8", token_block=128, decode="copy"), "offsets_counts", "bf16"),
+    (GemmConfig(tile_tokens=8, tile_n=128, mma="fp8", token_block=128, decode="copy"), "offsets", "bf16_scatter"),
+    (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128, decode="copy"), "offsets", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=8, tile_n=256, mma="fp8", token_block=128, decode="copy"), "masked", "swiglu_fp8"),
+]
 # Builds for odd counts of 128-K chunks (``GemmConfig.even_chunks`` False: K a multiple of 128, not of 256): BF16 mode
 # with one chunk per stage where even counts load two (one CTA; the one-launch L1/L2 kernel's small and large token
 # tiles), recipe (1, 1, 128)'s pair loop with its parity tail on one, two and four consumer warpgroups (the per-128
@@ -174,6 +185,8 @@ ODD_CHUNK_CASES = [
      True),
     (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128, decode="smem", even_chunks=False), "offsets",
      "swiglu_fp8", True),
+    (GemmConfig(tile_tokens=128, tile_n=128, mma="fp8", token_block=128, decode="copy", even_chunks=False), "offsets",
+     "bf16", True),
 ]
 RELEASE_CASES = ([(c, m, e, None, False, False, True) for c, m, e in COMPILE_CASES]
                  + [(c, m, e, None, False, True, True) for c, m, e in FOLDED_CASES]
@@ -183,7 +196,8 @@ RELEASE_CASES = ([(c, m, e, None, False, False, True) for c, m, e in COMPILE_CAS
                  + [(c, "offsets", "l1_l2", lay, False, False, True) for c, lay in MEGA128_CASES]
                  + [(MEGA128_CASES[i][0], "offsets", "l1_l2", MEGA128_CASES[i][1], True, False, True) for i in (1, 6)]
                  + [(c, m, e, lay, False, False, False) for c, m, e, lay in IEEE_SILU_CASES]
-                 + [(c, m, e, None, False, folded, True) for c, m, e, folded in ODD_CHUNK_CASES])
+                 + [(c, m, e, None, False, folded, True) for c, m, e, folded in ODD_CHUNK_CASES]
+                 + [(c, m, e, None, False, True, True) for c, m, e in COPY_CASES])
 
 _COMPILE_CHILD = """
 import json, os, re, shutil, subprocess, sys
@@ -257,7 +271,7 @@ def compile_report(cases: list, dump_dir) -> list[dict]:
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
-RELEASE_IDS = [f"{c.mma}{'x128' if c.token_block == 128 else ''}{'-smem' if c.decode == 'smem' else ''}"
+RELEASE_IDS = [f"{c.mma}{'x128' if c.token_block == 128 else ''}{'' if c.decode == 'regs' else '-' + c.decode}"
                f"{'' if c.even_chunks else '-odd'}"
                f"-{c.tile_tokens}x{c.tile_n}x{c.ctas_per_sm}{'-2pass' if c.n_passes == 2 else ''}-{m}-{e}"
                + ("" if lay is None else "-mega-r%d-e%d-h%d" % (lay[0], lay[1], lay[4]) + ("-r128" if R128 in lay else ""))
@@ -314,6 +328,19 @@ def test_smem_decode_builds_do_not_spill(sm90a_builds):
         pytest.skip("no ptxas on PATH")
     first = len(COMPILE_CASES) + len(FOLDED_CASES) + len(RECIPE128_CASES)
     for i, (cfg, mode, epilogue) in enumerate(SMEM_DECODE_CASES):
+        build = sm90a_builds[first + i]
+        assert RELEASE_CASES[first + i][0] == cfg
+        assert "error" not in build, build.get("error")
+        assert build["spills"] and not any(build["spills"]), f"{cfg.describe(epilogue)} {mode}: {build['spills']}"
+
+
+def test_copy_builds_do_not_spill(sm90a_builds):
+    """The E4M3-copy variants (``decode="copy"``) within their setmaxnreg budgets: ptxas reports no spill stores or
+    loads. Needs a ptxas on PATH."""
+    if "ptxas" not in sm90a_builds[0]:
+        pytest.skip("no ptxas on PATH")
+    first = len(RELEASE_CASES) - len(COPY_CASES)
+    for i, (cfg, mode, epilogue) in enumerate(COPY_CASES):
         build = sm90a_builds[first + i]
         assert RELEASE_CASES[first + i][0] == cfg
         assert "error" not in build, build.get("error")
@@ -453,12 +480,14 @@ def test_config_validation():
     with pytest.raises(ValueError, match="config.mma"):
         GemmConfig(mma="int8")
     for bad in ({"decode": "shared"}, {"decode": "smem"}, {"decode": "smem", "mma": "fp8"},
-                {"decode": "smem", "mma": "fp8", "token_block": 128, "tile_tokens": 16, "ctas_per_sm": 2}):
-        with pytest.raises(ValueError, match="config.decode` must be one of \\('regs', 'smem'\\)"):
+                {"decode": "smem", "mma": "fp8", "token_block": 128, "tile_tokens": 16, "ctas_per_sm": 2},
+                {"decode": "copy"}, {"decode": "copy", "mma": "fp8"},
+                {"decode": "copy", "mma": "fp8", "token_block": 128, "tile_tokens": 16, "ctas_per_sm": 2}):
+        with pytest.raises(ValueError, match="config.decode` must be one of \\('regs', 'smem', 'copy'\\)"):
             GemmConfig(**bad)
     two_pass = {"tile_n": 256, "mma": "fp8", "token_block": 128, "n_passes": 2}
     for bad in ({"n_passes": 3}, {"n_passes": 2}, {**two_pass, "tile_tokens": 32}, {**two_pass, "tile_n": 128},
-                {**two_pass, "token_block": 32}, {**two_pass, "decode": "smem"}):
+                {**two_pass, "token_block": 32}, {**two_pass, "decode": "smem"}, {**two_pass, "decode": "copy"}):
         with pytest.raises(ValueError, match="config.n_passes` must be one of \\(1, 2\\) \\(2: mma='fp8', token_block=128"):
             GemmConfig(**bad)
     # Two passes: 128 weight rows per pass on two consumer warpgroups; a stage holds one pass's weights, the SwiGLU
@@ -478,4 +507,10 @@ def test_config_validation():
     regs = GemmConfig(tile_tokens=128, mma="fp8", token_block=128)
     assert smem.stage_bytes() == regs.stage_bytes() + 128 * 128 + 4 * 36 * 4
     assert smem.num_stages() < regs.num_stages()
+    # decode "copy": per stage the weights' E4M3 tile (128 bytes per weight row) instead of the packed FP4 (64)
+    copy = GemmConfig(tile_tokens=128, mma="fp8", token_block=128, decode="copy")
+    assert "decode=copy" in copy.describe() and copy.weight_row_bytes == 128 and regs.weight_row_bytes == 64
+    assert copy.stage_bytes() == regs.stage_bytes() + 128 * 64
+    with pytest.raises(ValueError, match="config.decode` 'copy' .*runs in the separate grouped GEMMs only"):
+        compile_l1_l2(GemmConfig(tile_tokens=64, tile_n=128, mma="fp8", token_block=128, decode="copy"))
 

@@ -27,18 +27,22 @@ from .config import (EPILOGUES, GROUP_MODES, K_MULTIPLE, SCALE_ROW_WORDS, SWIGLU
 from .counters import tile_counters
 from .weights import LAYOUTS
 
-def _gemm_args(a, a_sf, b, b_sf) -> GemmArgs:
+def _gemm_args(a, a_sf, b, b_sf, w_e4m3=None) -> GemmArgs:
     """Torch operands of one GEMM (2-D tokens, 5-D blocked kernel-layout weights of either mode) -> CuTe tensors in
     kernel mode order; ``a_sf`` None stays None. Folded FP8 scales (``b_sf`` with K/128 + 1 chunk rows) add their last
-    row, the weight rows' FP32 scales, as ``(N, E)``."""
-    e, blocks, chunks, rows, _ = b.shape
-    w = b.view(torch.uint8).view(e, blocks, chunks, rows, CHUNK_BYTES)
-    w = w.permute(3, 1, 4, 2, 0)  # (row, block, byte, chunk, E)
+    row, the weight rows' FP32 scales, as ``(N, E)``. ``w_e4m3`` (``e4m3_weight_copy``'s ``[E, N, K]``, decode
+    "copy"): the kernel's weights instead of ``b``, as ``(N, K, E)``."""
+    if w_e4m3 is None:
+        e, blocks, chunks, rows, _ = b.shape
+        w = b.view(torch.uint8).view(e, blocks, chunks, rows, CHUNK_BYTES)
+        w = runtime.to_cute(w.permute(3, 1, 4, 2, 0), leading_dim=2)  # (row, block, byte, chunk, E)
+    else:
+        w = runtime.to_cute(w_e4m3.permute(1, 2, 0), leading_dim=1)  # (N, K, E), K contiguous
     w_sf = b_sf.permute(2, 1, 0)  # (N, K/128, E), N contiguous
     return GemmArgs(
         runtime.to_cute(a, leading_dim=1),
         None if a_sf is None else runtime.to_cute(a_sf, leading_dim=1),
-        runtime.to_cute(w, leading_dim=2),
+        w,
         runtime.to_cute(w_sf, leading_dim=0),
         runtime.to_cute(b_sf[:, -1].view(torch.float32).t(), leading_dim=0) if _folded(b, b_sf) else None,
     )
@@ -102,7 +106,8 @@ def _placeholder_gemm(config: GemmConfig, n: int, k: int, folded: bool = False) 
         sf_dtype = torch.float32 if config.token_block == 128 else torch.int32
         a, a_sf = torch.empty(m, k, dtype=torch.float8_e4m3fn), torch.empty(m, k // 128, dtype=sf_dtype)
         b = torch.empty(e, n // ROW_BLOCK, k // 128, ROW_BLOCK, CHUNK_BYTES, dtype=torch.uint8)
-    return _gemm_args(a, a_sf, b, torch.empty(e, k // 128 + int(folded), n, dtype=torch.int32))
+    w_e4m3 = torch.empty(e, n, k, dtype=torch.float8_e4m3fn) if config.decode == "copy" else None
+    return _gemm_args(a, a_sf, b, torch.empty(e, k // 128 + int(folded), n, dtype=torch.int32), w_e4m3)
 
 
 def _compile(kernel, gemm: GemmArgs, second, epi: EpilogueArgs, mega: MegaArgs):
@@ -173,6 +178,9 @@ def _compile_fused(config: GemmConfig, debug: bool, comm, fast_math: bool):
     from ...numerics import RECIPE_128, describe_recipe
 
     check_fast_math(fast_math)
+    if config.decode == "copy":
+        fail("config.decode", "'copy' (the weights' E4M3 copy) runs in the separate grouped GEMMs only, not in the "
+             "one-launch L1/L2 or Mega MoE kernels")
     recipe128 = comm is not None and comm.layout.recipe == RECIPE_128
     if recipe128:
         if (config.mma, config.token_block, config.tile_n) != ("fp8", 128, 256):
@@ -250,13 +258,14 @@ def _launch(kernel, config: GemmConfig, device, gemm: GemmArgs, second, epi: Epi
 
 
 def _launch_gemm(config, group_mode, epilogue, a, a_sf, b, b_sf, epi: EpilogueArgs, group_a, group_b, num_groups,
-                 max_m, max_tiles, fast_math=True, activation="swiglu") -> None:
-    """Compile (cached) and launch a separate grouped GEMM on the stream's tile counters."""
+                 max_m, max_tiles, fast_math=True, activation="swiglu", w_e4m3=None) -> None:
+    """Compile (cached) and launch a separate grouped GEMM on the stream's tile counters (``w_e4m3``: the weights'
+    E4M3 copy, decode "copy")."""
     if max_tiles <= 0 or a.shape[0] == 0:
         return
     kernel = compile_grouped_gemm(config, group_mode, epilogue, _folded(b, b_sf), fast_math, activation,
                                   epi.bias is not None)
-    _launch(kernel, config, a.device, _gemm_args(a, a_sf, b, b_sf), None, epi,
+    _launch(kernel, config, a.device, _gemm_args(a, a_sf, b, b_sf, w_e4m3), None, epi,
             _group_args(group_a, group_b, num_groups, max_m), tile_counters(a.device), MegaArgs.none(), max_tiles)
 
 
@@ -384,6 +393,22 @@ def _check_device(a: torch.Tensor, **tensors: torch.Tensor | None) -> None:
             fail(name, f"data pointer must be 16-byte aligned for TMA, got address {t.data_ptr():#x}")
 
 
+def _check_weight_copy(w_e4m3: torch.Tensor | None, cfg: GemmConfig, e: int, n: int, k: int, device) -> None:
+    """The optional E4M3 weight copy against the resolved config: required by decode "copy" and only by it, ``float8_e4m3fn
+    [E, N, K]`` contiguous on the tokens' device. Its values are the caller's contract (``e4m3_weight_copy(b,
+    b_sf)`` of the same weights: the kernel multiplies them by ``b_sf``'s row scales), not checked here (a host
+    pass over every weight per call)."""
+    if w_e4m3 is None:
+        if cfg.decode == "copy":
+            fail("w_e4m3", "is required with config.decode='copy': the kernel reads the weights' E4M3 copy "
+                 "(e4m3_weight_copy(b, b_sf)) instead of decoding b")
+        return
+    if cfg.decode != "copy":
+        fail("w_e4m3", f"is given but config.decode is {cfg.decode!r}: only GemmConfig(..., decode='copy') reads the "
+             "weights' E4M3 copy (pass that config, or no copy)")
+    check_tensor("w_e4m3", w_e4m3, dtype=torch.float8_e4m3fn, shape=(e, n, k), device=device, contiguous=True)
+
+
 def _resolve_config(config: GemmConfig | None, rows_per_expert: float, n: int, k: int, mma: str,
                     four_warpgroups: bool = True, token_block: int = 32, swiglu: bool = False) -> GemmConfig:
     """The caller's config, checked against the operands, or ``select_config``'s, for K ``k`` (``GemmConfig.for_k``).
@@ -444,6 +469,7 @@ def grouped_gemm_fp8_fp4_contiguous(
     *,
     counts: torch.Tensor | None = None,
     out_row_ptrs: torch.Tensor | None = None,
+    w_e4m3: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Contiguous grouped GEMM ``out[rows of e] = a[rows of e] . b[e]^T`` (tokens x FP4 -> BF16, FP32 accumulate).
 
@@ -463,7 +489,11 @@ def grouped_gemm_fp8_fp4_contiguous(
     the device address ``out_row_ptrs[m]`` (16-byte aligned; any memory this GPU maps, e.g. a peer rank's
     symmetric buffer), staged per tile so that each row leaves as whole 128-byte lines. Every storing
     thread ends with ``fence.acq_rel.sys``, so a release that follows the kernel (stream order) publishes
-    the rows to other GPUs too."""
+    the rows to other GPUs too.
+
+    ``w_e4m3`` (recipe (1, 1, 128), with ``config=GemmConfig(..., decode="copy")`` and only with it): the weights'
+    E4M3 copy ``float8_e4m3fn [E, N, K]`` (``e4m3_weight_copy(b, b_sf)``), which the kernel reads instead of
+    decoding ``b`` (one byte per weight instead of half a byte; ``b_sf``'s row scales still apply)."""
     mma, k, e, n = _check_operands(a, a_sf, b, b_sf, offsets, counts, masked=False, swiglu=False)
     m = a.shape[0]
     if out_row_ptrs is None:
@@ -477,12 +507,13 @@ def grouped_gemm_fp8_fp4_contiguous(
         check_tensor("out_row_ptrs", out_row_ptrs, dtype=torch.int64, shape=(m,), device=a.device, contiguous=True)
         epilogue = "bf16_scatter"
     cfg = _resolve_config(config, m / max(e, 1), n, k, mma, token_block=_token_block(a_sf, b, b_sf))
-    _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
+    _check_weight_copy(w_e4m3, cfg, e, n, k, a.device)
+    _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out, w_e4m3=w_e4m3)
     max_tiles = (m // cfg.tile_tokens + e) * (n // cfg.tile_n)
     mode = "offsets" if counts is None else "offsets_counts"
     epi = _epilogue_args(out) if out_row_ptrs is None else _epilogue_args(rows=out_row_ptrs)
     _launch_gemm(cfg, mode, epilogue, a, a_sf, b, b_sf, epi, offsets, offsets if counts is None else counts, e, 0,
-                 max_tiles)
+                 max_tiles, w_e4m3=w_e4m3)
     return out
 
 
@@ -495,13 +526,16 @@ def grouped_gemm_fp8_fp4_masked(
     out: torch.Tensor | None = None,
     config: GemmConfig | None = None,
     expected_m: float | None = None,
+    *,
+    w_e4m3: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Masked grouped GEMM: ``out[e, :masked_m[e]] = a[e, :masked_m[e]] . b[e]^T`` (tokens x FP4 -> BF16).
 
     a ``[E, max_m, K]`` (bfloat16 with a_sf None, or float8_e4m3fn with a_sf ``int32 [E, max_m, K/128]``,
     as the weights' mode requires), weights and config as in the contiguous entry,
     masked_m ``int32 [E]`` (read on the device, clamped to [0, max_m]); rows ``>= masked_m[e]`` are never
-    written. ``expected_m`` (rows per expert) steers the config heuristic (default max_m)."""
+    written. ``expected_m`` (rows per expert) steers the config heuristic (default max_m). ``w_e4m3``: as in the
+    contiguous entry."""
     mma, k, e, n = _check_operands(a, a_sf, b, b_sf, masked_m, masked=True, swiglu=False)
     max_m = a.shape[1]
     if out is None:
@@ -509,10 +543,11 @@ def grouped_gemm_fp8_fp4_masked(
     check_tensor("out", out, dtype=torch.bfloat16, shape=(e, max_m, n), device=a.device, contiguous=True)
     cfg = _resolve_config(config, max_m if expected_m is None else expected_m, n, k, mma,
                           token_block=_token_block(a_sf, b, b_sf))
-    _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
+    _check_weight_copy(w_e4m3, cfg, e, n, k, a.device)
+    _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out, w_e4m3=w_e4m3)
     max_tiles = e * math.ceil(max_m / cfg.tile_tokens) * (n // cfg.tile_n)
     _launch_gemm(cfg, "masked", "bf16", a.view(e * max_m, k), _rows_view(a_sf, e * max_m), b, b_sf,
-                 _epilogue_args(out.view(e * max_m, n)), masked_m, masked_m, e, max_m, max_tiles)
+                 _epilogue_args(out.view(e * max_m, n)), masked_m, masked_m, e, max_m, max_tiles, w_e4m3=w_e4m3)
     return out
 
 
@@ -583,6 +618,7 @@ def grouped_gemm_fp8_fp4_swiglu_contiguous(
     fast_math: bool = True,
     activation: str = "swiglu",
     bias: torch.Tensor | None = None,
+    w_e4m3: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """L1 of the FP8 x FP4 recipe with the fused epilogue (``megamoe.numerics`` steps 1-5), contiguous layout.
 
@@ -597,7 +633,8 @@ def grouped_gemm_fp8_fp4_swiglu_contiguous(
     operand. Rows of no group are not written. ``fast_math``: silu with approximate exp and reciprocal (default)
     or the IEEE exp and division (``megamoe.numerics`` step 4). ``activation``: step 4's (``numerics.ACTIVATIONS``:
     ``"swiglu"`` or gpt-oss's ``"swiglu_oai"``). ``bias``: float32 ``[E, 2I]`` L1 bias in the kernel's row order
-    (``prepare_l1_bias``), added to each row's FP32 accumulator before R1 (step 1), or None."""
+    (``prepare_l1_bias``), added to each row's FP32 accumulator before R1 (step 1), or None. ``w_e4m3``: the
+    weights' E4M3 copy, as in ``grouped_gemm_fp8_fp4_contiguous`` (of ``b``: the interleaved gate/up rows)."""
     check_fast_math(fast_math)
     check_activation(activation)
     mma, k, e, n = _check_operands(a, a_sf, b, b_sf, offsets, counts, masked=False, swiglu=True)
@@ -608,11 +645,12 @@ def grouped_gemm_fp8_fp4_swiglu_contiguous(
     epilogue, out, out_sf, out_k, out_sf_k = _swiglu_outputs((m,), n // 2, out, out_sf, out_dtype, a.device, token_block=tb)
     clamp_value = _bf16_clamp(clamp)
     cfg = _resolve_config(config, m / max(e, 1), n, k, mma, token_block=tb, swiglu=True)
-    _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
+    _check_weight_copy(w_e4m3, cfg, e, n, k, a.device)
+    _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out, w_e4m3=w_e4m3)
     max_tiles = (m // cfg.tile_tokens + e) * (n // cfg.tile_n)
     mode = "offsets" if counts is None else "offsets_counts"
     _launch_gemm(cfg, mode, epilogue, a, a_sf, b, b_sf, _epilogue_args(out_k, out_sf_k, row_weights, clamp_value, bias),
-                 offsets, offsets if counts is None else counts, e, 0, max_tiles, fast_math, activation)
+                 offsets, offsets if counts is None else counts, e, 0, max_tiles, fast_math, activation, w_e4m3)
     return out, out_sf
 
 
@@ -732,11 +770,14 @@ def grouped_gemm_fp8_fp4_swiglu_masked(
     fast_math: bool = True,
     activation: str = "swiglu",
     bias: torch.Tensor | None = None,
+    *,
+    w_e4m3: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Masked-layout L1 with the fused SwiGLU epilogue: a ``[E, max_m, H]``, row_weights float32 ``[E, max_m]``,
     returns ``(out float8_e4m3fn [E, max_m, I], out_sf int32 [E, max_m, I/128])``, or with
     ``out_dtype=torch.bfloat16`` ``(out bfloat16 [E, max_m, I], None)``; rows >= masked_m[e] are not written.
-    See ``grouped_gemm_fp8_fp4_swiglu_contiguous`` for the computation, ``fast_math``, ``activation`` and ``bias``."""
+    See ``grouped_gemm_fp8_fp4_swiglu_contiguous`` for the computation, ``fast_math``, ``activation``, ``bias`` and
+    ``w_e4m3``."""
     check_fast_math(fast_math)
     check_activation(activation)
     mma, k, e, n = _check_operands(a, a_sf, b, b_sf, masked_m, masked=True, swiglu=True)
@@ -748,10 +789,11 @@ def grouped_gemm_fp8_fp4_swiglu_masked(
                                                              token_block=tb)
     clamp_value = _bf16_clamp(clamp)
     cfg = _resolve_config(config, max_m if expected_m is None else expected_m, n, k, mma, token_block=tb, swiglu=True)
-    _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out)
+    _check_weight_copy(w_e4m3, cfg, e, n, k, a.device)
+    _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out, w_e4m3=w_e4m3)
     max_tiles = e * math.ceil(max_m / cfg.tile_tokens) * (n // cfg.tile_n)
     rows = e * max_m
     _launch_gemm(cfg, "masked", epilogue, a.view(rows, k), _rows_view(a_sf, rows), b, b_sf,
                  _epilogue_args(out_k, out_sf_k, row_weights.view(rows), clamp_value, bias), masked_m, masked_m, e, max_m,
-                 max_tiles, fast_math, activation)
+                 max_tiles, fast_math, activation, w_e4m3)
     return out, out_sf

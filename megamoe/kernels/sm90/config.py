@@ -28,9 +28,11 @@ N_MULTIPLE = ROW_BLOCK  # weight rows: whole row blocks of the kernel layouts (6
 MMA_MODES = ("bf16", "fp8")
 TOKEN_BLOCKS = (32, 128)
 """K elements per token scale in FP8 mode (``GemmConfig.token_block``): the recipes (1, 1, 32) and (1, 1, 128)."""
-DECODES = ("regs", "smem")
-"""Where the weights are dequantized (``GemmConfig.decode``): into each consumer thread's registers (RS wgmma), or once
-per CTA tile into shared memory by the producer warpgroup's three other warps (SS wgmma; recipe (1, 1, 128) only)."""
+DECODES = ("regs", "smem", "copy")
+"""Where the weights are dequantized (``GemmConfig.decode``): into each consumer thread's registers (RS wgmma), once
+per CTA tile into shared memory by the producer warpgroup's three other warps (SS wgmma), or nowhere: the kernel
+reads a precomputed E4M3 copy (``weight_layout.e4m3_weight_copy``, SS wgmma). The last two: recipe (1, 1, 128),
+one CTA per SM."""
 TILE_TOKENS_CHOICES = {"bf16": (8, 16, 32, 64, 128), "fp8": (8, 16, 32, 64, 128)}
 TILE_N_CHOICES = (64, 128, 256)
 FOUR_WG_MAX_TILE_TOKENS = 64
@@ -109,7 +111,9 @@ class GemmConfig:
         folded weight scales only). BF16 mode: 32 (unused).
     decode: "regs" (every consumer warp decodes its own weight rows into its RS wgmma A fragment) or "smem" (FP8 mode
         with ``token_block`` 128 and one CTA per SM: warps 1-3 decode each stage's weight tile once into an E4M3
-        shared-memory tile that the consumers' SS wgmmas read: ``mainloop_fp8_smem``).
+        shared-memory tile that the consumers' SS wgmmas read: ``mainloop_fp8_smem``) or "copy" (the same
+        constraints: TMA loads each stage's tile of the weights' E4M3 copy, ``weight_layout.e4m3_weight_copy``, one
+        byte per weight, straight into the tile the SS wgmmas read; no decode: ``mainloop_fp8_copy``).
     even_chunks: every K the build runs is an even number of 128-K chunks (K % 256 == 0), so BF16 mode may load two
         chunks per stage (``chunks_per_stage``) and recipe (1, 1, 128)'s register mainloop runs chunk pairs without a
         tail; False runs any whole number of chunks (one per stage; the pair loop's odd tail). The entry points set it
@@ -139,9 +143,10 @@ class GemmConfig:
         if self.token_block not in TOKEN_BLOCKS or (self.mma == "bf16" and self.token_block != 32):
             fail("config.token_block", f"must be one of {TOKEN_BLOCKS} (128: FP8 mode only), got {self.token_block} "
                  f"with mma={self.mma!r}")
-        if self.decode not in DECODES or (self.decode == "smem" and not (
+        if self.decode not in DECODES or (self.decode != "regs" and not (
                 self.mma == "fp8" and self.token_block == 128 and self.ctas_per_sm == 1)):
-            fail("config.decode", f"must be one of {DECODES} ('smem': mma='fp8', token_block=128, ctas_per_sm=1), got "
+            fail("config.decode", f"must be one of {DECODES} ('smem' and 'copy': mma='fp8', token_block=128, "
+                 f"ctas_per_sm=1), got "
                  f"{self.decode!r} with mma={self.mma!r}, token_block={self.token_block}, ctas_per_sm={self.ctas_per_sm}")
         allowed = {
             1: True,
@@ -206,15 +211,22 @@ class GemmConfig:
 
     def stage_bytes(self, epilogue: str = "bf16") -> int:
         """Shared memory of one pipeline stage: tokens, packed weights and the weights' packed scale words (4 bytes
-        per row of a pass) of each chunk; FP8 mode: plus the tokens' 4-chunk scale box (16 bytes per row); decode "smem": plus
-        the decoded E4M3 weight tile and the token-scale table (``decoded_stage_bytes``)."""
+        per row of a pass) of each chunk (decode "copy": the E4M3 copy's 128 bytes per row instead of the packed
+        weights', ``weight_row_bytes``); FP8 mode: plus the tokens' 4-chunk scale box (16 bytes per row); decode "smem":
+        plus the decoded E4M3 weight tile and the token-scale table (``decoded_stage_bytes``)."""
         return self._stage_bytes(self.chunks_per_stage(epilogue))
 
     def _stage_bytes(self, chunks: int) -> int:
         if self.mma == "bf16":
             return chunks * (self.tile_tokens * K_CHUNK * 2 + self.tile_n * (CHUNK_BYTES + 4))
-        return (self.tile_tokens * K_CHUNK + self.pass_n * (CHUNK_BYTES + 4) + 16 * self.tile_tokens
+        return (self.tile_tokens * K_CHUNK + self.pass_n * (self.weight_row_bytes + 4) + 16 * self.tile_tokens
                 + self.decoded_stage_bytes())
+
+    @property
+    def weight_row_bytes(self) -> int:
+        """Bytes one weight row of a 128-K chunk occupies in a stage and in the weights' TMA box: the E4M3 copy's
+        ``K_CHUNK`` (decode "copy"), else the packed FP4 ``CHUNK_BYTES``."""
+        return K_CHUNK if self.decode == "copy" else CHUNK_BYTES
 
     def decoded_stage_bytes(self) -> int:
         """Decode "smem": shared memory per stage besides the TMA's, the decoded E4M3 weight tile (128 bytes per row)
@@ -262,7 +274,7 @@ class GemmConfig:
         return (
             f"sm90 fp4 swapAB mma={self.mma}{'x128' if self.token_block == 128 else ''} tile_tokens={self.tile_tokens} tile_n={self.tile_n} "
             f"stages={self.num_stages(epilogue)}x{K_CHUNK * self.chunks_per_stage(epilogue)}K ctas/SM={self.ctas_per_sm} "
-            f"{'decode=smem ' if self.decode == 'smem' else ''}{f'passes={self.n_passes} ' if self.n_passes > 1 else ''}"
+            f"{'' if self.decode == 'regs' else f'decode={self.decode} '}{f'passes={self.n_passes} ' if self.n_passes > 1 else ''}"
             f"{'' if self.even_chunks else 'odd-chunks '}epilogue={epilogue}"
         )
 

@@ -17,6 +17,8 @@ Roles (one CTA of 1 + tile_n/64 warpgroups per SM, or two / three smaller ones: 
   (1, 1, 128), whose producer loads every pass's K steps in turn, ``l1_l2.load_tile``);
 * warps 1-3: idle here; the subclasses give them work (``l1_l2``: the signal warp; ``mega_moe``: the pull warps),
   or the mainloop (``mainloop_fp8_smem``: they decode each stage's weights into shared memory for the consumers).
+  With ``mainloop_fp8_copy`` the weights are a precomputed E4M3 copy, loaded by TMA into the consumers' wgmma tile
+  (the mainloop's weight hooks: ``Mainloop.weight_smem_layout``, ``weight_tma``, ``weight_smem``).
 
 Tile handout: the producer takes tile ids from a per-stream counter (``counters.tile_counters``: CTA c starts at
 tile c, then asks the counter), so CTAs that run faster take more tiles, and the last CTA out zeroes the counter.
@@ -49,7 +51,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .. import ptx
-from ..weight_layout import CHUNK_BYTES, K_CHUNK, ROW_BLOCK
+from ..weight_layout import K_CHUNK
 from .args import EpilogueArgs, GemmArgs, GroupArgs, MegaArgs, SmemLayouts, TmaOps
 from .config import FINISHED, NEXT_TILE, SCATTER_PAD, TILE_SLOTS, TILE_WORDS, GemmConfig
 from .epilogues import (
@@ -60,6 +62,7 @@ from .epilogues import (
     SwigluQuant,
     SwigluQuant128,
 )
+from .mainloop_fp8_copy import Fp8CopyMainloop
 from .mainloop_fp8_smem import Fp8SmemMainloop
 from .mainloops import Bf16Mainloop, Fp8Block32Mainloop, Fp8Block128Mainloop
 from .tile_scheduler import GroupTiles, TileChannel
@@ -119,6 +122,9 @@ class GroupedGemmSm90:
         config = self.cfg
         if self.bf16:
             return Bf16Mainloop(config, self.stages, self.cps)
+        if config.decode == "copy":
+            assert folded  # api checks (the copy's row scales are the fold's)
+            return Fp8CopyMainloop(config, self.stages, self.cps)
         if config.decode == "smem":
             assert folded and self.published and self.extra_tile_readers == 0  # api checks; warps 1-3 are free
             return Fp8SmemMainloop(config, self.stages, self.cps)
@@ -165,7 +171,7 @@ class GroupedGemmSm90:
             (tt, K_CHUNK, slots),
             order=(0, 1, 2),
         )
-        w_layout = cute.make_layout((tn, CHUNK_BYTES, slots), stride=(CHUNK_BYTES, 1, tn * CHUNK_BYTES))
+        w_layout = self.mainloop.weight_smem_layout(slots)
         sfw_layout = cute.make_layout((tn, self.cps, st), stride=(1, tn, tn * self.cps))  # chunk-major, as in global
         sfa_layout = cute.make_layout((tt, 4, st), stride=(4, 1, tt * 4))
         layouts = SmemLayouts(a_layout, w_layout, sfw_layout, sfa_layout)
@@ -199,7 +205,8 @@ class GroupedGemmSm90:
             sComm: cute.struct.Align[cute.struct.MemRange[Int32, max(self.comm_words(), 1)], 16]
 
         self.shared_storage = SharedStorage
-        self.tx_bytes = self.cps * (tt * K_CHUNK * a_dtype.width // 8 + tn * (CHUNK_BYTES + 4)) + (0 if self.bf16 else 16 * tt)
+        self.tx_bytes = (self.cps * (tt * K_CHUNK * a_dtype.width // 8 + tn * (self.cfg.weight_row_bytes + 4))
+                         + (0 if self.bf16 else 16 * tt))
 
         self.kernel(tma1, tma2, row_scale, epi, groups, sync, second, mega, tiled_mma, layouts).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=self.cfg.ctas_per_sm, stream=stream,
@@ -211,19 +218,12 @@ class GroupedGemmSm90:
         return gemm.row_scale
 
     def make_tma(self, gemm: GemmArgs, layouts: SmemLayouts) -> TmaOps:
-        """TMA atoms of one GEMM's operands (token scales in FP8 block-32 mode only). The weights' blocked kernel
-        layout (``w``: (64 rows, N/64, 64 bytes, K/128, E) uint8) is viewed as logical (N, K/2, E) = ((64, N/64),
-        (64, K/128), E), so the 64-row box of one K chunk is contiguous (static 64s: the TMA box must map onto static
-        modes)."""
+        """TMA atoms of one GEMM's operands (token scales in FP8 mode only); the weights' as the mainloop reads them
+        (``Mainloop.weight_tma``)."""
         tt, tn = self.tile_tokens, self.pass_n
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         atom_a, a = cpasync.make_tiled_tma_atom(g2s, gemm.a, cute.slice_(layouts.a, (None, None, 0)), (tt, K_CHUNK))
-        mW = gemm.w
-        mW = cute.make_tensor(mW.iterator, cute.make_layout(
-            ((ROW_BLOCK, mW.shape[1]), (CHUNK_BYTES, mW.shape[3]), mW.shape[4]),
-            stride=((CHUNK_BYTES, mW.stride[1]), (1, ROW_BLOCK * CHUNK_BYTES), mW.stride[4]),
-        ))
-        atom_w, w = cpasync.make_tiled_tma_atom(g2s, mW, cute.slice_(layouts.w, (None, None, 0)), (tn, CHUNK_BYTES))
+        atom_w, w = self.mainloop.weight_tma(g2s, gemm.w, cute.slice_(layouts.w, (None, None, 0)))
         atom_sfw, sfw = cpasync.make_tiled_tma_atom(g2s, gemm.w_sf, cute.slice_(layouts.sfw, (None, None, 0)),
                                                     (tn, self.cps))
         atom_sfa, sfa = None, None
@@ -268,7 +268,7 @@ class GroupedGemmSm90:
 
         dims = self.dims(tma1, tma2)
         total_rows = Int32(tma1.a.shape[0])
-        sW = storage.sW.get_tensor(layouts.w)
+        sW = self.mainloop.weight_smem(storage.sW, layouts.w)
         sSFW = storage.sSFW.get_tensor(layouts.sfw)
         self.before_dependency_wait(warp_idx, tma1, sW, sSFW, groups, total_rows, dims, bidx)
         # Launched as a programmatic dependent (use_pdl): the CTA's start, its shared-memory setup and the prefetch
@@ -416,7 +416,7 @@ class GroupedGemmSm90:
         one = cute.make_layout(1)
         tWs, tWg = cpasync.tma_partition(
             ops.atom_w, 0, one, cute.group_modes(sW, 0, 2),
-            cute.group_modes(cute.local_tile(ops.w, (self.pass_n, CHUNK_BYTES), (None, None, None)), 0, 2),
+            cute.group_modes(cute.local_tile(ops.w, (self.pass_n, self.cfg.weight_row_bytes), (None, None, None)), 0, 2),
         )
         tSFWs, tSFWg = cpasync.tma_partition(
             ops.atom_sfw, 0, one, cute.group_modes(sSFW, 0, 2),

@@ -169,23 +169,26 @@ class Fp8SmemMainloop(Mainloop):
     # Consumer warpgroups
     # ------------------------------------------------------------------------------------------
 
+    def weight_tile(self, sW, dec):
+        """The E4M3 weight stages the wgmmas read (``decoded_layout``): here the decoded ones."""
+        return dec.sDec
+
     @cute.jit
     def fragments(self, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sScale, dec):
-        """The decoded weights' and the tokens' wgmma descriptors, the accumulator and temporary, the accumulator
-        coordinates ``cC`` (value i = c + 2*r + 4*j is weight row g + 8r, token column 8j + 2q + c) and the token
-        scales of a chunk (``sa``: (c, j))."""
+        """The weights' (``weight_tile``) and the tokens' wgmma descriptors, the accumulator and temporary, the
+        accumulator coordinates ``cC`` (value i = c + 2*r + 4*j is weight row g + 8r, token column 8j + 2q + c), the
+        token scales of a chunk (``sa``: (c, j)) and the mainloop's shared state ``dec``."""
         tt, tn = self.tile_tokens, self.tile_n
         thr_mma = tiled_mma.get_slice(ctidx)
         acc_shape = ((2, 2, tt // 8), 1, 1)  # explicit: partition_shape_C drops the unit mode at tt == 8
         f = SimpleNamespace(
-            tCrA=thr_mma.make_fragment_A(thr_mma.partition_A(dec.sDec)),  # (MMA, MMA_M, k blocks, stages)
+            tCrA=thr_mma.make_fragment_A(thr_mma.partition_A(self.weight_tile(sW, dec))),  # (MMA, MMA_M, k blocks, stages)
             tCrB=thr_mma.make_fragment_B(thr_mma.partition_B(sA)),  # (MMA, MMA_N, k blocks, stages)
             acc=cute.make_rmem_tensor(acc_shape, Float32),
             tmp=cute.make_rmem_tensor(acc_shape, Float32),
             sa=cute.make_rmem_tensor((2, tt // 8), Float32),
             cC=thr_mma.partition_C(cute.make_identity_tensor((tn, tt))),
-            scales=dec.scales,
-            bars=dec.bars,
+            dec=dec,
         )
         f.q = f.cC[0][1] // 2  # this thread's lane quad: its token columns are 8j + 2q + c
         # A chunk's first wgmma overwrites the temporary, the other three accumulate (each MMA's field set once).
@@ -201,17 +204,16 @@ class Fp8SmemMainloop(Mainloop):
         (``row_scale``: (N, E) float32, row ``n_tile * tile_n + ...`` of expert ``group``). ``release``: unused
         (returned as is)."""
         acc, tmp, sa = f.acc, f.tmp, f.sa
-        for _kt in cutlass.range(k_tiles, unroll=1):
+        for kt in cutlass.range(k_tiles, unroll=1):
             ab_pipeline.consumer_wait(state)
             s = state.index
-            cute.arch.mbarrier_wait(f.bars + s, state.phase)
+            self.wait_weights(f, state)
             warpgroup.fence()
             for kb in cutlass.range_constexpr(4):
                 cute.gemm(f.mma_first if kb == 0 else f.mma_acc, tmp, f.tCrA[(None, None, kb, s)],
                           f.tCrB[(None, None, kb, s)], tmp)
             warpgroup.commit_group()
-            # the chunk's token scales (value c + 2j: column 8j + 2q + c), while they run
-            cute.autovec_copy(f.scales[None, f.q, s], cute.make_tensor(sa.iterator, cute.make_layout(self.tile_tokens // 4)))
+            self.token_scales(f, kt, s)  # while they run
             warpgroup.wait_group(0)
             ab_pipeline.consumer_release(state)
             state.advance()
@@ -222,3 +224,14 @@ class Fp8SmemMainloop(Mainloop):
                         acc[i] = acc[i] + tmp[i] * sa[c, j]
         self.apply_row_scales(acc, f.cC, row_scale, n_tile, group)
         return state, release
+
+    @cute.jit
+    def wait_weights(self, f, state):
+        """After the TMA stage ``state``: wait until its weights are decoded (the stage's decode barrier)."""
+        cute.arch.mbarrier_wait(f.dec.bars + state.index, state.phase)
+
+    @cute.jit
+    def token_scales(self, f, kt, s):
+        """Chunk ``kt``'s token scales into ``f.sa`` (value c + 2j: column 8j + 2q + c), from stage ``s``'s table
+        (the decode warps copied them there: one 16-byte load per four columns)."""
+        cute.autovec_copy(f.dec.scales[None, f.q, s], cute.make_tensor(f.sa.iterator, cute.make_layout(self.tile_tokens // 4)))

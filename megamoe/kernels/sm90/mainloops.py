@@ -23,10 +23,17 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .. import dequant
-from ..weight_layout import BF16_ACC_SHIFT, E4M3_LUT_HI, E4M3_LUT_LO, K_CHUNK
+from ..weight_layout import (
+    BF16_ACC_SHIFT,
+    CHUNK_BYTES,
+    E4M3_LUT_HI,
+    E4M3_LUT_LO,
+    K_CHUNK,
+    ROW_BLOCK,
+)
 from .config import DEFERRED_MAX_TILE_TOKENS, GemmConfig, named_barriers, token_widths
 
 
@@ -64,6 +71,29 @@ class Mainloop:
 
     def shared_state(self, storage, warp_idx):
         """Every thread, before the pipeline's barrier-init fence: the mainloop's own shared memory (None here)."""
+
+    # Hooks of the weights' operand (``mainloop_fp8_copy`` reads an E4M3 copy instead of the packed FP4 weights).
+
+    def weight_smem_layout(self, slots: int):
+        """The weights' shared-memory layout of the kernel's ``slots`` stage slots (static): here the packed FP4 rows,
+        (tile_n, ``CHUNK_BYTES``, slots) bytes."""
+        return cute.make_layout((self.tile_n, CHUNK_BYTES, slots), stride=(CHUNK_BYTES, 1, self.tile_n * CHUNK_BYTES))
+
+    def weight_tma(self, g2s, w, smem_layout):
+        """The weights' TMA atom and coordinate tensor for ``w`` (``GemmArgs.w``) into one slot of ``smem_layout``:
+        here the blocked kernel layout (``w``: (64 rows, N/64, 64 bytes, K/128, E) uint8) viewed as logical (N, K/2,
+        E) = ((64, N/64), (64, K/128), E), so the ``tile_n``-row box of one K chunk is contiguous (static 64s: the TMA
+        box must map onto static modes)."""
+        w = cute.make_tensor(w.iterator, cute.make_layout(
+            ((ROW_BLOCK, w.shape[1]), (CHUNK_BYTES, w.shape[3]), w.shape[4]),
+            stride=((CHUNK_BYTES, w.stride[1]), (1, ROW_BLOCK * CHUNK_BYTES), w.stride[4]),
+        ))
+        return cpasync.make_tiled_tma_atom(g2s, w, smem_layout, (self.tile_n, CHUNK_BYTES))
+
+    def weight_smem(self, region, layout):
+        """The weights' stage slots as a tensor of ``layout`` (``weight_smem_layout``) on the kernel's ``sW``
+        region."""
+        return region.get_tensor(layout)
 
     def helper_warps(self, warp_idx, ab_pipeline, sW, sSFW, sSFA, dec, dims, channel):
         """Warps 1-3 of the producer warpgroup, their other work done (nothing here)."""
