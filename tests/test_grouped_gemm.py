@@ -15,6 +15,7 @@ from helpers.weights import bf16_decode_case, foldable_weights
 from megamoe.kernels.sm90 import (
     TILE_COUNTER_SLOTS,
     GemmConfig,
+    e4m3_weight_copy,
     grouped_gemm_fp8_fp4_contiguous,
     grouped_gemm_fp8_fp4_l1_l2_contiguous,
     grouped_gemm_fp8_fp4_masked,
@@ -790,7 +791,9 @@ def _recipe128_case(counts, n, k, gen, lead_pad=2, tail_pad=7):
     (8, 128, 2, "regs"), (16, 128, 2, "regs"), (32, 128, 1, "regs"), (64, 128, 1, "regs"), (128, 128, 1, "regs"),
     (128, 64, 1, "regs"), (16, 256, 1, "regs"), (32, 256, 1, "regs"),
     # the weights decoded once per tile into shared memory (one CTA per SM; four consumer warpgroups up to 32 tokens)
-    (8, 128, 1, "smem"), (64, 128, 1, "smem"), (128, 128, 1, "smem"), (128, 64, 1, "smem"), (32, 256, 1, "smem")])
+    (8, 128, 1, "smem"), (64, 128, 1, "smem"), (128, 128, 1, "smem"), (128, 64, 1, "smem"), (32, 256, 1, "smem"),
+    # the weights' E4M3 copy loaded by TMA (no decode; one CTA per SM)
+    (8, 128, 1, "copy"), (64, 128, 1, "copy"), (128, 128, 1, "copy"), (128, 64, 1, "copy"), (32, 256, 1, "copy")])
 def test_recipe128_contiguous_ragged(tile_tokens, tile_n, ctas, decode):
     """Ragged groups (empty experts, one row, partial tiles, groups over several tiles) between NaN padding rows."""
     gen = torch.Generator().manual_seed(400 + tile_tokens + tile_n)
@@ -801,10 +804,11 @@ def test_recipe128_contiguous_ragged(tile_tokens, tile_n, ctas, decode):
     out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
     cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas, mma="fp8", token_block=128,
                      decode=decode)
-    grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg)
+    copy = e4m3_weight_copy(bk, bk_sf) if decode == "copy" else None
+    grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg, w_e4m3=copy)
     torch.cuda.synchronize()
     _check_rows(out, a, a_sf, w, w_sf, row_expert, f"recipe 128 contiguous {cfg.describe()}", k32_per_sum=4)
-    if decode == "smem":  # the default config below is the register decode's
+    if decode != "regs":  # the default config below is the register decode's
         return
     # the default config, in a CUDA graph replayed twice
     out.fill_(float("nan"))
@@ -819,20 +823,23 @@ def test_recipe128_contiguous_ragged(tile_tokens, tile_n, ctas, decode):
 
 @gpu
 @needs_sm90
+@pytest.mark.parametrize("decode", ["smem", "copy"])
 @pytest.mark.parametrize("tile_tokens", [64, 128])
-def test_recipe128_smem_decode_many_tiles_per_cta(tile_tokens):
-    """The shared-memory decode over more tiles than CTAs (each CTA's decode warps and consumers take several tiles
-    from the producer, the stages' barriers wrap many times), groups of every size up to several token tiles."""
+def test_recipe128_smem_decode_many_tiles_per_cta(tile_tokens, decode):
+    """The shared-memory decode and the E4M3 copy over more tiles than CTAs (each CTA's decode warps and consumers
+    take several tiles from the producer, the stages' barriers wrap many times), groups of every size up to several
+    token tiles."""
     gen = torch.Generator().manual_seed(430 + tile_tokens)
     counts, n, k = [300, 0, 1, 129, 64, 257, 200, 3, 511, 90], 2048, 1024
     a, a_sf, offsets, row_expert = _recipe128_case(counts, n, k, gen)
     w, w_sf = foldable_weights(len(counts), n, k, gen, "cuda")
     bk, bk_sf = prepare_fp4_weights(w, w_sf, fold=True)
     out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=128, mma="fp8", token_block=128, decode="smem")
+    cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=128, mma="fp8", token_block=128, decode=decode)
     tiles = sum(-(-c // tile_tokens) for c in counts) * (n // cfg.tile_n)
     assert tiles > 2 * torch.cuda.get_device_properties(0).multi_processor_count
-    grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg)
+    copy = e4m3_weight_copy(bk, bk_sf) if decode == "copy" else None
+    grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg, w_e4m3=copy)
     torch.cuda.synchronize()
     _check_rows(out, a, a_sf, w, w_sf, row_expert, f"recipe 128 contiguous {cfg.describe()}", k32_per_sum=4)
 
@@ -840,7 +847,9 @@ def test_recipe128_smem_decode_many_tiles_per_cta(tile_tokens):
 @gpu
 @needs_sm90
 @pytest.mark.parametrize("config", [None, GemmConfig(tile_tokens=32, tile_n=128, mma="fp8", token_block=128,
-                                                      decode="smem")], ids=["default", "smem-decode"])
+                                                      decode="smem"),
+                                    GemmConfig(tile_tokens=64, tile_n=128, mma="fp8", token_block=128, decode="copy")],
+                         ids=["default", "smem-decode", "e4m3-copy"])
 def test_recipe128_masked_one_row_and_empty(config):
     gen = torch.Generator().manual_seed(411)
     masked, max_m, n, k = [1, 0, 33, 16], 40, 256, 512
@@ -850,8 +859,10 @@ def test_recipe128_masked_one_row_and_empty(config):
     w, w_sf = foldable_weights(e, n, k, gen, "cuda")
     bk, bk_sf = prepare_fp4_weights(w, w_sf, fold=True)
     out = torch.full((e, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    copy = e4m3_weight_copy(bk, bk_sf) if config is not None and config.decode == "copy" else None
     grouped_gemm_fp8_fp4_masked(a.view(e, max_m, k), a_sf.view(e, max_m, k // 128), bk, bk_sf,
-                                torch.tensor(masked, dtype=torch.int32, device="cuda"), out=out, config=config)
+                                torch.tensor(masked, dtype=torch.int32, device="cuda"), out=out, config=config,
+                                w_e4m3=copy)
     torch.cuda.synchronize()
     row_expert = torch.full((e, max_m), -1, dtype=torch.int64)
     for i, c in enumerate(masked):
@@ -863,7 +874,8 @@ def test_recipe128_masked_one_row_and_empty(config):
 @gpu
 @needs_sm90
 @pytest.mark.parametrize("tile_tokens,clamp,decode", [(8, None, "regs"), (16, 3.0, "regs"), (32, None, "regs"),
-                                                       (8, 3.0, "smem"), (32, None, "smem")])
+                                                       (8, 3.0, "smem"), (32, None, "smem"),
+                                                       (8, 3.0, "copy"), (32, None, "copy")])
 def test_recipe128_swiglu(tile_tokens, clamp, decode):
     """L1 with the per-128 SwiGLU epilogue against an FP64 GEMM, the BF16 rounding of gate and up, the clamp, silu,
     the routing weight and the per-128 quantization, all written here: the dequantized rows within the contract's
@@ -881,10 +893,60 @@ def test_recipe128_swiglu(tile_tokens, clamp, decode):
     out = torch.full((m, inter), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
     out_sf = torch.full((m, inter // 128), float("nan"), dtype=torch.float32, device="cuda")
     cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=256, mma="fp8", token_block=128, decode=decode)
+    copy = e4m3_weight_copy(bk, bk_sf) if decode == "copy" else None
     grouped_gemm_fp8_fp4_swiglu_contiguous(a, a_sf, bk, bk_sf, offsets, row_weights, clamp=clamp, out=out,
-                                           out_sf=out_sf, config=cfg)
+                                           out_sf=out_sf, config=cfg, w_e4m3=copy)
     torch.cuda.synchronize()
     _check_swiglu_128(out, out_sf, a, a_sf, w1, w1_sf, row_expert, row_weights, clamp)
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("tile_tokens,tile_n", [(128, 128), (64, 128), (128, 64), (8, 128), (32, 256)])
+def test_recipe128_copy_bitwise_equals_register_decode(tile_tokens, tile_n):
+    """The E4M3 copy and the register decode give the same bits on the same inputs and tile shape: the same E4M3
+    weight values (``e4m3_weight_copy`` is exact, ``test_e4m3_copy``; the decode is exact), each chunk's four k32
+    wgmmas in the same order into a fresh FP32 temporary (the copy's A operand from shared memory, the decode's from
+    registers: the same ``wgmma`` arithmetic), the same promotion ``acc + tmp * s_token`` per chunk in K order, the
+    same row scale and epilogue. BF16 output of ragged groups (contiguous) and of masked slabs; with 256-row tiles
+    the per-128 SwiGLU epilogue (FP8 values and FP32 scales). Padding rows keep their poison in both, valid rows
+    none."""
+    gen = torch.Generator().manual_seed(470 + tile_tokens + tile_n)
+    counts, n, k = [0, 1, 37, 5, 0, 130, 64, 1, 200], 512, 1536
+    e, max_m = len(counts), 96
+    a, a_sf, offsets, row_expert = _recipe128_case(counts, n, k, gen)
+    am, am_sf = (t.cuda() for t in _quantize_128(torch.randn(e * max_m, k, generator=gen)))
+    masked = torch.tensor([min(c, max_m) for c in counts], dtype=torch.int32, device="cuda")
+    w, w_sf = foldable_weights(e, n, k, gen, "cuda")
+    swiglu = tile_n == 256
+    bk, bk_sf = (prepare_fp4_weights_l1 if swiglu else prepare_fp4_weights)(w, w_sf, fold=True)
+    copy = e4m3_weight_copy(bk, bk_sf)
+    m = a.shape[0]
+    outs = {}
+    for decode in ("regs", "copy"):
+        cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, mma="fp8", token_block=128, decode=decode)
+        w_e4m3 = copy if decode == "copy" else None
+        if swiglu:
+            out = torch.full((m, n // 2), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+            out_sf = torch.full((m, n // 256), float("nan"), dtype=torch.float32, device="cuda")
+            grouped_gemm_fp8_fp4_swiglu_contiguous(a, a_sf, bk, bk_sf, offsets, torch.rand(m, generator=gen).cuda(),
+                                                   out=out, out_sf=out_sf, config=cfg, w_e4m3=w_e4m3)
+            outs[decode] = (out.view(torch.uint8), out_sf.view(torch.int32))
+        else:
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg, w_e4m3=w_e4m3)
+            outm = torch.full((e, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            grouped_gemm_fp8_fp4_masked(am.view(e, max_m, k), am_sf.view(e, max_m, k // 128), bk, bk_sf, masked,
+                                        out=outm, config=cfg, w_e4m3=w_e4m3)
+            outs[decode] = (out.view(torch.int16), outm.view(torch.int16).view(e * max_m, n))
+    torch.cuda.synchronize()
+    for got, want in zip(outs["copy"], outs["regs"]):
+        differ = int((got != want).sum())
+        assert differ == 0, f"{differ} of {got.numel()} output words differ between the E4M3 copy and the register decode"
+    valid = row_expert >= 0
+    poison = outs["regs"][0][0, 0]  # row 0 pads the groups (``_recipe128_case``): the poison's bit pattern
+    assert bool((outs["regs"][0][~valid] == poison).all()), "padding rows written"
+    assert not bool((outs["regs"][0][valid] == poison).any()), "valid rows not written"
 
 
 def _check_swiglu_128(out, out_sf, a, a_sf, w1, w1_sf, row_expert, row_weights, clamp) -> None:
