@@ -139,9 +139,10 @@ def test_gemm_bench_alternative_configs_differ_from_the_choice():
             assert kernel_configs(p, mma, False) == configs[:1]
 
 
-def test_gemm_bench_times_both_weight_decodes_of_recipe_128():
-    """``--decode regs,smem``: each recipe-128 config in the consumers' register decode, then each as the
-    shared-memory decode on one CTA per SM (configs that differ only in their CTAs per SM run once)."""
+def test_gemm_bench_times_every_weight_decode_of_recipe_128():
+    """``--decode regs,smem,copy``: each recipe-128 config in the consumers' register decode, then each as the
+    shared-memory decode, then each reading the weights' E4M3 copy, both on one CTA per SM (configs that differ only
+    in their CTAs per SM run once)."""
     from megamoe.bench.gemm import Point, kernel_configs
 
     for rows in (1, 64, 4096):
@@ -152,6 +153,10 @@ def test_gemm_bench_times_both_weight_decodes_of_recipe_128():
         assert both == regs + smem and len(set(both)) == len(both)
         assert all(c.decode == "regs" for c in regs) and all(c.decode == "smem" and c.ctas_per_sm == 1 for c in smem)
         assert [(c.tile_tokens, c.tile_n) for c in smem] == [(c.tile_tokens, c.tile_n) for c in regs]
+        copy = kernel_configs(p, "fp8", True, 128, ("copy",))
+        assert kernel_configs(p, "fp8", True, 128, ("regs", "smem", "copy")) == regs + smem + copy
+        assert all(c.decode == "copy" and c.ctas_per_sm == 1 for c in copy)
+        assert [(c.tile_tokens, c.tile_n) for c in copy] == [(c.tile_tokens, c.tile_n) for c in smem]
     assert kernel_configs(p, "bf16", True, 32, ("regs", "smem")) == kernel_configs(p, "bf16", True)
 
 

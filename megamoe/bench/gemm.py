@@ -25,10 +25,13 @@ of those BF16 rows, before the timed call as megamoe's tokens are), built and ca
 asked for that is not installed or cannot run here stops the run. With ``--json``, a plot (us per call against rows
 per expert, one line per row kind, log-log) is saved beside the receipt when matplotlib is importable.
 
-``--decode regs,smem`` (recipe 128): each FP8 config with the weights decoded in the consumers' registers and/or once
-per tile into shared memory (``GemmConfig.decode``), side by side.
+``--decode regs,smem,copy`` (recipe 128): each FP8 config with the weights decoded in the consumers' registers, once
+per tile into shared memory, and/or not at all: read from their E4M3 copy (``GemmConfig.decode``;
+``weight_layout.e4m3_weight_copy``, made once per weight set outside the timing), side by side. Each row's weights
+GB/s counts the bytes its kernel reads per weight (``Result.bytes_per_weight``, in the receipt): the packed FP4 value
+and its folded scale word (4 bytes per row and 128 K), or the copy's byte and the same scale word.
 
-    python -m megamoe.bench.gemm [--quick] [--recipe 32|128] [--mma bf16,fp8] [--decode regs,smem] [--fold row|chunk] [--no-alt]
+    python -m megamoe.bench.gemm [--quick] [--recipe 32|128] [--mma bf16,fp8] [--decode regs,smem,copy] [--fold row|chunk] [--no-alt]
                                  [--presets flash,pro] [--layers l1,l2] [--ep 8,2] [--rows 1,4,16,64,256,1024,4096]
                                  [--routings N] [--peers humming] [--max-gb 100] [--json PATH]
 """
@@ -79,6 +82,7 @@ class Result:
     tflops: float | None = None
     weight_gbps: float | None = None
     config: str = ""
+    bytes_per_weight: float | None = None  # weight bytes the timed call reads per weight (its weights GB/s)
 
 
 def _points(presets, layers, eps, rows) -> list[Point]:
@@ -191,7 +195,8 @@ def kernel_configs(p: Point, mma: str, alternatives: bool, token_block: int = 32
     """``select_config``'s choice for ``mma`` (and the tokens' scale block), plus one alternative: in BF16 mode 128-row
     weight tiles where it picks 256 (two CTAs per SM where the token tile allows), 1 CTA/SM where it picks two,
     tile_tokens=64 for 128 in either mode. FP8 mode with per-128 token scales: each of those for every weight decode
-    in ``decodes`` ("regs", "smem": ``GemmConfig.decode``; "smem" on one CTA per SM, which it needs)."""
+    in ``decodes`` ("regs", "smem", "copy": ``GemmConfig.decode``; "smem" and "copy" on one CTA per SM, which they
+    need), in that order."""
     import dataclasses
 
     from megamoe.kernels.sm90 import select_config
@@ -206,9 +211,11 @@ def kernel_configs(p: Point, mma: str, alternatives: bool, token_block: int = 32
         configs.append(dataclasses.replace(cfg, tile_tokens=64))
     if mma != "fp8" or token_block != 128:
         return configs
-    smem = [dataclasses.replace(c, decode="smem", ctas_per_sm=1) for c in configs]
-    return [c for c in configs if "regs" in decodes] + [c for i, c in enumerate(smem) if "smem" in decodes
-                                                        and c not in smem[:i]]
+    out = [c for c in configs if "regs" in decodes]
+    for decode in DECODES[1:]:
+        one_cta = [dataclasses.replace(c, decode=decode, ctas_per_sm=1) for c in configs]
+        out += [c for i, c in enumerate(one_cta) if decode in decodes and c not in one_cta[:i]]
+    return out
 
 
 def _worst_verdict(verdicts: list[str]) -> str:
@@ -219,17 +226,18 @@ def _worst_verdict(verdicts: list[str]) -> str:
 
 def run_kernel(p: Point, weights, token_sets: list, cfg) -> Result:
     """One kernel config on the point's token sets (each ``(a, a_sf, offsets)``, FP8; every set checked, the timed
-    calls cycling through them) and the config's weight layout."""
+    calls cycling through them) and the config's weight layout (decode "copy": and ``weights["e4m3_copy"]``)."""
     from megamoe.kernels.sm90 import grouped_gemm_fp8_fp4_contiguous
     from megamoe.layouts import dequantize_fp8
 
     b, b_sf = weights[cfg.mma]
+    w_e4m3 = weights["e4m3_copy"] if cfg.decode == "copy" else None
     calls, verdicts = [], []
     for a, a_sf, offsets in token_sets:
         if cfg.mma == "bf16":  # exact; outside the timing, as the contract puts it on the caller
             a, a_sf = dequantize_fp8(a, a_sf, torch.bfloat16), None
         out = torch.full((a.shape[0], p.n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        grouped_gemm_fp8_fp4_contiguous(a, a_sf, b, b_sf, offsets, out=out, config=cfg)
+        grouped_gemm_fp8_fp4_contiguous(a, a_sf, b, b_sf, offsets, out=out, config=cfg, w_e4m3=w_e4m3)
         torch.cuda.synchronize()
         verdicts.append(_check_kernel(p, out, a, a_sf, b, b_sf))
         calls.append((a, a_sf, offsets, out))
@@ -237,14 +245,17 @@ def run_kernel(p: Point, weights, token_sets: list, cfg) -> Result:
 
     def call():
         a, a_sf, offsets, out = calls[next(turn) % len(calls)]
-        grouped_gemm_fp8_fp4_contiguous(a, a_sf, b, b_sf, offsets, out=out, config=cfg)
+        grouped_gemm_fp8_fp4_contiguous(a, a_sf, b, b_sf, offsets, out=out, config=cfg, w_e4m3=w_e4m3)
 
     verdict = _worst_verdict(verdicts)
     us = _time_us(call)
     flops = 2.0 * calls[0][0].shape[0] * p.n * p.k
-    wbytes = _weight_bytes(p, 0.5 + 1 / 32)  # FP4 values + one UE8M0 byte per 32
-    name = f"megamoe {cfg.mma}{'x128' if cfg.token_block == 128 else ''}{' smem-decode' if cfg.decode == 'smem' else ''}"
-    return Result(f"{name} mode", verdict, us, flops / us / 1e6, wbytes / us / 1e3, cfg.describe())
+    # FP4 values (the copy: E4M3) + one scale byte per 32 (UE8M0, or the folded 4-byte words per 128)
+    per_weight = (1.0 if cfg.decode == "copy" else 0.5) + 1 / 32
+    wbytes = _weight_bytes(p, per_weight)
+    decode = {"regs": "", "smem": " smem-decode", "copy": " e4m3-copy"}[cfg.decode]
+    name = f"megamoe {cfg.mma}{'x128' if cfg.token_block == 128 else ''}{decode}"
+    return Result(f"{name} mode", verdict, us, flops / us / 1e6, wbytes / us / 1e3, cfg.describe(), per_weight)
 
 
 def run_peer(p: Point, peer, canonical, token_sets: list) -> Result:
@@ -341,11 +352,12 @@ def run_grouped_mm_bf16(p: Point) -> Result:
     )
 
 
-def _gb_needed(p: Point, baselines: bool, routings: int = 1, peers: bool = False) -> float:
-    """Peak device memory of a point: kernel operands (weights stay resident; tokens and outputs per token set) plus
-    the larger baseline, plus the peers' (their weights, BF16 and FP8 rows and outputs per token set)."""
+def _gb_needed(p: Point, baselines: bool, routings: int = 1, peers: bool = False, copy: bool = False) -> float:
+    """Peak device memory of a point: kernel operands (weights stay resident; tokens and outputs per token set; with
+    ``copy`` the weights' E4M3 copy) plus the larger baseline, plus the peers' (their weights, BF16 and FP8 rows and
+    outputs per token set)."""
     m = p.experts * math.ceil(p.rows_per_expert / 16) * 16
-    kernel = routings * (m * p.k * 3.05 + m * p.n * 2) + p.experts * p.n * p.k * 1.1  # FP8 + BF16 tokens, both layouts
+    kernel = routings * (m * p.k * 3.05 + m * p.n * 2) + p.experts * p.n * p.k * (2.1 if copy else 1.1)
     bf16 = 2 * (m * p.k + p.experts * p.n * p.k + m * p.n)
     peer = routings * 2 * (m * p.k * 3.1 + m * p.n * 2) + p.experts * p.n * p.k * 1.6 if peers else 0
     return (kernel + peer + (bf16 if baselines else 0)) / 1e9
@@ -371,7 +383,7 @@ def main(argv=None) -> int:
     parser.add_argument("--fold", choices=("row", "chunk"), default="row",
                         help="FP8-mode weight scales folded per row (default) or per row and 128-K chunk")
     parser.add_argument("--decode", default="regs", help="recipe 128: where the kernel decodes the weights (comma "
-                        "list of regs, smem; GemmConfig.decode)")
+                        "list of regs, smem, copy; GemmConfig.decode)")
     parser.add_argument("--no-alt", action="store_true", help="no alternative config rows")
     parser.add_argument("--quick", action="store_true", help="flash only, EP8, rows 1,16,64,1024")
     parser.add_argument("--no-baselines", action="store_true")
@@ -392,9 +404,11 @@ def main(argv=None) -> int:
         parser.error("--recipe 128 runs FP8 mode only (--mma fp8): FP8 tokens with FP32 scales have no exact BF16 form")
     decodes = tuple(args.decode.split(","))
     if not decodes or any(d not in DECODES for d in decodes):
-        parser.error(f"--decode takes regs and/or smem, got {args.decode!r}")
+        parser.error(f"--decode takes a comma list of {', '.join(DECODES)}, got {args.decode!r}")
     if recipe != RECIPE_128 and decodes != ("regs",):
-        parser.error("--decode smem runs recipe 128 only (--recipe 128)")
+        parser.error("--decode smem and copy run recipe 128 only (--recipe 128)")
+    if "copy" in decodes and args.fold != "row":
+        parser.error("--decode copy needs --fold row (the kernels take per-row folded scales only)")
     if args.routings < 1:
         parser.error(f"--routings must be >= 1, got {args.routings}")
     try:
@@ -417,6 +431,9 @@ def main(argv=None) -> int:
           f"{args.routings} token set(s) per point, the calls cycling through them")
     print(f"recipe {recipe}: " + ("FP8 tokens with per-32 UE8M0 scales" if recipe == RECIPE_32 else
                                   "FP8 tokens with per-128 FP32 scales") + f"; FP8-mode weight scales folded per {args.fold}")
+    if "copy" in decodes:
+        print("decode copy: the kernel reads the weights' E4M3 copy (e4m3_weight_copy, made outside the timing): 1 byte "
+              "per weight + the folded scale word (4 bytes per row and 128 K); its weights GB/s counts those bytes")
     print(f"HBM read bandwidth (4 GiB reduction, this run): {hbm:.0f} GB/s")
     records = []
     failures = 0
@@ -425,7 +442,7 @@ def main(argv=None) -> int:
     for p in points:
         head = (f"{p.preset} {p.layer} EP{p.ep}: E={p.experts} rows/expert={p.rows_per_expert} "
                 f"N={p.n} K={p.k}")
-        need = _gb_needed(p, not args.no_baselines, args.routings, bool(peers))
+        need = _gb_needed(p, not args.no_baselines, args.routings, bool(peers), "copy" in decodes)
         if need > args.max_gb:
             print(f"{head}\n    skipped: needs ~{need:.0f} GB > --max-gb {args.max_gb:.0f}")
             continue
@@ -434,6 +451,10 @@ def main(argv=None) -> int:
             weights, peer_gemms = None, {}
             torch.cuda.empty_cache()
             weights = make_fp4_weights(p.experts, p.n, p.k, mmas, args.fold, canonical=bool(peers))
+            if "copy" in decodes:
+                from megamoe.kernels.sm90 import e4m3_weight_copy
+
+                weights["e4m3_copy"] = e4m3_weight_copy(*weights["fp8"])
             weights_key = (p.experts, p.n, p.k)
             peer_gemms = {act: peer_lib.HummingGemm(*weights["canonical"], act)
                           for act in peer_lib.ACTIVATIONS} if peers else {}
@@ -457,7 +478,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "megamoe.bench gemm", "hbm_read_gbps": hbm, "recipe": list(recipe),
-                       "fold": args.fold, "routings": args.routings,
+                       "fold": args.fold, "decodes": list(decodes), "routings": args.routings,
                        "peers": {f"humming {act}-act": gemm.config() for act, gemm in peer_gemms.items()},
                        "environment": receipt, "records": records}, f, indent=1)
         save_plot_beside(args.json)
