@@ -321,19 +321,6 @@ def test_programmatic_dependent_waits_before_global_memory(sm90a_builds, case):
     assert not early, f"global-memory instructions before griddepcontrol.wait: {early}"
 
 
-def test_smem_decode_builds_do_not_spill(sm90a_builds):
-    """The shared-memory decode variants within their setmaxnreg budgets (the consumers' and the decode warps'):
-    ptxas reports no spill stores or loads. Needs a ptxas on PATH."""
-    if "ptxas" not in sm90a_builds[0]:
-        pytest.skip("no ptxas on PATH")
-    first = len(COMPILE_CASES) + len(FOLDED_CASES) + len(RECIPE128_CASES)
-    for i, (cfg, mode, epilogue) in enumerate(SMEM_DECODE_CASES):
-        build = sm90a_builds[first + i]
-        assert RELEASE_CASES[first + i][0] == cfg
-        assert "error" not in build, build.get("error")
-        assert build["spills"] and not any(build["spills"]), f"{cfg.describe(epilogue)} {mode}: {build['spills']}"
-
-
 def test_copy_builds_do_not_spill(sm90a_builds):
     """The E4M3-copy variants (``decode="copy"``) within their setmaxnreg budgets: ptxas reports no spill stores or
     loads. Needs a ptxas on PATH."""
@@ -341,6 +328,19 @@ def test_copy_builds_do_not_spill(sm90a_builds):
         pytest.skip("no ptxas on PATH")
     first = len(RELEASE_CASES) - len(COPY_CASES)
     for i, (cfg, mode, epilogue) in enumerate(COPY_CASES):
+        build = sm90a_builds[first + i]
+        assert RELEASE_CASES[first + i][0] == cfg
+        assert "error" not in build, build.get("error")
+        assert build["spills"] and not any(build["spills"]), f"{cfg.describe(epilogue)} {mode}: {build['spills']}"
+
+
+def test_smem_decode_builds_do_not_spill(sm90a_builds):
+    """The shared-memory decode variants within their setmaxnreg budgets (the consumers' and the decode warps'):
+    ptxas reports no spill stores or loads. Needs a ptxas on PATH."""
+    if "ptxas" not in sm90a_builds[0]:
+        pytest.skip("no ptxas on PATH")
+    first = len(COMPILE_CASES) + len(FOLDED_CASES) + len(RECIPE128_CASES)
+    for i, (cfg, mode, epilogue) in enumerate(SMEM_DECODE_CASES):
         build = sm90a_builds[first + i]
         assert RELEASE_CASES[first + i][0] == cfg
         assert "error" not in build, build.get("error")

@@ -25,15 +25,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .. import dequant
-from ..weight_layout import (
-    BF16_ACC_SHIFT,
-    CHUNK_BYTES,
-    E4M3_LUT_HI,
-    E4M3_LUT_LO,
-    K_CHUNK,
-    ROW_BLOCK,
-)
+from .. import dequant, weight_layout
+from ..weight_layout import BF16_ACC_SHIFT, E4M3_LUT_HI, E4M3_LUT_LO, K_CHUNK
 from .config import DEFERRED_MAX_TILE_TOKENS, GemmConfig, named_barriers, token_widths
 
 
@@ -76,19 +69,21 @@ class Mainloop:
 
     def weight_smem_layout(self, slots: int):
         """The weights' shared-memory layout of the kernel's ``slots`` stage slots (static): here the packed FP4 rows,
-        (tile_n, ``CHUNK_BYTES``, slots) bytes."""
-        return cute.make_layout((self.tile_n, CHUNK_BYTES, slots), stride=(CHUNK_BYTES, 1, self.tile_n * CHUNK_BYTES))
+        (tile_n, ``weight_layout.CHUNK_BYTES``, slots) bytes."""
+        row = weight_layout.CHUNK_BYTES
+        return cute.make_layout((self.tile_n, row, slots), stride=(row, 1, self.tile_n * row))
 
     def weight_tma(self, g2s, w, smem_layout):
         """The weights' TMA atom and coordinate tensor for ``w`` (``GemmArgs.w``) into one slot of ``smem_layout``:
         here the blocked kernel layout (``w``: (64 rows, N/64, 64 bytes, K/128, E) uint8) viewed as logical (N, K/2,
         E) = ((64, N/64), (64, K/128), E), so the ``tile_n``-row box of one K chunk is contiguous (static 64s: the TMA
         box must map onto static modes)."""
+        rows, row = weight_layout.ROW_BLOCK, weight_layout.CHUNK_BYTES
         w = cute.make_tensor(w.iterator, cute.make_layout(
-            ((ROW_BLOCK, w.shape[1]), (CHUNK_BYTES, w.shape[3]), w.shape[4]),
-            stride=((CHUNK_BYTES, w.stride[1]), (1, ROW_BLOCK * CHUNK_BYTES), w.stride[4]),
+            ((rows, w.shape[1]), (row, w.shape[3]), w.shape[4]),
+            stride=((row, w.stride[1]), (1, rows * row), w.stride[4]),
         ))
-        return cpasync.make_tiled_tma_atom(g2s, w, smem_layout, (self.tile_n, CHUNK_BYTES))
+        return cpasync.make_tiled_tma_atom(g2s, w, smem_layout, (self.tile_n, row))
 
     def weight_smem(self, region, layout):
         """The weights' stage slots as a tensor of ``layout`` (``weight_smem_layout``) on the kernel's ``sW``
