@@ -825,7 +825,7 @@ def test_recipe128_contiguous_ragged(tile_tokens, tile_n, ctas, decode):
 @needs_sm90
 @pytest.mark.parametrize("decode", ["smem", "copy"])
 @pytest.mark.parametrize("tile_tokens", [64, 128])
-def test_recipe128_smem_decode_many_tiles_per_cta(tile_tokens, decode):
+def test_recipe128_ss_mainloops_many_tiles_per_cta(tile_tokens, decode):
     """The shared-memory decode and the E4M3 copy over more tiles than CTAs (each CTA's decode warps and consumers
     take several tiles from the producer, the stages' barriers wrap many times), groups of every size up to several
     token tiles."""
