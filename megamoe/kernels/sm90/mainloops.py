@@ -95,6 +95,33 @@ class Mainloop:
         return SimpleNamespace(tCrA=tCrA, frag=frag, tCrB=tCrB, acc_shape=acc_shape, acc=acc, q=q, wrow0=wrow0,
                                wrow1=wrow1, cC=cC, sW_words=sW_words, wbuf=wbuf, sfw_words=sfw_words)
 
+    def width_mma(self, n: int, accumulate: bool):
+        """Token width ``n``'s MMA (wgmma N = n), its ACCUMULATE field set once to ``accumulate``."""
+        mma = self.tiled_mma(n)
+        mma.set(warpgroup.Field.ACCUMULATE, accumulate)
+        return mma
+
+    def width_tokens(self, mma, ctidx, sA, n: int):
+        """The token (B) fragments of width ``n``'s ``mma``: the first n token rows of ``sA`` in every stage slot."""
+        thr = mma.get_slice(ctidx)
+        return thr.make_fragment_B(thr.partition_B(cute.local_tile(sA, (n, K_CHUNK, self.stages * self.cps), (0, 0, 0))))
+
+    @staticmethod
+    def columns(t, n: int):
+        """The first n token columns of the accumulator-shaped register tensor ``t``: its values c + 2*r + 4*j with
+        j < n/8 (``common_fragments``'s ``cC``), the same registers."""
+        return cute.make_tensor(t.iterator, cute.make_layout(((2, 2, n // 8), 1, 1)))
+
+    @staticmethod
+    def width_index(widths, row0, row_end):
+        """The index in ``widths`` (equal steps, narrowest first: ``config.token_widths``) of the narrowest width
+        holding the tile's rows ``[row0, row_end)`` (an empty tile: the narrowest). Run time; the caller runs one K
+        loop per width, each in its own branch of ``width == w`` (the branch lies before the K loop, never between
+        two wgmmas)."""
+        rows = cutlass.max(row_end - row0, 1)
+        step = widths[0]
+        return cutlass.min((rows + step - 1) // step, len(widths)) - 1
+
     def weight_words(self, sW):
         """The packed FP4 weights of every stage slot as int32 words: (word, 16-byte segment, row, slot)."""
         return cute.make_tensor(
@@ -149,13 +176,10 @@ class Bf16Mainloop(Mainloop):
                 f.accs.append(f.acc)
                 f.tCrBs.append(f.tCrB)
             else:
-                mma_n = self.tiled_mma(n)
-                mma_n.set(warpgroup.Field.ACCUMULATE, True)
-                thr_n = mma_n.get_slice(ctidx)
-                sA_n = cute.local_tile(sA, (n, K_CHUNK, self.stages * self.cps), (0, 0, 0))
+                mma_n = self.width_mma(n, True)
                 f.mmas.append(mma_n)
-                f.tCrBs.append(thr_n.make_fragment_B(thr_n.partition_B(sA_n)))
-                f.accs.append(cute.make_tensor(f.acc.iterator, cute.make_layout(((2, 2, n // 8), 1, 1))))
+                f.tCrBs.append(self.width_tokens(mma_n, ctidx, sA, n))
+                f.accs.append(self.columns(f.acc, n))
         f.sSFW = sSFW
         return f
 
@@ -166,9 +190,7 @@ class Bf16Mainloop(Mainloop):
         if cutlass.const_expr(len(f.widths) == 1):
             state, release = self.k_loop(ab_pipeline, state, release, k_tiles, f.mmas[0], f.accs[0], f, f.tCrBs[0])
         else:
-            rows = cutlass.max(row_end - row0, 1)
-            step = f.widths[0]
-            width = cutlass.min((rows + step - 1) // step, len(f.widths)) - 1
+            width = self.width_index(f.widths, row0, row_end)
             for w in cutlass.range_constexpr(len(f.widths)):  # every branch runs a whole K loop
                 if width == w:
                     state, release = self.k_loop(ab_pipeline, state, release, k_tiles, f.mmas[w], f.accs[w], f,
