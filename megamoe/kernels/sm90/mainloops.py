@@ -27,7 +27,13 @@ from cutlass.cute.nvgpu import warpgroup
 
 from .. import dequant
 from ..weight_layout import BF16_ACC_SHIFT, E4M3_LUT_HI, E4M3_LUT_LO, K_CHUNK
-from .config import DEFERRED_MAX_TILE_TOKENS, GemmConfig, named_barriers, token_widths
+from .config import (
+    DEFERRED_MAX_TILE_TOKENS,
+    GemmConfig,
+    fp8_token_widths,
+    named_barriers,
+    token_widths,
+)
 
 
 def make_tiled_mma(a_dtype, tokens: int, consumer_warpgroups: int, smem_a: bool = False):
@@ -460,61 +466,80 @@ class Fp8Block128Mainloop(Fp8Mainloop):
     odd chunk counts (``GemmConfig.even_chunks`` False) peel the last one or two chunks by the tile's parity: the
     branch lies between steps, each of which has retired its wgmmas. After the K loop each weight row is multiplied by
     its FP32 scale (exact: a power of two).
+
+    Token widths (``config.fp8_token_widths``: 128-row tiles): a tile whose rows ``[row0, row_end)`` fit the first n
+    of its tokens runs its wgmmas with N = n, loads the token scales of those n columns only and promotes only their
+    accumulator values: one K loop per width (the same pipeline, another N), picked per tile after the first chunk's
+    decode, so the branch lies before the tile's first wgmma. The accumulator columns past n stay 0 (the caller zeroes
+    the accumulator; the row scales keep them 0) and no epilogue stores a row past ``row_end``.
     """
 
     @cute.jit
     def fragments(self, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sScale, dec):
         f = self.common_fragments(tiled_mma, ctidx, sA, sW, 4)
+        tt = self.tile_tokens
         thr_mma = tiled_mma.get_slice(ctidx)
         f.tCrA2 = thr_mma.make_fragment_A(thr_mma.partition_shape_A((self.tile_n, K_CHUNK)))  # the second buffer
         f.frag2 = cute.recast_tensor(f.tCrA2, Int32)
         f.tmp = cute.make_rmem_tensor(f.acc_shape, Float32)
-        f.sa = cute.make_rmem_tensor((2, self.tile_tokens // 8), Float32)  # (c, j): token 8j + 2q + c
+        f.sa = cute.make_rmem_tensor((2, tt // 8), Float32)  # (c, j): token 8j + 2q + c
         # A chunk's first wgmma overwrites the temporary, the other three accumulate (the field is set once, here:
         # an MMA whose field changes inside a loop cannot be used after it).
         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-        f.mma_first = tiled_mma
-        f.mma_acc = self.tiled_mma(self.tile_tokens)
-        f.mma_acc.set(warpgroup.Field.ACCUMULATE, True)
+        # Per token width: its two MMAs, the token fragments of the first n rows of sA, the first n columns of the
+        # accumulator and of the temporary; the full width is the tile's own.
+        f.widths = fp8_token_widths(tt)
+        f.width_ops = []
+        for n in f.widths:
+            if cutlass.const_expr(n == tt):
+                f.width_ops.append(SimpleNamespace(n=n, mma_first=tiled_mma, mma_acc=self.width_mma(n, True),
+                                                   tCrB=f.tCrB, acc=f.acc, tmp=f.tmp))
+            else:
+                mma_first = self.width_mma(n, False)
+                f.width_ops.append(SimpleNamespace(n=n, mma_first=mma_first, mma_acc=self.width_mma(n, True),
+                                                   tCrB=self.width_tokens(mma_first, ctidx, sA, n),
+                                                   acc=self.columns(f.acc, n), tmp=self.columns(f.tmp, n)))
         # The tokens' FP32 scales: (token, 4 chunks, stage), 32-bit words of the same TMA box as block-32 mode's.
         f.sSFA = cute.make_tensor(cute.recast_ptr(sSFA.iterator, dtype=Float32), sSFA.layout)
         f.sSFW = sSFW
         return f
 
     @cute.jit
-    def issue(self, f, tCrA, s):
-        """The chunk's four k32 wgmmas (A: ``tCrA``, tokens of stage ``s``) into ``f.tmp``, as one group."""
+    def issue(self, f, wd, tCrA, s):
+        """The chunk's four k32 wgmmas (A: ``tCrA``, tokens of stage ``s``) of token width ``wd`` into its temporary,
+        as one group."""
         warpgroup.fence()
         for kb in cutlass.range_constexpr(4):
-            cute.gemm(f.mma_first if kb == 0 else f.mma_acc, f.tmp, tCrA[(None, None, kb)], f.tCrB[(None, None, kb, s)],
-                      f.tmp)
+            cute.gemm(wd.mma_first if kb == 0 else wd.mma_acc, wd.tmp, tCrA[(None, None, kb)],
+                      wd.tCrB[(None, None, kb, s)], wd.tmp)
         warpgroup.commit_group()
 
     @cute.jit
-    def token_scales(self, f, kt, s):
-        """This thread's token scales of chunk ``kt`` (word kt % 4 of each token's 4-chunk box in stage ``s``)."""
-        for j in cutlass.range_constexpr(self.tile_tokens // 8):
+    def token_scales(self, f, wd, kt, s):
+        """This thread's token scales of chunk ``kt`` (word kt % 4 of each token's 4-chunk box in stage ``s``), the
+        columns of token width ``wd``."""
+        for j in cutlass.range_constexpr(wd.n // 8):
             for c in cutlass.range_constexpr(2):
                 f.sa[c, j] = f.sSFA[f.cC[c + 4 * j][1], kt % 4, s]
 
     @cute.jit
-    def promote(self, f):
-        """acc += tmp * s_token (the chunk's wgmmas retired)."""
-        acc, tmp, sa = f.acc, f.tmp, f.sa
-        for j in cutlass.range_constexpr(self.tile_tokens // 8):
+    def promote(self, f, wd):
+        """acc += tmp * s_token over the columns of token width ``wd`` (the chunk's wgmmas retired)."""
+        acc, tmp, sa = wd.acc, wd.tmp, f.sa
+        for j in cutlass.range_constexpr(wd.n // 8):
             for r in cutlass.range_constexpr(2):
                 for c in cutlass.range_constexpr(2):
                     i = c + 2 * r + 4 * j
                     acc[i] = acc[i] + tmp[i] * sa[c, j]
 
     @cute.jit
-    def step(self, ab_pipeline, f, ahead, state, kt, tCrA, next_frag):
-        """Chunk ``kt`` (stage ``state``, decoded into ``tCrA``): issue its wgmmas, read its token scales, decode chunk
-        kt + 1 (stage ``ahead``, waited for here) into ``next_frag`` when given, wait, free chunk kt's stage, promote.
-        Returns the advanced states."""
+    def step(self, ab_pipeline, f, wd, ahead, state, kt, tCrA, next_frag):
+        """Chunk ``kt`` (stage ``state``, decoded into ``tCrA``) at token width ``wd``: issue its wgmmas, read its
+        token scales, decode chunk kt + 1 (stage ``ahead``, waited for here) into ``next_frag`` when given, wait, free
+        chunk kt's stage, promote. Returns the advanced states."""
         s = state.index
-        self.issue(f, tCrA, s)
-        self.token_scales(f, kt, s)
+        self.issue(f, wd, tCrA, s)
+        self.token_scales(f, wd, kt, s)
         if cutlass.const_expr(next_frag is not None):
             ab_pipeline.consumer_wait(ahead)
             self.decode(f, next_frag, ahead.index)
@@ -522,33 +547,46 @@ class Fp8Block128Mainloop(Fp8Mainloop):
         warpgroup.wait_group(0)
         ab_pipeline.consumer_release(state)
         state.advance()
-        self.promote(f)
+        self.promote(f, wd)
         return ahead, state
 
     @cute.jit
     def tile(self, ab_pipeline, state, release, f, k_tiles, row0, row_end, row_scale, n_tile, group):
         """One tile's K loop into ``f.acc`` (zeroed by the caller; ``k_tiles`` >= 1, even unless the build is for odd
-        chunk counts), then each weight row times its scale (``row_scale``: (N, E) float32, row ``n_tile * tile_n +
-        ...`` of expert ``group``). ``state``: the stage to wait for next; ``release``: the next to free (they stay
-        equal between tiles)."""
+        chunk counts) on the narrowest token width holding its rows ``[row0, row_end)``, then each weight row times
+        its scale (``row_scale``: (N, E) float32, row ``n_tile * tile_n + ...`` of expert ``group``). ``state``: the
+        stage to wait for next; ``release``: the next to free (they stay equal between tiles)."""
         ahead = state
         ab_pipeline.consumer_wait(ahead)
         self.decode(f, f.frag, ahead.index)
         ahead.advance()
+        if cutlass.const_expr(len(f.widths) == 1):
+            ahead, release = self.k_loop(ab_pipeline, f, f.width_ops[0], ahead, release, k_tiles)
+        else:
+            width = self.width_index(f.widths, row0, row_end)
+            for w in cutlass.range_constexpr(len(f.widths)):  # every branch runs a whole K loop
+                if width == w:
+                    ahead, release = self.k_loop(ab_pipeline, f, f.width_ops[w], ahead, release, k_tiles)
+        self.apply_row_scales(f.acc, f.cC, row_scale, n_tile, group)
+        return ahead, release
+
+    @cute.jit
+    def k_loop(self, ab_pipeline, f, wd, ahead, release, k_tiles):
+        """The tile's ``k_tiles`` chunks at token width ``wd``, chunk 0 decoded into the first buffer and ``ahead``
+        the stage of chunk 1. Returns the advanced states ``(ahead, release)``."""
         if cutlass.const_expr(self.even_chunks):
             for kp in cutlass.range(k_tiles // 2 - 1, unroll=1):
-                ahead, release = self.step(ab_pipeline, f, ahead, release, 2 * kp, f.tCrA, f.frag2)
-                ahead, release = self.step(ab_pipeline, f, ahead, release, 2 * kp + 1, f.tCrA2, f.frag)
-            ahead, release = self.step(ab_pipeline, f, ahead, release, k_tiles - 2, f.tCrA, f.frag2)
-            ahead, release = self.step(ab_pipeline, f, ahead, release, k_tiles - 1, f.tCrA2, None)
+                ahead, release = self.step(ab_pipeline, f, wd, ahead, release, 2 * kp, f.tCrA, f.frag2)
+                ahead, release = self.step(ab_pipeline, f, wd, ahead, release, 2 * kp + 1, f.tCrA2, f.frag)
+            ahead, release = self.step(ab_pipeline, f, wd, ahead, release, k_tiles - 2, f.tCrA, f.frag2)
+            ahead, release = self.step(ab_pipeline, f, wd, ahead, release, k_tiles - 1, f.tCrA2, None)
         else:
             for kp in cutlass.range((k_tiles - 1) // 2, unroll=1):  # every pair before the last chunk
-                ahead, release = self.step(ab_pipeline, f, ahead, release, 2 * kp, f.tCrA, f.frag2)
-                ahead, release = self.step(ab_pipeline, f, ahead, release, 2 * kp + 1, f.tCrA2, f.frag)
+                ahead, release = self.step(ab_pipeline, f, wd, ahead, release, 2 * kp, f.tCrA, f.frag2)
+                ahead, release = self.step(ab_pipeline, f, wd, ahead, release, 2 * kp + 1, f.tCrA2, f.frag)
             if k_tiles % 2 == 0:  # the last pair: chunk k - 2 in the first buffer, k - 1 in the second
-                ahead, release = self.step(ab_pipeline, f, ahead, release, k_tiles - 2, f.tCrA, f.frag2)
-                ahead, release = self.step(ab_pipeline, f, ahead, release, k_tiles - 1, f.tCrA2, None)
+                ahead, release = self.step(ab_pipeline, f, wd, ahead, release, k_tiles - 2, f.tCrA, f.frag2)
+                ahead, release = self.step(ab_pipeline, f, wd, ahead, release, k_tiles - 1, f.tCrA2, None)
             else:  # the last chunk alone, decoded into the first buffer
-                ahead, release = self.step(ab_pipeline, f, ahead, release, k_tiles - 1, f.tCrA, None)
-        self.apply_row_scales(f.acc, f.cC, row_scale, n_tile, group)
+                ahead, release = self.step(ab_pipeline, f, wd, ahead, release, k_tiles - 1, f.tCrA, None)
         return ahead, release
