@@ -328,9 +328,9 @@ def fp8_token_widths(tile_tokens: int) -> tuple[int, ...]:
     """The wgmma token widths (N) of FP8 mode with per-128 token scales (``mainloops.Fp8Block128Mainloop``), narrowest
     first: ``token_widths`` for tiles of ``FP8_WIDTHS_TILE_TOKENS`` rows, the tile alone below. 64-row tiles keep one K
     loop: with widths (32, 64) ptxas serialized the wgmmas of the two-pass Mega MoE build (C7511, register resources)
-    and computed the grouped GEMM's wgmma descriptors in regular registers, and a 64-row tile serves groups of 33-64
-    expected rows, which seldom fit 32; smaller tiles (small groups; the four-warpgroup tiles at 112 registers per
-    thread) are bound by the weight decode, not by their tensor work."""
+    or computed the grouped GEMM's wgmma descriptors in regular registers, depending on how the K loops were branched
+    to, and a 64-row tile serves groups of 33-64 expected rows, which seldom fit 32; smaller tiles (small groups; the
+    four-warpgroup tiles at 112 registers per thread) are bound by the weight decode, not by their tensor work."""
     return token_widths(tile_tokens) if tile_tokens >= FP8_WIDTHS_TILE_TOKENS else (tile_tokens,)
 
 

@@ -563,11 +563,21 @@ class Fp8Block128Mainloop(Fp8Mainloop):
         if cutlass.const_expr(len(f.widths) == 1):
             ahead, release = self.k_loop(ab_pipeline, f, f.width_ops[0], ahead, release, k_tiles)
         else:
-            width = self.width_index(f.widths, row0, row_end)
-            for w in cutlass.range_constexpr(len(f.widths)):  # every branch runs a whole K loop
-                if width == w:
-                    ahead, release = self.k_loop(ab_pipeline, f, f.width_ops[w], ahead, release, k_tiles)
+            ahead, release = self.width_k_loops(ab_pipeline, f, self.width_index(f.widths, row0, row_end), ahead,
+                                                release, k_tiles)
         self.apply_row_scales(f.acc, f.cC, row_scale, n_tile, group)
+        return ahead, release
+
+    @cute.jit
+    def width_k_loops(self, ab_pipeline, f, width, ahead, release, k_tiles):
+        """The K loop of token width ``f.widths[width]`` (``width``: run time), one ``if width == w`` per width. How
+        the K loops are branched to changes nothing but ptxas's register allocation, which decides whether it keeps
+        the wgmma pipeline: this form for the grouped GEMM, a chain of if / else for the Mega MoE kernel
+        (``Fp8Block128MegaMainloop``); each the one of the two whose builds ptxas compiles without serializing a
+        wgmma (the compile tests check every build)."""
+        for w in cutlass.range_constexpr(len(f.widths)):  # every branch runs a whole K loop
+            if width == w:
+                ahead, release = self.k_loop(ab_pipeline, f, f.width_ops[w], ahead, release, k_tiles)
         return ahead, release
 
     @cute.jit
