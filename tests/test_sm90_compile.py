@@ -222,10 +222,19 @@ for i, (cfg, mode, epilogue, mega, debug, trace, folded, fast, *extra) in enumer
             build["spills"] = [int(n) for n in re.findall(r"(\\d+) bytes spill (?:stores|loads)", out.stderr)]
             if nvdisasm and out.returncode == 0:  # the SASS between the first and the last wgmma
                 sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
-                ops = re.findall(r"^\\s*/\\*[0-9a-f]+\\*/\\s*(?:@!?\\w+\\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
-                gmma = [j for j, op in enumerate(ops) if op[1:5] == "GMMA"]  # HGMMA, QGMMA (FP8)
+                ops = re.findall(r"^\\s*/\\*[0-9a-f]+\\*/\\s*(?:@!?\\w+\\s+)?([A-Z][A-Z0-9_.]*)\\s*([^;]*);", sass, re.M)
+                gmma = [j for j, (op, _) in enumerate(ops) if op[1:5] == "GMMA"]  # HGMMA, QGMMA (FP8)
+                fed = 0  # descriptor registers (gdesc[URn]: URn..URn+3) last written by an R2UR inside the span
+                for j in gmma:
+                    first = int(re.search(r"gdesc\\[UR(\\d+)\\]", ops[j][1]).group(1))
+                    for reg in range(first, first + 4):
+                        for w in range(j - 1, -1, -1):
+                            dest = re.fullmatch(r"UR(\\d+)", ops[w][1].split(",")[0].strip())
+                            if dest and int(dest.group(1)) <= reg < int(dest.group(1)) + (2 if ".64" in ops[w][0] else 1):
+                                fed += ops[w][0] == "R2UR" and w >= gmma[0]
+                                break
                 span = ops[gmma[0]:gmma[-1] + 1] if gmma else []
-                build["mainloop"] = [len(span), sum(op == "R2UR" for op in span)]
+                build["mainloop"] = [len(span), sum(op == "R2UR" for op, _ in span), fed]
         report.append(build)
     except Exception as exc:  # reported per case by the test
         report.append({"error": f"{type(exc).__name__}: {exc}"})
@@ -361,20 +370,23 @@ def test_ptxas_reports_no_wgmma_serialization(sm90a_builds):
 
 @pytest.mark.parametrize("case", range(len(RELEASE_CASES)), ids=RELEASE_IDS)
 def test_mega_moe_mainloop_keeps_the_uniform_datapath(sm90a_builds, case):
-    """The Mega MoE kernel's consumers compute their wgmma descriptors and pipeline state in uniform registers: no
-    ``R2UR`` (a regular register moved to a uniform one) between the first and the last wgmma of its SASS. ptxas
-    falls back to regular registers when it takes the consumer code for divergent, e.g. after a trap inside one
-    thread's branch or a per-thread dynamic loop before the roles start (``EpPhases.grid_barrier``, ``drop_rows``).
-    Needs a ``ptxas`` and an ``nvdisasm`` on PATH."""
+    """The Mega MoE kernel's consumers compute their wgmma descriptors in uniform registers: between the first and
+    the last wgmma of its SASS, no descriptor register a wgmma reads (``gdesc[URn]``, URn..URn+3) was last written
+    by an ``R2UR`` (a regular register moved to a uniform one). ptxas falls back to regular registers, one ``R2UR``
+    per descriptor, when it takes the consumer code for divergent, e.g. after a trap inside one thread's branch or a
+    per-thread dynamic loop before the roles start (``EpPhases.grid_barrier``, ``drop_rows``). R2URs elsewhere in
+    the span (a two-pass tile's first-pass epilogue, a loop's bookkeeping) are counted in the message only. Needs a
+    ``ptxas`` and an ``nvdisasm`` on PATH."""
     if RELEASE_CASES[case][3] is None:
         pytest.skip("not a Mega MoE kernel")
     build = sm90a_builds[case]
     assert "error" not in build, build.get("error")
     if "mainloop" not in build:
         pytest.skip("no ptxas or no nvdisasm on PATH")
-    span, r2ur = build["mainloop"]
+    span, r2ur, fed = build["mainloop"]
     assert span > 0, "no wgmma in the SASS"
-    assert r2ur == 0, f"{r2ur} R2UR in the {span} instructions between the first and the last wgmma"
+    assert fed == 0, (f"{fed} wgmma descriptor registers written by R2UR in the {span} instructions between the first "
+                      f"and the last wgmma ({r2ur} R2UR in all)")
 
 
 def test_compile_takes_fast_math_as_a_bool():

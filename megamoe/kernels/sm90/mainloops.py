@@ -551,6 +551,13 @@ class Fp8Block128Mainloop(Fp8Mainloop):
         return ahead, state
 
     @cute.jit
+    def last_pair(self, ab_pipeline, f, wd, ahead, release, k_tiles):
+        """The tile's last two chunks at token width ``wd``: k - 2 in the first fragment buffer, k - 1 in the second
+        (nothing decoded after it). Returns the advanced states."""
+        ahead, release = self.step(ab_pipeline, f, wd, ahead, release, k_tiles - 2, f.tCrA, f.frag2)
+        return self.step(ab_pipeline, f, wd, ahead, release, k_tiles - 1, f.tCrA2, None)
+
+    @cute.jit
     def tile(self, ab_pipeline, state, release, f, k_tiles, row0, row_end, row_scale, n_tile, group):
         """One tile's K loop into ``f.acc`` (zeroed by the caller; ``k_tiles`` >= 1, even unless the build is for odd
         chunk counts) on the narrowest token width holding its rows ``[row0, row_end)``, then each weight row times
@@ -584,19 +591,15 @@ class Fp8Block128Mainloop(Fp8Mainloop):
     def k_loop(self, ab_pipeline, f, wd, ahead, release, k_tiles):
         """The tile's ``k_tiles`` chunks at token width ``wd``, chunk 0 decoded into the first buffer and ``ahead``
         the stage of chunk 1. Returns the advanced states ``(ahead, release)``."""
+        # Every pair before the last chunk (the same count for even k_tiles), then the last pair or chunk.
+        pairs = k_tiles // 2 - 1 if cutlass.const_expr(self.even_chunks) else (k_tiles - 1) // 2
+        for kp in cutlass.range(pairs, unroll=1):
+            ahead, release = self.step(ab_pipeline, f, wd, ahead, release, 2 * kp, f.tCrA, f.frag2)
+            ahead, release = self.step(ab_pipeline, f, wd, ahead, release, 2 * kp + 1, f.tCrA2, f.frag)
         if cutlass.const_expr(self.even_chunks):
-            for kp in cutlass.range(k_tiles // 2 - 1, unroll=1):
-                ahead, release = self.step(ab_pipeline, f, wd, ahead, release, 2 * kp, f.tCrA, f.frag2)
-                ahead, release = self.step(ab_pipeline, f, wd, ahead, release, 2 * kp + 1, f.tCrA2, f.frag)
-            ahead, release = self.step(ab_pipeline, f, wd, ahead, release, k_tiles - 2, f.tCrA, f.frag2)
-            ahead, release = self.step(ab_pipeline, f, wd, ahead, release, k_tiles - 1, f.tCrA2, None)
-        else:
-            for kp in cutlass.range((k_tiles - 1) // 2, unroll=1):  # every pair before the last chunk
-                ahead, release = self.step(ab_pipeline, f, wd, ahead, release, 2 * kp, f.tCrA, f.frag2)
-                ahead, release = self.step(ab_pipeline, f, wd, ahead, release, 2 * kp + 1, f.tCrA2, f.frag)
-            if k_tiles % 2 == 0:  # the last pair: chunk k - 2 in the first buffer, k - 1 in the second
-                ahead, release = self.step(ab_pipeline, f, wd, ahead, release, k_tiles - 2, f.tCrA, f.frag2)
-                ahead, release = self.step(ab_pipeline, f, wd, ahead, release, k_tiles - 1, f.tCrA2, None)
-            else:  # the last chunk alone, decoded into the first buffer
-                ahead, release = self.step(ab_pipeline, f, wd, ahead, release, k_tiles - 1, f.tCrA, None)
+            ahead, release = self.last_pair(ab_pipeline, f, wd, ahead, release, k_tiles)
+        elif k_tiles % 2 == 0:
+            ahead, release = self.last_pair(ab_pipeline, f, wd, ahead, release, k_tiles)
+        else:  # the last chunk alone, decoded into the first buffer
+            ahead, release = self.step(ab_pipeline, f, wd, ahead, release, k_tiles - 1, f.tCrA, None)
         return ahead, release
