@@ -20,6 +20,7 @@ from megamoe.kernels.sm90 import (
     select_config,
     token_widths,
 )
+from megamoe.kernels.sm90.config import fp8_token_widths
 
 # Every code path of both MMA modes: each token tile (tile_tokens=8 has its own accumulator shape), one and
 # two (and, BF16 mode, four) consumer warpgroups, one and two CTAs per SM, the three group modes, the five epilogues.
@@ -116,6 +117,7 @@ MEGA128_CASES = [
     (TWO_PASS_128, (1, 256, 2048, 8, 4096, 2048, None, "fp8xfp4", R128)),
     (TWO_PASS_128, (8, 384, 1024, 6, 7168, 3072, None, "fp8xfp4", R128)),
     (TWO_PASS_64, (1, 128, 1024, 4, 2880, 2880, None, "fp8xfp4", R128)),  # gpt-oss: odd chunk counts (I 2944)
+    (TWO_PASS_128, (1, 128, 1024, 4, 2880, 2880, None, "fp8xfp4", R128)),  # token widths, odd chunk counts
 ]
 
 
@@ -145,6 +147,7 @@ RECIPE128_CASES = [
     (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128), "offsets", "bf16"),
     (GemmConfig(tile_tokens=8, tile_n=256, mma="fp8", token_block=128), "masked", "swiglu_fp8"),
     (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128), "offsets_counts", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=128, tile_n=64, mma="fp8", token_block=128), "masked", "bf16"),
 ]
 # Recipe (1, 1, 128) with the weights decoded once per tile into shared memory (``decode="smem"``): the plain BF16
 # and the scatter epilogue on one and two consumer warpgroups, the per-128 SwiGLU epilogue on four, the three group
@@ -170,6 +173,7 @@ ODD_CHUNK_CASES = [
     (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, mma="fp8", token_block=128, even_chunks=False), "offsets",
      "bf16", True),
     (GemmConfig(tile_tokens=64, tile_n=64, mma="fp8", token_block=128, even_chunks=False), "masked", "bf16", True),
+    (GemmConfig(tile_tokens=128, tile_n=128, mma="fp8", token_block=128, even_chunks=False), "offsets", "bf16", True),
     (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128, even_chunks=False), "offsets", "swiglu_fp8",
      True),
     (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128, decode="smem", even_chunks=False), "offsets",
@@ -329,6 +333,21 @@ def test_smem_decode_builds_do_not_spill(sm90a_builds):
         assert build["spills"] and not any(build["spills"]), f"{cfg.describe(epilogue)} {mode}: {build['spills']}"
 
 
+def test_recipe128_token_width_builds_do_not_spill(sm90a_builds):
+    """Recipe (1, 1, 128)'s register-decode builds of 128-row token tiles (one K loop per token width,
+    ``fp8_token_widths``: the grouped GEMM on one and two consumer warpgroups, even and odd chunk counts, the Mega MoE
+    kernel's two-pass tiles) within their registers: ptxas reports no spill stores or loads. Needs a ptxas on PATH."""
+    if "ptxas" not in sm90a_builds[0]:
+        pytest.skip("no ptxas on PATH")
+    cases = [i for i, (c, *_) in enumerate(RELEASE_CASES)
+             if c.mma == "fp8" and c.token_block == 128 and c.decode == "regs" and len(fp8_token_widths(c.tile_tokens)) > 1]
+    assert len(cases) >= 5, cases
+    for i in cases:
+        build = sm90a_builds[i]
+        assert "error" not in build, build.get("error")
+        assert build["spills"] and not any(build["spills"]), f"{RELEASE_IDS[i]}: {build['spills']}"
+
+
 def test_debug_builds_compile_and_the_call_check_sees_their_printf(sm90a_builds):
     for build in sm90a_builds[len(RELEASE_CASES):]:
         assert "error" not in build, build.get("error")
@@ -379,6 +398,9 @@ def test_token_widths():
     assert token_widths(8) == (8,) and token_widths(16) == (8, 16) and token_widths(32) == (16, 32)
     assert token_widths(64) == (32, 64)
     assert token_widths(128) == (32, 64, 96, 128)
+    # FP8 mode with per-128 token scales: 128-row tiles only
+    assert fp8_token_widths(128) == (32, 64, 96, 128)
+    assert all(fp8_token_widths(t) == (t,) for t in (8, 16, 32, 64))
 
 
 def test_select_config():
