@@ -818,7 +818,7 @@ def test_moe_bench_humming_runs_one_row_block_for_both_gemms(tmp_path):
             forced_points += 1
             record = r["row_blocks_forced"]["w2"]
             assert (record["block_m"], record["tuned_block_m"]) == (w13, w2) and set(r["row_blocks_forced"]) == {"w2"}
-            assert recorded["row_blocks_forced"][str(m)] == r["row_blocks_forced"]
+            assert recorded["row_blocks_forced"][str(m)] == json.loads(json.dumps(r["row_blocks_forced"]))  # as JSON
     if "H100" in receipt["environment"]["gpu"]:
         assert forced_points == 3
 

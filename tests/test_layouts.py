@@ -48,6 +48,17 @@ def test_pack_ue8m0_byte_order():
     assert torch.equal(unpack_ue8m0(packed), codes)
 
 
+@pytest.mark.parametrize("words", [1, 3])
+def test_unpack_ue8m0_of_padded_scale_row_views(words):
+    """Scale words as views of 16-byte rows (``pad_token_scales``: K/128 words of 4-word rows), one word included
+    (a [T, 1] column whose rows are 4 words apart): the same codes as from the words copied out."""
+    rows = torch.randint(-2**31, 2**31 - 1, (5, 4), dtype=torch.int32)
+    view = rows[:, :words]
+    expected = torch.tensor([[(int(w) >> (8 * b)) & 0xFF for w in row for b in range(4)] for row in view.tolist()],
+                            dtype=torch.uint8)
+    assert torch.equal(unpack_ue8m0(view), expected)
+
+
 def test_e2m1_encode_hand_values_and_ties_to_even():
     v = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.26, 5.01])
     assert encode_e2m1(v).tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0, 2, 2, 4, 4, 6, 6, 1, 7]

@@ -20,6 +20,7 @@ from megamoe.kernels.sm90 import (
     select_config,
     token_widths,
 )
+from megamoe.kernels.sm90.config import fp8_token_widths
 
 # Every code path of both MMA modes: each token tile (tile_tokens=8 has its own accumulator shape), one and
 # two (and, BF16 mode, four) consumer warpgroups, one and two CTAs per SM, the three group modes, the five epilogues.
@@ -116,6 +117,7 @@ MEGA128_CASES = [
     (TWO_PASS_128, (1, 256, 2048, 8, 4096, 2048, None, "fp8xfp4", R128)),
     (TWO_PASS_128, (8, 384, 1024, 6, 7168, 3072, None, "fp8xfp4", R128)),
     (TWO_PASS_64, (1, 128, 1024, 4, 2880, 2880, None, "fp8xfp4", R128)),  # gpt-oss: odd chunk counts (I 2944)
+    (TWO_PASS_128, (1, 128, 1024, 4, 2880, 2880, None, "fp8xfp4", R128)),  # token widths, odd chunk counts
 ]
 
 
@@ -145,6 +147,7 @@ RECIPE128_CASES = [
     (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128), "offsets", "bf16"),
     (GemmConfig(tile_tokens=8, tile_n=256, mma="fp8", token_block=128), "masked", "swiglu_fp8"),
     (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128), "offsets_counts", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=128, tile_n=64, mma="fp8", token_block=128), "masked", "bf16"),
 ]
 # Recipe (1, 1, 128) with the weights decoded once per tile into shared memory (``decode="smem"``): the plain BF16
 # and the scatter epilogue on one and two consumer warpgroups, the per-128 SwiGLU epilogue on four, the three group
@@ -181,6 +184,7 @@ ODD_CHUNK_CASES = [
     (GemmConfig(tile_tokens=8, tile_n=128, ctas_per_sm=2, mma="fp8", token_block=128, even_chunks=False), "offsets",
      "bf16", True),
     (GemmConfig(tile_tokens=64, tile_n=64, mma="fp8", token_block=128, even_chunks=False), "masked", "bf16", True),
+    (GemmConfig(tile_tokens=128, tile_n=128, mma="fp8", token_block=128, even_chunks=False), "offsets", "bf16", True),
     (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128, even_chunks=False), "offsets", "swiglu_fp8",
      True),
     (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128, decode="smem", even_chunks=False), "offsets",
@@ -232,10 +236,19 @@ for i, (cfg, mode, epilogue, mega, debug, trace, folded, fast, *extra) in enumer
             build["spills"] = [int(n) for n in re.findall(r"(\\d+) bytes spill (?:stores|loads)", out.stderr)]
             if nvdisasm and out.returncode == 0:  # the SASS between the first and the last wgmma
                 sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
-                ops = re.findall(r"^\\s*/\\*[0-9a-f]+\\*/\\s*(?:@!?\\w+\\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
-                gmma = [j for j, op in enumerate(ops) if op[1:5] == "GMMA"]  # HGMMA, QGMMA (FP8)
+                ops = re.findall(r"^\\s*/\\*[0-9a-f]+\\*/\\s*(?:@!?\\w+\\s+)?([A-Z][A-Z0-9_.]*)\\s*([^;]*);", sass, re.M)
+                gmma = [j for j, (op, _) in enumerate(ops) if op[1:5] == "GMMA"]  # HGMMA, QGMMA (FP8)
+                fed = 0  # descriptor registers (gdesc[URn]: URn..URn+3) last written by an R2UR inside the span
+                for j in gmma:
+                    first = int(re.search(r"gdesc\\[UR(\\d+)\\]", ops[j][1]).group(1))
+                    for reg in range(first, first + 4):
+                        for w in range(j - 1, -1, -1):
+                            dest = re.fullmatch(r"UR(\\d+)", ops[w][1].split(",")[0].strip())
+                            if dest and int(dest.group(1)) <= reg < int(dest.group(1)) + (2 if ".64" in ops[w][0] else 1):
+                                fed += ops[w][0] == "R2UR" and w >= gmma[0]
+                                break
                 span = ops[gmma[0]:gmma[-1] + 1] if gmma else []
-                build["mainloop"] = [len(span), sum(op == "R2UR" for op in span)]
+                build["mainloop"] = [len(span), sum(op == "R2UR" for op, _ in span), fed]
         report.append(build)
     except Exception as exc:  # reported per case by the test
         report.append({"error": f"{type(exc).__name__}: {exc}"})
@@ -347,6 +360,21 @@ def test_smem_decode_builds_do_not_spill(sm90a_builds):
         assert build["spills"] and not any(build["spills"]), f"{cfg.describe(epilogue)} {mode}: {build['spills']}"
 
 
+def test_recipe128_token_width_builds_do_not_spill(sm90a_builds):
+    """Recipe (1, 1, 128)'s register-decode builds of 128-row token tiles (one K loop per token width,
+    ``fp8_token_widths``: the grouped GEMM on one and two consumer warpgroups, even and odd chunk counts, the Mega MoE
+    kernel's two-pass tiles) within their registers: ptxas reports no spill stores or loads. Needs a ptxas on PATH."""
+    if "ptxas" not in sm90a_builds[0]:
+        pytest.skip("no ptxas on PATH")
+    cases = [i for i, (c, *_) in enumerate(RELEASE_CASES)
+             if c.mma == "fp8" and c.token_block == 128 and c.decode == "regs" and len(fp8_token_widths(c.tile_tokens)) > 1]
+    assert len(cases) >= 5, cases
+    for i in cases:
+        build = sm90a_builds[i]
+        assert "error" not in build, build.get("error")
+        assert build["spills"] and not any(build["spills"]), f"{RELEASE_IDS[i]}: {build['spills']}"
+
+
 def test_debug_builds_compile_and_the_call_check_sees_their_printf(sm90a_builds):
     for build in sm90a_builds[len(RELEASE_CASES):]:
         assert "error" not in build, build.get("error")
@@ -369,20 +397,23 @@ def test_ptxas_reports_no_wgmma_serialization(sm90a_builds):
 
 @pytest.mark.parametrize("case", range(len(RELEASE_CASES)), ids=RELEASE_IDS)
 def test_mega_moe_mainloop_keeps_the_uniform_datapath(sm90a_builds, case):
-    """The Mega MoE kernel's consumers compute their wgmma descriptors and pipeline state in uniform registers: no
-    ``R2UR`` (a regular register moved to a uniform one) between the first and the last wgmma of its SASS. ptxas
-    falls back to regular registers when it takes the consumer code for divergent, e.g. after a trap inside one
-    thread's branch or a per-thread dynamic loop before the roles start (``EpPhases.grid_barrier``, ``drop_rows``).
-    Needs a ``ptxas`` and an ``nvdisasm`` on PATH."""
+    """The Mega MoE kernel's consumers compute their wgmma descriptors in uniform registers: between the first and
+    the last wgmma of its SASS, no descriptor register a wgmma reads (``gdesc[URn]``, URn..URn+3) was last written
+    by an ``R2UR`` (a regular register moved to a uniform one). ptxas falls back to regular registers, one ``R2UR``
+    per descriptor, when it takes the consumer code for divergent, e.g. after a trap inside one thread's branch or a
+    per-thread dynamic loop before the roles start (``EpPhases.grid_barrier``, ``drop_rows``). R2URs elsewhere in
+    the span (a two-pass tile's first-pass epilogue, a loop's bookkeeping) are counted in the message only. Needs a
+    ``ptxas`` and an ``nvdisasm`` on PATH."""
     if RELEASE_CASES[case][3] is None:
         pytest.skip("not a Mega MoE kernel")
     build = sm90a_builds[case]
     assert "error" not in build, build.get("error")
     if "mainloop" not in build:
         pytest.skip("no ptxas or no nvdisasm on PATH")
-    span, r2ur = build["mainloop"]
+    span, r2ur, fed = build["mainloop"]
     assert span > 0, "no wgmma in the SASS"
-    assert r2ur == 0, f"{r2ur} R2UR in the {span} instructions between the first and the last wgmma"
+    assert fed == 0, (f"{fed} wgmma descriptor registers written by R2UR in the {span} instructions between the first "
+                      f"and the last wgmma ({r2ur} R2UR in all)")
 
 
 def test_compile_takes_fast_math_as_a_bool():
@@ -394,6 +425,9 @@ def test_token_widths():
     assert token_widths(8) == (8,) and token_widths(16) == (8, 16) and token_widths(32) == (16, 32)
     assert token_widths(64) == (32, 64)
     assert token_widths(128) == (32, 64, 96, 128)
+    # FP8 mode with per-128 token scales: 128-row tiles only
+    assert fp8_token_widths(128) == (32, 64, 96, 128)
+    assert all(fp8_token_widths(t) == (t,) for t in (8, 16, 32, 64))
 
 
 def test_select_config():

@@ -114,10 +114,11 @@ def pack_ue8m0(codes: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
-    """packed int32 ``[..., m]`` -> uint8 codes ``[..., 4 * m]``. (Through a flat copy: torch calls a tensor with
-    m = 1 contiguous whatever its last stride, which the dtype view refuses.)"""
+    """packed int32 ``[..., m]`` -> uint8 codes ``[..., 4 * m]``, for any strides (views of padded scale rows
+    included: ``[T, 1]`` columns of 16-byte rows). Through a contiguous flat copy, as the dtype view needs unit
+    strides and torch calls a tensor with m = 1 contiguous whatever its last stride."""
     check_tensor("packed", packed, dtype=torch.int32)
-    return packed.reshape(-1).view(torch.uint8).view(*packed.shape[:-1], 4 * packed.shape[-1])
+    return packed.contiguous().reshape(-1).view(torch.uint8).view(*packed.shape[:-1], 4 * packed.shape[-1])
 
 
 def apply_block_scales(values: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,8 @@ one progress line per rank and call, the contract errors, and any ``megamoe debu
   partial tiles, the IEEE silu with several tiles per CTA, model sizes, every token tile its ``tile_config`` picks:
   8, 16 and 32 rows -- top-8 for the last -- on four consumer warpgroups, and 64 and 128 rows as two 128-row passes
   on two (``r128_two_pass_*``: buffers of T_max 64 / 128, top-8, each case checks that its config has two passes;
-  with a clamp, ragged partial tiles, the IEEE silu at H = I = 2048, two ranks, a small ring) --, a small ring on
+  with a clamp, ragged partial tiles, 128-row tiles of at most 64 rows (narrower token widths), the IEEE silu
+  at H = I = 2048, two ranks, a small ring) --, a small ring on
   two), the trace build, and a CUDA graph of its own.
 * ``hang``: rank 1 never calls; rank 0's call, debug or release build (``MEGAMOE_TIMEOUT_S``), must trap with the
   diagnostic naming ``ready[src=1]`` (the host-mapped record; printf too in debug mode) instead of hanging.
@@ -100,6 +101,9 @@ CASES = {
         ("r128_two_pass_128_row_tiles_ragged", dict(tokens=[117], t_max=128, topk=8, masked=0.25, recipe=R128, passes=2)),
         ("r128_two_pass_ieee_silu_wide", dict(tokens=[64], t_max=64, topk=8, masked=0.1, fast_math=False, dims=WIDE,
                                               recipe=R128, passes=2)),
+        # 128-row tiles of at most 64 rows: the 32- and 64-token widths of the FP8 mainloop (``fp8_token_widths``)
+        ("r128_two_pass_128_row_tiles_narrow", dict(tokens=[128], t_max=128, topk=8, masked=0.7, recipe=R128, passes=2,
+                                                    narrow=True)),
     ],
     2: [
         ("ragged_masked_uneven", dict(tokens=[13, 5], masked=0.25)),
@@ -227,6 +231,10 @@ def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
             _say(rank, f"{what}: {cfg.describe('l1_l2')}")
         if "passes" in case:  # the case exists to run this tile shape
             assert cfg.n_passes == case["passes"], f"{what}: tile config {cfg.describe('l1_l2')}, want {case['passes']} passes"
+        if "narrow" in case:  # the case exists to run tiles whose rows fit half the token tile (a narrower width)
+            rest = counts % cfg.tile_tokens
+            assert bool(((rest > 0) & (rest <= cfg.tile_tokens // 2)).any()), (
+                f"{what}: no expert's last tile fits half of {cfg.tile_tokens} rows: {counts.tolist()}")
         if "ring" in case:  # rank 0 receives more rows than its ring holds: it reuses ring blocks
             tt = cfg.tile_tokens
             _say(rank, f"{what}: {int(counts.sum())} rows in {int(((counts + tt - 1) // tt).sum())} pool blocks of "

@@ -323,6 +323,10 @@ TOKEN_WIDTH_STEP = 32
 wgmmas only that wide (N), not the whole tile. 16- and 32-row tiles step by half the tile."""
 
 
+FP8_WIDTHS_TILE_TOKENS = 128
+"""FP8 mode with per-128 token scales: the token tiles that compile token widths (``fp8_token_widths``)."""
+
+
 def token_widths(tile_tokens: int) -> tuple[int, ...]:
     """The wgmma token widths (N) a BF16-mode kernel with ``tile_tokens`` compiles, narrowest first, equal steps
     (the first width): the multiples of ``TOKEN_WIDTH_STEP`` up to the tile from 64 rows, else half the tile and the
@@ -330,6 +334,16 @@ def token_widths(tile_tokens: int) -> tuple[int, ...]:
     if tile_tokens >= 2 * TOKEN_WIDTH_STEP:
         return tuple(range(TOKEN_WIDTH_STEP, tile_tokens + 1, TOKEN_WIDTH_STEP))
     return (tile_tokens,) if tile_tokens == 8 else (tile_tokens // 2, tile_tokens)
+
+
+def fp8_token_widths(tile_tokens: int) -> tuple[int, ...]:
+    """The wgmma token widths (N) of FP8 mode with per-128 token scales (``mainloops.Fp8Block128Mainloop``), narrowest
+    first: ``token_widths`` for tiles of ``FP8_WIDTHS_TILE_TOKENS`` rows, the tile alone below. 64-row tiles keep one K
+    loop: with widths (32, 64) ptxas serialized the wgmmas of the two-pass Mega MoE build (C7511, register resources)
+    or computed the grouped GEMM's wgmma descriptors in regular registers, depending on how the K loops were branched
+    to, and a 64-row tile serves groups of 33-64 expected rows, which seldom fit 32; smaller tiles (small groups; the
+    four-warpgroup tiles at 112 registers per thread) are bound by the weight decode, not by their tensor work."""
+    return token_widths(tile_tokens) if tile_tokens >= FP8_WIDTHS_TILE_TOKENS else (tile_tokens,)
 
 
 def per_128_swiglu_config(expected_rows_per_expert: float) -> GemmConfig:

@@ -225,7 +225,7 @@ class SwigluQuant128(SwigluQuant):
 
     def segment(self, wg, i: int):
         """Segment of warpgroup ``wg``'s rows in pass ``i``."""
-        return wg if i == 0 else wg + self.warpgroups * i
+        return wg + self.warpgroups * i
 
     def amax_tree(self, smem, t, first: int, count: int):
         """The maximum of token t's ``count`` exchanged amaxes from padding column ``128 + first``, pairwise."""

@@ -27,7 +27,13 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .. import dequant, weight_layout
 from ..weight_layout import BF16_ACC_SHIFT, E4M3_LUT_HI, E4M3_LUT_LO, K_CHUNK
-from .config import DEFERRED_MAX_TILE_TOKENS, GemmConfig, named_barriers, token_widths
+from .config import (
+    DEFERRED_MAX_TILE_TOKENS,
+    GemmConfig,
+    fp8_token_widths,
+    named_barriers,
+    token_widths,
+)
 
 
 def make_tiled_mma(a_dtype, tokens: int, consumer_warpgroups: int, smem_a: bool = False):
@@ -120,6 +126,33 @@ class Mainloop:
         return SimpleNamespace(tCrA=tCrA, frag=frag, tCrB=tCrB, acc_shape=acc_shape, acc=acc, q=q, wrow0=wrow0,
                                wrow1=wrow1, cC=cC, sW_words=sW_words, wbuf=wbuf, sfw_words=sfw_words)
 
+    def width_mma(self, n: int, accumulate: bool):
+        """Token width ``n``'s MMA (wgmma N = n), its ACCUMULATE field set once to ``accumulate``."""
+        mma = self.tiled_mma(n)
+        mma.set(warpgroup.Field.ACCUMULATE, accumulate)
+        return mma
+
+    def width_tokens(self, mma, ctidx, sA, n: int):
+        """The token (B) fragments of width ``n``'s ``mma``: the first n token rows of ``sA`` in every stage slot."""
+        thr = mma.get_slice(ctidx)
+        return thr.make_fragment_B(thr.partition_B(cute.local_tile(sA, (n, K_CHUNK, self.stages * self.cps), (0, 0, 0))))
+
+    @staticmethod
+    def columns(t, n: int):
+        """The first n token columns of the accumulator-shaped register tensor ``t``: its values c + 2*r + 4*j with
+        j < n/8 (``common_fragments``'s ``cC``), the same registers."""
+        return cute.make_tensor(t.iterator, cute.make_layout(((2, 2, n // 8), 1, 1)))
+
+    @staticmethod
+    def width_index(widths, row0, row_end):
+        """The index in ``widths`` (equal steps, narrowest first: ``config.token_widths``) of the narrowest width
+        holding the tile's rows ``[row0, row_end)`` (an empty tile: the narrowest). Run time; the caller runs one K
+        loop per width, each in its own branch of ``width == w`` (the branch lies before the K loop, never between
+        two wgmmas)."""
+        rows = cutlass.max(row_end - row0, 1)
+        step = widths[0]
+        return cutlass.min((rows + step - 1) // step, len(widths)) - 1
+
     def weight_words(self, sW):
         """The packed FP4 weights of every stage slot as int32 words: (word, 16-byte segment, row, slot)."""
         return cute.make_tensor(
@@ -174,13 +207,10 @@ class Bf16Mainloop(Mainloop):
                 f.accs.append(f.acc)
                 f.tCrBs.append(f.tCrB)
             else:
-                mma_n = self.tiled_mma(n)
-                mma_n.set(warpgroup.Field.ACCUMULATE, True)
-                thr_n = mma_n.get_slice(ctidx)
-                sA_n = cute.local_tile(sA, (n, K_CHUNK, self.stages * self.cps), (0, 0, 0))
+                mma_n = self.width_mma(n, True)
                 f.mmas.append(mma_n)
-                f.tCrBs.append(thr_n.make_fragment_B(thr_n.partition_B(sA_n)))
-                f.accs.append(cute.make_tensor(f.acc.iterator, cute.make_layout(((2, 2, n // 8), 1, 1))))
+                f.tCrBs.append(self.width_tokens(mma_n, ctidx, sA, n))
+                f.accs.append(self.columns(f.acc, n))
         f.sSFW = sSFW
         return f
 
@@ -191,9 +221,7 @@ class Bf16Mainloop(Mainloop):
         if cutlass.const_expr(len(f.widths) == 1):
             state, release = self.k_loop(ab_pipeline, state, release, k_tiles, f.mmas[0], f.accs[0], f, f.tCrBs[0])
         else:
-            rows = cutlass.max(row_end - row0, 1)
-            step = f.widths[0]
-            width = cutlass.min((rows + step - 1) // step, len(f.widths)) - 1
+            width = self.width_index(f.widths, row0, row_end)
             for w in cutlass.range_constexpr(len(f.widths)):  # every branch runs a whole K loop
                 if width == w:
                     state, release = self.k_loop(ab_pipeline, state, release, k_tiles, f.mmas[w], f.accs[w], f,
@@ -463,61 +491,80 @@ class Fp8Block128Mainloop(Fp8Mainloop):
     odd chunk counts (``GemmConfig.even_chunks`` False) peel the last one or two chunks by the tile's parity: the
     branch lies between steps, each of which has retired its wgmmas. After the K loop each weight row is multiplied by
     its FP32 scale (exact: a power of two).
+
+    Token widths (``config.fp8_token_widths``: 128-row tiles): a tile whose rows ``[row0, row_end)`` fit the first n
+    of its tokens runs its wgmmas with N = n, loads the token scales of those n columns only and promotes only their
+    accumulator values: one K loop per width (the same pipeline, another N), picked per tile after the first chunk's
+    decode, so the branch lies before the tile's first wgmma. The accumulator columns past n stay 0 (the caller zeroes
+    the accumulator; the row scales keep them 0) and no epilogue stores a row past ``row_end``.
     """
 
     @cute.jit
     def fragments(self, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sScale, dec):
         f = self.common_fragments(tiled_mma, ctidx, sA, sW, 4)
+        tt = self.tile_tokens
         thr_mma = tiled_mma.get_slice(ctidx)
         f.tCrA2 = thr_mma.make_fragment_A(thr_mma.partition_shape_A((self.tile_n, K_CHUNK)))  # the second buffer
         f.frag2 = cute.recast_tensor(f.tCrA2, Int32)
         f.tmp = cute.make_rmem_tensor(f.acc_shape, Float32)
-        f.sa = cute.make_rmem_tensor((2, self.tile_tokens // 8), Float32)  # (c, j): token 8j + 2q + c
+        f.sa = cute.make_rmem_tensor((2, tt // 8), Float32)  # (c, j): token 8j + 2q + c
         # A chunk's first wgmma overwrites the temporary, the other three accumulate (the field is set once, here:
         # an MMA whose field changes inside a loop cannot be used after it).
         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-        f.mma_first = tiled_mma
-        f.mma_acc = self.tiled_mma(self.tile_tokens)
-        f.mma_acc.set(warpgroup.Field.ACCUMULATE, True)
+        # Per token width: its two MMAs, the token fragments of the first n rows of sA, the first n columns of the
+        # accumulator and of the temporary; the full width is the tile's own.
+        f.widths = fp8_token_widths(tt)
+        f.width_ops = []
+        for n in f.widths:
+            if cutlass.const_expr(n == tt):
+                f.width_ops.append(SimpleNamespace(n=n, mma_first=tiled_mma, mma_acc=self.width_mma(n, True),
+                                                   tCrB=f.tCrB, acc=f.acc, tmp=f.tmp))
+            else:
+                mma_first = self.width_mma(n, False)
+                f.width_ops.append(SimpleNamespace(n=n, mma_first=mma_first, mma_acc=self.width_mma(n, True),
+                                                   tCrB=self.width_tokens(mma_first, ctidx, sA, n),
+                                                   acc=self.columns(f.acc, n), tmp=self.columns(f.tmp, n)))
         # The tokens' FP32 scales: (token, 4 chunks, stage), 32-bit words of the same TMA box as block-32 mode's.
         f.sSFA = cute.make_tensor(cute.recast_ptr(sSFA.iterator, dtype=Float32), sSFA.layout)
         f.sSFW = sSFW
         return f
 
     @cute.jit
-    def issue(self, f, tCrA, s):
-        """The chunk's four k32 wgmmas (A: ``tCrA``, tokens of stage ``s``) into ``f.tmp``, as one group."""
+    def issue(self, f, wd, tCrA, s):
+        """The chunk's four k32 wgmmas (A: ``tCrA``, tokens of stage ``s``) of token width ``wd`` into its temporary,
+        as one group."""
         warpgroup.fence()
         for kb in cutlass.range_constexpr(4):
-            cute.gemm(f.mma_first if kb == 0 else f.mma_acc, f.tmp, tCrA[(None, None, kb)], f.tCrB[(None, None, kb, s)],
-                      f.tmp)
+            cute.gemm(wd.mma_first if kb == 0 else wd.mma_acc, wd.tmp, tCrA[(None, None, kb)],
+                      wd.tCrB[(None, None, kb, s)], wd.tmp)
         warpgroup.commit_group()
 
     @cute.jit
-    def token_scales(self, f, kt, s):
-        """This thread's token scales of chunk ``kt`` (word kt % 4 of each token's 4-chunk box in stage ``s``)."""
-        for j in cutlass.range_constexpr(self.tile_tokens // 8):
+    def token_scales(self, f, wd, kt, s):
+        """This thread's token scales of chunk ``kt`` (word kt % 4 of each token's 4-chunk box in stage ``s``), the
+        columns of token width ``wd``."""
+        for j in cutlass.range_constexpr(wd.n // 8):
             for c in cutlass.range_constexpr(2):
                 f.sa[c, j] = f.sSFA[f.cC[c + 4 * j][1], kt % 4, s]
 
     @cute.jit
-    def promote(self, f):
-        """acc += tmp * s_token (the chunk's wgmmas retired)."""
-        acc, tmp, sa = f.acc, f.tmp, f.sa
-        for j in cutlass.range_constexpr(self.tile_tokens // 8):
+    def promote(self, f, wd):
+        """acc += tmp * s_token over the columns of token width ``wd`` (the chunk's wgmmas retired)."""
+        acc, tmp, sa = wd.acc, wd.tmp, f.sa
+        for j in cutlass.range_constexpr(wd.n // 8):
             for r in cutlass.range_constexpr(2):
                 for c in cutlass.range_constexpr(2):
                     i = c + 2 * r + 4 * j
                     acc[i] = acc[i] + tmp[i] * sa[c, j]
 
     @cute.jit
-    def step(self, ab_pipeline, f, ahead, state, kt, tCrA, next_frag):
-        """Chunk ``kt`` (stage ``state``, decoded into ``tCrA``): issue its wgmmas, read its token scales, decode chunk
-        kt + 1 (stage ``ahead``, waited for here) into ``next_frag`` when given, wait, free chunk kt's stage, promote.
-        Returns the advanced states."""
+    def step(self, ab_pipeline, f, wd, ahead, state, kt, tCrA, next_frag):
+        """Chunk ``kt`` (stage ``state``, decoded into ``tCrA``) at token width ``wd``: issue its wgmmas, read its
+        token scales, decode chunk kt + 1 (stage ``ahead``, waited for here) into ``next_frag`` when given, wait, free
+        chunk kt's stage, promote. Returns the advanced states."""
         s = state.index
-        self.issue(f, tCrA, s)
-        self.token_scales(f, kt, s)
+        self.issue(f, wd, tCrA, s)
+        self.token_scales(f, wd, kt, s)
         if cutlass.const_expr(next_frag is not None):
             ab_pipeline.consumer_wait(ahead)
             self.decode(f, next_frag, ahead.index)
@@ -525,33 +572,59 @@ class Fp8Block128Mainloop(Fp8Mainloop):
         warpgroup.wait_group(0)
         ab_pipeline.consumer_release(state)
         state.advance()
-        self.promote(f)
+        self.promote(f, wd)
         return ahead, state
+
+    @cute.jit
+    def last_pair(self, ab_pipeline, f, wd, ahead, release, k_tiles):
+        """The tile's last two chunks at token width ``wd``: k - 2 in the first fragment buffer, k - 1 in the second
+        (nothing decoded after it). Returns the advanced states."""
+        ahead, release = self.step(ab_pipeline, f, wd, ahead, release, k_tiles - 2, f.tCrA, f.frag2)
+        return self.step(ab_pipeline, f, wd, ahead, release, k_tiles - 1, f.tCrA2, None)
 
     @cute.jit
     def tile(self, ab_pipeline, state, release, f, k_tiles, row0, row_end, row_scale, n_tile, group):
         """One tile's K loop into ``f.acc`` (zeroed by the caller; ``k_tiles`` >= 1, even unless the build is for odd
-        chunk counts), then each weight row times its scale (``row_scale``: (N, E) float32, row ``n_tile * tile_n +
-        ...`` of expert ``group``). ``state``: the stage to wait for next; ``release``: the next to free (they stay
-        equal between tiles)."""
+        chunk counts) on the narrowest token width holding its rows ``[row0, row_end)``, then each weight row times
+        its scale (``row_scale``: (N, E) float32, row ``n_tile * tile_n + ...`` of expert ``group``). ``state``: the
+        stage to wait for next; ``release``: the next to free (they stay equal between tiles)."""
         ahead = state
         ab_pipeline.consumer_wait(ahead)
         self.decode(f, f.frag, ahead.index)
         ahead.advance()
-        if cutlass.const_expr(self.even_chunks):
-            for kp in cutlass.range(k_tiles // 2 - 1, unroll=1):
-                ahead, release = self.step(ab_pipeline, f, ahead, release, 2 * kp, f.tCrA, f.frag2)
-                ahead, release = self.step(ab_pipeline, f, ahead, release, 2 * kp + 1, f.tCrA2, f.frag)
-            ahead, release = self.step(ab_pipeline, f, ahead, release, k_tiles - 2, f.tCrA, f.frag2)
-            ahead, release = self.step(ab_pipeline, f, ahead, release, k_tiles - 1, f.tCrA2, None)
+        if cutlass.const_expr(len(f.widths) == 1):
+            ahead, release = self.k_loop(ab_pipeline, f, f.width_ops[0], ahead, release, k_tiles)
         else:
-            for kp in cutlass.range((k_tiles - 1) // 2, unroll=1):  # every pair before the last chunk
-                ahead, release = self.step(ab_pipeline, f, ahead, release, 2 * kp, f.tCrA, f.frag2)
-                ahead, release = self.step(ab_pipeline, f, ahead, release, 2 * kp + 1, f.tCrA2, f.frag)
-            if k_tiles % 2 == 0:  # the last pair: chunk k - 2 in the first buffer, k - 1 in the second
-                ahead, release = self.step(ab_pipeline, f, ahead, release, k_tiles - 2, f.tCrA, f.frag2)
-                ahead, release = self.step(ab_pipeline, f, ahead, release, k_tiles - 1, f.tCrA2, None)
-            else:  # the last chunk alone, decoded into the first buffer
-                ahead, release = self.step(ab_pipeline, f, ahead, release, k_tiles - 1, f.tCrA, None)
+            ahead, release = self.width_k_loops(ab_pipeline, f, self.width_index(f.widths, row0, row_end), ahead,
+                                                release, k_tiles)
         self.apply_row_scales(f.acc, f.cC, row_scale, n_tile, group)
+        return ahead, release
+
+    @cute.jit
+    def width_k_loops(self, ab_pipeline, f, width, ahead, release, k_tiles):
+        """The K loop of token width ``f.widths[width]`` (``width``: run time), one ``if width == w`` per width. How
+        the K loops are branched to changes nothing but ptxas's register allocation, which decides whether it keeps
+        the wgmma pipeline: this form for the grouped GEMM, a chain of if / else for the Mega MoE kernel
+        (``Fp8Block128MegaMainloop``); each the one of the two whose builds ptxas compiles without serializing a
+        wgmma (the compile tests check every build)."""
+        for w in cutlass.range_constexpr(len(f.widths)):  # every branch runs a whole K loop
+            if width == w:
+                ahead, release = self.k_loop(ab_pipeline, f, f.width_ops[w], ahead, release, k_tiles)
+        return ahead, release
+
+    @cute.jit
+    def k_loop(self, ab_pipeline, f, wd, ahead, release, k_tiles):
+        """The tile's ``k_tiles`` chunks at token width ``wd``, chunk 0 decoded into the first buffer and ``ahead``
+        the stage of chunk 1. Returns the advanced states ``(ahead, release)``."""
+        # Every pair before the last chunk (the same count for even k_tiles), then the last pair or chunk.
+        pairs = k_tiles // 2 - 1 if cutlass.const_expr(self.even_chunks) else (k_tiles - 1) // 2
+        for kp in cutlass.range(pairs, unroll=1):
+            ahead, release = self.step(ab_pipeline, f, wd, ahead, release, 2 * kp, f.tCrA, f.frag2)
+            ahead, release = self.step(ab_pipeline, f, wd, ahead, release, 2 * kp + 1, f.tCrA2, f.frag)
+        if cutlass.const_expr(self.even_chunks):
+            ahead, release = self.last_pair(ab_pipeline, f, wd, ahead, release, k_tiles)
+        elif k_tiles % 2 == 0:
+            ahead, release = self.last_pair(ab_pipeline, f, wd, ahead, release, k_tiles)
+        else:  # the last chunk alone, decoded into the first buffer
+            ahead, release = self.step(ab_pipeline, f, wd, ahead, release, k_tiles - 1, f.tCrA, None)
         return ahead, release

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import cutlass
 from cutlass import Float32, cute
 
 from ...scheduler import tiles
@@ -57,6 +58,25 @@ class Fp8Block128MegaMainloop(Fp8Block128Mainloop):
     def __init__(self, config, stages: int, cps: int, num_local_experts: int):
         super().__init__(config, stages, cps)
         self.num_local = num_local_experts
+
+    @cute.jit
+    def width_k_loops(self, ab_pipeline, f, width, ahead, release, k_tiles):
+        """The token width's K loop as a chain of if / else from the narrowest width, the widest the last else: with
+        one ``if`` per width ptxas serialized the wgmmas of the two-pass build at pro sizes (C7511)."""
+        ahead, release = self.width_chain(ab_pipeline, f, width, 0, ahead, release, k_tiles)
+        return ahead, release
+
+    @cute.jit
+    def width_chain(self, ab_pipeline, f, width, w: cutlass.Constexpr[int], ahead, release, k_tiles):
+        """``width_k_loops`` from width index ``w`` on."""
+        if cutlass.const_expr(w == len(f.widths) - 1):
+            ahead, release = self.k_loop(ab_pipeline, f, f.width_ops[w], ahead, release, k_tiles)
+        else:
+            if width == w:
+                ahead, release = self.k_loop(ab_pipeline, f, f.width_ops[w], ahead, release, k_tiles)
+            else:
+                ahead, release = self.width_chain(ab_pipeline, f, width, w + 1, ahead, release, k_tiles)
+        return ahead, release
 
     @cute.jit
     def row_scales(self, row_scale, row0, row1, group):
