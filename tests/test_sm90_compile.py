@@ -334,45 +334,41 @@ def test_programmatic_dependent_waits_before_global_memory(sm90a_builds, case):
     assert not early, f"global-memory instructions before griddepcontrol.wait: {early}"
 
 
+def _assert_no_spills(sm90a_builds, cases: list[int]) -> None:
+    """RELEASE_CASES ``cases`` compiled (no error) with no spill stores or loads in ptxas's report; skipped without a
+    ptxas on PATH."""
+    if "ptxas" not in sm90a_builds[0]:
+        pytest.skip("no ptxas on PATH")
+    for i in cases:
+        build = sm90a_builds[i]
+        assert "error" not in build, build.get("error")
+        assert build["spills"] and not any(build["spills"]), f"{RELEASE_IDS[i]}: {build['spills']}"
+
+
 def test_copy_builds_do_not_spill(sm90a_builds):
     """The E4M3-copy variants (``decode="copy"``) within their setmaxnreg budgets: ptxas reports no spill stores or
     loads. Needs a ptxas on PATH."""
-    if "ptxas" not in sm90a_builds[0]:
-        pytest.skip("no ptxas on PATH")
-    first = len(RELEASE_CASES) - len(COPY_CASES)
-    for i, (cfg, mode, epilogue) in enumerate(COPY_CASES):
-        build = sm90a_builds[first + i]
-        assert RELEASE_CASES[first + i][0] == cfg
-        assert "error" not in build, build.get("error")
-        assert build["spills"] and not any(build["spills"]), f"{cfg.describe(epilogue)} {mode}: {build['spills']}"
+    cases = [i for i, (c, *_) in enumerate(RELEASE_CASES) if c.decode == "copy"]
+    assert len(cases) >= len(COPY_CASES), cases
+    _assert_no_spills(sm90a_builds, cases)
 
 
 def test_smem_decode_builds_do_not_spill(sm90a_builds):
     """The shared-memory decode variants within their setmaxnreg budgets (the consumers' and the decode warps'):
     ptxas reports no spill stores or loads. Needs a ptxas on PATH."""
-    if "ptxas" not in sm90a_builds[0]:
-        pytest.skip("no ptxas on PATH")
-    first = len(COMPILE_CASES) + len(FOLDED_CASES) + len(RECIPE128_CASES)
-    for i, (cfg, mode, epilogue) in enumerate(SMEM_DECODE_CASES):
-        build = sm90a_builds[first + i]
-        assert RELEASE_CASES[first + i][0] == cfg
-        assert "error" not in build, build.get("error")
-        assert build["spills"] and not any(build["spills"]), f"{cfg.describe(epilogue)} {mode}: {build['spills']}"
+    cases = [i for i, (c, *_) in enumerate(RELEASE_CASES) if c.decode == "smem"]
+    assert len(cases) >= len(SMEM_DECODE_CASES), cases
+    _assert_no_spills(sm90a_builds, cases)
 
 
 def test_recipe128_token_width_builds_do_not_spill(sm90a_builds):
     """Recipe (1, 1, 128)'s register-decode builds of 128-row token tiles (one K loop per token width,
     ``fp8_token_widths``: the grouped GEMM on one and two consumer warpgroups, even and odd chunk counts, the Mega MoE
     kernel's two-pass tiles) within their registers: ptxas reports no spill stores or loads. Needs a ptxas on PATH."""
-    if "ptxas" not in sm90a_builds[0]:
-        pytest.skip("no ptxas on PATH")
     cases = [i for i, (c, *_) in enumerate(RELEASE_CASES)
              if c.mma == "fp8" and c.token_block == 128 and c.decode == "regs" and len(fp8_token_widths(c.tile_tokens)) > 1]
     assert len(cases) >= 5, cases
-    for i in cases:
-        build = sm90a_builds[i]
-        assert "error" not in build, build.get("error")
-        assert build["spills"] and not any(build["spills"]), f"{RELEASE_IDS[i]}: {build['spills']}"
+    _assert_no_spills(sm90a_builds, cases)
 
 
 def test_debug_builds_compile_and_the_call_check_sees_their_printf(sm90a_builds):

@@ -563,11 +563,11 @@ class GroupedGemmSm90:
             )
         while valid:
             k_tiles = self.tile_k_steps(phase, dims)
+            tile_row_scale = self.tile_row_scale(row_scale, phase, groups)
             for p in cutlass.range_constexpr(self.n_passes):  # the tile's passes (``GemmConfig.n_passes``)
                 acc.fill(0.0)
                 state, release = self.mainloop.tile(ab_pipeline, state, release, f, k_tiles, row0, row_end,
-                                                    self.tile_row_scale(row_scale, phase, groups),
-                                                    self.pass_tile(n_tile, p), block)
+                                                    tile_row_scale, self.pass_tile(n_tile, p), block)
                 if cutlass.const_expr(epi.bias is not None):
                     self.add_row_bias(acc, f.cC, epi.bias, block, self.pass_tile(n_tile, p))
                 self.tile_epilogue(acc, f.cC, ctidx, phase, sAct, sOut, epi, second, row0, row_end, n_tile, groups, p)
@@ -585,8 +585,8 @@ class GroupedGemmSm90:
             ptx.fence_acq_rel_sys()  # rows stored to other GPUs precede any release after this kernel
 
     def pass_tile(self, n_tile, p: int):
-        """Pass ``p``'s weight rows as an index in units of ``pass_n`` rows: tile ``n_tile`` itself with one pass."""
-        return n_tile if self.n_passes == 1 else n_tile * self.n_passes + p
+        """Pass ``p``'s weight rows as an index in units of ``pass_n`` rows (tile ``n_tile`` itself with one pass)."""
+        return n_tile * self.n_passes + p
 
     @cute.jit
     def add_row_bias(self, acc, cC, bias, e, n_pass):

@@ -63,8 +63,7 @@ class Fp8Block128MegaMainloop(Fp8Block128Mainloop):
     def width_k_loops(self, ab_pipeline, f, width, ahead, release, k_tiles):
         """The token width's K loop as a chain of if / else from the narrowest width, the widest the last else: with
         one ``if`` per width ptxas serialized the wgmmas of the two-pass build at pro sizes (C7511)."""
-        ahead, release = self.width_chain(ab_pipeline, f, width, 0, ahead, release, k_tiles)
-        return ahead, release
+        return self.width_chain(ab_pipeline, f, width, 0, ahead, release, k_tiles)
 
     @cute.jit
     def width_chain(self, ab_pipeline, f, width, w: cutlass.Constexpr[int], ahead, release, k_tiles):
