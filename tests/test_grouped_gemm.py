@@ -922,6 +922,7 @@ def test_recipe128_copy_bitwise_equals_register_decode(tile_tokens, tile_n):
     bk, bk_sf = (prepare_fp4_weights_l1 if swiglu else prepare_fp4_weights)(w, w_sf, fold=True)
     copy = e4m3_weight_copy(bk, bk_sf)
     m = a.shape[0]
+    topk_weights = torch.rand(m, generator=gen).cuda()  # one draw for both builds
     outs = {}
     for decode in ("regs", "copy"):
         cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, mma="fp8", token_block=128, decode=decode)
@@ -929,7 +930,7 @@ def test_recipe128_copy_bitwise_equals_register_decode(tile_tokens, tile_n):
         if swiglu:
             out = torch.full((m, n // 2), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
             out_sf = torch.full((m, n // 256), float("nan"), dtype=torch.float32, device="cuda")
-            grouped_gemm_fp8_fp4_swiglu_contiguous(a, a_sf, bk, bk_sf, offsets, torch.rand(m, generator=gen).cuda(),
+            grouped_gemm_fp8_fp4_swiglu_contiguous(a, a_sf, bk, bk_sf, offsets, topk_weights,
                                                    out=out, out_sf=out_sf, config=cfg, w_e4m3=w_e4m3)
             outs[decode] = (out.view(torch.uint8), out_sf.view(torch.int32))
         else:
