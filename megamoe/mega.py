@@ -268,11 +268,12 @@ def tile_config(layout, num_tokens: int, num_sms: int):
 
     Recipe (1, 1, 128) (the layout's): FP8 mode, 256-row weight tiles (its L1 epilogue quantizes 128 intermediate
     columns per token, and both GEMMs share the config), one CTA per SM. Up to ``FOUR_WG_FP8_MAX_TILE_TOKENS``
-    covered rows, ``config.per_128_swiglu_config``: four consumer warpgroups, the smallest token tile of 8, 16 or 32
-    rows covering them; above, ``config.two_pass_128_config``: each tile as two 128-row passes on two consumer
-    warpgroups, the smallest token tile of 64 or 128 rows covering them (128 beyond): faster than the
-    four-warpgroup tiles from 2048 tokens/rank on flash and pro (bench/findings/recipe-128-mega.md; the switch point
-    itself is not measured). The rest of this docstring is recipe (1, 1, 32)'s.
+    expected rows, ``config.per_128_swiglu_config``: four consumer warpgroups, the smallest token tile of 8, 16 or 32
+    rows covering the covered rows (32 where none does); above, ``config.two_pass_128_config``: each tile as two
+    128-row passes on two consumer warpgroups, the smallest token tile of 64 or 128 rows covering them (128 beyond).
+    The family switches on the expected rows, not the covered ones: at 32 expected rows (43 covered) the
+    four-warpgroup 32-row tiles beat two passes of 64 rows, though they read about half the experts' weights twice
+    (bench/findings/token-tiles.md). The rest of this docstring is recipe (1, 1, 32)'s.
 
     Decode-sized calls whose 128-row L1 tiles (over the local experts expected to get a row) would not occupy every
     two-CTA slot run 64-row weight tiles on three CTAs per SM instead: the smaller tiles pay only where they fill
@@ -297,8 +298,8 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     covered = min(rows_per_expert + 2 * math.sqrt(rows_per_expert), half_ring)  # two Poisson standard deviations
     h, i = layout.kernel_hidden, layout.kernel_intermediate  # the sizes the kernel runs
     if layout.recipe == RECIPE_128:
-        if covered <= FOUR_WG_FP8_MAX_TILE_TOKENS:
-            return per_128_swiglu_config(covered).for_k(h, i)
+        if rows_per_expert <= FOUR_WG_FP8_MAX_TILE_TOKENS:
+            return per_128_swiglu_config(covered).for_k(h, i)  # at most its widest tile
         return two_pass_128_config(covered).for_k(h, i)
     n = math.gcd(2 * i, h)
     cfg = sm90.select_config(rows_per_expert, n, h, four_warpgroups=False)

@@ -289,15 +289,16 @@ def test_tile_config_recipe_128():
     """Recipe (1, 1, 128): FP8 mode, per-128 token scales, 256-row weight tiles (the per-128 SwiGLU epilogue's 128
     intermediate columns; both GEMMs share the config), one CTA per SM. The rows to cover: the expected rows per
     expert plus two Poisson standard deviations (pro 512 tokens/rank: 8 expected, 13.7 covered; 1024: 16, 24; 2048:
-    32, 43.3; flash 512: 12, 18.9; 1024: 24, 33.8). Up to 32 covered rows (``config.FOUR_WG_FP8_MAX_TILE_TOKENS``)
-    four consumer warpgroups, the smallest of 8 / 16 / 32 token rows covering them; above, two 128-row passes on two
-    consumer warpgroups with the smallest of 64 / 128 token rows covering them (128 beyond)."""
+    32, 43.3; 4096: 64, 80; flash 512: 12, 18.9; 1024: 24, 33.8). Up to 32 expected rows
+    (``config.FOUR_WG_FP8_MAX_TILE_TOKENS``) four consumer warpgroups, the smallest of 8 / 16 / 32 token rows covering
+    the covered rows (32 where none does: flash 1024, pro 2048); above, two 128-row passes on two consumer warpgroups
+    with the smallest of 64 / 128 token rows covering them (128 beyond)."""
     from megamoe.mega import tile_config
 
     shapes = {"flash": (256, 6, 4096, 2048), "pro": (384, 6, 7168, 3072)}
     want = {("flash", 1): (8, 1), ("flash", 8): (8, 1), ("flash", 128): (8, 1), ("flash", 512): (32, 1),
-            ("flash", 1024): (64, 2), ("flash", 2048): (64, 2), ("flash", 8192): (128, 2), ("pro", 8): (8, 1),
-            ("pro", 512): (16, 1), ("pro", 1024): (32, 1), ("pro", 2048): (64, 2), ("pro", 4096): (128, 2),
+            ("flash", 1024): (32, 1), ("flash", 2048): (64, 2), ("flash", 8192): (128, 2), ("pro", 8): (8, 1),
+            ("pro", 512): (16, 1), ("pro", 1024): (32, 1), ("pro", 2048): (32, 1), ("pro", 4096): (128, 2),
             ("pro", 8192): (128, 2)}
     for (preset, tokens), (tile_tokens, passes) in want.items():
         e, k, h, i = shapes[preset]
