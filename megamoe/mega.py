@@ -262,9 +262,9 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     a build for odd chunk counts).
 
     An expert's row count is about Poisson around the expected rows, so about half the experts get more than
-    expected: a token tile only as wide as the expected rows reads and decodes half the experts' weights twice. Above
-    the two-CTA tiles (where ``select_config`` itself adds the margin) the tiles cover the expected rows plus two
-    standard deviations (``covered``), as the smaller ones do.
+    expected: a token tile only as wide as the expected rows reads and decodes half the experts' weights twice. Within
+    a family of tiles (picked by the expected rows, below), the token tile covers the expected rows plus two standard
+    deviations (``covered``), as ``select_config`` does for the two-CTA tiles.
 
     Recipe (1, 1, 128) (the layout's): FP8 mode, 256-row weight tiles (its L1 epilogue quantizes 128 intermediate
     columns per token, and both GEMMs share the config), one CTA per SM. Up to ``FOUR_WG_FP8_MAX_TILE_TOKENS``
@@ -280,12 +280,15 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     slots the larger ones leave idle (faster for flash EP2 at 1 token/rank; slower where the 128-row tiles already
     fill the slots, as for pro at 1 token/rank, and at 8 tokens/rank).
 
-    Covered rows above ``MEGA_FOUR_WG_MAX_TILE_TOKENS`` take the smallest tile covering them on 128-row weight tiles.
-    Otherwise, from ``MEGA_FOUR_WG_MIN_ROWS`` expected rows per expert, token tiles up to
-    ``MEGA_FOUR_WG_MAX_TILE_TOKENS`` rows run 256-row weight tiles on four consumer warpgroups (``select_config``), one CTA per SM: faster than the 128-row
-    tiles from a few rows per expert (128 and 512 tokens/rank), slower below one (8 tokens/rank); decode-sized calls
-    keep the three-CTA tiles. Both thresholds come from alternated A/Bs with every row checked
-    (bench/findings/mega-small-calls.md, bench/findings/four-consumer-warpgroups.md)."""
+    From ``MEGA_FOUR_WG_MAX_TILE_TOKENS`` expected rows: the smallest token tile covering the covered rows, on 128-row
+    weight tiles (at 32 expected rows 64-row tiles beat the four-warpgroup 32-row ones, which read about half the
+    experts' weights twice; below 32, few experts get more than 32 rows, and a covered margin alone does not switch
+    the family, as for recipe (1, 1, 128)). Otherwise, from ``MEGA_FOUR_WG_MIN_ROWS`` expected rows per expert, token
+    tiles up to ``MEGA_FOUR_WG_MAX_TILE_TOKENS`` rows run 256-row weight tiles on four consumer warpgroups
+    (``select_config``), one CTA per SM: faster than the 128-row tiles from a few rows per expert (128 and 512
+    tokens/rank), slower below one (8 tokens/rank); decode-sized calls keep the three-CTA tiles. The thresholds come
+    from alternated A/Bs with every row checked (bench/findings/token-tiles.md, bench/findings/mega-small-calls.md,
+    bench/findings/four-consumer-warpgroups.md)."""
     from .kernels import sm90
     from .kernels.sm90.config import (
         FOUR_WG_FP8_MAX_TILE_TOKENS,
@@ -307,7 +310,7 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     l1_tiles = touched * 2 * i / 128
     if cfg.tile_tokens == sm90.THREE_CTA_TILE_TOKENS and cfg.ctas_per_sm == 2 and l1_tiles <= 2 * num_sms:
         return sm90.GemmConfig(tile_tokens=sm90.THREE_CTA_TILE_TOKENS, tile_n=64, ctas_per_sm=3).for_k(h, i)
-    if covered > MEGA_FOUR_WG_MAX_TILE_TOKENS:  # wider than the four-warpgroup tiles: one tile covering the margin
+    if rows_per_expert >= MEGA_FOUR_WG_MAX_TILE_TOKENS:  # one tile covering the margin
         return sm90.select_config(covered, n, h, four_warpgroups=False).for_k(h, i)
     wide = sm90.select_config(rows_per_expert, n, h)
     if (wide.consumer_warpgroups == 4 and rows_per_expert >= MEGA_FOUR_WG_MIN_ROWS

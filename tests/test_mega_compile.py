@@ -267,15 +267,15 @@ def test_tile_config_three_ctas_only_where_l1_tiles_leave_slots_idle():
 def test_tile_config_four_warpgroups_from_one_row_per_expert():
     """From one expected row per local expert (``MEGA_FOUR_WG_MIN_ROWS``), token tiles up to 32 rows run 256-row weight
     tiles on four consumer warpgroups, one CTA per SM (the reasons: ``tile_config``); wider token tiles keep the
-    128-row tiles, decode-sized calls the 128- or 64-row ones. Tiles cover the expected rows plus two Poisson
-    standard deviations: flash 512 tokens/rank (24 expected rows, 33.8 covered) runs 64-row token tiles, pro 2048
-    (64 expected, 80 covered) 128-row ones."""
+    128-row tiles, decode-sized calls the 128- or 64-row ones. From 32 expected rows the tile covers the expected rows
+    plus two Poisson standard deviations: pro 2048 tokens/rank (64 expected, 80 covered) runs 128-row token tiles;
+    flash 512 (24 expected, 33.8 covered) keeps the four-warpgroup 32-row ones."""
     from megamoe.mega import tile_config
 
     shapes = {"flash": (256, 6, 4096, 2048), "pro": (384, 6, 7168, 3072)}
     want = {  # (preset, tokens/rank): (tile_tokens, tile_n, ctas_per_sm); EP2, 132 SMs
         ("flash", 1): (8, 64, 3), ("flash", 8): (8, 128, 2), ("flash", 32): (8, 256, 1), ("flash", 128): (16, 256, 1),
-        ("flash", 512): (64, 128, 1), ("flash", 2048): (128, 128, 1),
+        ("flash", 512): (32, 256, 1), ("flash", 2048): (128, 128, 1),
         ("pro", 1): (8, 128, 2), ("pro", 8): (8, 128, 2), ("pro", 128): (8, 256, 1), ("pro", 512): (32, 256, 1),
         ("pro", 2048): (128, 128, 1), ("pro", 8192): (128, 128, 1),
     }
