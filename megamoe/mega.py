@@ -261,25 +261,34 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     blocks), built for the buffer's Hk and Ik (``GemmConfig.for_k``: an odd count of 128-K chunks in either makes it
     a build for odd chunk counts).
 
+    An expert's row count is about Poisson around the expected rows, so about half the experts get more than
+    expected: a token tile only as wide as the expected rows reads and decodes half the experts' weights twice. Within
+    a family of tiles (picked by the expected rows, below), the token tile covers the expected rows plus two standard
+    deviations (``covered``), as ``select_config`` does for the two-CTA tiles.
+
     Recipe (1, 1, 128) (the layout's): FP8 mode, 256-row weight tiles (its L1 epilogue quantizes 128 intermediate
     columns per token, and both GEMMs share the config), one CTA per SM. Up to ``FOUR_WG_FP8_MAX_TILE_TOKENS``
-    expected rows, ``config.per_128_swiglu_config`` (the staged L1's rule): four consumer warpgroups, the smallest
-    token tile of 8, 16 or 32 rows covering the expected rows; above, ``config.two_pass_128_config``: each tile as two
-    128-row passes on two consumer warpgroups, the smallest token tile of 64 or 128 rows covering the expected rows
-    (128 beyond), as the recipe-32 rule covers them: faster than the four-warpgroup tiles from 2048 tokens/rank on
-    flash and pro (bench/findings/recipe-128-mega.md; the switch point itself is not measured). The rest of this
-    docstring is recipe (1, 1, 32)'s.
+    expected rows, ``config.per_128_swiglu_config``: four consumer warpgroups, the smallest token tile of 8, 16 or 32
+    rows covering the covered rows (32 where none does); above, ``config.two_pass_128_config``: each tile as two
+    128-row passes on two consumer warpgroups, the smallest token tile of 64 or 128 rows covering them (128 beyond).
+    The family switches on the expected rows, not the covered ones: at 32 expected rows (43 covered) the
+    four-warpgroup 32-row tiles beat two passes of 64 rows, though they read about half the experts' weights twice
+    (bench/findings/token-tiles.md). The rest of this docstring is recipe (1, 1, 32)'s.
 
     Decode-sized calls whose 128-row L1 tiles (over the local experts expected to get a row) would not occupy every
     two-CTA slot run 64-row weight tiles on three CTAs per SM instead: the smaller tiles pay only where they fill
     slots the larger ones leave idle (faster for flash EP2 at 1 token/rank; slower where the 128-row tiles already
     fill the slots, as for pro at 1 token/rank, and at 8 tokens/rank).
 
-    From ``MEGA_FOUR_WG_MIN_ROWS`` expected rows per expert, token tiles up to ``MEGA_FOUR_WG_MAX_TILE_TOKENS`` rows
-    run 256-row weight tiles on four consumer warpgroups (``select_config``), one CTA per SM: faster than the 128-row
-    tiles from a few rows per expert (128 and 512 tokens/rank), slower below one (8 tokens/rank); decode-sized calls
-    keep the three-CTA tiles. Both thresholds come from alternated A/Bs with every row checked
-    (bench/findings/mega-small-calls.md, bench/findings/four-consumer-warpgroups.md)."""
+    From ``MEGA_FOUR_WG_MAX_TILE_TOKENS`` expected rows: the smallest token tile covering the covered rows, on 128-row
+    weight tiles (at 32 expected rows 64-row tiles beat the four-warpgroup 32-row ones, which read about half the
+    experts' weights twice; below 32, few experts get more than 32 rows, and a covered margin alone does not switch
+    the family, as for recipe (1, 1, 128)). Otherwise, from ``MEGA_FOUR_WG_MIN_ROWS`` expected rows per expert, token
+    tiles up to ``MEGA_FOUR_WG_MAX_TILE_TOKENS`` rows run 256-row weight tiles on four consumer warpgroups
+    (``select_config``), one CTA per SM: faster than the 128-row tiles from a few rows per expert (128 and 512
+    tokens/rank), slower below one (8 tokens/rank); decode-sized calls keep the three-CTA tiles. The thresholds come
+    from alternated A/Bs with every row checked (bench/findings/token-tiles.md, bench/findings/mega-small-calls.md,
+    bench/findings/four-consumer-warpgroups.md)."""
     from .kernels import sm90
     from .kernels.sm90.config import (
         FOUR_WG_FP8_MAX_TILE_TOKENS,
@@ -287,18 +296,22 @@ def tile_config(layout, num_tokens: int, num_sms: int):
         two_pass_128_config,
     )
 
-    rows_per_expert = min(layout.num_ranks * num_tokens * layout.num_topk / layout.num_experts, layout.num_ring_tokens // 2)
+    half_ring = layout.num_ring_tokens // 2
+    rows_per_expert = min(layout.num_ranks * num_tokens * layout.num_topk / layout.num_experts, half_ring)
+    covered = min(rows_per_expert + 2 * math.sqrt(rows_per_expert), half_ring)  # two Poisson standard deviations
     h, i = layout.kernel_hidden, layout.kernel_intermediate  # the sizes the kernel runs
     if layout.recipe == RECIPE_128:
         if rows_per_expert <= FOUR_WG_FP8_MAX_TILE_TOKENS:
-            return per_128_swiglu_config(rows_per_expert).for_k(h, i)
-        return two_pass_128_config(rows_per_expert).for_k(h, i)
+            return per_128_swiglu_config(covered).for_k(h, i)  # at most its widest tile
+        return two_pass_128_config(covered).for_k(h, i)
     n = math.gcd(2 * i, h)
     cfg = sm90.select_config(rows_per_expert, n, h, four_warpgroups=False)
     touched = layout.num_local_experts * -math.expm1(-rows_per_expert)  # experts with a row (Poisson counts)
     l1_tiles = touched * 2 * i / 128
     if cfg.tile_tokens == sm90.THREE_CTA_TILE_TOKENS and cfg.ctas_per_sm == 2 and l1_tiles <= 2 * num_sms:
         return sm90.GemmConfig(tile_tokens=sm90.THREE_CTA_TILE_TOKENS, tile_n=64, ctas_per_sm=3).for_k(h, i)
+    if rows_per_expert >= MEGA_FOUR_WG_MAX_TILE_TOKENS:  # one tile covering the margin
+        return sm90.select_config(covered, n, h, four_warpgroups=False).for_k(h, i)
     wide = sm90.select_config(rows_per_expert, n, h)
     if (wide.consumer_warpgroups == 4 and rows_per_expert >= MEGA_FOUR_WG_MIN_ROWS
             and wide.tile_tokens <= MEGA_FOUR_WG_MAX_TILE_TOKENS):

@@ -267,7 +267,9 @@ def test_tile_config_three_ctas_only_where_l1_tiles_leave_slots_idle():
 def test_tile_config_four_warpgroups_from_one_row_per_expert():
     """From one expected row per local expert (``MEGA_FOUR_WG_MIN_ROWS``), token tiles up to 32 rows run 256-row weight
     tiles on four consumer warpgroups, one CTA per SM (the reasons: ``tile_config``); wider token tiles keep the
-    128-row tiles, decode-sized calls the 128- or 64-row ones."""
+    128-row tiles, decode-sized calls the 128- or 64-row ones. From 32 expected rows the tile covers the expected rows
+    plus two Poisson standard deviations: pro 2048 tokens/rank (64 expected, 80 covered) runs 128-row token tiles;
+    flash 512 (24 expected, 33.8 covered) keeps the four-warpgroup 32-row ones."""
     from megamoe.mega import tile_config
 
     shapes = {"flash": (256, 6, 4096, 2048), "pro": (384, 6, 7168, 3072)}
@@ -275,7 +277,7 @@ def test_tile_config_four_warpgroups_from_one_row_per_expert():
         ("flash", 1): (8, 64, 3), ("flash", 8): (8, 128, 2), ("flash", 32): (8, 256, 1), ("flash", 128): (16, 256, 1),
         ("flash", 512): (32, 256, 1), ("flash", 2048): (128, 128, 1),
         ("pro", 1): (8, 128, 2), ("pro", 8): (8, 128, 2), ("pro", 128): (8, 256, 1), ("pro", 512): (32, 256, 1),
-        ("pro", 2048): (64, 128, 1), ("pro", 8192): (128, 128, 1),
+        ("pro", 2048): (128, 128, 1), ("pro", 8192): (128, 128, 1),
     }
     for (preset, tokens), expected in want.items():
         e, k, h, i = shapes[preset]
@@ -285,16 +287,18 @@ def test_tile_config_four_warpgroups_from_one_row_per_expert():
 
 def test_tile_config_recipe_128():
     """Recipe (1, 1, 128): FP8 mode, per-128 token scales, 256-row weight tiles (the per-128 SwiGLU epilogue's 128
-    intermediate columns; both GEMMs share the config), one CTA per SM. Up to 32 expected rows per expert
-    (``config.FOUR_WG_FP8_MAX_TILE_TOKENS``) the staged L1's config: four consumer warpgroups, the smallest of 8 / 16 /
-    32 token rows covering them; above, two 128-row passes on two consumer warpgroups with the smallest of 64 / 128
-    token rows covering them (128 beyond)."""
+    intermediate columns; both GEMMs share the config), one CTA per SM. The rows to cover: the expected rows per
+    expert plus two Poisson standard deviations (pro 512 tokens/rank: 8 expected, 13.7 covered; 1024: 16, 24; 2048:
+    32, 43.3; 4096: 64, 80; flash 512: 12, 18.9; 1024: 24, 33.8). Up to 32 expected rows
+    (``config.FOUR_WG_FP8_MAX_TILE_TOKENS``) four consumer warpgroups, the smallest of 8 / 16 / 32 token rows covering
+    the covered rows (32 where none does: flash 1024, pro 2048); above, two 128-row passes on two consumer warpgroups
+    with the smallest of 64 / 128 token rows covering them (128 beyond)."""
     from megamoe.mega import tile_config
 
     shapes = {"flash": (256, 6, 4096, 2048), "pro": (384, 6, 7168, 3072)}
-    want = {("flash", 1): (8, 1), ("flash", 8): (8, 1), ("flash", 128): (8, 1), ("flash", 512): (16, 1),
+    want = {("flash", 1): (8, 1), ("flash", 8): (8, 1), ("flash", 128): (8, 1), ("flash", 512): (32, 1),
             ("flash", 1024): (32, 1), ("flash", 2048): (64, 2), ("flash", 8192): (128, 2), ("pro", 8): (8, 1),
-            ("pro", 512): (8, 1), ("pro", 1024): (16, 1), ("pro", 2048): (32, 1), ("pro", 4096): (64, 2),
+            ("pro", 512): (16, 1), ("pro", 1024): (32, 1), ("pro", 2048): (32, 1), ("pro", 4096): (128, 2),
             ("pro", 8192): (128, 2)}
     for (preset, tokens), (tile_tokens, passes) in want.items():
         e, k, h, i = shapes[preset]

@@ -171,10 +171,12 @@ def test_skewed_routing(seed):
     Simulator(4, 3, 1, 2, 3, 6, 3, 3, calls, seed=seed).run()
 
 
-@pytest.mark.parametrize("tokens,topk,seed", [(6, 4, 0), (16, 4, 1), (32, 4, 2), (32, 8, 3)])
-def test_protocol_completes_with_the_recipe_128_tiles(tokens, topk, seed):
+@pytest.mark.parametrize("tokens,topk,hot,seed", [(4, 4, 3, 0), (9, 4, None, 1), (20, 4, None, 2), (32, 8, None, 3)])
+def test_protocol_completes_with_the_recipe_128_tiles(tokens, topk, hot, seed):
     """Recipe (1, 1, 128)'s Mega MoE geometry: ``mega.tile_config``'s token tile (8, 16, 32 rows on four consumer
-    warpgroups, 64 rows in two passes: each case one) and 256-row weight tiles (L1: 2I / 256, L2: H / 256; the passes
+    warpgroups, 64 rows in two passes: each case one; expected rows per expert 4, 9, 20 and 64, each plus two Poisson
+    standard deviations, the last capped at half the ring; the 8-row case's tokens all on experts 0..2, whose
+    rank then receives more rows than its ring holds) and 256-row weight tiles (L1: 2I / 256, L2: H / 256; the passes
     are inside a tile), pull units of 2 KiB of FP8 per row, a ring of two blocks that the calls' rows overflow: every
     tile runs once and the ring is reused."""
     from megamoe import symm_buffer_layout
@@ -183,9 +185,9 @@ def test_protocol_completes_with_the_recipe_128_tiles(tokens, topk, seed):
     ranks, local, h, i = 2, 4, 512, 1024
     layout = symm_buffer_layout(ranks, ranks * local, tokens, topk, h, i, num_ring_tokens=128, recipe=(1, 1, 128))
     cfg = tile_config(layout, tokens, 132)
-    want = {(6, 4): (8, 1), (16, 4): (16, 1), (32, 4): (32, 1), (32, 8): (64, 2)}[tokens, topk]
+    want = {(4, 4): (8, 1), (9, 4): (16, 1), (20, 4): (32, 1), (32, 8): (64, 2)}[tokens, topk]
     assert cfg.tile_n == 256 and (cfg.tile_tokens, cfg.n_passes) == want
-    calls = _calls(seed, ranks, local, topk, tokens=(tokens,), masked=0.1)
+    calls = _calls(seed, ranks, local, topk, tokens=(tokens,), masked=0.1, hot=hot)
     sim = Simulator(local, cfg.tile_tokens, 2 * i // 256, h // 256, -(-h // 2048), 2 * cfg.tile_tokens, topk, 3, calls,
                     seed=seed)
     sim.run()
