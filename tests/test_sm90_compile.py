@@ -149,28 +149,17 @@ RECIPE128_CASES = [
     (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128), "offsets_counts", "swiglu_fp8"),
     (GemmConfig(tile_tokens=128, tile_n=64, mma="fp8", token_block=128), "masked", "bf16"),
 ]
-# Recipe (1, 1, 128) with the weights decoded once per tile into shared memory (``decode="smem"``): the plain BF16
-# and the scatter epilogue on one and two consumer warpgroups, the per-128 SwiGLU epilogue on four, the three group
-# layouts.
-SMEM_DECODE_CASES = [
-    (GemmConfig(tile_tokens=128, tile_n=128, mma="fp8", token_block=128, decode="smem"), "offsets", "bf16"),
-    (GemmConfig(tile_tokens=64, tile_n=128, mma="fp8", token_block=128, decode="smem"), "masked", "bf16"),
-    (GemmConfig(tile_tokens=128, tile_n=64, mma="fp8", token_block=128, decode="smem"), "offsets_counts", "bf16"),
-    (GemmConfig(tile_tokens=8, tile_n=128, mma="fp8", token_block=128, decode="smem"), "offsets", "bf16_scatter"),
-    (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128, decode="smem"), "offsets", "swiglu_fp8"),
-    (GemmConfig(tile_tokens=8, tile_n=256, mma="fp8", token_block=128, decode="smem"), "masked", "swiglu_fp8"),
-]
-# Recipe (1, 1, 128) reading the weights' E4M3 copy (``decode="copy"``, no decode): 128 and 64 token rows x 128 weight
-# rows (the compute-bound shapes it is for) with the plain BF16 epilogue, one consumer warpgroup, the scatter epilogue,
-# and the per-128 SwiGLU epilogue of the staged L1 on four consumer warpgroups.
-COPY_CASES = [
-    (GemmConfig(tile_tokens=128, tile_n=128, mma="fp8", token_block=128, decode="copy"), "offsets", "bf16"),
-    (GemmConfig(tile_tokens=64, tile_n=128, mma="fp8", token_block=128, decode="copy"), "masked", "bf16"),
-    (GemmConfig(tile_tokens=128, tile_n=64, mma="fp8", token_block=128, decode="copy"), "offsets_counts", "bf16"),
-    (GemmConfig(tile_tokens=8, tile_n=128, mma="fp8", token_block=128, decode="copy"), "offsets", "bf16_scatter"),
-    (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128, decode="copy"), "offsets", "swiglu_fp8"),
-    (GemmConfig(tile_tokens=8, tile_n=256, mma="fp8", token_block=128, decode="copy"), "masked", "swiglu_fp8"),
-]
+# Recipe (1, 1, 128) with a shared-memory weight operand: decoded once per tile into shared memory (``decode="smem"``)
+# or the weights' E4M3 copy loaded by TMA (``decode="copy"``, no decode). The same shapes for both: 128 and 64 token
+# rows x 128 weight rows with the plain BF16 epilogue, one consumer warpgroup, the scatter epilogue, and the per-128
+# SwiGLU epilogue of the staged L1 on four consumer warpgroups; the three group layouts.
+SS_OPERAND_SHAPES = [(128, 128, "offsets", "bf16"), (64, 128, "masked", "bf16"), (128, 64, "offsets_counts", "bf16"),
+                     (8, 128, "offsets", "bf16_scatter"), (32, 256, "offsets", "swiglu_fp8"),
+                     (8, 256, "masked", "swiglu_fp8")]
+SMEM_DECODE_CASES, COPY_CASES = (
+    [(GemmConfig(tile_tokens=t, tile_n=n, mma="fp8", token_block=128, decode=decode), mode, epilogue)
+     for t, n, mode, epilogue in SS_OPERAND_SHAPES]
+    for decode in ("smem", "copy"))
 # Builds for odd counts of 128-K chunks (``GemmConfig.even_chunks`` False: K a multiple of 128, not of 256): BF16 mode
 # with one chunk per stage where even counts load two (one CTA; the one-launch L1/L2 kernel's small and large token
 # tiles), recipe (1, 1, 128)'s pair loop with its parity tail on one, two and four consumer warpgroups (the per-128
