@@ -989,7 +989,8 @@ def test_whole_chunk_sizes_every_entry(chunks):
     views of 16-byte-aligned rows (``pad_token_scales``; the SwiGLU entries allocate such views, or take them). Recipe
     32, FP8 mode: the SwiGLU L1 into caller-given padded scale rows (the words past I/128 untouched), L2 on its output,
     a masked GEMM; BF16 mode: the default config's contiguous GEMM; recipe 128: the per-128 SwiGLU L1 (scales
-    allocated by the entry), then L2 on its output with the register and the shared-memory decode. Each against the
+    allocated by the entry), then L2 on its output with the register decode, the shared-memory decode and the E4M3
+    copy. Each against the
     FP64 reference (``_check_rows``, ``_check_swiglu``, ``_check_swiglu_128``), rows of no group keep their poison."""
     k = inter = 128 * chunks
     words, padded = chunks, -(-chunks // 4) * 4
@@ -1050,9 +1051,12 @@ def test_whole_chunk_sizes_every_entry(chunks):
     grouped_gemm_fp8_fp4_swiglu_contiguous(r, r_sf, c1, c1_sf, r_offsets, r_weights, out=r_act, out_sf=r_act_sf)
     torch.cuda.synchronize()
     _check_swiglu_128(r_act, r_act_sf, r, r_sf, f1, f1_sf, r_rows, r_weights, None)
-    for cfg in (None, GemmConfig(tile_tokens=32, tile_n=128, mma="fp8", token_block=128, decode="smem")):
+    c2_copy = e4m3_weight_copy(c2, c2_sf)
+    for cfg in (None, GemmConfig(tile_tokens=32, tile_n=128, mma="fp8", token_block=128, decode="smem"),
+                GemmConfig(tile_tokens=64, tile_n=128, mma="fp8", token_block=128, decode="copy")):
         r_out = torch.full((r.shape[0], k), nan16, dtype=torch.bfloat16, device="cuda")
-        grouped_gemm_fp8_fp4_contiguous(r_act, r_act_sf, c2, c2_sf, r_offsets, out=r_out, config=cfg)
+        grouped_gemm_fp8_fp4_contiguous(r_act, r_act_sf, c2, c2_sf, r_offsets, out=r_out, config=cfg,
+                                        w_e4m3=c2_copy if cfg is not None and cfg.decode == "copy" else None)
         torch.cuda.synchronize()
         _check_rows(r_out, r_act, r_act_sf, f2, f2_sf, r_rows, f"recipe 128 L2 at K = {k}, config {cfg}",
                     k32_per_sum=4)
