@@ -990,8 +990,8 @@ def test_whole_chunk_sizes_every_entry(chunks):
     32, FP8 mode: the SwiGLU L1 into caller-given padded scale rows (the words past I/128 untouched), L2 on its output,
     a masked GEMM; BF16 mode: the default config's contiguous GEMM; recipe 128: the per-128 SwiGLU L1 (scales
     allocated by the entry), then L2 on its output with the register decode, the shared-memory decode and the E4M3
-    copy. Each against the
-    FP64 reference (``_check_rows``, ``_check_swiglu``, ``_check_swiglu_128``), rows of no group keep their poison."""
+    copy. Each against the FP64 reference (``_check_rows``, ``_check_swiglu``, ``_check_swiglu_128``), rows of no
+    group keep their poison."""
     k = inter = 128 * chunks
     words, padded = chunks, -(-chunks // 4) * 4
     gen = torch.Generator().manual_seed(7000 + chunks)
