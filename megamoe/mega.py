@@ -264,7 +264,7 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     An expert's row count is about Poisson around the expected rows, so about half the experts get more than
     expected: a token tile only as wide as the expected rows reads and decodes half the experts' weights twice. Within
     a family of tiles (picked by the expected rows, below), the token tile covers the expected rows plus two standard
-    deviations (``covered``), as ``select_config`` does for the two-CTA tiles.
+    deviations (``covered``, ``config.poisson_cover``), as ``select_config`` does for the two-CTA tiles.
 
     Recipe (1, 1, 128) (the layout's): FP8 mode, 256-row weight tiles (its L1 epilogue quantizes 128 intermediate
     columns per token, and both GEMMs share the config), one CTA per SM. Up to ``FOUR_WG_FP8_MAX_TILE_TOKENS``
@@ -293,12 +293,13 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     from .kernels.sm90.config import (
         FOUR_WG_FP8_MAX_TILE_TOKENS,
         per_128_swiglu_config,
+        poisson_cover,
         two_pass_128_config,
     )
 
     half_ring = layout.num_ring_tokens // 2
     rows_per_expert = min(layout.num_ranks * num_tokens * layout.num_topk / layout.num_experts, half_ring)
-    covered = min(rows_per_expert + 2 * math.sqrt(rows_per_expert), half_ring)  # two Poisson standard deviations
+    covered = min(poisson_cover(rows_per_expert), half_ring)
     h, i = layout.kernel_hidden, layout.kernel_intermediate  # the sizes the kernel runs
     if layout.recipe == RECIPE_128:
         if rows_per_expert <= FOUR_WG_FP8_MAX_TILE_TOKENS:

@@ -366,6 +366,13 @@ def two_pass_128_config(expected_rows_per_expert: float) -> GemmConfig:
     return GemmConfig(tile_tokens=tokens, tile_n=256, mma="fp8", token_block=128, n_passes=2)
 
 
+def poisson_cover(expected_rows: float) -> float:
+    """The rows a token tile should cover for experts expected to get ``expected_rows``: an expert's row count is about
+    Poisson around it, so the expected rows plus two standard deviations (about 98% of the experts fit; a tile only as
+    wide as the expected rows reads and decodes about half the experts' weights twice)."""
+    return expected_rows + 2 * math.sqrt(expected_rows)
+
+
 def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "bf16",
                   four_warpgroups: bool = True, token_block: int = 32) -> GemmConfig:
     """Heuristic config for ``mma`` mode from the expected rows per expert (tokens) and the problem's N, K.
@@ -387,7 +394,7 @@ def select_config(expected_rows_per_expert: float, n: int, k: int, mma: str = "b
     tiles = TILE_TOKENS_CHOICES[mma]
     tile_tokens = next((t for t in tiles if t >= expected_rows_per_expert), tiles[-1])
     if mma == "bf16" and tile_tokens <= TWO_CTA_TILE_TOKENS["bf16"]:
-        margin = min(expected_rows_per_expert + 2 * math.sqrt(expected_rows_per_expert), TWO_CTA_TILE_TOKENS["bf16"])
+        margin = min(poisson_cover(expected_rows_per_expert), TWO_CTA_TILE_TOKENS["bf16"])
         tile_tokens = next(t for t in tiles if t >= margin)
     tile_n = 128 if n % 128 == 0 else 64
     ctas = 2 if tile_tokens <= TWO_CTA_TILE_TOKENS[mma] else 1
