@@ -467,8 +467,9 @@ def e4m3_weight_copy(bk: torch.Tensor, bk_sf: torch.Tensor) -> torch.Tensor:
     ``bk``: ``uint8 [E, N/64, K/128, 64, 64]`` (``prepare_fp4_weights(..., mma="fp8", fold=True)``); ``bk_sf``: its
     folded scales ``int32 [E, K/128 + 1, N]`` (or ``[E, 2 * K/128, N]``). Absolute (unfolded) scales are rejected:
     without a fold the per-32 scales are not in the values. Why: a compute-bound call (thousands of token rows per
-    expert) can afford one byte per weight instead of half a byte, and the decode, not the tensor cores, bounds the
-    kernel. Runs on ``bk``'s device, one expert at a time (float64 intermediates of one expert); weight-load time."""
+    expert) can afford one byte per weight instead of half a byte to take the decode out of the kernel's mainloop
+    (``mainloop_fp8_copy``). Runs on ``bk``'s device, one expert at a time (float64 intermediates of one expert);
+    weight-load time."""
     chunks, fmt = _fp8_weight_format(bk, bk_sf)
     if fmt == "absolute":
         fail("bk_sf", "holds absolute UE8M0 scales [E, K/128, N]; the E4M3 copy needs folded ones "

@@ -2,9 +2,11 @@
 decode at all. SS wgmma e4m3 x e4m3 as in ``mainloop_fp8_smem`` (weights on the wgmma M side, 64 rows per consumer
 warpgroup, tokens on N: the register mainloops' accumulator layout, so every epilogue applies as it is).
 
-Why: the register decode (``Fp8Block128Mainloop``) and the shared-memory decode (``Fp8SmemMainloop``) are bound by
-the instructions of the E2M1 -> E4M3 decode, not by the tensor cores. A compute-bound call (thousands of token rows
-per expert) can afford one byte per weight: ``weight_layout.e4m3_weight_copy`` makes, once at weight-load time, the
+Why: the register decode (``Fp8Block128Mainloop``) spends consumer issue slots on the E2M1 -> E4M3 decode beside the
+wgmmas, and the shared-memory decode (``Fp8SmemMainloop``) cannot decode a tile per chunk time on three warps. A
+compute-bound call (thousands of token rows per expert) can afford one byte per weight, and this mainloop also shows
+what the block-128 FP8 K loop reaches with no decode at all (bench/findings/recipe-128-gemm.md: the decode is part of
+the gap to an FP8 GEMM, not all of it). ``weight_layout.e4m3_weight_copy`` makes, once at weight-load time, the
 E4M3 values ``v * 2**d`` the decode would make, and the producer's TMA loads each stage's ``tile_n`` x 128 tile of
 them straight into the 128-byte swizzled K-major layout the SS wgmma descriptor reads (one 128-byte row per weight
 row and chunk: the swizzle atom's row). The producer warpgroup's warps 1-3 idle, as in the register-decode kernel.
