@@ -768,6 +768,11 @@ def _quantize_128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, amax / 448.0
 
 
+def _weights_copy(config, bk, bk_sf):
+    """The weights' E4M3 copy that ``config`` reads (``decode="copy"``), else None (the entries' ``w_e4m3``)."""
+    return e4m3_weight_copy(bk, bk_sf) if config is not None and config.decode == "copy" else None
+
+
 def _recipe128_case(counts, n, k, gen, lead_pad=2, tail_pad=7):
     """Contiguous tokens of recipe 128 (rows spanning many scales), NaN padding rows, folded L1-style weights."""
     e = len(counts)
@@ -804,7 +809,7 @@ def test_recipe128_contiguous_ragged(tile_tokens, tile_n, ctas, decode):
     out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
     cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, ctas_per_sm=ctas, mma="fp8", token_block=128,
                      decode=decode)
-    copy = e4m3_weight_copy(bk, bk_sf) if decode == "copy" else None
+    copy = _weights_copy(cfg, bk, bk_sf)
     grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg, w_e4m3=copy)
     torch.cuda.synchronize()
     _check_rows(out, a, a_sf, w, w_sf, row_expert, f"recipe 128 contiguous {cfg.describe()}", k32_per_sum=4)
@@ -838,7 +843,7 @@ def test_recipe128_ss_mainloops_many_tiles_per_cta(tile_tokens, decode):
     cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=128, mma="fp8", token_block=128, decode=decode)
     tiles = sum(-(-c // tile_tokens) for c in counts) * (n // cfg.tile_n)
     assert tiles > 2 * torch.cuda.get_device_properties(0).multi_processor_count
-    copy = e4m3_weight_copy(bk, bk_sf) if decode == "copy" else None
+    copy = _weights_copy(cfg, bk, bk_sf)
     grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg, w_e4m3=copy)
     torch.cuda.synchronize()
     _check_rows(out, a, a_sf, w, w_sf, row_expert, f"recipe 128 contiguous {cfg.describe()}", k32_per_sum=4)
@@ -859,7 +864,7 @@ def test_recipe128_masked_one_row_and_empty(config):
     w, w_sf = foldable_weights(e, n, k, gen, "cuda")
     bk, bk_sf = prepare_fp4_weights(w, w_sf, fold=True)
     out = torch.full((e, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    copy = e4m3_weight_copy(bk, bk_sf) if config is not None and config.decode == "copy" else None
+    copy = _weights_copy(config, bk, bk_sf)
     grouped_gemm_fp8_fp4_masked(a.view(e, max_m, k), a_sf.view(e, max_m, k // 128), bk, bk_sf,
                                 torch.tensor(masked, dtype=torch.int32, device="cuda"), out=out, config=config,
                                 w_e4m3=copy)
@@ -893,7 +898,7 @@ def test_recipe128_swiglu(tile_tokens, clamp, decode):
     out = torch.full((m, inter), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
     out_sf = torch.full((m, inter // 128), float("nan"), dtype=torch.float32, device="cuda")
     cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=256, mma="fp8", token_block=128, decode=decode)
-    copy = e4m3_weight_copy(bk, bk_sf) if decode == "copy" else None
+    copy = _weights_copy(cfg, bk, bk_sf)
     grouped_gemm_fp8_fp4_swiglu_contiguous(a, a_sf, bk, bk_sf, offsets, row_weights, clamp=clamp, out=out,
                                            out_sf=out_sf, config=cfg, w_e4m3=copy)
     torch.cuda.synchronize()
@@ -1051,12 +1056,11 @@ def test_whole_chunk_sizes_every_entry(chunks):
     grouped_gemm_fp8_fp4_swiglu_contiguous(r, r_sf, c1, c1_sf, r_offsets, r_weights, out=r_act, out_sf=r_act_sf)
     torch.cuda.synchronize()
     _check_swiglu_128(r_act, r_act_sf, r, r_sf, f1, f1_sf, r_rows, r_weights, None)
-    c2_copy = e4m3_weight_copy(c2, c2_sf)
     for cfg in (None, GemmConfig(tile_tokens=32, tile_n=128, mma="fp8", token_block=128, decode="smem"),
                 GemmConfig(tile_tokens=64, tile_n=128, mma="fp8", token_block=128, decode="copy")):
         r_out = torch.full((r.shape[0], k), nan16, dtype=torch.bfloat16, device="cuda")
         grouped_gemm_fp8_fp4_contiguous(r_act, r_act_sf, c2, c2_sf, r_offsets, out=r_out, config=cfg,
-                                        w_e4m3=c2_copy if cfg is not None and cfg.decode == "copy" else None)
+                                        w_e4m3=_weights_copy(cfg, c2, c2_sf))
         torch.cuda.synchronize()
         _check_rows(r_out, r_act, r_act_sf, f2, f2_sf, r_rows, f"recipe 128 L2 at K = {k}, config {cfg}",
                     k32_per_sum=4)
