@@ -306,13 +306,13 @@ def tile_config(layout, num_tokens: int, num_sms: int):
             return per_128_swiglu_config(covered).for_k(h, i)  # at most its widest tile
         return two_pass_128_config(covered).for_k(h, i)
     n = math.gcd(2 * i, h)
+    if rows_per_expert >= MEGA_FOUR_WG_MAX_TILE_TOKENS:  # one tile covering the margin
+        return sm90.select_config(covered, n, h, four_warpgroups=False).for_k(h, i)
     cfg = sm90.select_config(rows_per_expert, n, h, four_warpgroups=False)
     touched = layout.num_local_experts * -math.expm1(-rows_per_expert)  # experts with a row (Poisson counts)
     l1_tiles = touched * 2 * i / 128
     if cfg.tile_tokens == sm90.THREE_CTA_TILE_TOKENS and cfg.ctas_per_sm == 2 and l1_tiles <= 2 * num_sms:
         return sm90.GemmConfig(tile_tokens=sm90.THREE_CTA_TILE_TOKENS, tile_n=64, ctas_per_sm=3).for_k(h, i)
-    if rows_per_expert >= MEGA_FOUR_WG_MAX_TILE_TOKENS:  # one tile covering the margin
-        return sm90.select_config(covered, n, h, four_warpgroups=False).for_k(h, i)
     wide = sm90.select_config(rows_per_expert, n, h)
     if (wide.consumer_warpgroups == 4 and rows_per_expert >= MEGA_FOUR_WG_MIN_ROWS
             and wide.tile_tokens <= MEGA_FOUR_WG_MAX_TILE_TOKENS):
