@@ -955,6 +955,88 @@ def test_recipe128_copy_bitwise_equals_register_decode(tile_tokens, tile_n):
     assert not bool((outs["regs"][0][valid] == poison).any()), "valid rows not written"
 
 
+TOKENS_M_SHAPES = [(128, 128), (64, 128), (128, 64)]
+"""(tile_tokens, tile_n) of the tokens-on-M configs the GPU tests run: two and one consumer warpgroups, both weight
+tiles."""
+
+
+def _tokens_m_config(tile_tokens, tile_n, token_side="m"):
+    return GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, mma="fp8", token_block=128, decode="copy",
+                      token_side=token_side)
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("k", [1536, 640])
+@pytest.mark.parametrize("tile_tokens,tile_n", TOKENS_M_SHAPES)
+def test_recipe128_tokens_m_contiguous(tile_tokens, tile_n, k):
+    """Tokens on the wgmma M side (``token_side="m"``): ragged groups (empty experts, one row, partial tiles, groups
+    over several tiles; more tiles than CTAs, so each CTA takes several) between NaN padding rows, an even and an odd
+    count of 128-K chunks (the odd one with padded token-scale rows), against the FP64 reference of recipe 128;
+    padding rows keep their poison. Then the same call in a CUDA graph replayed twice into a re-poisoned output."""
+    gen = torch.Generator().manual_seed(480 + tile_tokens + tile_n + k)
+    counts, n = [300, 0, 1, 129, 64, 257, 200, 3, 511, 90], 2048
+    a, a_sf, offsets, row_expert = _recipe128_case(counts, n, k, gen)
+    if (k // 128) % 4:
+        a_sf = pad_token_scales(a_sf)
+    w, w_sf = foldable_weights(len(counts), n, k, gen, "cuda")
+    bk, bk_sf = prepare_fp4_weights(w, w_sf, fold=True)
+    cfg = _tokens_m_config(tile_tokens, tile_n)
+    tiles = sum(-(-c // tile_tokens) for c in counts) * (n // tile_n)
+    assert tiles > 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    copy = e4m3_weight_copy(bk, bk_sf)
+    out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg, w_e4m3=copy)
+    torch.cuda.synchronize()
+    _check_rows(out, a, a_sf, w, w_sf, row_expert, f"recipe 128 contiguous {cfg.for_k(k).describe()}", k32_per_sum=4)
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg, w_e4m3=copy)
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    _check_rows(out, a, a_sf, w, w_sf, row_expert, f"recipe 128 contiguous {cfg.describe()}, CUDA graph", k32_per_sum=4)
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("tile_tokens,tile_n", TOKENS_M_SHAPES)
+def test_recipe128_tokens_m_masked_and_swap_ab_bits(tile_tokens, tile_n):
+    """Tokens on the wgmma M side against the swap-AB E4M3 copy of the same tile shape on the same inputs: masked slabs
+    (one row, an empty expert, a partial and a full slab) against the FP64 reference, and both layouts' outputs
+    compared word for word with swap-AB's (each output element the same E4M3 products in the same four k32 wgmmas per
+    chunk, the same promotion, row scale and BF16 rounding; only the operands' wgmma sides differ)."""
+    gen = torch.Generator().manual_seed(490 + tile_tokens + tile_n)
+    masked, max_m, n, k = [1, 0, 70, 200], 200, 512, 1024
+    e = len(masked)
+    am, am_sf = (t.cuda() for t in _quantize_128(torch.randn(e * max_m, k, generator=gen)))
+    counts = [0, 1, 37, 5]
+    a, a_sf, offsets, row_expert = _recipe128_case(counts, n, k, gen)
+    w, w_sf = foldable_weights(e, n, k, gen, "cuda")
+    bk, bk_sf = prepare_fp4_weights(w, w_sf, fold=True)
+    copy = e4m3_weight_copy(bk, bk_sf)
+    masked_m = torch.tensor(masked, dtype=torch.int32, device="cuda")
+    outs = {}
+    for side in ("m", "n"):
+        cfg = _tokens_m_config(tile_tokens, tile_n, side)
+        outm = torch.full((e, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        grouped_gemm_fp8_fp4_masked(am.view(e, max_m, k), am_sf.view(e, max_m, k // 128), bk, bk_sf, masked_m,
+                                    out=outm, config=cfg, w_e4m3=copy)
+        out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg, w_e4m3=copy)
+        outs[side] = (outm.view(e * max_m, n), out)
+    torch.cuda.synchronize()
+    slab_expert = torch.full((e, max_m), -1, dtype=torch.int64)
+    for i, c in enumerate(masked):
+        slab_expert[i, :c] = i
+    _check_rows(outs["m"][0], am, am_sf, w, w_sf, slab_expert.flatten().cuda(),
+                f"recipe 128 masked {_tokens_m_config(tile_tokens, tile_n).describe()}", k32_per_sum=4)
+    for got, want in zip(outs["m"], outs["n"]):
+        differ = int((got.view(torch.int16) != want.view(torch.int16)).sum())
+        assert differ == 0, f"{differ} of {got.numel()} output words differ between tokens on M and swap-AB"
+
+
 def _check_swiglu_128(out, out_sf, a, a_sf, w1, w1_sf, row_expert, row_weights, clamp) -> None:
     """``test_recipe128_swiglu``'s check of per-128 SwiGLU rows ``out`` / ``out_sf`` (padding rows poisoned with
     E4M3 NaN bytes and NaN scales by the caller)."""

@@ -160,6 +160,13 @@ SMEM_DECODE_CASES, COPY_CASES = (
     [(GemmConfig(tile_tokens=t, tile_n=n, mma="fp8", token_block=128, decode=decode), mode, epilogue)
      for t, n, mode, epilogue in SS_OPERAND_SHAPES]
     for decode in ("smem", "copy"))
+# Recipe (1, 1, 128) with tokens on the wgmma M side (``token_side="m"``, the E4M3 copy, BF16 epilogue): one and two
+# consumer warpgroups of 64 token rows, 64- and 128-row weight tiles, the three group layouts, an odd chunk count.
+TOKENS_M_CASES = [
+    (GemmConfig(tile_tokens=t, tile_n=n, mma="fp8", token_block=128, decode="copy", token_side="m", even_chunks=even),
+     mode, "bf16")
+    for t, n, mode, even in [(128, 128, "offsets", True), (64, 128, "masked", True), (128, 64, "offsets_counts", True),
+                             (128, 128, "offsets", False)]]
 # Builds for odd counts of 128-K chunks (``GemmConfig.even_chunks`` False: K a multiple of 128, not of 256): BF16 mode
 # with one chunk per stage where even counts load two (one CTA; the one-launch L1/L2 kernel's small and large token
 # tiles), recipe (1, 1, 128)'s pair loop with its parity tail on one, two and four consumer warpgroups (the per-128
@@ -190,7 +197,7 @@ RELEASE_CASES = ([(c, m, e, None, False, False, True) for c, m, e in COMPILE_CAS
                  + [(MEGA128_CASES[i][0], "offsets", "l1_l2", MEGA128_CASES[i][1], True, False, True) for i in (1, 6)]
                  + [(c, m, e, lay, False, False, False) for c, m, e, lay in IEEE_SILU_CASES]
                  + [(c, m, e, None, False, folded, True) for c, m, e, folded in ODD_CHUNK_CASES]
-                 + [(c, m, e, None, False, True, True) for c, m, e in COPY_CASES])
+                 + [(c, m, e, None, False, True, True) for c, m, e in COPY_CASES + TOKENS_M_CASES])
 
 _COMPILE_CHILD = """
 import json, os, re, shutil, subprocess, sys
@@ -274,6 +281,7 @@ def compile_report(cases: list, dump_dir) -> list[dict]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 RELEASE_IDS = [f"{c.mma}{'x128' if c.token_block == 128 else ''}{'' if c.decode == 'regs' else '-' + c.decode}"
+               f"{'-tokens-m' if c.token_side == 'm' else ''}"
                f"{'' if c.even_chunks else '-odd'}"
                f"-{c.tile_tokens}x{c.tile_n}x{c.ctas_per_sm}{'-2pass' if c.n_passes == 2 else ''}-{m}-{e}"
                + ("" if lay is None else "-mega-r%d-e%d-h%d" % (lay[0], lay[1], lay[4]) + ("-r128" if R128 in lay else ""))
@@ -338,7 +346,7 @@ def test_copy_builds_do_not_spill(sm90a_builds):
     """The E4M3-copy variants (``decode="copy"``) within their setmaxnreg budgets: ptxas reports no spill stores or
     loads. Needs a ptxas on PATH."""
     cases = [i for i, (c, *_) in enumerate(RELEASE_CASES) if c.decode == "copy"]
-    assert len(cases) >= len(COPY_CASES), cases
+    assert len(cases) >= len(COPY_CASES) + len(TOKENS_M_CASES), cases
     _assert_no_spills(sm90a_builds, cases)
 
 
@@ -532,4 +540,18 @@ def test_config_validation():
     assert copy.stage_bytes() == regs.stage_bytes() + 128 * 64
     with pytest.raises(ValueError, match="config.decode` 'copy' .*runs in the separate grouped GEMMs only"):
         compile_l1_l2(GemmConfig(tile_tokens=64, tile_n=128, mma="fp8", token_block=128, decode="copy"))
+    # tokens on the wgmma M side: 64 token rows per consumer warpgroup, the copy's stage as it is
+    tokens_m = GemmConfig(tile_tokens=128, mma="fp8", token_block=128, decode="copy", token_side="m")
+    assert tokens_m.consumer_warpgroups == 2 and copy.consumer_warpgroups == 2
+    assert GemmConfig(tile_tokens=64, mma="fp8", token_block=128, decode="copy", token_side="m").consumer_warpgroups == 1
+    assert tokens_m.stage_bytes() == copy.stage_bytes() and "tokensM" in tokens_m.describe()
+    assert "swapAB" in copy.describe()
+    m_side = {"mma": "fp8", "token_block": 128, "decode": "copy", "token_side": "m"}
+    for bad in ({"token_side": "k"}, {**m_side, "decode": "regs"}, {**m_side, "decode": "smem"},
+                {**m_side, "tile_tokens": 32}, {**m_side, "tile_n": 256, "tile_tokens": 32}, {**m_side, "tile_n": 256}):
+        with pytest.raises(ValueError, match="config.(token_side|tile_n)` (must|256 needs)"):
+            GemmConfig(**bad)
+    for epilogue, bias in (("swiglu_fp8", False), ("bf16_scatter", False), ("bf16", True)):
+        with pytest.raises(ValueError, match="config.token_side` 'm' .* runs the BF16 epilogue without bias only"):
+            compile_grouped_gemm(tokens_m, "offsets", epilogue, folded=True, bias=bias)
 

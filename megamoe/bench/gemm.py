@@ -29,9 +29,12 @@ per expert, one line per row kind, log-log) is saved beside the receipt when mat
 per tile into shared memory, and/or not at all: read from their E4M3 copy (``GemmConfig.decode``;
 ``weight_layout.e4m3_weight_copy``, made once per weight set outside the timing), side by side. Each row's weights
 GB/s counts the bytes its kernel reads per weight (``Result.bytes_per_weight``, in the receipt): the packed FP4 value
-and its folded scale word (4 bytes per row and 128 K), or the copy's byte and the same scale word.
+and its folded scale word (4 bytes per row and 128 K), or the copy's byte and the same scale word. ``--token-sides
+n,m``: with the copy, also tokens on the wgmma M side (``GemmConfig.token_side``: 128 token rows x 128 weight rows,
+64-row token tiles up to 64 rows per expert).
 
-    python -m megamoe.bench.gemm [--quick] [--recipe 32|128] [--mma bf16,fp8] [--decode regs,smem,copy] [--fold row|chunk] [--no-alt]
+    python -m megamoe.bench.gemm [--quick] [--recipe 32|128] [--mma bf16,fp8] [--decode regs,smem,copy] [--token-sides n,m]
+                                 [--fold row|chunk] [--no-alt]
                                  [--presets flash,pro] [--layers l1,l2] [--ep 8,2] [--rows 1,4,16,64,256,1024,4096]
                                  [--routings N] [--peers humming] [--max-gb 100] [--json PATH]
 """
@@ -47,7 +50,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..kernels.sm90.config import DECODES
+from ..kernels.sm90.config import DECODES, TOKEN_SIDES, tokens_m_config
 from ..numerics import RECIPE_32, RECIPE_128, rel_fro_error
 from . import peers as peer_lib
 from .common import environment_receipt, measure_hbm_read_bandwidth, time_graph
@@ -191,12 +194,14 @@ def _weight_bytes(p: Point, bytes_per_weight: float) -> float:
     return p.experts * p.n * p.k * bytes_per_weight
 
 
-def kernel_configs(p: Point, mma: str, alternatives: bool, token_block: int = 32, decodes=("regs",)) -> list:
+def kernel_configs(p: Point, mma: str, alternatives: bool, token_block: int = 32, decodes=("regs",),
+                   token_sides=("n",)) -> list:
     """``select_config``'s choice for ``mma`` (and the tokens' scale block), plus one alternative: in BF16 mode 128-row
     weight tiles where it picks 256 (two CTAs per SM where the token tile allows), 1 CTA/SM where it picks two,
     tile_tokens=64 for 128 in either mode. FP8 mode with per-128 token scales: each of those for every weight decode
     in ``decodes`` ("regs", "smem", "copy": ``GemmConfig.decode``; "smem" and "copy" on one CTA per SM, which they
-    need), in that order."""
+    need), in that order; with the copy and "m" in ``token_sides`` then tokens on the wgmma M side
+    (``tokens_m_config``)."""
     import dataclasses
 
     from megamoe.kernels.sm90 import select_config
@@ -215,6 +220,8 @@ def kernel_configs(p: Point, mma: str, alternatives: bool, token_block: int = 32
     for decode in DECODES[1:]:
         one_cta = [dataclasses.replace(c, decode=decode, ctas_per_sm=1) for c in configs]
         out += [c for i, c in enumerate(one_cta) if decode in decodes and c not in one_cta[:i]]
+    if "copy" in decodes and "m" in token_sides:
+        out.append(tokens_m_config(p.rows_per_expert))
     return out
 
 
@@ -253,7 +260,8 @@ def run_kernel(p: Point, weights, token_sets: list, cfg) -> Result:
     # FP4 values (the copy: E4M3) + one scale byte per 32 (UE8M0, or the folded 4-byte words per 128)
     per_weight = (1.0 if cfg.decode == "copy" else 0.5) + 1 / 32
     wbytes = _weight_bytes(p, per_weight)
-    decode = {"regs": "", "smem": " smem-decode", "copy": " e4m3-copy"}[cfg.decode]
+    decode = {"regs": "", "smem": " smem-decode", "copy": " e4m3-copy"}[cfg.decode] + (
+        " tokens-M" if cfg.token_side == "m" else "")
     name = f"megamoe {cfg.mma}{'x128' if cfg.token_block == 128 else ''}{decode}"
     return Result(f"{name} mode", verdict, us, flops / us / 1e6, wbytes / us / 1e3, cfg.describe(), per_weight)
 
@@ -384,6 +392,8 @@ def main(argv=None) -> int:
                         help="FP8-mode weight scales folded per row (default) or per row and 128-K chunk")
     parser.add_argument("--decode", default="regs", help="recipe 128: where the kernel decodes the weights (comma "
                         "list of regs, smem, copy; GemmConfig.decode)")
+    parser.add_argument("--token-sides", default="n", help="recipe 128 with --decode copy: n (swap-AB) and/or m "
+                        "(tokens on the wgmma M side; GemmConfig.token_side)")
     parser.add_argument("--no-alt", action="store_true", help="no alternative config rows")
     parser.add_argument("--quick", action="store_true", help="flash only, EP8, rows 1,16,64,1024")
     parser.add_argument("--no-baselines", action="store_true")
@@ -407,6 +417,11 @@ def main(argv=None) -> int:
         parser.error(f"--decode takes a comma list of {', '.join(DECODES)}, got {args.decode!r}")
     if recipe != RECIPE_128 and decodes != ("regs",):
         parser.error("--decode smem and copy run recipe 128 only (--recipe 128)")
+    token_sides = tuple(args.token_sides.split(","))
+    if not token_sides or any(t not in TOKEN_SIDES for t in token_sides):
+        parser.error(f"--token-sides takes a comma list of {', '.join(TOKEN_SIDES)}, got {args.token_sides!r}")
+    if "m" in token_sides and "copy" not in decodes:
+        parser.error("--token-sides m runs with the weights' E4M3 copy only (--decode copy)")
     if "copy" in decodes and args.fold != "row":
         parser.error("--decode copy needs --fold row (the kernels take per-row folded scales only)")
     if args.routings < 1:
@@ -461,7 +476,7 @@ def main(argv=None) -> int:
         token_sets = [make_fp8_tokens(p, recipe) for _ in range(args.routings)]
         token_block = {"fp8": recipe[2], "bf16": 32}
         results = [run_kernel(p, weights, token_sets, cfg) for mma in mmas
-                   for cfg in kernel_configs(p, mma, not args.no_alt, token_block[mma], decodes)]
+                   for cfg in kernel_configs(p, mma, not args.no_alt, token_block[mma], decodes, token_sides)]
         results += [run_peer(p, gemm, weights["canonical"], token_sets) for gemm in peer_gemms.values()]
         token_sets = None
         torch.cuda.empty_cache()
@@ -478,7 +493,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "megamoe.bench gemm", "hbm_read_gbps": hbm, "recipe": list(recipe),
-                       "fold": args.fold, "decodes": list(decodes), "routings": args.routings,
+                       "fold": args.fold, "decodes": list(decodes),
+                       "token_sides": list(token_sides), "routings": args.routings,
                        "peers": {f"humming {act}-act": gemm.config() for act, gemm in peer_gemms.items()},
                        "environment": receipt, "records": records}, f, indent=1)
         save_plot_beside(args.json)

@@ -142,11 +142,15 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
     check_activation(activation)
     if not isinstance(bias, bool):
         raise TypeError(f"megamoe: `bias` must be a bool (whether the kernel adds a row bias), got {type(bias).__name__}")
+    if config.token_side == "m" and (epilogue != "bf16" or bias):
+        fail("config.token_side", f"'m' (tokens on the wgmma M side) runs the BF16 epilogue without bias only "
+             f"(out[m, n]: grouped_gemm_fp8_fp4_contiguous / _masked with out), got epilogue={epilogue!r}, bias={bias}")
     fast_math = fast_math or epilogue not in SWIGLU_EPILOGUES  # one build where silu is not computed
     activation = activation if epilogue in SWIGLU_EPILOGUES else "swiglu"
 
     def build():
         from .gemm import GroupedGemmSm90
+        from .gemm_tokens_m import TokensMGemmSm90
 
         m, n = _COMPILE_M, _COMPILE_N
         if epilogue == "swiglu_fp8":
@@ -164,7 +168,8 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
         if bias:
             epi = epi._replace(bias=runtime.to_cute(torch.empty(_COMPILE_E, n, dtype=torch.float32), leading_dim=1,
                                                     align=4))
-        kernel = GroupedGemmSm90(config, group_mode, epilogue, folded, fast_math, activation)
+        kernel = (TokensMGemmSm90 if config.token_side == "m" else GroupedGemmSm90)(
+            config, group_mode, epilogue, folded, fast_math, activation)
         return _compile(kernel, _placeholder_gemm(config, n, _COMPILE_K, folded), None, epi, MegaArgs.none())
 
     return runtime.compiled(("sm90.grouped_gemm", config, group_mode, epilogue, folded, fast_math, activation, bias),

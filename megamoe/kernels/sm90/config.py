@@ -26,6 +26,15 @@ of 16 bytes: their storage rows are padded to a multiple of this many words (``p
 ``[..., K/128]`` views the entries take and return are strided where K/128 is not such a multiple."""
 N_MULTIPLE = ROW_BLOCK  # weight rows: whole row blocks of the kernel layouts (64 per warpgroup tile)
 MMA_MODES = ("bf16", "fp8")
+TOKEN_SIDES = ("n", "m")
+"""Which wgmma side the tokens take (``GemmConfig.token_side``): "n" (swap-AB: weights on M, 64 rows per consumer
+warpgroup, tokens on N in steps of 8: ``gemm.GroupedGemmSm90``) or "m" (tokens on M, 64 rows per consumer warpgroup,
+weights on N: ``gemm_tokens_m.TokensMGemmSm90``, recipe (1, 1, 128) with the weights' E4M3 copy only)."""
+TOKENS_M_TILE_TOKENS = (64, 128)
+"""Token tiles of tokens-on-M configs: one or two consumer warpgroups of 64 token rows."""
+TOKENS_M_TILE_N = (64, 128)
+"""Weight tiles of tokens-on-M configs (wgmma N): a consumer thread holds tile_n / 2 accumulator and as many
+temporary registers; 256 would not fit its 240."""
 TOKEN_BLOCKS = (32, 128)
 """K elements per token scale in FP8 mode (``GemmConfig.token_block``): the recipes (1, 1, 32) and (1, 1, 128)."""
 DECODES = ("regs", "smem", "copy")
@@ -114,6 +123,11 @@ class GemmConfig:
         shared-memory tile that the consumers' SS wgmmas read: ``mainloop_fp8_smem``) or "copy" (the same
         constraints: TMA loads each stage's tile of the weights' E4M3 copy, ``weight_layout.e4m3_weight_copy``, one
         byte per weight, straight into the tile the SS wgmmas read; no decode: ``mainloop_fp8_copy``).
+    token_side: "n" (swap-AB, every config above) or "m" (``TOKEN_SIDES``): tokens on the wgmma M side, 64 token rows
+        per consumer warpgroup (``tile_tokens`` in ``TOKENS_M_TILE_TOKENS``), the weights' E4M3 copy on N
+        (``tile_n`` in ``TOKENS_M_TILE_N``); decode "copy", one CTA per SM, one pass. Why: a consumer thread's
+        accumulator then covers two token rows, so its per-128 promotion needs two token scales per chunk instead of
+        ``tile_tokens / 4`` (``mainloop_fp8_tokens_m``).
     even_chunks: every K the build runs is an even number of 128-K chunks (K % 256 == 0), so BF16 mode may load two
         chunks per stage (``chunks_per_stage``) and recipe (1, 1, 128)'s register mainloop runs chunk pairs without a
         tail; False runs any whole number of chunks (one per stage; the pair loop's odd tail). The entry points set it
@@ -136,6 +150,7 @@ class GemmConfig:
     decode: str = "regs"
     even_chunks: bool = True
     n_passes: int = 1
+    token_side: str = "n"
 
     def __post_init__(self):
         if self.mma not in MMA_MODES:
@@ -177,6 +192,13 @@ class GemmConfig:
                  f"<= {FOUR_WG_MAX_TILE_TOKENS} ({FOUR_WG_FP8_MAX_TILE_TOKENS} in FP8 mode); got mma={self.mma}, "
                  f"token_block={self.token_block}, ctas_per_sm={self.ctas_per_sm}, tile_tokens={self.tile_tokens} "
                  f"(FP8 token_block=128 tiles of {TWO_PASS_TILE_TOKENS} token rows: n_passes=2)")
+        if self.token_side not in TOKEN_SIDES or (self.token_side == "m" and not (
+                self.decode == "copy" and self.n_passes == 1 and self.tile_tokens in TOKENS_M_TILE_TOKENS
+                and self.tile_n in TOKENS_M_TILE_N)):
+            fail("config.token_side", f"must be one of {TOKEN_SIDES} ('m': decode='copy', n_passes=1, tile_tokens in "
+                 f"{TOKENS_M_TILE_TOKENS}, tile_n in {TOKENS_M_TILE_N}), got {self.token_side!r} with "
+                 f"decode={self.decode!r}, n_passes={self.n_passes}, tile_tokens={self.tile_tokens}, "
+                 f"tile_n={self.tile_n}")
         if self.stages is not None:
             check_range("config.stages", self.stages, 2, self.max_stages())
 
@@ -195,7 +217,8 @@ class GemmConfig:
 
     @property
     def consumer_warpgroups(self) -> int:
-        return self.pass_n // 64
+        """64 rows of the wgmma M side each: weight rows (``token_side`` "n"), token rows ("m")."""
+        return (self.tile_tokens if self.token_side == "m" else self.pass_n) // 64
 
     def chunks_per_stage(self, epilogue: str = "bf16") -> int:
         """128-K chunks per pipeline stage, in BF16 mode 2 (one barrier wait and release, one loop step per 256 K:
@@ -272,7 +295,7 @@ class GemmConfig:
 
     def describe(self, epilogue: str = "bf16") -> str:
         return (
-            f"sm90 fp4 swapAB mma={self.mma}{'x128' if self.token_block == 128 else ''} tile_tokens={self.tile_tokens} tile_n={self.tile_n} "
+            f"sm90 fp4 {'tokensM' if self.token_side == 'm' else 'swapAB'} mma={self.mma}{'x128' if self.token_block == 128 else ''} tile_tokens={self.tile_tokens} tile_n={self.tile_n} "
             f"stages={self.num_stages(epilogue)}x{K_CHUNK * self.chunks_per_stage(epilogue)}K ctas/SM={self.ctas_per_sm} "
             f"{'' if self.decode == 'regs' else f'decode={self.decode} '}{f'passes={self.n_passes} ' if self.n_passes > 1 else ''}"
             f"{'' if self.even_chunks else 'odd-chunks '}epilogue={epilogue}"
@@ -364,6 +387,13 @@ def two_pass_128_config(expected_rows_per_expert: float) -> GemmConfig:
     beyond)."""
     tokens = next((t for t in TWO_PASS_TILE_TOKENS if t >= expected_rows_per_expert), TWO_PASS_TILE_TOKENS[-1])
     return GemmConfig(tile_tokens=tokens, tile_n=256, mma="fp8", token_block=128, n_passes=2)
+
+
+def tokens_m_config(expected_rows_per_expert: float) -> GemmConfig:
+    """Recipe (1, 1, 128) with the weights' E4M3 copy and tokens on the wgmma M side (``GemmConfig.token_side`` "m"):
+    128 weight rows, 64 token rows (one consumer warpgroup) for groups expected within 64 rows, else 128 (two)."""
+    tokens = 64 if expected_rows_per_expert <= 64 else 128
+    return GemmConfig(tile_tokens=tokens, tile_n=128, mma="fp8", token_block=128, decode="copy", token_side="m")
 
 
 def poisson_cover(expected_rows: float) -> float:

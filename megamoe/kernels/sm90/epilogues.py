@@ -5,6 +5,8 @@ rows of the warpgroup's 64) and token column ``8j + 2q + c`` (``cC[i]`` gives bo
 (``row_end``) are never stored.
 
 * ``Bf16Store``: ``out[m, n] = bf16(acc)``.
+* ``Bf16StoreTokensM``: the same for tokens on the wgmma M side (``GemmConfig.token_side`` "m"), whose accumulator
+  holds token row ``g + 8r`` and weight column ``8j + 2q + c`` at value i.
 * ``ScatterRows``: the same values, row m stored at the address ``row_addr[m]`` (e.g. a peer rank's combine slot),
   staged in shared memory so each row leaves as whole 128-byte lines.
 * ``SwigluQuant``: L1's ``megamoe.numerics`` steps 2-5 on interleaved gate/up rows: FP8 + packed UE8M0 scales
@@ -61,6 +63,24 @@ class Bf16Store(Epilogue):
                     for r in cutlass.range_constexpr(2):
                         i = c + 2 * r + 4 * j
                         args.out[m, n0 + cC[i][0]] = acc[i].to(cutlass.BFloat16)
+
+
+class Bf16StoreTokensM(Epilogue):
+    """``Bf16Store`` for tokens on the wgmma M side (``mainloop_fp8_tokens_m``): value ``i = c + 2*r + 4*j`` of a
+    thread's accumulator is token row ``cC[i][0]``, weight column ``cC[i][1]`` (8j + 2q + c), so each (r, j) pair of
+    columns leaves as one 4-byte bf16x2 store (a lane quad: 16 contiguous bytes of a row); token rows past the group
+    (``row_end``) are not stored."""
+
+    @cute.jit
+    def __call__(self, acc, cC, ctidx, smem, args, row0, row_end, n_tile):
+        words = cute.recast_tensor(args.out, Int32)  # (M, N/2): bf16 pairs
+        n0 = n_tile * self.tile_n
+        for r in cutlass.range_constexpr(2):
+            m = row0 + cC[2 * r][0]
+            if m < row_end:
+                for j in cutlass.range_constexpr(self.tile_n // 8):
+                    i = 2 * r + 4 * j
+                    words[m, (n0 + cC[i][1]) // 2] = ptx.f32x2_to_bf16x2(acc[i], acc[i + 1])
 
 
 class ScatterRows(Epilogue):

@@ -1,0 +1,36 @@
+"""The SM90 grouped GEMM with tokens on the wgmma M side (``GemmConfig(token_side="m")``): ``gemm.GroupedGemmSm90``
+with the tokens-on-M mainloop (``mainloop_fp8_tokens_m``) and its epilogue (``epilogues.Bf16StoreTokensM``).
+
+Everything but the consumers' registers is the swap-AB kernel's: the tile order (``tile_tokens`` rows of one group x
+``tile_n`` weight rows), the producer warp's TMA loads (tokens [tile_tokens, 128] and the weights' E4M3 copy
+[tile_n, 128], both 128-byte swizzled K-major, the folded scale words, the tokens' FP32 scale box), the pipeline and
+the tile channel. Only the roles of the two shared-memory tiles in the wgmma change: the tokens are its A (64 rows
+per consumer warpgroup: ``config.consumer_warpgroups`` = tile_tokens / 64), the weights its B (N = tile_n), so a
+consumer thread holds two token rows and ``tile_n / 4`` weight columns.
+
+Recipe (1, 1, 128) with the weights' E4M3 copy (decode "copy"), the BF16 epilogue (``out[m, n]``), any group mode,
+no bias (the API checks).
+"""
+
+from __future__ import annotations
+
+from .config import GemmConfig
+from .epilogues import Bf16StoreTokensM
+from .gemm import GroupedGemmSm90
+from .mainloop_fp8_tokens_m import Fp8CopyTokensMMainloop
+
+
+class TokensMGemmSm90(GroupedGemmSm90):
+    """``GroupedGemmSm90`` with tokens on the wgmma M side (module docstring): ``config.token_side`` "m", epilogue
+    "bf16", folded weights."""
+
+    def __init__(self, config: GemmConfig, group_mode: str, epilogue: str = "bf16", folded: bool = True,
+                 fast_math: bool = True, activation: str = "swiglu"):
+        assert config.token_side == "m" and epilogue == "bf16" and folded  # api checks
+        super().__init__(config, group_mode, epilogue, folded, fast_math, activation)
+
+    def make_mainloop(self, folded: bool):
+        return Fp8CopyTokensMMainloop(self.cfg, self.stages, self.cps)
+
+    def make_epilogue(self, epilogue: str, fast_math: bool):
+        return Bf16StoreTokensM(self.cfg)

@@ -1,0 +1,114 @@
+"""Recipe (1, 1, 128) with tokens on the wgmma M side (``GemmConfig(token_side="m")``): SS wgmma e4m3 x e4m3, 64
+token rows per consumer warpgroup (A: the tokens' TMA tile), the weights' E4M3 copy on N (B: ``tile_n`` weight rows,
+the same TMA tile as ``mainloop_fp8_copy``), FP32 accumulator.
+
+Why: in the swap-AB orientation (``mainloop_fp8_copy``) a consumer thread's accumulator covers ``tile_tokens / 4``
+token columns, so each 128-K promotion ``acc += tmp * s_token`` first loads that many token scales from shared memory
+(34 loads per chunk at 128 tokens: the largest stall of the copy kernel, bench/findings/recipe-128-gemm.md). Here a
+thread's accumulator covers two token rows (``g`` and ``g + 8`` of its warp's 16) and ``tile_n / 4`` weight columns:
+two scale loads per chunk, and the weights' per-row FP32 scale becomes a per-column multiply once per tile. This is
+the orientation of DeepGEMM's SM90 FP8 GEMMs for large token counts; small groups keep swap-AB (wgmma N steps of 8
+token columns, where M here pads every tile to 64 token rows per warpgroup).
+
+Per stage ``s`` of the kernel's TMA pipeline (tokens, the weights' E4M3 tile, their folded scale words -- loaded but
+not read -- and the tokens' FP32 scale box of four chunks): each consumer warpgroup waits for the stage, loads its
+thread's two token scales of the chunk (word ``kt % 4`` of the box), issues the chunk's four ``m64 n{tile_n} k32``
+wgmmas into a temporary (the first overwrites it), waits, frees the stage and promotes ``acc += tmp * s_row``, one
+FP32 multiply-add per accumulator; the other consumer warpgroup's wgmmas run meanwhile. After the K loop each column
+is multiplied by its weight row's FP32 scale (exact: a power of two).
+
+Arithmetic: per (token, weight row) the same E4M3 products in the same four k32 steps per chunk into a fresh FP32
+temporary, the same promotion and the same row scale as the swap-AB mainloops -- the wgmma's operand order within
+one dot product is the hardware's in both orientations, so results agree to FP32 rounding of the k32 sums, not bit
+for bit.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+from cutlass.cute.nvgpu import warpgroup
+
+from .config import GemmConfig
+from .mainloop_fp8_copy import Fp8CopyMainloop
+from .mainloops import make_tiled_mma
+
+
+class Fp8CopyTokensMMainloop(Fp8CopyMainloop):
+    """FP8 tokens with one FP32 scale per 128 K (wgmma A, M side) x the weights' E4M3 copy (wgmma B, N side) (module
+    docstring). ``config``: ``token_side`` "m" (``GemmConfig`` checks: decode "copy", one CTA per SM, 64 or 128 token
+    rows, 64 or 128 weight rows); the kernel's ``GemmArgs.w`` is the copy, (N, K, E) float8_e4m3fn with K
+    contiguous. The weight operand's layout and TMA are ``Fp8CopyMainloop``'s."""
+
+    def __init__(self, config: GemmConfig, stages: int, cps: int):
+        super().__init__(config, stages, cps)
+        assert config.token_side == "m" and self.num_consumer_wg == self.tile_tokens // 64
+
+    def tiled_mma(self, tokens: int):
+        """``tokens`` token rows (64 per consumer warpgroup, wgmma M) x ``tile_n`` weight columns (wgmma N), both from
+        shared memory, K-major."""
+        return make_tiled_mma(self.a_dtype, self.tile_n, tokens // 64, smem_a=True)
+
+    @cute.jit
+    def fragments(self, tiled_mma, ctidx, sA, sW, sSFW, sSFA, sScale, dec):
+        """The tokens' (A) and the weights' (B) wgmma descriptors of every stage, the accumulator and the temporary
+        (value i = c + 2*r + 4*j: token row g + 8r of the thread's warp, weight column 8j + 2q + c; ``cC[i]`` =
+        (token row, weight column) in the tile), the thread's two token rows (``rows``) and the stages' token scales
+        (``sfa``: (token, 4 chunks, stage) float32, the TMA's box)."""
+        tt, tn = self.tile_tokens, self.tile_n
+        thr_mma = tiled_mma.get_slice(ctidx)
+        acc_shape = ((2, 2, tn // 8), 1, 1)
+        f = SimpleNamespace(
+            tCrA=thr_mma.make_fragment_A(thr_mma.partition_A(sA)),  # (MMA, MMA_M, k blocks, stages)
+            tCrB=thr_mma.make_fragment_B(thr_mma.partition_B(sW)),  # (MMA, MMA_N, k blocks, stages)
+            acc=cute.make_rmem_tensor(acc_shape, Float32),
+            tmp=cute.make_rmem_tensor(acc_shape, Float32),
+            cC=thr_mma.partition_C(cute.make_identity_tensor((tt, tn))),
+            sfa=cute.make_tensor(cute.recast_ptr(sSFA.iterator, dtype=Float32), sSFA.layout),
+        )
+        f.rows = (f.cC[0][0], f.cC[2][0])
+        # A chunk's first wgmma overwrites the temporary, the other three accumulate (each MMA's field set once).
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+        f.mma_first = tiled_mma
+        f.mma_acc = self.tiled_mma(tt)
+        f.mma_acc.set(warpgroup.Field.ACCUMULATE, True)
+        return f
+
+    @cute.jit
+    def tile(self, ab_pipeline, state, release, f, k_tiles, row0, row_end, row_scale, n_tile, group):
+        """One tile's K loop into ``f.acc`` (zeroed by the caller), then each weight column times its row's scale
+        (``row_scale``: (N, E) float32, row ``n_tile * tile_n + column`` of expert ``group``). ``release``: unused
+        (returned as is)."""
+        acc, tmp, sfa = f.acc, f.tmp, f.sfa
+        for kt in cutlass.range(k_tiles, unroll=1):
+            ab_pipeline.consumer_wait(state)
+            s = state.index
+            s0 = sfa[f.rows[0], kt % 4, s]  # the chunk's scales of the thread's two token rows, before the wgmmas
+            s1 = sfa[f.rows[1], kt % 4, s]
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(4):
+                cute.gemm(f.mma_first if kb == 0 else f.mma_acc, tmp, f.tCrA[(None, None, kb, s)],
+                          f.tCrB[(None, None, kb, s)], tmp)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            ab_pipeline.consumer_release(state)
+            state.advance()
+            for j in cutlass.range_constexpr(self.tile_n // 8):
+                for c in cutlass.range_constexpr(2):
+                    acc[c + 4 * j] = acc[c + 4 * j] + tmp[c + 4 * j] * s0
+                    acc[c + 2 + 4 * j] = acc[c + 2 + 4 * j] + tmp[c + 2 + 4 * j] * s1
+        self.apply_column_scales(acc, f.cC, row_scale, n_tile, group)
+        return state, release
+
+    @cute.jit
+    def apply_column_scales(self, acc, cC, row_scale, n_tile, group):
+        """Folded weight scales: each accumulator column times its weight row's FP32 scale (exact: a power of two)."""
+        n0 = n_tile * self.tile_n
+        for j in cutlass.range_constexpr(self.tile_n // 8):
+            for c in cutlass.range_constexpr(2):
+                scale = Float32(row_scale[n0 + cC[c + 4 * j][1], group])
+                acc[c + 4 * j] = acc[c + 4 * j] * scale
+                acc[c + 2 + 4 * j] = acc[c + 2 + 4 * j] * scale
