@@ -74,13 +74,14 @@ class Bf16StoreTokensM(Epilogue):
     @cute.jit
     def __call__(self, acc, cC, ctidx, smem, args, row0, row_end, n_tile):
         words = cute.recast_tensor(args.out, Int32)  # (M, N/2): bf16 pairs
-        n0 = n_tile * self.tile_n
+        pair0 = (n_tile * self.tile_n + cC[0][1]) // 2  # the thread's first pair; value 2r + 4j: pair0 + 4j
         for r in cutlass.range_constexpr(2):
             m = row0 + cC[2 * r][0]
             if m < row_end:
+                row = words[(m, None)]
                 for j in cutlass.range_constexpr(self.tile_n // 8):
                     i = 2 * r + 4 * j
-                    words[m, (n0 + cC[i][1]) // 2] = ptx.f32x2_to_bf16x2(acc[i], acc[i + 1])
+                    row[pair0 + 4 * j] = ptx.f32x2_to_bf16x2(acc[i], acc[i + 1])
 
 
 class ScatterRows(Epilogue):

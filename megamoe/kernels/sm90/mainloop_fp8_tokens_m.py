@@ -46,6 +46,10 @@ class Fp8CopyTokensMMainloop(Fp8CopyMainloop):
     def __init__(self, config: GemmConfig, stages: int, cps: int):
         super().__init__(config, stages, cps)
         assert config.token_side == "m" and self.num_consumer_wg == self.tile_tokens // 64
+        if self.num_consumer_wg == 3:
+            # 512 threads launch with 128 registers each: the producer warpgroup keeps setmaxnreg's least, 24, so
+            # that the consumers get 160 (the accumulator and the temporary take 128)
+            self.producer_regs = 24
 
     def tiled_mma(self, tokens: int):
         """``tokens`` token rows (64 per consumer warpgroup, wgmma M) x ``tile_n`` weight columns (wgmma N), both from
@@ -106,9 +110,10 @@ class Fp8CopyTokensMMainloop(Fp8CopyMainloop):
     @cute.jit
     def apply_column_scales(self, acc, cC, row_scale, n_tile, group):
         """Folded weight scales: each accumulator column times its weight row's FP32 scale (exact: a power of two)."""
-        n0 = n_tile * self.tile_n
+        scales = row_scale[(None, group)]  # (N,): expert ``group``'s row scales
+        col0 = n_tile * self.tile_n + cC[0][1]  # the thread's first column; value c + 4j is column col0 + 8j + c
         for j in cutlass.range_constexpr(self.tile_n // 8):
             for c in cutlass.range_constexpr(2):
-                scale = Float32(row_scale[n0 + cC[c + 4 * j][1], group])
+                scale = Float32(scales[col0 + 8 * j + c])
                 acc[c + 4 * j] = acc[c + 4 * j] * scale
                 acc[c + 2 + 4 * j] = acc[c + 2 + 4 * j] * scale
