@@ -191,11 +191,7 @@ class Fp8SmemMainloop(Mainloop):
             dec=dec,
         )
         f.q = f.cC[0][1] // 2  # this thread's lane quad: its token columns are 8j + 2q + c
-        # A chunk's first wgmma overwrites the temporary, the other three accumulate (each MMA's field set once).
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-        f.mma_first = tiled_mma
-        f.mma_acc = self.tiled_mma(tt)
-        f.mma_acc.set(warpgroup.Field.ACCUMULATE, True)
+        f.mma_first, f.mma_acc = self.chunk_mmas(tiled_mma, tt)
         return f
 
     @cute.jit

@@ -74,11 +74,7 @@ class Fp8CopyTokensMMainloop(Fp8CopyMainloop):
             sfa=cute.make_tensor(cute.recast_ptr(sSFA.iterator, dtype=Float32), sSFA.layout),
         )
         f.rows = (f.cC[0][0], f.cC[2][0])
-        # A chunk's first wgmma overwrites the temporary, the other three accumulate (each MMA's field set once).
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-        f.mma_first = tiled_mma
-        f.mma_acc = self.tiled_mma(tt)
-        f.mma_acc.set(warpgroup.Field.ACCUMULATE, True)
+        f.mma_first, f.mma_acc = self.chunk_mmas(tiled_mma, tt)
         return f
 
     @cute.jit

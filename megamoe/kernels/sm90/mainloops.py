@@ -132,6 +132,13 @@ class Mainloop:
         mma.set(warpgroup.Field.ACCUMULATE, accumulate)
         return mma
 
+    def chunk_mmas(self, tiled_mma, tokens: int):
+        """The two MMAs of a chunk's k32 wgmmas into a temporary: the first overwrites it (``tiled_mma``, its
+        ACCUMULATE field set to False), the other three accumulate (a second MMA of ``tokens`` token rows, set to
+        True): each MMA's field is set once."""
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+        return tiled_mma, self.width_mma(tokens, True)
+
     def width_tokens(self, mma, ctidx, sA, n: int):
         """The token (B) fragments of width ``n``'s ``mma``: the first n token rows of ``sA`` in every stage slot."""
         thr = mma.get_slice(ctidx)
