@@ -255,3 +255,18 @@ def test_weight_copy_validation(change, pattern):
               "swiglu_masked": grouped_gemm_fp8_fp4_swiglu_masked}[entry]
         with pytest.raises(ValueError, match=pattern):
             fn(**args)
+
+
+def test_tokens_on_m_takes_plain_bf16_rows_only():
+    """``GemmConfig(token_side="m")`` stores BF16 rows ``out[m, n]``: the row-address (scatter) and SwiGLU entries
+    refuse it before any device work, naming the rule."""
+    d = _cpu_inputs_copy(n=512)
+    d["config"] = GemmConfig(tile_tokens=128, tile_n=128, mma="fp8", token_block=128, decode="copy", token_side="m")
+    scatter = dict(d, out_row_ptrs=torch.zeros(d["a"].shape[0], dtype=torch.int64))
+    with pytest.raises(ValueError, match="`config.token_side` 'm' .*not the row-address \\(out_row_ptrs\\) epilogue"):
+        grouped_gemm_fp8_fp4_contiguous(**scatter)
+    swiglu = dict(d, row_weights=torch.ones(d["a"].shape[0]))
+    with pytest.raises(ValueError, match="`config.token_side` 'm' .*not the SwiGLU epilogue"):
+        grouped_gemm_fp8_fp4_swiglu_contiguous(**swiglu)
+    with pytest.raises(ValueError, match="`a` must be a CUDA tensor"):  # all else right: the device check fires last
+        grouped_gemm_fp8_fp4_contiguous(**d)

@@ -415,10 +415,12 @@ def _check_weight_copy(w_e4m3: torch.Tensor | None, cfg: GemmConfig, e: int, n: 
 
 
 def _resolve_config(config: GemmConfig | None, rows_per_expert: float, n: int, k: int, mma: str,
-                    four_warpgroups: bool = True, token_block: int = 32, swiglu: bool = False) -> GemmConfig:
+                    four_warpgroups: bool = True, token_block: int = 32, swiglu: bool = False,
+                    scatter: bool = False) -> GemmConfig:
     """The caller's config, checked against the operands, or ``select_config``'s, for K ``k`` (``GemmConfig.for_k``).
     The per-128 SwiGLU epilogue (``swiglu`` with ``token_block`` 128) needs 256-row weight tiles: 128 intermediate
-    columns, one scale block."""
+    columns, one scale block. Tokens on the wgmma M side (``token_side`` "m") store plain BF16 rows only (neither
+    ``swiglu`` nor ``scatter``)."""
     if config is None:
         if swiglu and token_block == 128:
             return per_128_swiglu_config(rows_per_expert).for_k(k)
@@ -429,6 +431,9 @@ def _resolve_config(config: GemmConfig | None, rows_per_expert: float, n: int, k
         fail("config.mma", f"is {config.mma!r} but the weights are in the {mma}-mode layout {LAYOUTS[mma][2]}")
     if config.token_block != token_block:
         fail("config.token_block", f"is {config.token_block} but the token scales are per {token_block} K")
+    if config.token_side == "m" and (swiglu or scatter):
+        fail("config.token_side", f"'m' (tokens on the wgmma M side) stores plain BF16 rows only (out[m, n]), not the "
+             f"{'SwiGLU' if swiglu else 'row-address (out_row_ptrs)'} epilogue: use token_side='n' here")
     if swiglu and token_block == 128 and config.tile_n != 256:
         fail("config.tile_n", f"must be 256 for the per-128 SwiGLU epilogue (one tile: 128 intermediate columns, one "
              f"scale block), got {config.tile_n}")
@@ -511,7 +516,8 @@ def grouped_gemm_fp8_fp4_contiguous(
             fail("out", "must be None when out_row_ptrs gives the row addresses")
         check_tensor("out_row_ptrs", out_row_ptrs, dtype=torch.int64, shape=(m,), device=a.device, contiguous=True)
         epilogue = "bf16_scatter"
-    cfg = _resolve_config(config, m / max(e, 1), n, k, mma, token_block=_token_block(a_sf, b, b_sf))
+    cfg = _resolve_config(config, m / max(e, 1), n, k, mma, token_block=_token_block(a_sf, b, b_sf),
+                          scatter=out_row_ptrs is not None)
     _check_weight_copy(w_e4m3, cfg, e, n, k, a.device)
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out, w_e4m3=w_e4m3)
     max_tiles = (m // cfg.tile_tokens + e) * (n // cfg.tile_n)
