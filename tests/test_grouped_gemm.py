@@ -1018,8 +1018,8 @@ def test_recipe128_tokens_m_masked_and_swap_ab_bits(tile_tokens, tile_n):
     copy = e4m3_weight_copy(bk, bk_sf)
     masked_m = torch.tensor(masked, dtype=torch.int32, device="cuda")
     outs = {}
-    for side in ("m", "n"):
-        cfg = _tokens_m_config(tile_tokens, tile_n, side)
+    for side in ("m", "n"):  # swap-AB tiles hold at most 128 token rows (each output's arithmetic is the same)
+        cfg = _tokens_m_config(tile_tokens if side == "m" else min(tile_tokens, 128), tile_n, side)
         outm = torch.full((e, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         grouped_gemm_fp8_fp4_masked(am.view(e, max_m, k), am_sf.view(e, max_m, k // 128), bk, bk_sf, masked_m,
                                     out=outm, config=cfg, w_e4m3=copy)
@@ -1035,6 +1035,60 @@ def test_recipe128_tokens_m_masked_and_swap_ab_bits(tile_tokens, tile_n):
     for got, want in zip(outs["m"], outs["n"]):
         differ = int((got.view(torch.int16) != want.view(torch.int16)).sum())
         assert differ == 0, f"{differ} of {got.numel()} output words differ between tokens on M and swap-AB"
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("tile_tokens,tile_n,decode,token_side", [
+    (128, 128, "regs", "n"), (16, 128, "regs", "n"), (128, 128, "copy", "n"), (64, 128, "copy", "n"),
+    (32, 256, "regs", "n"), (128, 128, "copy", "m"), (64, 128, "copy", "m")])
+def test_recipe128_cluster_pairs_bitwise_equal_one_cta(tile_tokens, tile_n, decode, token_side):
+    """Two-CTA clusters (``GemmConfig.cluster`` 2: each token tile multicast to the CTAs of a weight-tile pair) give
+    the bits of the one-CTA build of the same tile shape: every tile's arithmetic is the same, only where its token
+    rows come from differs. Ragged groups over more pair tiles than clusters (empty experts, one row, partial tiles;
+    contiguous, against the FP64 reference too) and masked slabs; with 256-row tiles the per-128 SwiGLU epilogue.
+    Padding rows keep their poison."""
+    gen = torch.Generator().manual_seed(490 + tile_tokens + tile_n)
+    counts, n, k = [300, 0, 1, 129, 64, 257, 200, 3, 511, 90], 2048, 1024
+    e, max_m = len(counts), 160
+    a, a_sf, offsets, row_expert = _recipe128_case(counts, n, k, gen)
+    am, am_sf = (t.cuda() for t in _quantize_128(torch.randn(e * max_m, k, generator=gen)))
+    masked = torch.tensor([min(c, max_m) for c in counts], dtype=torch.int32, device="cuda")
+    w, w_sf = foldable_weights(e, n, k, gen, "cuda")
+    swiglu = tile_n == 256
+    bk, bk_sf = (prepare_fp4_weights_l1 if swiglu else prepare_fp4_weights)(w, w_sf, fold=True)
+    copy = e4m3_weight_copy(bk, bk_sf) if decode == "copy" else None
+    m = a.shape[0]
+    pairs = sum(-(-c // tile_tokens) for c in counts) * (n // tile_n // 2)
+    assert pairs > torch.cuda.get_device_properties(0).multi_processor_count  # clusters take several pair tiles
+    topk_weights = torch.rand(m, generator=gen).cuda()  # one draw for both builds
+    outs = {}
+    for cluster in (1, 2):
+        cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, mma="fp8", token_block=128, decode=decode,
+                         cluster=cluster, token_side=token_side)
+        if swiglu:
+            out = torch.full((m, n // 2), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+            out_sf = torch.full((m, n // 256), float("nan"), dtype=torch.float32, device="cuda")
+            grouped_gemm_fp8_fp4_swiglu_contiguous(a, a_sf, bk, bk_sf, offsets, topk_weights,
+                                                   out=out, out_sf=out_sf, config=cfg, w_e4m3=copy)
+            outs[cluster] = (out.view(torch.uint8), out_sf.view(torch.int32))
+        else:
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg, w_e4m3=copy)
+            outm = torch.full((e, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            grouped_gemm_fp8_fp4_masked(am.view(e, max_m, k), am_sf.view(e, max_m, k // 128), bk, bk_sf, masked,
+                                        out=outm, config=cfg, w_e4m3=copy)
+            outs[cluster] = (out, outm.view(e * max_m, n))
+    torch.cuda.synchronize()
+    if not swiglu:
+        _check_rows(outs[2][0], a, a_sf, w, w_sf, row_expert, f"recipe 128 contiguous {cfg.describe()}", k32_per_sum=4)
+        outs = {c: tuple(t.view(torch.int16) for t in o) for c, o in outs.items()}
+    for got, want in zip(outs[2], outs[1]):
+        differ = int((got != want).sum())
+        assert differ == 0, f"{differ} of {got.numel()} output words differ between two-CTA clusters and one CTA"
+    valid = row_expert >= 0
+    poison = outs[2][0][0, 0]  # row 0 pads the groups (``_recipe128_case``): the poison's bit pattern
+    assert bool((outs[2][0][~valid] == poison).all()), "padding rows written"
 
 
 def _check_swiglu_128(out, out_sf, a, a_sf, w1, w1_sf, row_expert, row_weights, clamp) -> None:

@@ -167,6 +167,16 @@ TOKENS_M_CASES = [
      mode, "bf16")
     for t, n, mode, even in [(128, 128, "offsets", True), (64, 128, "masked", True), (128, 64, "offsets_counts", True),
                              (128, 128, "offsets", False), (192, 128, "offsets", True)]]
+# Recipe (1, 1, 128) on two-CTA clusters (``gemm_cluster``: the token tile multicast to both): the register decode
+# with 128-row token tiles (one K loop per token width) and its per-128 SwiGLU epilogue on four consumer warpgroups,
+# the E4M3 copy; the three group layouts.
+CLUSTER_CASES = [
+    (GemmConfig(tile_tokens=128, tile_n=128, mma="fp8", token_block=128, cluster=2), "offsets", "bf16"),
+    (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128, cluster=2), "offsets_counts", "swiglu_fp8"),
+    (GemmConfig(tile_tokens=64, tile_n=128, mma="fp8", token_block=128, decode="copy", cluster=2), "masked", "bf16"),
+    (GemmConfig(tile_tokens=128, tile_n=128, mma="fp8", token_block=128, decode="copy", token_side="m", cluster=2),
+     "offsets", "bf16"),
+]
 # Builds for odd counts of 128-K chunks (``GemmConfig.even_chunks`` False: K a multiple of 128, not of 256): BF16 mode
 # with one chunk per stage where even counts load two (one CTA; the one-launch L1/L2 kernel's small and large token
 # tiles), recipe (1, 1, 128)'s pair loop with its parity tail on one, two and four consumer warpgroups (the per-128
@@ -197,7 +207,7 @@ RELEASE_CASES = ([(c, m, e, None, False, False, True) for c, m, e in COMPILE_CAS
                  + [(MEGA128_CASES[i][0], "offsets", "l1_l2", MEGA128_CASES[i][1], True, False, True) for i in (1, 6)]
                  + [(c, m, e, lay, False, False, False) for c, m, e, lay in IEEE_SILU_CASES]
                  + [(c, m, e, None, False, folded, True) for c, m, e, folded in ODD_CHUNK_CASES]
-                 + [(c, m, e, None, False, True, True) for c, m, e in COPY_CASES + TOKENS_M_CASES])
+                 + [(c, m, e, None, False, True, True) for c, m, e in COPY_CASES + TOKENS_M_CASES + CLUSTER_CASES])
 
 _COMPILE_CHILD = """
 import json, os, re, shutil, subprocess, sys
@@ -219,6 +229,7 @@ for i, (cfg, mode, epilogue, mega, debug, trace, folded, fast, *extra) in enumer
         build = {"wgmma": "wgmma.mma_async" in ptx, "calls": len(re.findall(r"^\\s*call(\\.uni)?\\s", ptx, re.M)),
                  "timed": ["%globaltimer" in ptx, "trap;" in ptx],
                  "pdl": [ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents")],
+                 "cluster": ["multicast::cluster" in ptx, "barrier.cluster.wait" in ptx],
                  # the memory instructions laid out before the (first) wait for the previous grid
                  "before_wait": sorted(set(re.findall(
                      r"^\\s*(?:@!?%p\\d+\\s+)?((?:ld|st|atom|red|cp|mbarrier|prefetch|fence|bar|membar)\\.[\\w.:]*)",
@@ -282,7 +293,7 @@ def compile_report(cases: list, dump_dir) -> list[dict]:
 
 RELEASE_IDS = [f"{c.mma}{'x128' if c.token_block == 128 else ''}{'' if c.decode == 'regs' else '-' + c.decode}"
                f"{'-tokens-m' if c.token_side == 'm' else ''}"
-               f"{'' if c.even_chunks else '-odd'}"
+               f"{'' if c.even_chunks else '-odd'}{'' if c.cluster == 1 else f'-cluster{c.cluster}'}"
                f"-{c.tile_tokens}x{c.tile_n}x{c.ctas_per_sm}{'-2pass' if c.n_passes == 2 else ''}-{m}-{e}"
                + ("" if lay is None else "-mega-r%d-e%d-h%d" % (lay[0], lay[1], lay[4]) + ("-r128" if R128 in lay else ""))
                + ("-trace" if trace else "") + ("-folded" if folded else "") + ("" if fast else "-ieee-silu")
@@ -347,6 +358,24 @@ def test_copy_builds_do_not_spill(sm90a_builds):
     loads. Needs a ptxas on PATH."""
     cases = [i for i, (c, *_) in enumerate(RELEASE_CASES) if c.decode == "copy"]
     assert len(cases) >= len(COPY_CASES) + len(TOKENS_M_CASES), cases
+    _assert_no_spills(sm90a_builds, cases)
+
+
+@pytest.mark.parametrize("case", range(len(RELEASE_CASES)), ids=RELEASE_IDS)
+def test_only_cluster_builds_multicast(sm90a_builds, case):
+    """The two-CTA cluster variants multicast their token loads and end on a cluster barrier; no other build does
+    either (a cluster instruction in a kernel launched without a cluster would be undefined)."""
+    build = sm90a_builds[case]
+    assert "error" not in build, build.get("error")
+    cluster = RELEASE_CASES[case][0].cluster == 2
+    assert build["cluster"] == [cluster, cluster], build["cluster"]
+
+
+def test_cluster_builds_do_not_spill(sm90a_builds):
+    """The two-CTA cluster variants (``GemmConfig.cluster`` 2) within the registers of their one-CTA builds: ptxas
+    reports no spill stores or loads. Needs a ptxas on PATH."""
+    cases = [i for i, (c, *_) in enumerate(RELEASE_CASES) if c.cluster == 2]
+    assert len(cases) == len(CLUSTER_CASES), cases
     _assert_no_spills(sm90a_builds, cases)
 
 

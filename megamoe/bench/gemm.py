@@ -195,13 +195,14 @@ def _weight_bytes(p: Point, bytes_per_weight: float) -> float:
 
 
 def kernel_configs(p: Point, mma: str, alternatives: bool, token_block: int = 32, decodes=("regs",),
-                   token_sides=("n",)) -> list:
+                   token_sides=("n",), clusters=(1,)) -> list:
     """``select_config``'s choice for ``mma`` (and the tokens' scale block), plus one alternative: in BF16 mode 128-row
     weight tiles where it picks 256 (two CTAs per SM where the token tile allows), 1 CTA/SM where it picks two,
     tile_tokens=64 for 128 in either mode. FP8 mode with per-128 token scales: each of those for every weight decode
     in ``decodes`` ("regs", "smem", "copy": ``GemmConfig.decode``; "smem" and "copy" on one CTA per SM, which they
     need), in that order; with the copy and "m" in ``token_sides`` then tokens on the wgmma M side
-    (``tokens_m_config``; alternative: 192 token rows for its 128)."""
+    (``tokens_m_config``; alternative: 192 token rows for its 128); with 2 in ``clusters``, each of them that may run
+    on two-CTA clusters (``GemmConfig.cluster``) also does, next to it (1 not in ``clusters``: instead of it)."""
     import dataclasses
 
     from megamoe.kernels.sm90 import select_config
@@ -224,7 +225,14 @@ def kernel_configs(p: Point, mma: str, alternatives: bool, token_block: int = 32
         out.append(tokens_m_config(p.rows_per_expert))
         if alternatives and out[-1].tile_tokens == 128:  # three consumer warpgroups
             out.append(dataclasses.replace(out[-1], tile_tokens=192))
-    return out
+    paired = []
+    for c in out:
+        if 1 in clusters:
+            paired.append(c)
+        if 2 in clusters and c.decode in ("regs", "copy") and c.ctas_per_sm == 1 and c.tile_tokens >= 16 \
+                and p.n % (2 * c.tile_n) == 0:
+            paired.append(dataclasses.replace(c, cluster=2))
+    return paired
 
 
 def _worst_verdict(verdicts: list[str]) -> str:
@@ -396,6 +404,8 @@ def main(argv=None) -> int:
                         "list of regs, smem, copy; GemmConfig.decode)")
     parser.add_argument("--token-sides", default="n", help="recipe 128 with --decode copy: n (swap-AB) and/or m "
                         "(tokens on the wgmma M side; GemmConfig.token_side)")
+    parser.add_argument("--cluster", default="1", help="recipe 128: CTAs per cluster to run each config on (comma "
+                        "list of 1, 2; GemmConfig.cluster: 2 where the config allows it)")
     parser.add_argument("--no-alt", action="store_true", help="no alternative config rows")
     parser.add_argument("--quick", action="store_true", help="flash only, EP8, rows 1,16,64,1024")
     parser.add_argument("--no-baselines", action="store_true")
@@ -424,6 +434,9 @@ def main(argv=None) -> int:
         parser.error(f"--token-sides takes a comma list of {', '.join(TOKEN_SIDES)}, got {args.token_sides!r}")
     if "m" in token_sides and "copy" not in decodes:
         parser.error("--token-sides m runs with the weights' E4M3 copy only (--decode copy)")
+    clusters = tuple(int(c) for c in args.cluster.split(",") if c.strip().isdigit())
+    if not clusters or any(c not in (1, 2) for c in clusters) or (recipe != RECIPE_128 and clusters != (1,)):
+        parser.error(f"--cluster takes a comma list of 1 and/or 2 (2: --recipe 128), got {args.cluster!r}")
     if "copy" in decodes and args.fold != "row":
         parser.error("--decode copy needs --fold row (the kernels take per-row folded scales only)")
     if args.routings < 1:
@@ -478,7 +491,8 @@ def main(argv=None) -> int:
         token_sets = [make_fp8_tokens(p, recipe) for _ in range(args.routings)]
         token_block = {"fp8": recipe[2], "bf16": 32}
         results = [run_kernel(p, weights, token_sets, cfg) for mma in mmas
-                   for cfg in kernel_configs(p, mma, not args.no_alt, token_block[mma], decodes, token_sides)]
+                   for cfg in kernel_configs(p, mma, not args.no_alt, token_block[mma], decodes, token_sides,
+                                             clusters)]
         results += [run_peer(p, gemm, weights["canonical"], token_sets) for gemm in peer_gemms.values()]
         token_sets = None
         torch.cuda.empty_cache()
@@ -495,8 +509,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "megamoe.bench gemm", "hbm_read_gbps": hbm, "recipe": list(recipe),
-                       "fold": args.fold, "decodes": list(decodes),
-                       "token_sides": list(token_sides), "routings": args.routings,
+                       "fold": args.fold, "decodes": list(decodes), "token_sides": list(token_sides),
+                       "clusters": list(clusters), "routings": args.routings,
                        "peers": {f"humming {act}-act": gemm.config() for act, gemm in peer_gemms.items()},
                        "environment": receipt, "records": records}, f, indent=1)
         save_plot_beside(args.json)

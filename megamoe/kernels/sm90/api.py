@@ -149,8 +149,6 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
     activation = activation if epilogue in SWIGLU_EPILOGUES else "swiglu"
 
     def build():
-        from .gemm import GroupedGemmSm90
-        from .gemm_tokens_m import TokensMGemmSm90
 
         m, n = _COMPILE_M, _COMPILE_N
         if epilogue == "swiglu_fp8":
@@ -168,12 +166,22 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
         if bias:
             epi = epi._replace(bias=runtime.to_cute(torch.empty(_COMPILE_E, n, dtype=torch.float32), leading_dim=1,
                                                     align=4))
-        kernel = (TokensMGemmSm90 if config.token_side == "m" else GroupedGemmSm90)(
-            config, group_mode, epilogue, folded, fast_math, activation)
+        kernel = _grouped_gemm_class(config)(config, group_mode, epilogue, folded, fast_math, activation)
         return _compile(kernel, _placeholder_gemm(config, n, _COMPILE_K, folded), None, epi, MegaArgs.none())
 
     return runtime.compiled(("sm90.grouped_gemm", config, group_mode, epilogue, folded, fast_math, activation, bias),
                             build)
+
+
+def _grouped_gemm_class(config: GemmConfig):
+    """The separate-launch kernel of ``config``: tokens on the wgmma N side (``gemm``) or on M (``gemm_tokens_m``),
+    on one CTA or on two-CTA clusters (``gemm_cluster``)."""
+    from .gemm import GroupedGemmSm90
+    from .gemm_cluster import ClusterPairGemmSm90
+    from .gemm_tokens_m import ClusterPairTokensMGemmSm90, TokensMGemmSm90
+
+    return {("n", 1): GroupedGemmSm90, ("n", 2): ClusterPairGemmSm90, ("m", 1): TokensMGemmSm90,
+            ("m", 2): ClusterPairTokensMGemmSm90}[config.token_side, config.cluster]
 
 
 def _compile_fused(config: GemmConfig, debug: bool, comm, fast_math: bool):
@@ -183,6 +191,9 @@ def _compile_fused(config: GemmConfig, debug: bool, comm, fast_math: bool):
     from ...numerics import RECIPE_128, describe_recipe
 
     check_fast_math(fast_math)
+    if config.cluster != 1:
+        fail("config.cluster", f"must be 1 for the one-launch L1/L2 and Mega MoE kernels (two-CTA clusters: the "
+             f"separate grouped GEMMs only), got {config.cluster}")
     if config.decode == "copy":
         fail("config.decode", "'copy' (the weights' E4M3 copy) runs in the separate grouped GEMMs only, not in the "
              "one-launch L1/L2 or Mega MoE kernels")
@@ -258,6 +269,7 @@ def _launch(kernel, config: GemmConfig, device, gemm: GemmArgs, second, epi: Epi
     num_ctas = torch.cuda.get_device_properties(device).multi_processor_count * config.ctas_per_sm
     if max_tiles is not None:
         num_ctas = min(num_ctas, max_tiles)
+    num_ctas = max(num_ctas // config.cluster, 1) * config.cluster  # whole clusters (``gemm_cluster``)
     kernel(gemm, second, epi, groups, cutlass.Int64(_address(sync)), mega, cutlass.Int32(num_ctas),
            runtime.current_stream())
 
@@ -437,8 +449,9 @@ def _resolve_config(config: GemmConfig | None, rows_per_expert: float, n: int, k
     if swiglu and token_block == 128 and config.tile_n != 256:
         fail("config.tile_n", f"must be 256 for the per-128 SwiGLU epilogue (one tile: 128 intermediate columns, one "
              f"scale block), got {config.tile_n}")
-    if n % config.tile_n:
-        fail("config.tile_n", f"must divide N={n}, got {config.tile_n}")
+    if n % (config.tile_n * config.cluster):
+        fail("config.tile_n", f"times config.cluster ({config.cluster}: weight tiles a cluster multiplies) must divide "
+             f"N={n}, got {config.tile_n}")
     return config.for_k(k)
 
 

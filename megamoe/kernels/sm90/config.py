@@ -53,6 +53,7 @@ FOUR_WG_FP8_MAX_TILE_TOKENS = 32
 intermediate columns): the largest token tile whose accumulator, temporary and two fragment buffers fit 112
 registers."""
 PASSES = (1, 2)
+CLUSTERS = (1, 2)  # CTAs per cluster (2: ``gemm_cluster``, the token tile multicast to both)
 """Weight-row passes per tile (``GemmConfig.n_passes``)."""
 TWO_PASS_TILE_TOKENS = (64, 128)
 """Token tiles of two-pass configs (``GemmConfig.n_passes`` 2): the 256-row tiles' two 128-row passes run on two
@@ -139,6 +140,10 @@ class GemmConfig:
         whose per-128 SwiGLU epilogue needs the 128 intermediate columns of a 256-row tile together
         (``SwigluQuant128`` stages the first pass's half, quantizes after the second), with 128-row passes on two
         consumer warpgroups instead of four warpgroups of 32-row token tiles.
+    cluster: 1, or 2: two CTAs of a cluster multiply one token tile with the two weight tiles of a pair, each
+        TMA-loading half the token box into both (``gemm_cluster``: half the tokens' L2 reads per CTA). FP8 mode with
+        ``token_block`` 128, decode "regs" or "copy", one CTA per SM, one pass, ``tile_tokens`` >= 16; separate
+        grouped GEMMs only, N a multiple of 2 * ``tile_n``.
     """
 
     tile_tokens: int = 64
@@ -151,6 +156,7 @@ class GemmConfig:
     even_chunks: bool = True
     n_passes: int = 1
     token_side: str = "n"
+    cluster: int = 1
 
     def __post_init__(self):
         if self.mma not in MMA_MODES:
@@ -200,6 +206,13 @@ class GemmConfig:
                  f"{TOKENS_M_TILE_TOKENS}, tile_n in {TOKENS_M_TILE_N}), got {self.token_side!r} with "
                  f"decode={self.decode!r}, n_passes={self.n_passes}, tile_tokens={self.tile_tokens}, "
                  f"tile_n={self.tile_n}")
+        if self.cluster not in CLUSTERS or (self.cluster == 2 and not (
+                self.mma == "fp8" and self.token_block == 128 and self.decode in ("regs", "copy")
+                and self.ctas_per_sm == 1 and self.n_passes == 1 and self.tile_tokens >= 16)):
+            fail("config.cluster", f"must be one of {CLUSTERS} (2: mma='fp8', token_block=128, decode 'regs' or "
+                 f"'copy', ctas_per_sm=1, n_passes=1, tile_tokens >= 16), got {self.cluster} with mma={self.mma!r}, "
+                 f"token_block={self.token_block}, decode={self.decode!r}, ctas_per_sm={self.ctas_per_sm}, "
+                 f"n_passes={self.n_passes}, tile_tokens={self.tile_tokens}")
         if self.stages is not None:
             check_range("config.stages", self.stages, 2, self.max_stages())
 
@@ -299,6 +312,7 @@ class GemmConfig:
             f"sm90 fp4 {'tokensM' if self.token_side == 'm' else 'swapAB'} mma={self.mma}{'x128' if self.token_block == 128 else ''} tile_tokens={self.tile_tokens} tile_n={self.tile_n} "
             f"stages={self.num_stages(epilogue)}x{K_CHUNK * self.chunks_per_stage(epilogue)}K ctas/SM={self.ctas_per_sm} "
             f"{'' if self.decode == 'regs' else f'decode={self.decode} '}{f'passes={self.n_passes} ' if self.n_passes > 1 else ''}"
+            f"{f'cluster={self.cluster} ' if self.cluster > 1 else ''}"
             f"{'' if self.even_chunks else 'odd-chunks '}epilogue={epilogue}"
         )
 

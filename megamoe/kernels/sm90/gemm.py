@@ -77,6 +77,7 @@ class GroupedGemmSm90:
     ``EpilogueArgs.bias`` (static: present or None) adds each tile's expert's row bias to the accumulator first."""
 
     kind = None  # shared-memory sizing key of the config (None: the epilogue's)
+    cluster_size = 1  # CTAs per cluster (``gemm_cluster``: 2, the token tile multicast to both)
     published = True  # the producer warp publishes every tile to the consumers (``TileChannel``)
     extra_tile_readers = 0  # threads besides the consumer warpgroups that read the published tiles
 
@@ -210,7 +211,7 @@ class GroupedGemmSm90:
 
         self.kernel(tma1, tma2, row_scale, epi, groups, sync, second, mega, tiled_mma, layouts).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=self.cfg.ctas_per_sm, stream=stream,
-            use_pdl=True)
+            use_pdl=True, cluster=[self.cluster_size, 1, 1] if self.cluster_size > 1 else None)
 
     def kernel_row_scale(self, gemm: GemmArgs, second):
         """The folded weight-row scales the kernel takes (``GemmArgs.row_scale``; the consumers hand them to the
@@ -222,7 +223,7 @@ class GroupedGemmSm90:
         (``Mainloop.weight_tma``)."""
         tt, tn = self.tile_tokens, self.pass_n
         g2s = cpasync.CopyBulkTensorTileG2SOp()
-        atom_a, a = cpasync.make_tiled_tma_atom(g2s, gemm.a, cute.slice_(layouts.a, (None, None, 0)), (tt, K_CHUNK))
+        atom_a, a = self.token_tma(gemm.a, cute.slice_(layouts.a, (None, None, 0)))
         atom_w, w = self.mainloop.weight_tma(g2s, gemm.w, cute.slice_(layouts.w, (None, None, 0)))
         atom_sfw, sfw = cpasync.make_tiled_tma_atom(g2s, gemm.w_sf, cute.slice_(layouts.sfw, (None, None, 0)),
                                                     (tn, self.cps))
@@ -231,6 +232,15 @@ class GroupedGemmSm90:
             atom_sfa, sfa = cpasync.make_tiled_tma_atom(g2s, gemm.a_sf, cute.slice_(layouts.sfa, (None, None, 0)),
                                                         (tt, 4))
         return TmaOps(atom_a, a, atom_w, w, atom_sfw, sfw, atom_sfa, sfa)
+
+    def token_tma(self, a, smem_layout):
+        """The tokens' TMA atom and tensor (one ``(tile_tokens, 128)`` box per chunk into ``smem_layout``)."""
+        return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), a, smem_layout,
+                                           (self.tile_tokens, K_CHUNK))
+
+    def cluster_layout(self):
+        """The pipeline's cluster layout (V, M, N, K) of CTAs: None, one CTA (``gemm_cluster``: two)."""
+        return None
 
     # ------------------------------------------------------------------------------------------
     # The kernel: setup, roles
@@ -256,9 +266,11 @@ class GroupedGemmSm90:
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     4 * self.num_consumer_wg + self.mainloop.stage_reader_warps),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread,
+                (4 * self.num_consumer_wg + self.mainloop.stage_reader_warps) * self.cluster_size),
             tx_count=self.tx_bytes,
+            cta_layout_vmnk=self.cluster_layout(),
         )
         channel = None
         if cutlass.const_expr(self.published):
@@ -401,7 +413,7 @@ class GroupedGemmSm90:
         for h in cutlass.range_constexpr(self.cps):
             c = kt * self.cps + h
             if cutlass.const_expr(tokens):
-                cute.copy(ops.atom_a, tAg[(None, c)], tAs[(None, s * self.cps + h)], tma_bar_ptr=bar)
+                self.copy_tokens(ops, tAg[(None, c)], tAs[(None, s * self.cps + h)], bar)
             if cutlass.const_expr(weights):
                 cute.copy(ops.atom_w, tWg[(None, n_tile, c, e)], tWs[(None, s * self.cps + h)], tma_bar_ptr=bar)
         if cutlass.const_expr(weights):
@@ -409,6 +421,10 @@ class GroupedGemmSm90:
         if cutlass.const_expr(tokens and sfa is not None):
             tSFAg, tSFAs = sfa
             cute.copy(ops.atom_sfa, tSFAg[(None, kt // 4)], tSFAs[(None, s)], tma_bar_ptr=bar)
+
+    def copy_tokens(self, ops: TmaOps, src, dst, bar):
+        """One chunk's token tile into its stage slot (here: this CTA's TMA load of the whole box)."""
+        cute.copy(ops.atom_a, src, dst, tma_bar_ptr=bar)
 
     def weight_partitions(self, ops: TmaOps, sW, sSFW):
         """Weight and scale TMA partitions of one GEMM; static: (TMA, RestN, RestK, E), RestN in passes
@@ -428,8 +444,12 @@ class GroupedGemmSm90:
         """Token TMA partitions of one GEMM for the tile starting at ``row0`` (any row: the coordinate domain is
         offset): (TMA, K chunk)."""
         gA = cute.local_tile(cute.domain_offset((row0, 0), ops.a), (self.tile_tokens, K_CHUNK), (0, None))
-        return cpasync.tma_partition(ops.atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
-                                     cute.group_modes(gA, 0, 2))
+        cta, ctas = self.token_box_share()
+        return cpasync.tma_partition(ops.atom_a, cta, ctas, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+
+    def token_box_share(self):
+        """(this CTA's coordinate, layout of the CTAs) that share each token box's load: here the CTA alone."""
+        return 0, cute.make_layout(1)
 
     def token_scale_partitions(self, ops: TmaOps, row0, sSFA):
         """FP8 mode: token-scale TMA partitions of one GEMM for the tile starting at ``row0``, (gmem, smem): (TMA,
@@ -486,10 +506,7 @@ class GroupedGemmSm90:
                 state, all_done = self.load_second_gemm(ab_pipeline, state, tma2, parts2, sA, sSFA, e, n_tile, row0,
                                                         block, t_off, dims, groups, total_rows, sync, second, mega,
                                                         all_done)
-            if cutlass.const_expr(self.published):
-                t = channel.fetch(self.word(sync, groups.num_groups, NEXT_TILE), gdim)
-            else:
-                t = t + gdim
+            t = self.following_tile(t, channel, sync, groups, gdim)
             phase, e, base, t_off, valid, row0, row_end, n_tile, block = self.next_tile(
                 t, phase, e, base, t_off, dims, groups, total_rows
             )
@@ -497,6 +514,13 @@ class GroupedGemmSm90:
                 pub = channel.publish(pub, phase, valid, row0, row_end, n_tile, block)
         self.producer_done(sync, groups, gdim)
         ab_pipeline.producer_tail(state)
+
+    def following_tile(self, t: Int32, channel, sync: Int64, groups, gdim: Int32) -> Int32:
+        """The producer warp: the tile id after ``t`` (published: from the stream's counter, ``TileChannel.fetch``;
+        else ``t + gdim``)."""
+        if cutlass.const_expr(self.published):
+            return channel.fetch(self.word(sync, groups.num_groups, NEXT_TILE), gdim)
+        return t + gdim
 
     @cute.jit
     def load_first_gemm(self, ab_pipeline, state, ops: TmaOps, parts, sSFA, e, n_tile, row0, row_end, block, dims,

@@ -9,7 +9,8 @@ per consumer warpgroup: ``config.consumer_warpgroups`` = tile_tokens / 64), the 
 consumer thread holds two token rows and ``tile_n / 4`` weight columns.
 
 Recipe (1, 1, 128) with the weights' E4M3 copy (decode "copy"), the BF16 epilogue (``out[m, n]``), any group mode,
-no bias (the API checks).
+no bias (the API checks). On two-CTA clusters (``GemmConfig.cluster`` 2): ``ClusterPairTokensMGemmSm90``, the two
+CTAs of a weight-tile pair sharing each token tile (``gemm_cluster``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from .config import GemmConfig
 from .epilogues import Bf16StoreTokensM
 from .gemm import GroupedGemmSm90
+from .gemm_cluster import ClusterPairGemmSm90
 from .mainloop_fp8_tokens_m import Fp8CopyTokensMMainloop
 
 
@@ -34,3 +36,8 @@ class TokensMGemmSm90(GroupedGemmSm90):
 
     def make_epilogue(self, epilogue: str, fast_math: bool):
         return Bf16StoreTokensM(self.cfg)
+
+
+class ClusterPairTokensMGemmSm90(ClusterPairGemmSm90, TokensMGemmSm90):
+    """Tokens on the wgmma M side on two-CTA clusters: ``gemm_cluster``'s tile order and token multicast, this
+    module's mainloop and epilogue."""
