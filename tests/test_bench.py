@@ -160,6 +160,26 @@ def test_gemm_bench_times_every_weight_decode_of_recipe_128():
     assert kernel_configs(p, "bf16", True, 32, ("regs", "smem")) == kernel_configs(p, "bf16", True)
 
 
+def test_gemm_bench_pairs_each_config_that_may_run_on_a_cluster():
+    """``--cluster 1,2``: each recipe-128 config, then beside it its two-CTA cluster variant where the config allows
+    one (one CTA per SM, token tiles of 16 rows or more, N a multiple of two weight tiles); ``--cluster 2`` alone: the
+    variants only."""
+    import dataclasses
+
+    from megamoe.bench.gemm import Point, kernel_configs
+
+    for rows in (1, 64, 1024):
+        p = Point("flash", "l1", 8, 32, rows, 4096, 4096)
+        one = kernel_configs(p, "fp8", True, 128, ("regs", "copy"))
+        both = kernel_configs(p, "fp8", True, 128, ("regs", "copy"), (1, 2))
+        pairs = [dataclasses.replace(c, cluster=2) for c in one if c.ctas_per_sm == 1 and c.tile_tokens >= 16]
+        assert [c for c in both if c.cluster == 1] == one and [c for c in both if c.cluster == 2] == pairs
+        assert kernel_configs(p, "fp8", True, 128, ("regs", "copy"), (2,)) == pairs
+        assert pairs or rows == 1
+    narrow = Point("flash", "l1", 8, 32, 1024, 128, 4096)  # N: one 128-row weight tile, no pair
+    assert all(c.cluster == 1 for c in kernel_configs(narrow, "fp8", True, 128, ("copy",), (1, 2)))
+
+
 def test_ab_runs_the_builds_in_turn_each_its_own_source(tmp_path):
     """bench/ab.py: two builds of this tree (copied: no git needed) run in turn (one ``python -m
     torch.distributed.run`` each: no torchrun on PATH needed; tiny preset on CPU) into one receipt and a summary

@@ -583,4 +583,13 @@ def test_config_validation():
     for epilogue, bias in (("swiglu_fp8", False), ("bf16_scatter", False), ("bf16", True)):
         with pytest.raises(ValueError, match="config.token_side` 'm' .* runs the BF16 epilogue without bias only"):
             compile_grouped_gemm(tokens_m, "offsets", epilogue, folded=True, bias=bias)
+    # two-CTA clusters: recipe 128's register decode or E4M3 copy on one CTA per SM, separate grouped GEMMs only
+    pair = {"tile_tokens": 128, "mma": "fp8", "token_block": 128, "cluster": 2}
+    assert "cluster=2" in GemmConfig(**pair).describe() and "cluster" not in regs.describe()
+    for bad in ({"cluster": 3}, {"cluster": 2}, {**pair, "token_block": 32}, {**pair, "decode": "smem"},
+                {**pair, "tile_tokens": 8, "ctas_per_sm": 2}, {**pair, "tile_tokens": 8}):
+        with pytest.raises(ValueError, match="config.cluster` must be one of \\(1, 2\\) \\(2: mma='fp8', token_block=128"):
+            GemmConfig(**bad)
+    with pytest.raises(ValueError, match="config.cluster` must be 1 for the one-launch L1/L2 and Mega MoE kernels"):
+        compile_l1_l2(GemmConfig(tile_tokens=64, tile_n=128, mma="fp8", token_block=128, cluster=2))
 
