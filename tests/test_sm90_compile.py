@@ -160,13 +160,13 @@ SMEM_DECODE_CASES, COPY_CASES = (
     [(GemmConfig(tile_tokens=t, tile_n=n, mma="fp8", token_block=128, decode=decode), mode, epilogue)
      for t, n, mode, epilogue in SS_OPERAND_SHAPES]
     for decode in ("smem", "copy"))
-# Recipe (1, 1, 128) with tokens on the wgmma M side (``token_side="m"``, the E4M3 copy, BF16 epilogue): one, two and
-# three consumer warpgroups of 64 token rows, 64- and 128-row weight tiles, the three group layouts, an odd chunk count.
+# Recipe (1, 1, 128) with tokens on the wgmma M side (``token_side="m"``, the E4M3 copy, BF16 epilogue): one and two
+# consumer warpgroups of 64 token rows, 64- and 128-row weight tiles, the three group layouts, an odd chunk count.
 TOKENS_M_CASES = [
     (GemmConfig(tile_tokens=t, tile_n=n, mma="fp8", token_block=128, decode="copy", token_side="m", even_chunks=even),
      mode, "bf16")
     for t, n, mode, even in [(128, 128, "offsets", True), (64, 128, "masked", True), (128, 64, "offsets_counts", True),
-                             (128, 128, "offsets", False), (192, 128, "offsets", True)]]
+                             (128, 128, "offsets", False)]]
 # Recipe (1, 1, 128) on two-CTA clusters (``gemm_cluster``: the token tile multicast to both): the register decode
 # with 128-row token tiles (one K loop per token width) and its per-128 SwiGLU epilogue on four consumer warpgroups,
 # the E4M3 copy; the three group layouts.

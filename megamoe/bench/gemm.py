@@ -201,7 +201,7 @@ def kernel_configs(p: Point, mma: str, alternatives: bool, token_block: int = 32
     tile_tokens=64 for 128 in either mode. FP8 mode with per-128 token scales: each of those for every weight decode
     in ``decodes`` ("regs", "smem", "copy": ``GemmConfig.decode``; "smem" and "copy" on one CTA per SM, which they
     need), in that order; with the copy and "m" in ``token_sides`` then tokens on the wgmma M side
-    (``tokens_m_config``; alternative: 192 token rows for its 128); with 2 in ``clusters``, each of them that may run
+    (``tokens_m_config``); with 2 in ``clusters``, each of them that may run
     on two-CTA clusters (``GemmConfig.cluster``) also does, next to it (1 not in ``clusters``: instead of it)."""
     import dataclasses
 
@@ -223,8 +223,6 @@ def kernel_configs(p: Point, mma: str, alternatives: bool, token_block: int = 32
         out += [c for i, c in enumerate(one_cta) if decode in decodes and c not in one_cta[:i]]
     if "copy" in decodes and "m" in token_sides:
         out.append(tokens_m_config(p.rows_per_expert))
-        if alternatives and out[-1].tile_tokens == 128:  # three consumer warpgroups
-            out.append(dataclasses.replace(out[-1], tile_tokens=192))
     paired = []
     for c in out:
         if 1 in clusters:

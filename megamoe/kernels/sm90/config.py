@@ -30,8 +30,9 @@ TOKEN_SIDES = ("n", "m")
 """Which wgmma side the tokens take (``GemmConfig.token_side``): "n" (swap-AB: weights on M, 64 rows per consumer
 warpgroup, tokens on N in steps of 8: ``gemm.GroupedGemmSm90``) or "m" (tokens on M, 64 rows per consumer warpgroup,
 weights on N: ``gemm_tokens_m.TokensMGemmSm90``, recipe (1, 1, 128) with the weights' E4M3 copy only)."""
-TOKENS_M_TILE_TOKENS = (64, 128, 192)
-"""Token tiles of tokens-on-M configs: one, two or three consumer warpgroups of 64 token rows."""
+TOKENS_M_TILE_TOKENS = (64, 128)
+"""Token tiles of tokens-on-M configs: one or two consumer warpgroups of 64 token rows (three, 192 rows, measured no
+faster: bench/findings/recipe-128-gemm.md)."""
 TOKENS_M_TILE_N = (64, 128)
 """Weight tiles of tokens-on-M configs (wgmma N): a consumer thread holds tile_n / 2 accumulator and as many
 temporary registers; 256 would not fit its 240."""
@@ -178,8 +179,7 @@ class GemmConfig:
             fail("config.ctas_per_sm", f"must be 1, 2 with tile_tokens <= {TWO_CTA_TILE_TOKENS[self.mma]} in "
                  f"{self.mma} mode, or 3 with tile_n=64 and tile_tokens={THREE_CTA_TILE_TOKENS} in bf16 mode; got "
                  f"{self.ctas_per_sm} with tile_tokens={self.tile_tokens}, tile_n={self.tile_n}, mma={self.mma}")
-        if self.tile_tokens not in TILE_TOKENS_CHOICES[self.mma] and not (
-                self.token_side == "m" and self.tile_tokens in TOKENS_M_TILE_TOKENS):
+        if self.tile_tokens not in TILE_TOKENS_CHOICES[self.mma]:
             fail("config.tile_tokens", f"must be one of {TILE_TOKENS_CHOICES[self.mma]} in {self.mma} mode, "
                  f"got {self.tile_tokens}")
         if self.tile_n not in TILE_N_CHOICES:

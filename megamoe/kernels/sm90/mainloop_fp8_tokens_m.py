@@ -15,12 +15,11 @@ not read -- and the tokens' FP32 scale box of four chunks): each consumer warpgr
 thread's two token scales of the chunk (word ``kt % 4`` of the box), issues the chunk's four ``m64 n{tile_n} k32``
 wgmmas into a temporary (the first overwrites it), waits, frees the stage and promotes ``acc += tmp * s_row``, one
 FP32 multiply-add per accumulator; the other consumer warpgroup's wgmmas run meanwhile. After the K loop each column
-is multiplied by its weight row's FP32 scale (exact: a power of two).
+is multiplied by its weight row's FP32 scale (exact: a power of two), loaded at the tile's start.
 
-Arithmetic: per (token, weight row) the same E4M3 products in the same four k32 steps per chunk into a fresh FP32
-temporary, the same promotion and the same row scale as the swap-AB mainloops -- the wgmma's operand order within
-one dot product is the hardware's in both orientations, so results agree to FP32 rounding of the k32 sums, not bit
-for bit.
+Arithmetic: per (token, weight row) the same E4M3 products in the same four k32 wgmmas per chunk into a fresh FP32
+temporary, the same promotion and the same row scale as the swap-AB mainloops; the GPU tests find the outputs equal
+to the swap-AB E4M3 copy's bit for bit.
 """
 
 from __future__ import annotations
@@ -46,10 +45,6 @@ class Fp8CopyTokensMMainloop(Fp8CopyMainloop):
     def __init__(self, config: GemmConfig, stages: int, cps: int):
         super().__init__(config, stages, cps)
         assert config.token_side == "m" and self.num_consumer_wg == self.tile_tokens // 64
-        if self.num_consumer_wg == 3:
-            # 512 threads launch with 128 registers each: the producer warpgroup keeps setmaxnreg's least, 24, so
-            # that the consumers get 160 (the accumulator and the temporary take 128)
-            self.producer_regs = 24
 
     def tiled_mma(self, tokens: int):
         """``tokens`` token rows (64 per consumer warpgroup, wgmma M) x ``tile_n`` weight columns (wgmma N), both from
@@ -83,6 +78,7 @@ class Fp8CopyTokensMMainloop(Fp8CopyMainloop):
         (``row_scale``: (N, E) float32, row ``n_tile * tile_n + column`` of expert ``group``). ``release``: unused
         (returned as is)."""
         acc, tmp, sfa = f.acc, f.tmp, f.sfa
+        col_scales = self.column_scales(f.cC, row_scale, n_tile, group)  # loaded now, used after the K loop
         for kt in cutlass.range(k_tiles, unroll=1):
             ab_pipeline.consumer_wait(state)
             s = state.index
@@ -100,16 +96,21 @@ class Fp8CopyTokensMMainloop(Fp8CopyMainloop):
                 for c in cutlass.range_constexpr(2):
                     acc[c + 4 * j] = acc[c + 4 * j] + tmp[c + 4 * j] * s0
                     acc[c + 2 + 4 * j] = acc[c + 2 + 4 * j] + tmp[c + 2 + 4 * j] * s1
-        self.apply_column_scales(acc, f.cC, row_scale, n_tile, group)
+        # Folded weight scales: each accumulator column times its weight row's FP32 scale (exact: a power of two).
+        for j in cutlass.range_constexpr(self.tile_n // 8):
+            for c in cutlass.range_constexpr(2):
+                acc[c + 4 * j] = acc[c + 4 * j] * col_scales[c + 2 * j]
+                acc[c + 2 + 4 * j] = acc[c + 2 + 4 * j] * col_scales[c + 2 * j]
         return state, release
 
     @cute.jit
-    def apply_column_scales(self, acc, cC, row_scale, n_tile, group):
-        """Folded weight scales: each accumulator column times its weight row's FP32 scale (exact: a power of two)."""
+    def column_scales(self, cC, row_scale, n_tile, group):
+        """The FP32 scales of the thread's ``tile_n / 4`` weight columns (value c + 2j: column 8j + 2q + c of the
+        tile), loaded at the tile's start so that their latency hides under the K loop."""
         scales = row_scale[(None, group)]  # (N,): expert ``group``'s row scales
-        col0 = n_tile * self.tile_n + cC[0][1]  # the thread's first column; value c + 4j is column col0 + 8j + c
+        col0 = n_tile * self.tile_n + cC[0][1]  # the thread's first column
+        out = cute.make_rmem_tensor((self.tile_n // 4,), Float32)
         for j in cutlass.range_constexpr(self.tile_n // 8):
             for c in cutlass.range_constexpr(2):
-                scale = Float32(scales[col0 + 8 * j + c])
-                acc[c + 4 * j] = acc[c + 4 * j] * scale
-                acc[c + 2 + 4 * j] = acc[c + 2 + 4 * j] * scale
+                out[c + 2 * j] = Float32(scales[col0 + 8 * j + c])
+        return out
