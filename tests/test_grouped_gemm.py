@@ -973,7 +973,8 @@ def test_recipe128_tokens_m_contiguous(tile_tokens, tile_n, k):
     """Tokens on the wgmma M side (``token_side="m"``): ragged groups (empty experts, one row, partial tiles, groups
     over several tiles; more tiles than CTAs, so each CTA takes several) between NaN padding rows, an even and an odd
     count of 128-K chunks (the odd one with padded token-scale rows), against the FP64 reference of recipe 128;
-    padding rows keep their poison. Then the same call in a CUDA graph replayed twice into a re-poisoned output."""
+    padding rows keep their poison. Then the same call in a CUDA graph replayed twice into a re-poisoned output, and
+    the call without a config (the copy's default, ``copy_config``)."""
     gen = torch.Generator().manual_seed(480 + tile_tokens + tile_n + k)
     counts, n = [300, 0, 1, 129, 64, 257, 200, 3, 511, 90], 2048
     a, a_sf, offsets, row_expert = _recipe128_case(counts, n, k, gen)
@@ -997,6 +998,11 @@ def test_recipe128_tokens_m_contiguous(tile_tokens, tile_n, k):
     graph.replay()
     torch.cuda.synchronize()
     _check_rows(out, a, a_sf, w, w_sf, row_expert, f"recipe 128 contiguous {cfg.describe()}, CUDA graph", k32_per_sum=4)
+    # no config with the copy: ``copy_config`` (tokens on M: about 155 expected rows per expert here)
+    out.fill_(float("nan"))
+    grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, w_e4m3=copy)
+    torch.cuda.synchronize()
+    _check_rows(out, a, a_sf, w, w_sf, row_expert, "recipe 128 contiguous, the copy's default config", k32_per_sum=4)
 
 
 @gpu

@@ -224,7 +224,7 @@ def _cpu_inputs_copy(m=48, n=256, k=512, e=3):
     "change,pattern",
     [
         (lambda d: d.update(w_e4m3=None), "`w_e4m3` is required with config.decode='copy'"),
-        (lambda d: d.update(config=None), "`w_e4m3` is given but config.decode is 'regs'"),
+        (lambda d: d.update(config=None), "`a` must be a CUDA tensor"),  # no config: one that reads the copy
         (lambda d: d.update(config=GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128, decode="smem")),
          "`w_e4m3` is given but config.decode is 'smem'"),
         (lambda d: d.update(w_e4m3=d["w_e4m3"].view(torch.uint8)), "`w_e4m3` must have dtype float8_e4m3fn"),
@@ -273,3 +273,21 @@ def test_tokens_on_m_takes_plain_bf16_rows_only():
         grouped_gemm_fp8_fp4_swiglu_contiguous(**swiglu)
     with pytest.raises(ValueError, match="`a` must be a CUDA tensor"):  # all else right: the device check fires last
         grouped_gemm_fp8_fp4_contiguous(**d)
+
+
+def test_copy_config_puts_tokens_on_m_from_128_rows():
+    """Given the weights' E4M3 copy and no config, a plain GEMM reads the copy: tokens on the wgmma M side from
+    ``TOKENS_M_MIN_ROWS`` expected rows per expert (64-row token tiles up to 64 rows), else swap-AB's tile on one CTA
+    per SM; N not a multiple of 128 keeps swap-AB."""
+    from megamoe.kernels.sm90.config import TOKENS_M_MIN_ROWS, copy_config, select_config
+
+    for rows in (1, 16, 64, 100, TOKENS_M_MIN_ROWS, 300, 4096):
+        cfg = copy_config(rows, 4096, 2048)
+        assert cfg.decode == "copy" and cfg.ctas_per_sm == 1 and cfg.token_block == 128
+        if rows >= TOKENS_M_MIN_ROWS:
+            assert (cfg.token_side, cfg.tile_tokens, cfg.tile_n) == ("m", 128, 128), (rows, cfg)
+        else:
+            swap = select_config(rows, 4096, 2048, "fp8", token_block=128)
+            assert cfg.token_side == "n" and (cfg.tile_tokens, cfg.tile_n) == (swap.tile_tokens, swap.tile_n), (rows, cfg)
+    assert copy_config(1024, 64 * 3, 2048).token_side == "n"
+

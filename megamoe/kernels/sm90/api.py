@@ -13,6 +13,7 @@ optional ``counts``) and masked (``[E, max_m]`` slabs). Importing this module ne
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -22,7 +23,7 @@ from ...numerics import check_activation, check_activation_clamp, check_fast_mat
 from .. import runtime
 from ..weight_layout import BF16_WORDS, CHUNK_BYTES, K_CHUNK, ROW_BLOCK, check_blocked_layout
 from .args import EpilogueArgs, GemmArgs, GroupArgs, MegaArgs, SecondGemmArgs
-from .config import (EPILOGUES, GROUP_MODES, K_MULTIPLE, SCALE_ROW_WORDS, SWIGLU_EPILOGUES, GemmConfig,
+from .config import (EPILOGUES, GROUP_MODES, K_MULTIPLE, SCALE_ROW_WORDS, SWIGLU_EPILOGUES, GemmConfig, copy_config,
                      per_128_swiglu_config, select_config, sync_words)
 from .counters import tile_counters
 from .weights import LAYOUTS
@@ -428,15 +429,22 @@ def _check_weight_copy(w_e4m3: torch.Tensor | None, cfg: GemmConfig, e: int, n: 
 
 def _resolve_config(config: GemmConfig | None, rows_per_expert: float, n: int, k: int, mma: str,
                     four_warpgroups: bool = True, token_block: int = 32, swiglu: bool = False,
-                    scatter: bool = False) -> GemmConfig:
+                    scatter: bool = False, copy: bool = False) -> GemmConfig:
     """The caller's config, checked against the operands, or ``select_config``'s, for K ``k`` (``GemmConfig.for_k``).
     The per-128 SwiGLU epilogue (``swiglu`` with ``token_block`` 128) needs 256-row weight tiles: 128 intermediate
     columns, one scale block. Tokens on the wgmma M side (``token_side`` "m") store plain BF16 rows only (neither
-    ``swiglu`` nor ``scatter``)."""
+    ``swiglu`` nor ``scatter``). ``copy``: the caller gave the weights' E4M3 copy (recipe (1, 1, 128)); without a
+    config the kernel then reads it (``copy_config``, or decode "copy" on the epilogue's own tile)."""
     if config is None:
         if swiglu and token_block == 128:
-            return per_128_swiglu_config(rows_per_expert).for_k(k)
-        return select_config(rows_per_expert, n, k, mma, four_warpgroups, token_block).for_k(k)
+            config = per_128_swiglu_config(rows_per_expert)
+        elif copy and token_block == 128 and not scatter:
+            config = copy_config(rows_per_expert, n, k)
+        else:
+            config = select_config(rows_per_expert, n, k, mma, four_warpgroups, token_block)
+        if copy and token_block == 128:
+            config = replace(config, decode="copy", ctas_per_sm=1)
+        return config.for_k(k)
     if not isinstance(config, GemmConfig):
         raise TypeError(f"megamoe: `config` must be a GemmConfig or None, got {type(config).__name__}")
     if config.mma != mma:
@@ -530,7 +538,7 @@ def grouped_gemm_fp8_fp4_contiguous(
         check_tensor("out_row_ptrs", out_row_ptrs, dtype=torch.int64, shape=(m,), device=a.device, contiguous=True)
         epilogue = "bf16_scatter"
     cfg = _resolve_config(config, m / max(e, 1), n, k, mma, token_block=_token_block(a_sf, b, b_sf),
-                          scatter=out_row_ptrs is not None)
+                          scatter=out_row_ptrs is not None, copy=w_e4m3 is not None)
     _check_weight_copy(w_e4m3, cfg, e, n, k, a.device)
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out, w_e4m3=w_e4m3)
     max_tiles = (m // cfg.tile_tokens + e) * (n // cfg.tile_n)
@@ -566,7 +574,7 @@ def grouped_gemm_fp8_fp4_masked(
         out = torch.empty(e, max_m, n, dtype=torch.bfloat16, device=a.device)
     check_tensor("out", out, dtype=torch.bfloat16, shape=(e, max_m, n), device=a.device, contiguous=True)
     cfg = _resolve_config(config, max_m if expected_m is None else expected_m, n, k, mma,
-                          token_block=_token_block(a_sf, b, b_sf))
+                          token_block=_token_block(a_sf, b, b_sf), copy=w_e4m3 is not None)
     _check_weight_copy(w_e4m3, cfg, e, n, k, a.device)
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out, w_e4m3=w_e4m3)
     max_tiles = e * math.ceil(max_m / cfg.tile_tokens) * (n // cfg.tile_n)
@@ -668,7 +676,7 @@ def grouped_gemm_fp8_fp4_swiglu_contiguous(
     tb = _token_block(a_sf, b, b_sf)
     epilogue, out, out_sf, out_k, out_sf_k = _swiglu_outputs((m,), n // 2, out, out_sf, out_dtype, a.device, token_block=tb)
     clamp_value = _bf16_clamp(clamp)
-    cfg = _resolve_config(config, m / max(e, 1), n, k, mma, token_block=tb, swiglu=True)
+    cfg = _resolve_config(config, m / max(e, 1), n, k, mma, token_block=tb, swiglu=True, copy=w_e4m3 is not None)
     _check_weight_copy(w_e4m3, cfg, e, n, k, a.device)
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out, w_e4m3=w_e4m3)
     max_tiles = (m // cfg.tile_tokens + e) * (n // cfg.tile_n)
@@ -812,7 +820,8 @@ def grouped_gemm_fp8_fp4_swiglu_masked(
     epilogue, out, out_sf, out_k, out_sf_k = _swiglu_outputs((e, max_m), n // 2, out, out_sf, out_dtype, a.device,
                                                              token_block=tb)
     clamp_value = _bf16_clamp(clamp)
-    cfg = _resolve_config(config, max_m if expected_m is None else expected_m, n, k, mma, token_block=tb, swiglu=True)
+    cfg = _resolve_config(config, max_m if expected_m is None else expected_m, n, k, mma, token_block=tb, swiglu=True,
+                          copy=w_e4m3 is not None)
     _check_weight_copy(w_e4m3, cfg, e, n, k, a.device)
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out, w_e4m3=w_e4m3)
     max_tiles = e * math.ceil(max_m / cfg.tile_tokens) * (n // cfg.tile_n)

@@ -411,6 +411,21 @@ def tokens_m_config(expected_rows_per_expert: float) -> GemmConfig:
     return GemmConfig(tile_tokens=tokens, tile_n=128, mma="fp8", token_block=128, decode="copy", token_side="m")
 
 
+TOKENS_M_MIN_ROWS = 128
+"""Expected rows per expert from which ``copy_config`` puts the tokens on the wgmma M side: from there its 128 x 128
+tiles measured faster than swap-AB's (at 64 rows both orientations are bound by the weights' bytes and equal;
+bench/findings/recipe-128-gemm.md)."""
+
+
+def copy_config(expected_rows_per_expert: float, n: int, k: int) -> GemmConfig:
+    """The config of a plain recipe-(1, 1, 128) grouped GEMM given the weights' E4M3 copy and no config: tokens on M
+    (``tokens_m_config``) from ``TOKENS_M_MIN_ROWS`` expected rows per expert where N is whole 128-row tiles, else
+    ``select_config``'s swap-AB tile reading the copy (one CTA per SM, which the copy needs)."""
+    if expected_rows_per_expert >= TOKENS_M_MIN_ROWS and n % 128 == 0:
+        return tokens_m_config(expected_rows_per_expert)
+    return replace(select_config(expected_rows_per_expert, n, k, "fp8", token_block=128), decode="copy", ctas_per_sm=1)
+
+
 def poisson_cover(expected_rows: float) -> float:
     """The rows a token tile should cover for experts expected to get ``expected_rows``: an expert's row count is about
     Poisson around it, so the expected rows plus two standard deviations (about 98% of the experts fit; a tile only as
