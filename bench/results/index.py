@@ -22,7 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 FOLDERS = ("gemm", "mega", "moe", "decode", "archive")
-SKIP_DIRS = {".git", ".ab", "__pycache__", ".pytest_cache", "build", "dist"}
+SKIP_DIRS = {".git", ".ab", "scratch", "__pycache__", ".pytest_cache", "build", "dist"}
 DATE = re.compile(r"^(\d{4}-\d{2}-\d{2})_")
 HASH = re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])(?:[0-9a-f]{7,12}|[0-9a-f]{40})\b")
 """A git commit, abbreviated (7-12 hex digits) or full; not the 16-digit source digests (``megamoe_source``)."""
