@@ -204,12 +204,12 @@ class Fp8SmemMainloop(Mainloop):
             ab_pipeline.consumer_wait(state)
             s = state.index
             self.wait_weights(f, state)
+            self.token_scales(f, kt, s)  # before the wgmmas: their issue never waits behind these loads
             warpgroup.fence()
             for kb in cutlass.range_constexpr(4):
                 cute.gemm(f.mma_first if kb == 0 else f.mma_acc, tmp, f.tCrA[(None, None, kb, s)],
                           f.tCrB[(None, None, kb, s)], tmp)
             warpgroup.commit_group()
-            self.token_scales(f, kt, s)  # while they run
             warpgroup.wait_group(0)
             ab_pipeline.consumer_release(state)
             state.advance()
