@@ -13,9 +13,8 @@ row and chunk: the swizzle atom's row). The producer warpgroup's warps 1-3 idle,
 
 Per stage ``s`` of the kernel's TMA pipeline (tokens, the weights' E4M3 tile, the folded scale words -- loaded with
 the stage but not read: 4 bytes per row and chunk -- and the tokens' FP32 scales): the consumers wait for the stage,
-issue the chunk's four ``m64 n{tokens} k32`` wgmmas into a temporary (the first overwrites it), load their token
-scales straight from the stage's scale box while they run, wait, free the stage and promote ``acc += tmp *
-s_token``, exactly as ``Fp8SmemMainloop`` (whose K loop this class runs, hooks ``weight_tile``, ``wait_weights``,
+load their token scales straight from the stage's scale box, issue the chunk's four ``m64 n{tokens} k32`` wgmmas into
+a temporary (the first overwrites it), wait, free the stage and promote ``acc += tmp * s_token``, exactly as ``Fp8SmemMainloop`` (whose K loop this class runs, hooks ``weight_tile``, ``wait_weights``,
 ``token_scales``). After the K loop each weight row is multiplied by its FP32 scale (``apply_row_scales``).
 
 Arithmetic: the same E4M3 values (``e4m3_weight_copy`` is exact), the same four k32 wgmmas per chunk in the same
@@ -34,19 +33,10 @@ from .mainloop_fp8_smem import Fp8SmemMainloop
 from .mainloops import Mainloop
 
 
-class Fp8CopyMainloop(Fp8SmemMainloop):
-    """FP8 tokens with one FP32 scale per 128 K x the weights' precomputed E4M3 copy, loaded by TMA into the SS wgmma
-    tile (module docstring). ``config``: FP8 mode, ``token_block`` 128, one CTA per SM, decode "copy" (``GemmConfig``
-    checks); the kernel's ``GemmArgs.w`` is the copy, (N, K, E) float8_e4m3fn with K contiguous."""
-
-    stage_reader_warps = 0  # no decode warps: warps 1-3 idle
-    producer_regs = None  # the kernel's choice, as the register mainloops'
-    shared_state = Mainloop.shared_state  # no shared memory or barriers of its own
-    helper_warps = Mainloop.helper_warps
-
-    def __init__(self, config: GemmConfig, stages: int, cps: int):
-        Mainloop.__init__(self, config, stages, cps)  # not the decode's stages, barriers and table (none here)
-        assert cps == 1 and config.decode == "copy"  # FP8 mode: one 128-K chunk per stage
+class E4M3CopyOperand:
+    """The weights' operand of the mainloops that read their E4M3 copy (this module's, ``mainloop_fp8_tokens_m``):
+    each stage's ``tile_n`` x 128 tile of the copy, TMA-loaded into the 128-byte swizzled K-major layout the SS wgmma
+    descriptor reads (``Mainloop``'s weight hooks)."""
 
     def weight_smem_layout(self, slots: int):
         """(tile_n, 128, slots) E4M3, 128-byte swizzled K-major: the decode's stage layout (``decoded_layout``), here
@@ -65,6 +55,21 @@ class Fp8CopyMainloop(Fp8SmemMainloop):
     def weight_smem(self, region, layout):
         """The stage slots as the swizzled E4M3 tensor of ``layout``."""
         return region.get_tensor(layout.outer, swizzle=layout.inner, dtype=self.a_dtype)
+
+
+class Fp8CopyMainloop(E4M3CopyOperand, Fp8SmemMainloop):
+    """FP8 tokens with one FP32 scale per 128 K x the weights' precomputed E4M3 copy, loaded by TMA into the SS wgmma
+    tile (module docstring). ``config``: FP8 mode, ``token_block`` 128, one CTA per SM, decode "copy" (``GemmConfig``
+    checks); the kernel's ``GemmArgs.w`` is the copy, (N, K, E) float8_e4m3fn with K contiguous."""
+
+    stage_reader_warps = 0  # no decode warps: warps 1-3 idle
+    producer_regs = None  # the kernel's choice, as the register mainloops'
+    shared_state = Mainloop.shared_state  # no shared memory or barriers of its own
+    helper_warps = Mainloop.helper_warps
+
+    def __init__(self, config: GemmConfig, stages: int, cps: int):
+        Mainloop.__init__(self, config, stages, cps)  # not the decode's stages, barriers and table (none here)
+        assert cps == 1 and config.decode == "copy"  # FP8 mode: one 128-K chunk per stage
 
     def weight_tile(self, sW, dec):
         """The TMA's stage slots themselves."""

@@ -14,8 +14,8 @@ swizzled K-major layout the wgmma descriptor reads) and copy the tokens' scales 
 token-scale table (ordered as the consumer threads read them: one 16-byte load per four token columns instead of one
 load per column), fence the writes for the async proxy, arrive on the stage's decode barrier (one arrival per decode
 thread) and free the TMA stage (the pipeline's empty barrier counts their three warps besides the consumers'). The
-consumers wait for the TMA stage (tokens) and the decode barrier, issue the chunk's four ``m64 n{tokens} k32`` wgmmas
-into a temporary, load their token scales from the table while they run, wait, free the stage and promote
+consumers wait for the TMA stage (tokens) and the decode barrier, load their token scales from the table, issue the
+chunk's four ``m64 n{tokens} k32`` wgmmas into a temporary, wait, free the stage and promote
 ``acc += tmp * s_token`` (one FP32 multiply-add per accumulator and 128 K). Decoded stage ``s`` (and its table) is
 rewritten only after the TMA stage ``s`` was refilled, which waits for every consumer warp to free it, after its
 wgmmas have retired: the decoded stages need no barrier of their own for reuse. After the K loop each weight row is

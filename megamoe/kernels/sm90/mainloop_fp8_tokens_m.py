@@ -32,19 +32,22 @@ from cutlass import Float32
 from cutlass.cute.nvgpu import warpgroup
 
 from .config import GemmConfig
-from .mainloop_fp8_copy import Fp8CopyMainloop
-from .mainloops import make_tiled_mma
+from .mainloop_fp8_copy import E4M3CopyOperand
+from .mainloops import Mainloop, make_tiled_mma
 
 
-class Fp8CopyTokensMMainloop(Fp8CopyMainloop):
+class Fp8CopyTokensMMainloop(E4M3CopyOperand, Mainloop):
     """FP8 tokens with one FP32 scale per 128 K (wgmma A, M side) x the weights' E4M3 copy (wgmma B, N side) (module
     docstring). ``config``: ``token_side`` "m" (``GemmConfig`` checks: decode "copy", one CTA per SM, 64 or 128 token
     rows, 64 or 128 weight rows); the kernel's ``GemmArgs.w`` is the copy, (N, K, E) float8_e4m3fn with K
-    contiguous. The weight operand's layout and TMA are ``Fp8CopyMainloop``'s."""
+    contiguous (``E4M3CopyOperand``). No shared memory, barriers or warps of its own: warps 1-3 idle."""
+
+    a_dtype = cutlass.Float8E4M3FN
 
     def __init__(self, config: GemmConfig, stages: int, cps: int):
         super().__init__(config, stages, cps)
-        assert config.token_side == "m" and self.num_consumer_wg == self.tile_tokens // 64
+        assert cps == 1 and config.decode == "copy" and config.token_side == "m"
+        assert self.num_consumer_wg == self.tile_tokens // 64
 
     def tiled_mma(self, tokens: int):
         """``tokens`` token rows (64 per consumer warpgroup, wgmma M) x ``tile_n`` weight columns (wgmma N), both from
