@@ -412,9 +412,9 @@ def tokens_m_config(expected_rows_per_expert: float) -> GemmConfig:
 
 
 TOKENS_M_MIN_ROWS = 128
-"""Expected rows per expert from which ``copy_config`` puts the tokens on the wgmma M side: from there its 128 x 128
-tiles measured faster than swap-AB's (at 64 rows both orientations are bound by the weights' bytes and equal;
-bench/findings/recipe-128-gemm.md)."""
+"""Expected rows per expert from which ``copy_config`` puts the tokens on the wgmma M side: from 256 rows its 128 x 128
+tiles measured 1.05-1.19x swap-AB's on the pro shapes and on the H200, within 5% either way on the H100's flash
+shapes; at 64 rows both orientations are bound by the weights' bytes and equal (bench/findings/recipe-128-gemm.md)."""
 
 
 def copy_config(expected_rows_per_expert: float, n: int, k: int) -> GemmConfig:
