@@ -171,13 +171,16 @@ def test_gemm_bench_pairs_each_config_that_may_run_on_a_cluster():
     for rows in (1, 64, 1024):
         p = Point("flash", "l1", 8, 32, rows, 4096, 4096)
         one = kernel_configs(p, "fp8", True, 128, ("regs", "copy"))
-        both = kernel_configs(p, "fp8", True, 128, ("regs", "copy"), (1, 2))
+        both = kernel_configs(p, "fp8", True, 128, ("regs", "copy"), clusters=(1, 2))
         pairs = [dataclasses.replace(c, cluster=2) for c in one if c.ctas_per_sm == 1 and c.tile_tokens >= 16]
         assert [c for c in both if c.cluster == 1] == one and [c for c in both if c.cluster == 2] == pairs
-        assert kernel_configs(p, "fp8", True, 128, ("regs", "copy"), (2,)) == pairs
+        assert kernel_configs(p, "fp8", True, 128, ("regs", "copy"), clusters=(2,)) == pairs
         assert pairs or rows == 1
     narrow = Point("flash", "l1", 8, 32, 1024, 128, 4096)  # N: one 128-row weight tile, no pair
-    assert all(c.cluster == 1 for c in kernel_configs(narrow, "fp8", True, 128, ("copy",), (1, 2)))
+    assert all(c.cluster == 1 for c in kernel_configs(narrow, "fp8", True, 128, ("copy",), clusters=(1, 2)))
+    # with tokens on M (``--token-sides n,m``): the tokens-on-M config after the swap-AB ones, each paired alike
+    sides = kernel_configs(p, "fp8", False, 128, ("copy",), ("n", "m"), (1, 2))
+    assert [(c.token_side, c.cluster) for c in sides] == [("n", 1), ("n", 2), ("m", 1), ("m", 2)]
 
 
 def test_ab_runs_the_builds_in_turn_each_its_own_source(tmp_path):
