@@ -205,12 +205,7 @@ class Fp8SmemMainloop(Mainloop):
             s = state.index
             self.wait_weights(f, state)
             self.token_scales(f, kt, s)  # before the wgmmas: their issue never waits behind these loads
-            warpgroup.fence()
-            for kb in cutlass.range_constexpr(4):
-                cute.gemm(f.mma_first if kb == 0 else f.mma_acc, tmp, f.tCrA[(None, None, kb, s)],
-                          f.tCrB[(None, None, kb, s)], tmp)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            self.chunk_wgmmas(f, tmp, s)
             ab_pipeline.consumer_release(state)
             state.advance()
             for j in cutlass.range_constexpr(self.tile_tokens // 8):

@@ -29,7 +29,6 @@ from types import SimpleNamespace
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
-from cutlass.cute.nvgpu import warpgroup
 
 from .config import GemmConfig
 from .mainloop_fp8_copy import E4M3CopyOperand
@@ -87,12 +86,7 @@ class Fp8CopyTokensMMainloop(E4M3CopyOperand, Mainloop):
             s = state.index
             s0 = sfa[f.rows[0], kt % 4, s]  # the chunk's scales of the thread's two token rows, before the wgmmas
             s1 = sfa[f.rows[1], kt % 4, s]
-            warpgroup.fence()
-            for kb in cutlass.range_constexpr(4):
-                cute.gemm(f.mma_first if kb == 0 else f.mma_acc, tmp, f.tCrA[(None, None, kb, s)],
-                          f.tCrB[(None, None, kb, s)], tmp)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            self.chunk_wgmmas(f, tmp, s)
             ab_pipeline.consumer_release(state)
             state.advance()
             for j in cutlass.range_constexpr(self.tile_n // 8):

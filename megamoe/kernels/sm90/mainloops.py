@@ -139,6 +139,18 @@ class Mainloop:
         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
         return tiled_mma, self.width_mma(tokens, True)
 
+    @cute.jit
+    def chunk_wgmmas(self, f, tmp, s):
+        """One 128-K chunk of stage slot ``s`` from shared memory into the temporary ``tmp``: its four k32 wgmmas
+        (``f.mma_first`` overwrites, ``f.mma_acc`` accumulates; ``f.tCrA``, ``f.tCrB``: both operands' descriptors),
+        issued as one group and waited for."""
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(4):
+            cute.gemm(f.mma_first if kb == 0 else f.mma_acc, tmp, f.tCrA[(None, None, kb, s)],
+                      f.tCrB[(None, None, kb, s)], tmp)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
     def width_tokens(self, mma, ctidx, sA, n: int):
         """The token (B) fragments of width ``n``'s ``mma``: the first n token rows of ``sA`` in every stage slot."""
         thr = mma.get_slice(ctidx)
