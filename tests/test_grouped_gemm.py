@@ -905,6 +905,33 @@ def test_recipe128_swiglu(tile_tokens, clamp, decode):
     _check_swiglu_128(out, out_sf, a, a_sf, w1, w1_sf, row_expert, row_weights, clamp)
 
 
+def _recipe128_build_outputs(cfg, tokens, slabs, bk, bk_sf, w_e4m3, topk_weights, n):
+    """One build's outputs in the bit-equality tests, into poisoned buffers: with 256-row tiles the per-128 SwiGLU
+    epilogue of the contiguous ``tokens`` (a, a_sf, offsets): its FP8 values and FP32 scales; else the BF16 rows of the
+    contiguous tokens and of the masked ``slabs`` (am, am_sf, masked_m, experts, max_m)."""
+    a, a_sf, offsets = tokens
+    am, am_sf, masked, e, max_m = slabs
+    m, k = a.shape
+    if cfg.tile_n == 256:
+        out = torch.full((m, n // 2), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+        out_sf = torch.full((m, n // 256), float("nan"), dtype=torch.float32, device="cuda")
+        grouped_gemm_fp8_fp4_swiglu_contiguous(a, a_sf, bk, bk_sf, offsets, topk_weights, out=out, out_sf=out_sf,
+                                               config=cfg, w_e4m3=w_e4m3)
+        return out, out_sf
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg, w_e4m3=w_e4m3)
+    outm = torch.full((e, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    grouped_gemm_fp8_fp4_masked(am.view(e, max_m, k), am_sf.view(e, max_m, k // 128), bk, bk_sf, masked, out=outm,
+                                config=cfg, w_e4m3=w_e4m3)
+    return out, outm.view(e * max_m, n)
+
+
+def _words(outputs):
+    """Outputs as integer words for bitwise comparison (BF16 as int16, FP8 as uint8, FP32 as int32)."""
+    dtypes = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float32: torch.int32}
+    return tuple(t.view(dtypes[t.dtype]) for t in outputs)
+
+
 @gpu
 @needs_sm90
 @pytest.mark.parametrize("tile_tokens,tile_n", [(128, 128), (64, 128), (128, 64), (8, 128), (32, 256)])
@@ -931,20 +958,8 @@ def test_recipe128_copy_bitwise_equals_register_decode(tile_tokens, tile_n):
     outs = {}
     for decode in ("regs", "copy"):
         cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, mma="fp8", token_block=128, decode=decode)
-        w_e4m3 = copy if decode == "copy" else None
-        if swiglu:
-            out = torch.full((m, n // 2), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
-            out_sf = torch.full((m, n // 256), float("nan"), dtype=torch.float32, device="cuda")
-            grouped_gemm_fp8_fp4_swiglu_contiguous(a, a_sf, bk, bk_sf, offsets, topk_weights,
-                                                   out=out, out_sf=out_sf, config=cfg, w_e4m3=w_e4m3)
-            outs[decode] = (out.view(torch.uint8), out_sf.view(torch.int32))
-        else:
-            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg, w_e4m3=w_e4m3)
-            outm = torch.full((e, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            grouped_gemm_fp8_fp4_masked(am.view(e, max_m, k), am_sf.view(e, max_m, k // 128), bk, bk_sf, masked,
-                                        out=outm, config=cfg, w_e4m3=w_e4m3)
-            outs[decode] = (out.view(torch.int16), outm.view(torch.int16).view(e * max_m, n))
+        outs[decode] = _words(_recipe128_build_outputs(cfg, (a, a_sf, offsets), (am, am_sf, masked, e, max_m), bk,
+                                                       bk_sf, copy if decode == "copy" else None, topk_weights, n))
     torch.cuda.synchronize()
     for got, want in zip(outs["copy"], outs["regs"]):
         differ = int((got != want).sum())
@@ -1072,23 +1087,12 @@ def test_recipe128_cluster_pairs_bitwise_equal_one_cta(tile_tokens, tile_n, deco
     for cluster in (1, 2):
         cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, mma="fp8", token_block=128, decode=decode,
                          cluster=cluster, token_side=token_side)
-        if swiglu:
-            out = torch.full((m, n // 2), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
-            out_sf = torch.full((m, n // 256), float("nan"), dtype=torch.float32, device="cuda")
-            grouped_gemm_fp8_fp4_swiglu_contiguous(a, a_sf, bk, bk_sf, offsets, topk_weights,
-                                                   out=out, out_sf=out_sf, config=cfg, w_e4m3=copy)
-            outs[cluster] = (out.view(torch.uint8), out_sf.view(torch.int32))
-        else:
-            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg, w_e4m3=copy)
-            outm = torch.full((e, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            grouped_gemm_fp8_fp4_masked(am.view(e, max_m, k), am_sf.view(e, max_m, k // 128), bk, bk_sf, masked,
-                                        out=outm, config=cfg, w_e4m3=copy)
-            outs[cluster] = (out, outm.view(e * max_m, n))
+        outs[cluster] = _recipe128_build_outputs(cfg, (a, a_sf, offsets), (am, am_sf, masked, e, max_m), bk, bk_sf,
+                                                 copy, topk_weights, n)
     torch.cuda.synchronize()
     if not swiglu:
         _check_rows(outs[2][0], a, a_sf, w, w_sf, row_expert, f"recipe 128 contiguous {cfg.describe()}", k32_per_sum=4)
-        outs = {c: tuple(t.view(torch.int16) for t in o) for c, o in outs.items()}
+    outs = {c: _words(o) for c, o in outs.items()}
     for got, want in zip(outs[2], outs[1]):
         differ = int((got != want).sum())
         assert differ == 0, f"{differ} of {got.numel()} output words differ between two-CTA clusters and one CTA"
