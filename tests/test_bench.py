@@ -183,6 +183,18 @@ def test_gemm_bench_pairs_each_config_that_may_run_on_a_cluster():
     assert [(c.token_side, c.cluster) for c in sides] == [("n", 1), ("n", 2), ("m", 1), ("m", 2)]
 
 
+def test_gemm_bench_token_sides_need_the_copy():
+    """``--token-sides``: n and/or m; m (tokens on the wgmma M side) runs with the weights' E4M3 copy only: refused
+    (argparse's usage error) before the bench looks for a GPU."""
+    from megamoe.bench.gemm import main as gemm_main
+
+    for bad in (["--recipe", "128", "--token-sides", "k", "--decode", "copy"],
+                ["--recipe", "128", "--token-sides", "n,m"], ["--recipe", "128", "--token-sides", "m", "--decode", "regs"]):
+        with pytest.raises(SystemExit) as info:
+            gemm_main(bad)
+        assert info.value.code == 2, bad
+
+
 def test_ab_runs_the_builds_in_turn_each_its_own_source(tmp_path):
     """bench/ab.py: two builds of this tree (copied: no git needed) run in turn (one ``python -m
     torch.distributed.run`` each: no torchrun on PATH needed; tiny preset on CPU) into one receipt and a summary
