@@ -5,7 +5,7 @@ named barriers, and the sizes of the counters the fused kernels share.
 The kernels (``gemm``, ``l1_l2``, ``mega_moe``) compile one variant per (config, group mode, epilogue, ...); shapes
 are dynamic. Swap-AB: weights are the wgmma M side (64 rows per consumer warpgroup, ``tile_n`` rows per CTA
 tile) and tokens the N side (``tile_tokens`` rows), so a decode-sized group wastes no tensor-core work beyond the
-wgmma N granularity of 8.
+wgmma N granularity of 8; ``GemmConfig.token_side`` "m" turns this round for compute-bound calls (``copy_config``).
 """
 
 from __future__ import annotations
