@@ -150,7 +150,6 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
     activation = activation if epilogue in SWIGLU_EPILOGUES else "swiglu"
 
     def build():
-
         m, n = _COMPILE_M, _COMPILE_N
         if epilogue == "swiglu_fp8":
             out_sf = (torch.empty(m, n // 256, dtype=torch.float32) if config.token_block == 128

@@ -54,8 +54,9 @@ FOUR_WG_FP8_MAX_TILE_TOKENS = 32
 intermediate columns): the largest token tile whose accumulator, temporary and two fragment buffers fit 112
 registers."""
 PASSES = (1, 2)
-CLUSTERS = (1, 2)  # CTAs per cluster (2: ``gemm_cluster``, the token tile multicast to both)
 """Weight-row passes per tile (``GemmConfig.n_passes``)."""
+CLUSTERS = (1, 2)
+"""CTAs per cluster (``GemmConfig.cluster``; 2: ``gemm_cluster``, the token tile multicast to both)."""
 TWO_PASS_TILE_TOKENS = (64, 128)
 """Token tiles of two-pass configs (``GemmConfig.n_passes`` 2): the 256-row tiles' two 128-row passes run on two
 consumer warpgroups (232 registers each), whose accumulator, temporary and fragment buffers fit 128-row token tiles

@@ -2,8 +2,9 @@
 
 ``GroupedGemmSm90`` with ``GemmConfig.cluster`` 2 (recipe (1, 1, 128), register decode or the E4M3 copy, separate
 launches only). Why: a CTA tile of ``tile_tokens`` token rows and ``tile_n`` weight rows reads both from L2 for every
-128-K chunk; at the FP8 tensor-core rate a 128 x 128 tile of FP8 tokens and E4M3 (or FP4) weights needs more L2-to-SM
-bandwidth than the GPU has (``bench/findings/cluster-multicast.md``). The two CTAs of a cluster multiply the same
+128-K chunk; a 128 x 128 tile of FP8 tokens and E4M3 weights moves 32 KB per chunk, and its consumers wait for
+stages that arrive late (bench/findings/recipe-128-gemm.md: measured with tokens on the wgmma M side, where clusters
+help the L1 shapes; the swap-AB copy, bound elsewhere, gains nothing). The two CTAs of a cluster multiply the same
 token tile with the two weight tiles of a pair, and each TMA-loads half of the token box (``tile_tokens / 2`` rows)
 into both CTAs' stage (multicast): per CTA and chunk, half the token bytes leave L2.
 
