@@ -38,7 +38,8 @@ from .config import (
 
 def make_tiled_mma(a_dtype, tokens: int, consumer_warpgroups: int, smem_a: bool = False):
     """The consumer warpgroups' wgmma: 64 weight rows per warpgroup (A from registers: RS; ``smem_a``: from shared
-    memory, SS) x ``tokens`` token columns (B from shared memory), both K-major, FP32 accumulator."""
+    memory, SS) x ``tokens`` token columns (B from shared memory), both K-major, FP32 accumulator. Tokens on the M side
+    (``mainloop_fp8_tokens_m``) pass the weight rows as ``tokens``: A is then 64 token rows per warpgroup."""
     return sm90_utils.make_trivial_tiled_mma(
         a_dtype, a_dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
         (consumer_warpgroups, 1, 1), (64, tokens),
