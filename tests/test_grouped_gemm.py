@@ -8,6 +8,8 @@ CPU checks of the same kernels: test_sm90_compile.py (compiles, configs), test_w
 emulation), test_grouped_gemm_inputs.py (argument validation).
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers.weights import bf16_decode_case, foldable_weights
@@ -905,6 +907,23 @@ def test_recipe128_swiglu(tile_tokens, clamp, decode):
     _check_swiglu_128(out, out_sf, a, a_sf, w1, w1_sf, row_expert, row_weights, clamp)
 
 
+def _bit_equality_case(counts, n, k, max_m, gen, l1=False, masked=None):
+    """The bit-equality tests' inputs: contiguous tokens of ``counts`` rows per expert between NaN padding rows
+    (``_recipe128_case``), masked slabs ``[E, max_m, K]`` holding ``masked`` rows each (default: ``counts`` capped at
+    ``max_m``), foldable weights folded per row (``l1``: L1's interleaved gate/up rows) with their E4M3 copy, and one
+    draw of routing weights for every build."""
+    e = len(counts)
+    a, a_sf, offsets, row_expert = _recipe128_case(counts, n, k, gen)
+    am, am_sf = (t.cuda() for t in _quantize_128(torch.randn(e * max_m, k, generator=gen)))
+    masked = [min(c, max_m) for c in counts] if masked is None else masked
+    w, w_sf = foldable_weights(e, n, k, gen, "cuda")
+    bk, bk_sf = (prepare_fp4_weights_l1 if l1 else prepare_fp4_weights)(w, w_sf, fold=True)
+    return SimpleNamespace(
+        tokens=(a, a_sf, offsets), row_expert=row_expert, w=w, w_sf=w_sf, bk=bk, bk_sf=bk_sf,
+        slabs=(am, am_sf, torch.tensor(masked, dtype=torch.int32, device="cuda"), e, max_m), masked=masked,
+        copy=e4m3_weight_copy(bk, bk_sf), topk_weights=torch.rand(a.shape[0], generator=gen).cuda())
+
+
 def _recipe128_build_outputs(cfg, tokens, slabs, bk, bk_sf, w_e4m3, topk_weights, n):
     """One build's outputs in the bit-equality tests, into poisoned buffers: with 256-row tiles the per-128 SwiGLU
     epilogue of the contiguous ``tokens`` (a, a_sf, offsets): its FP8 values and FP32 scales; else the BF16 rows of the
@@ -944,22 +963,14 @@ def test_recipe128_copy_bitwise_equals_register_decode(tile_tokens, tile_n):
     the per-128 SwiGLU epilogue (FP8 values and FP32 scales). Padding rows keep their poison in both, valid rows
     none."""
     gen = torch.Generator().manual_seed(470 + tile_tokens + tile_n)
-    counts, n, k = [0, 1, 37, 5, 0, 130, 64, 1, 200], 512, 1536
-    e, max_m = len(counts), 96
-    a, a_sf, offsets, row_expert = _recipe128_case(counts, n, k, gen)
-    am, am_sf = (t.cuda() for t in _quantize_128(torch.randn(e * max_m, k, generator=gen)))
-    masked = torch.tensor([min(c, max_m) for c in counts], dtype=torch.int32, device="cuda")
-    w, w_sf = foldable_weights(e, n, k, gen, "cuda")
-    swiglu = tile_n == 256
-    bk, bk_sf = (prepare_fp4_weights_l1 if swiglu else prepare_fp4_weights)(w, w_sf, fold=True)
-    copy = e4m3_weight_copy(bk, bk_sf)
-    m = a.shape[0]
-    topk_weights = torch.rand(m, generator=gen).cuda()  # one draw for both builds
+    n = 512
+    case = _bit_equality_case([0, 1, 37, 5, 0, 130, 64, 1, 200], n, 1536, 96, gen, l1=tile_n == 256)
+    row_expert = case.row_expert
     outs = {}
     for decode in ("regs", "copy"):
         cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, mma="fp8", token_block=128, decode=decode)
-        outs[decode] = _words(_recipe128_build_outputs(cfg, (a, a_sf, offsets), (am, am_sf, masked, e, max_m), bk,
-                                                       bk_sf, copy if decode == "copy" else None, topk_weights, n))
+        outs[decode] = _words(_recipe128_build_outputs(cfg, case.tokens, case.slabs, case.bk, case.bk_sf,
+                                                       case.copy if decode == "copy" else None, case.topk_weights, n))
     torch.cuda.synchronize()
     for got, want in zip(outs["copy"], outs["regs"]):
         differ = int((got != want).sum())
@@ -1029,32 +1040,20 @@ def test_recipe128_tokens_m_masked_and_swap_ab_bits(tile_tokens, tile_n):
     compared word for word with swap-AB's (each output element the same E4M3 products in the same four k32 wgmmas per
     chunk, the same promotion, row scale and BF16 rounding; only the operands' wgmma sides differ)."""
     gen = torch.Generator().manual_seed(490 + tile_tokens + tile_n)
-    masked, max_m, n, k = [1, 0, 70, 200], 200, 512, 1024
-    e = len(masked)
-    am, am_sf = (t.cuda() for t in _quantize_128(torch.randn(e * max_m, k, generator=gen)))
-    counts = [0, 1, 37, 5]
-    a, a_sf, offsets, row_expert = _recipe128_case(counts, n, k, gen)
-    w, w_sf = foldable_weights(e, n, k, gen, "cuda")
-    bk, bk_sf = prepare_fp4_weights(w, w_sf, fold=True)
-    copy = e4m3_weight_copy(bk, bk_sf)
-    masked_m = torch.tensor(masked, dtype=torch.int32, device="cuda")
-    outs = {}
-    for side in ("m", "n"):
-        cfg = _tokens_m_config(tile_tokens, tile_n, side)
-        outm = torch.full((e, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        grouped_gemm_fp8_fp4_masked(am.view(e, max_m, k), am_sf.view(e, max_m, k // 128), bk, bk_sf, masked_m,
-                                    out=outm, config=cfg, w_e4m3=copy)
-        out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        grouped_gemm_fp8_fp4_contiguous(a, a_sf, bk, bk_sf, offsets, out=out, config=cfg, w_e4m3=copy)
-        outs[side] = (outm.view(e * max_m, n), out)
+    n, max_m = 512, 200
+    case = _bit_equality_case([0, 1, 37, 5], n, 1024, max_m, gen, masked=[1, 0, 70, 200])
+    outs = {side: _recipe128_build_outputs(_tokens_m_config(tile_tokens, tile_n, side), case.tokens, case.slabs,
+                                           case.bk, case.bk_sf, case.copy, case.topk_weights, n)
+            for side in ("m", "n")}
     torch.cuda.synchronize()
+    am, am_sf, _, e, _ = case.slabs
     slab_expert = torch.full((e, max_m), -1, dtype=torch.int64)
-    for i, c in enumerate(masked):
+    for i, c in enumerate(case.masked):
         slab_expert[i, :c] = i
-    _check_rows(outs["m"][0], am, am_sf, w, w_sf, slab_expert.flatten().cuda(),
+    _check_rows(outs["m"][1], am, am_sf, case.w, case.w_sf, slab_expert.flatten().cuda(),
                 f"recipe 128 masked {_tokens_m_config(tile_tokens, tile_n).describe()}", k32_per_sum=4)
-    for got, want in zip(outs["m"], outs["n"]):
-        differ = int((got.view(torch.int16) != want.view(torch.int16)).sum())
+    for got, want in zip(_words(outs["m"]), _words(outs["n"])):
+        differ = int((got != want).sum())
         assert differ == 0, f"{differ} of {got.numel()} output words differ between tokens on M and swap-AB"
 
 
@@ -1070,28 +1069,23 @@ def test_recipe128_cluster_pairs_bitwise_equal_one_cta(tile_tokens, tile_n, deco
     contiguous, against the FP64 reference too) and masked slabs; with 256-row tiles the per-128 SwiGLU epilogue.
     Padding rows keep their poison."""
     gen = torch.Generator().manual_seed(490 + tile_tokens + tile_n)
-    counts, n, k = [300, 0, 1, 129, 64, 257, 200, 3, 511, 90], 2048, 1024
-    e, max_m = len(counts), 160
-    a, a_sf, offsets, row_expert = _recipe128_case(counts, n, k, gen)
-    am, am_sf = (t.cuda() for t in _quantize_128(torch.randn(e * max_m, k, generator=gen)))
-    masked = torch.tensor([min(c, max_m) for c in counts], dtype=torch.int32, device="cuda")
-    w, w_sf = foldable_weights(e, n, k, gen, "cuda")
+    counts, n = [300, 0, 1, 129, 64, 257, 200, 3, 511, 90], 2048
     swiglu = tile_n == 256
-    bk, bk_sf = (prepare_fp4_weights_l1 if swiglu else prepare_fp4_weights)(w, w_sf, fold=True)
-    copy = e4m3_weight_copy(bk, bk_sf) if decode == "copy" else None
-    m = a.shape[0]
+    case = _bit_equality_case(counts, n, 1024, 160, gen, l1=swiglu)
+    row_expert = case.row_expert
     pairs = sum(-(-c // tile_tokens) for c in counts) * (n // tile_n // 2)
     assert pairs > torch.cuda.get_device_properties(0).multi_processor_count  # clusters take several pair tiles
-    topk_weights = torch.rand(m, generator=gen).cuda()  # one draw for both builds
     outs = {}
     for cluster in (1, 2):
         cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, mma="fp8", token_block=128, decode=decode,
                          cluster=cluster, token_side=token_side)
-        outs[cluster] = _recipe128_build_outputs(cfg, (a, a_sf, offsets), (am, am_sf, masked, e, max_m), bk, bk_sf,
-                                                 copy, topk_weights, n)
+        outs[cluster] = _recipe128_build_outputs(cfg, case.tokens, case.slabs, case.bk, case.bk_sf,
+                                                 case.copy if decode == "copy" else None, case.topk_weights, n)
     torch.cuda.synchronize()
     if not swiglu:
-        _check_rows(outs[2][0], a, a_sf, w, w_sf, row_expert, f"recipe 128 contiguous {cfg.describe()}", k32_per_sum=4)
+        a, a_sf, _ = case.tokens
+        _check_rows(outs[2][0], a, a_sf, case.w, case.w_sf, row_expert, f"recipe 128 contiguous {cfg.describe()}",
+                    k32_per_sum=4)
     outs = {c: _words(o) for c, o in outs.items()}
     for got, want in zip(outs[2], outs[1]):
         differ = int((got != want).sum())
