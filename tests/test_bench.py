@@ -181,15 +181,19 @@ def test_gemm_bench_pairs_each_config_that_may_run_on_a_cluster():
     # with tokens on M (``--token-sides n,m``): the tokens-on-M config after the swap-AB ones, each paired alike
     sides = kernel_configs(p, "fp8", False, 128, ("copy",), ("n", "m"), (1, 2))
     assert [(c.token_side, c.cluster) for c in sides] == [("n", 1), ("n", 2), ("m", 1), ("m", 2)]
+    # ``--cluster 1,2,4``: four-CTA quads beside tokens on M only
+    sides = kernel_configs(p, "fp8", False, 128, ("copy",), ("n", "m"), (1, 2, 4))
+    assert [(c.token_side, c.cluster) for c in sides] == [("n", 1), ("n", 2), ("m", 1), ("m", 2), ("m", 4)]
 
 
 def test_gemm_bench_token_sides_need_the_copy():
-    """``--token-sides``: n and/or m; m (tokens on the wgmma M side) runs with the weights' E4M3 copy only: refused
-    (argparse's usage error) before the bench looks for a GPU."""
+    """``--token-sides``: n and/or m; m (tokens on the wgmma M side) runs with the weights' E4M3 copy only, and
+    ``--cluster 4`` with tokens on M only: refused (argparse's usage error) before the bench looks for a GPU."""
     from megamoe.bench.gemm import main as gemm_main
 
     for bad in (["--recipe", "128", "--token-sides", "k", "--decode", "copy"],
-                ["--recipe", "128", "--token-sides", "n,m"], ["--recipe", "128", "--token-sides", "m", "--decode", "regs"]):
+                ["--recipe", "128", "--token-sides", "n,m"], ["--recipe", "128", "--token-sides", "m", "--decode", "regs"],
+                ["--recipe", "128", "--decode", "copy", "--cluster", "1,4"], ["--recipe", "128", "--cluster", "3"]):
         with pytest.raises(SystemExit) as info:
             gemm_main(bad)
         assert info.value.code == 2, bad

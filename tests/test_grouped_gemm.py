@@ -1063,36 +1063,39 @@ def test_recipe128_tokens_m_masked_and_swap_ab_bits(tile_tokens, tile_n):
     (128, 128, "regs", "n"), (16, 128, "regs", "n"), (128, 128, "copy", "n"), (64, 128, "copy", "n"),
     (32, 256, "regs", "n"), (128, 128, "copy", "m"), (64, 128, "copy", "m")])
 def test_recipe128_cluster_pairs_bitwise_equal_one_cta(tile_tokens, tile_n, decode, token_side):
-    """Two-CTA clusters (``GemmConfig.cluster`` 2: each token tile multicast to the CTAs of a weight-tile pair) give
-    the bits of the one-CTA build of the same tile shape: every tile's arithmetic is the same, only where its token
-    rows come from differs. Ragged groups over more pair tiles than clusters (empty experts, one row, partial tiles;
-    contiguous, against the FP64 reference too) and masked slabs; with 256-row tiles the per-128 SwiGLU epilogue.
-    Padding rows keep their poison."""
+    """Two-CTA clusters (``GemmConfig.cluster`` 2: each token tile multicast to the CTAs of a weight-tile pair) and,
+    with tokens on the wgmma M side, four-CTA quads (``cluster`` 4: token and weight tiles multicast) give the bits of
+    the one-CTA build of the same tile shape: every tile's arithmetic is the same, only where its operands come from
+    differs. Ragged groups over more cluster tiles than clusters (empty experts, one row, partial tiles, a quad's
+    second token tile past its group; contiguous, against the FP64 reference too) and masked slabs; with 256-row
+    tiles the per-128 SwiGLU epilogue. Padding rows keep their poison."""
     gen = torch.Generator().manual_seed(490 + tile_tokens + tile_n)
     counts, n = [300, 0, 1, 129, 64, 257, 200, 3, 511, 90], 2048
     swiglu = tile_n == 256
     case = _bit_equality_case(counts, n, 1024, 160, gen, l1=swiglu)
     row_expert = case.row_expert
-    pairs = sum(-(-c // tile_tokens) for c in counts) * (n // tile_n // 2)
-    assert pairs > torch.cuda.get_device_properties(0).multi_processor_count  # clusters take several pair tiles
+    clusters = (1, 2, 4) if token_side == "m" else (1, 2)
+    quads = sum(-(-c // (2 * tile_tokens)) for c in counts) * (n // tile_n // 2)
+    assert quads > torch.cuda.get_device_properties(0).multi_processor_count // 4  # clusters take several tiles
     outs = {}
-    for cluster in (1, 2):
+    for cluster in clusters:
         cfg = GemmConfig(tile_tokens=tile_tokens, tile_n=tile_n, mma="fp8", token_block=128, decode=decode,
                          cluster=cluster, token_side=token_side)
         outs[cluster] = _recipe128_build_outputs(cfg, case.tokens, case.slabs, case.bk, case.bk_sf,
                                                  case.copy if decode == "copy" else None, case.topk_weights, n)
-    torch.cuda.synchronize()
-    if not swiglu:
-        a, a_sf, _ = case.tokens
-        _check_rows(outs[2][0], a, a_sf, case.w, case.w_sf, row_expert, f"recipe 128 contiguous {cfg.describe()}",
-                    k32_per_sum=4)
+        torch.cuda.synchronize()
+        if not swiglu and cluster > 1:
+            a, a_sf, _ = case.tokens
+            _check_rows(outs[cluster][0], a, a_sf, case.w, case.w_sf, row_expert,
+                        f"recipe 128 contiguous {cfg.describe()}", k32_per_sum=4)
     outs = {c: _words(o) for c, o in outs.items()}
-    for got, want in zip(outs[2], outs[1]):
-        differ = int((got != want).sum())
-        assert differ == 0, f"{differ} of {got.numel()} output words differ between two-CTA clusters and one CTA"
     valid = row_expert >= 0
-    poison = outs[2][0][0, 0]  # row 0 pads the groups (``_recipe128_case``): the poison's bit pattern
-    assert bool((outs[2][0][~valid] == poison).all()), "padding rows written"
+    poison = outs[1][0][0, 0]  # row 0 pads the groups (``_recipe128_case``): the poison's bit pattern
+    for cluster in clusters[1:]:
+        for got, want in zip(outs[cluster], outs[1]):
+            differ = int((got != want).sum())
+            assert differ == 0, f"{differ} of {got.numel()} output words differ between {cluster}-CTA clusters and one CTA"
+        assert bool((outs[cluster][0][~valid] == poison).all()), f"padding rows written on {cluster}-CTA clusters"
 
 
 def _check_swiglu_128(out, out_sf, a, a_sf, w1, w1_sf, row_expert, row_weights, clamp) -> None:

@@ -235,7 +235,7 @@ def _cpu_inputs_copy(m=48, n=256, k=512, e=3):
         (lambda d: d.update(a_sf=d["a_sf"].view(torch.int32)), "`config.token_block` is 128 but"),
         (lambda d: d.update(config=GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128, decode="copy",
                                               cluster=2)),
-         "`config.tile_n` times config.cluster \\(2: weight tiles a cluster multiplies\\) must divide N=256"),
+         "`config.tile_n` times the weight tiles a cluster multiplies \\(2 with config.cluster=2\\) must divide N=256"),
         (lambda d: None, "`a` must be a CUDA tensor"),  # all shapes right: the device check fires last
     ],
 )

@@ -169,13 +169,18 @@ TOKENS_M_CASES = [
                              (128, 128, "offsets", False)]]
 # Recipe (1, 1, 128) on two-CTA clusters (``gemm_cluster``: the token tile multicast to both): the register decode
 # with 128-row token tiles (one K loop per token width) and its per-128 SwiGLU epilogue on four consumer warpgroups,
-# the E4M3 copy; the three group layouts.
+# the E4M3 copy; the three group layouts. On four-CTA quads (token and weight tiles multicast): tokens on the wgmma M
+# side, 64- and 128-row token and weight tiles.
 CLUSTER_CASES = [
     (GemmConfig(tile_tokens=128, tile_n=128, mma="fp8", token_block=128, cluster=2), "offsets", "bf16"),
     (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128, cluster=2), "offsets_counts", "swiglu_fp8"),
     (GemmConfig(tile_tokens=64, tile_n=128, mma="fp8", token_block=128, decode="copy", cluster=2), "masked", "bf16"),
     (GemmConfig(tile_tokens=128, tile_n=128, mma="fp8", token_block=128, decode="copy", token_side="m", cluster=2),
      "offsets", "bf16"),
+    (GemmConfig(tile_tokens=128, tile_n=128, mma="fp8", token_block=128, decode="copy", token_side="m", cluster=4),
+     "offsets", "bf16"),
+    (GemmConfig(tile_tokens=64, tile_n=64, mma="fp8", token_block=128, decode="copy", token_side="m", cluster=4),
+     "masked", "bf16"),
 ]
 # Builds for odd counts of 128-K chunks (``GemmConfig.even_chunks`` False: K a multiple of 128, not of 256): BF16 mode
 # with one chunk per stage where even counts load two (one CTA; the one-launch L1/L2 kernel's small and large token
@@ -363,18 +368,18 @@ def test_copy_builds_do_not_spill(sm90a_builds):
 
 @pytest.mark.parametrize("case", range(len(RELEASE_CASES)), ids=RELEASE_IDS)
 def test_only_cluster_builds_multicast(sm90a_builds, case):
-    """The two-CTA cluster variants multicast their token loads and end on a cluster barrier; no other build does
-    either (a cluster instruction in a kernel launched without a cluster would be undefined)."""
+    """The cluster variants (two and four CTAs) multicast their loads and end on a cluster barrier; no other build
+    does either (a cluster instruction in a kernel launched without a cluster would be undefined)."""
     build = sm90a_builds[case]
     assert "error" not in build, build.get("error")
-    cluster = RELEASE_CASES[case][0].cluster == 2
+    cluster = RELEASE_CASES[case][0].cluster > 1
     assert build["cluster"] == [cluster, cluster], build["cluster"]
 
 
 def test_cluster_builds_do_not_spill(sm90a_builds):
-    """The two-CTA cluster variants (``GemmConfig.cluster`` 2) within the registers of their one-CTA builds: ptxas
+    """The cluster variants (``GemmConfig.cluster`` 2 and 4) within the registers of their one-CTA builds: ptxas
     reports no spill stores or loads. Needs a ptxas on PATH."""
-    cases = [i for i, (c, *_) in enumerate(RELEASE_CASES) if c.cluster == 2]
+    cases = [i for i, (c, *_) in enumerate(RELEASE_CASES) if c.cluster > 1]
     assert len(cases) == len(CLUSTER_CASES), cases
     _assert_no_spills(sm90a_builds, cases)
 
@@ -586,9 +591,13 @@ def test_config_validation():
     # two-CTA clusters: recipe 128's register decode or E4M3 copy on one CTA per SM, separate grouped GEMMs only
     pair = {"tile_tokens": 128, "mma": "fp8", "token_block": 128, "cluster": 2}
     assert "cluster=2" in GemmConfig(**pair).describe() and "cluster" not in regs.describe()
+    quad = {**pair, "decode": "copy", "token_side": "m", "cluster": 4}
+    assert "cluster=4" in GemmConfig(**quad).describe() and GemmConfig(**quad).cluster_weight_tiles == 2
     for bad in ({"cluster": 3}, {"cluster": 2}, {**pair, "token_block": 32}, {**pair, "decode": "smem"},
-                {**pair, "tile_tokens": 8, "ctas_per_sm": 2}, {**pair, "tile_tokens": 8}):
-        with pytest.raises(ValueError, match="config.cluster` must be one of \\(1, 2\\) \\(2: mma='fp8', token_block=128"):
+                {**pair, "tile_tokens": 8, "ctas_per_sm": 2}, {**pair, "tile_tokens": 8}, {**pair, "cluster": 4},
+                {**pair, "decode": "copy", "cluster": 4}, {**pair, "cluster": 8}):
+        with pytest.raises(ValueError, match="config.cluster` must be one of \\(1, 2, 4\\) \\(2: mma='fp8', "
+                           "token_block=128"):
             GemmConfig(**bad)
     with pytest.raises(ValueError, match="config.cluster` must be 1 for the one-launch L1/L2 and Mega MoE kernels"):
         compile_l1_l2(GemmConfig(tile_tokens=64, tile_n=128, mma="fp8", token_block=128, cluster=2))

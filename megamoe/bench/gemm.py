@@ -201,8 +201,8 @@ def kernel_configs(p: Point, mma: str, alternatives: bool, token_block: int = 32
     tile_tokens=64 for 128 in either mode. FP8 mode with per-128 token scales: each of those for every weight decode
     in ``decodes`` ("regs", "smem", "copy": ``GemmConfig.decode``; "smem" and "copy" on one CTA per SM, which they
     need), in that order; with the copy and "m" in ``token_sides`` then tokens on the wgmma M side
-    (``tokens_m_config``); with 2 in ``clusters``, each of them that may run
-    on two-CTA clusters (``GemmConfig.cluster``) also does, next to it (1 not in ``clusters``: instead of it)."""
+    (``tokens_m_config``); with 2 (4) in ``clusters``, each of them that may run on two-CTA clusters (four-CTA
+    quads: tokens on M) also does, next to it (1 not in ``clusters``: instead of it; ``GemmConfig.cluster``)."""
     import dataclasses
 
     from megamoe.kernels.sm90 import select_config
@@ -227,9 +227,9 @@ def kernel_configs(p: Point, mma: str, alternatives: bool, token_block: int = 32
     for c in out:
         if 1 in clusters:
             paired.append(c)
-        if 2 in clusters and c.decode in ("regs", "copy") and c.ctas_per_sm == 1 and c.tile_tokens >= 16 \
-                and p.n % (2 * c.tile_n) == 0:
-            paired.append(dataclasses.replace(c, cluster=2))
+        if c.decode in ("regs", "copy") and c.ctas_per_sm == 1 and c.tile_tokens >= 16 and p.n % (2 * c.tile_n) == 0:
+            paired += [dataclasses.replace(c, cluster=size) for size in (2, 4)
+                       if size in clusters and (size == 2 or c.token_side == "m")]
     return paired
 
 
@@ -403,7 +403,7 @@ def main(argv=None) -> int:
     parser.add_argument("--token-sides", default="n", help="recipe 128 with --decode copy: n (swap-AB) and/or m "
                         "(tokens on the wgmma M side; GemmConfig.token_side)")
     parser.add_argument("--cluster", default="1", help="recipe 128: CTAs per cluster to run each config on (comma "
-                        "list of 1, 2; GemmConfig.cluster: 2 where the config allows it)")
+                        "list of 1, 2, 4; GemmConfig.cluster: 2 where the config allows it, 4 with tokens on M)")
     parser.add_argument("--no-alt", action="store_true", help="no alternative config rows")
     parser.add_argument("--quick", action="store_true", help="flash only, EP8, rows 1,16,64,1024")
     parser.add_argument("--no-baselines", action="store_true")
@@ -433,8 +433,10 @@ def main(argv=None) -> int:
     if "m" in token_sides and "copy" not in decodes:
         parser.error("--token-sides m runs with the weights' E4M3 copy only (--decode copy)")
     clusters = tuple(int(c) for c in args.cluster.split(",") if c.strip().isdigit())
-    if not clusters or any(c not in (1, 2) for c in clusters) or (recipe != RECIPE_128 and clusters != (1,)):
-        parser.error(f"--cluster takes a comma list of 1 and/or 2 (2: --recipe 128), got {args.cluster!r}")
+    if not clusters or any(c not in (1, 2, 4) for c in clusters) or (recipe != RECIPE_128 and clusters != (1,)):
+        parser.error(f"--cluster takes a comma list of 1, 2, 4 (2, 4: --recipe 128), got {args.cluster!r}")
+    if 4 in clusters and "m" not in token_sides:
+        parser.error("--cluster 4 runs tokens on the wgmma M side only (--token-sides m)")
     if "copy" in decodes and args.fold != "row":
         parser.error("--decode copy needs --fold row (the kernels take per-row folded scales only)")
     if args.routings < 1:

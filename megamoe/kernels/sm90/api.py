@@ -12,6 +12,7 @@ optional ``counts``) and masked (``[E, max_m]`` slabs). Importing this module ne
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 
@@ -175,13 +176,13 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
 
 def _grouped_gemm_class(config: GemmConfig):
     """The separate-launch kernel of ``config``: tokens on the wgmma N side (``gemm``) or on M (``gemm_tokens_m``),
-    on one CTA or on two-CTA clusters (``gemm_cluster``)."""
+    on one CTA or on two- or four-CTA clusters (``gemm_cluster``)."""
     from .gemm import GroupedGemmSm90
     from .gemm_cluster import ClusterPairGemmSm90
-    from .gemm_tokens_m import ClusterPairTokensMGemmSm90, TokensMGemmSm90
+    from .gemm_tokens_m import ClusterPairTokensMGemmSm90, ClusterQuadTokensMGemmSm90, TokensMGemmSm90
 
     return {("n", 1): GroupedGemmSm90, ("n", 2): ClusterPairGemmSm90, ("m", 1): TokensMGemmSm90,
-            ("m", 2): ClusterPairTokensMGemmSm90}[config.token_side, config.cluster]
+            ("m", 2): ClusterPairTokensMGemmSm90, ("m", 4): ClusterQuadTokensMGemmSm90}[config.token_side, config.cluster]
 
 
 def _compile_fused(config: GemmConfig, debug: bool, comm, fast_math: bool):
@@ -269,9 +270,23 @@ def _launch(kernel, config: GemmConfig, device, gemm: GemmArgs, second, epi: Epi
     num_ctas = torch.cuda.get_device_properties(device).multi_processor_count * config.ctas_per_sm
     if max_tiles is not None:
         num_ctas = min(num_ctas, max_tiles)
-    num_ctas = max(num_ctas // config.cluster, 1) * config.cluster  # whole clusters (``gemm_cluster``)
+    clusters = num_ctas // config.cluster
+    if config.cluster > 2:  # clusters of four sit in one GPC: the resident ones may be fewer than SMs / 4
+        clusters = min(clusters, _resident_clusters(device.index, config.cluster))
+    num_ctas = max(clusters, 1) * config.cluster  # whole clusters (``gemm_cluster``)
     kernel(gemm, second, epi, groups, cutlass.Int64(_address(sync)), mega, cutlass.Int32(num_ctas),
            runtime.current_stream())
+
+
+@functools.lru_cache(maxsize=None)
+def _resident_clusters(device_index: int, cluster: int) -> int:
+    """How many clusters of ``cluster`` CTAs of one CTA per SM (all of its shared memory) the GPU holds at once
+    (``cuOccupancyMaxActiveClusters``): a persistent kernel's static tile order (``gemm_cluster``) launches no more,
+    or the clusters past them would start only when others end."""
+    from cutlass.utils import HardwareInfo
+
+    with torch.cuda.device(device_index):
+        return HardwareInfo(device_index).get_max_active_clusters(cluster)
 
 
 def _launch_gemm(config, group_mode, epilogue, a, a_sf, b, b_sf, epi: EpilogueArgs, group_a, group_b, num_groups,
@@ -456,9 +471,9 @@ def _resolve_config(config: GemmConfig | None, rows_per_expert: float, n: int, k
     if swiglu and token_block == 128 and config.tile_n != 256:
         fail("config.tile_n", f"must be 256 for the per-128 SwiGLU epilogue (one tile: 128 intermediate columns, one "
              f"scale block), got {config.tile_n}")
-    if n % (config.tile_n * config.cluster):
-        fail("config.tile_n", f"times config.cluster ({config.cluster}: weight tiles a cluster multiplies) must divide "
-             f"N={n}, got {config.tile_n}")
+    if n % (config.tile_n * config.cluster_weight_tiles):
+        fail("config.tile_n", f"times the weight tiles a cluster multiplies ({config.cluster_weight_tiles} with "
+             f"config.cluster={config.cluster}) must divide N={n}, got {config.tile_n}")
     return config.for_k(k)
 
 

@@ -55,8 +55,9 @@ intermediate columns): the largest token tile whose accumulator, temporary and t
 registers."""
 PASSES = (1, 2)
 """Weight-row passes per tile (``GemmConfig.n_passes``)."""
-CLUSTERS = (1, 2)
-"""CTAs per cluster (``GemmConfig.cluster``; 2: ``gemm_cluster``, the token tile multicast to both)."""
+CLUSTERS = (1, 2, 4)
+"""CTAs per cluster (``GemmConfig.cluster``; 2: ``gemm_cluster``, the token tile multicast to both; 4: a 2 x 2 quad,
+token and weight tiles multicast)."""
 TWO_PASS_TILE_TOKENS = (64, 128)
 """Token tiles of two-pass configs (``GemmConfig.n_passes`` 2): the 256-row tiles' two 128-row passes run on two
 consumer warpgroups (232 registers each), whose accumulator, temporary and fragment buffers fit 128-row token tiles
@@ -145,7 +146,9 @@ class GemmConfig:
     cluster: 1, or 2: two CTAs of a cluster multiply one token tile with the two weight tiles of a pair, each
         TMA-loading half the token box into both (``gemm_cluster``: half the tokens' L2 reads per CTA). FP8 mode with
         ``token_block`` 128, decode "regs" or "copy", one CTA per SM, one pass, ``tile_tokens`` >= 16; separate
-        grouped GEMMs only, N a multiple of 2 * ``tile_n``.
+        grouped GEMMs only, N a multiple of 2 * ``tile_n``. Or 4, tokens on the wgmma M side only: a 2 x 2 quad of
+        two token tiles by two weight tiles, each box loaded half by each of the two CTAs that multiply it
+        (``gemm_cluster``: half the token and half the weight bytes per CTA).
     """
 
     tile_tokens: int = 64
@@ -207,13 +210,15 @@ class GemmConfig:
                  f"{TOKENS_M_TILE_TOKENS}, tile_n in {TOKENS_M_TILE_N}), got {self.token_side!r} with "
                  f"decode={self.decode!r}, n_passes={self.n_passes}, tile_tokens={self.tile_tokens}, "
                  f"tile_n={self.tile_n}")
-        if self.cluster not in CLUSTERS or (self.cluster == 2 and not (
+        if self.cluster not in CLUSTERS or (self.cluster > 1 and not (
                 self.mma == "fp8" and self.token_block == 128 and self.decode in ("regs", "copy")
-                and self.ctas_per_sm == 1 and self.n_passes == 1 and self.tile_tokens >= 16)):
+                and self.ctas_per_sm == 1 and self.n_passes == 1 and self.tile_tokens >= 16)) or (
+                self.cluster == 4 and self.token_side != "m"):
             fail("config.cluster", f"must be one of {CLUSTERS} (2: mma='fp8', token_block=128, decode 'regs' or "
-                 f"'copy', ctas_per_sm=1, n_passes=1, tile_tokens >= 16), got {self.cluster} with mma={self.mma!r}, "
-                 f"token_block={self.token_block}, decode={self.decode!r}, ctas_per_sm={self.ctas_per_sm}, "
-                 f"n_passes={self.n_passes}, tile_tokens={self.tile_tokens}")
+                 f"'copy', ctas_per_sm=1, n_passes=1, tile_tokens >= 16; 4: also token_side='m'), got {self.cluster} "
+                 f"with mma={self.mma!r}, token_block={self.token_block}, decode={self.decode!r}, "
+                 f"ctas_per_sm={self.ctas_per_sm}, n_passes={self.n_passes}, tile_tokens={self.tile_tokens}, "
+                 f"token_side={self.token_side!r}")
         if self.stages is not None:
             check_range("config.stages", self.stages, 2, self.max_stages())
 
@@ -223,6 +228,12 @@ class GemmConfig:
         if self.even_chunks and any(k // K_CHUNK % 2 for k in ks):
             return replace(self, even_chunks=False)
         return self
+
+    @property
+    def cluster_weight_tiles(self) -> int:
+        """Weight tiles a cluster multiplies side by side (N must be a multiple of this many ``tile_n``): 1, or 2 on
+        two- and four-CTA clusters (``gemm_cluster``)."""
+        return min(self.cluster, 2)
 
     @property
     def pass_n(self) -> int:

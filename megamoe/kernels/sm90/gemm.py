@@ -79,7 +79,8 @@ class GroupedGemmSm90:
     ``EpilogueArgs.bias`` (static: present or None) adds each tile's expert's row bias to the accumulator first."""
 
     kind = None  # shared-memory sizing key of the config (None: the epilogue's)
-    cluster_size = 1  # CTAs per cluster (``gemm_cluster``: 2, the token tile multicast to both)
+    cluster_size = 1  # CTAs per cluster (``gemm_cluster``: 2, the token tile multicast to both; 4, a 2 x 2 quad)
+    stage_writers = 1  # CTAs a producer's loads write into, its own included: the consumers of each release its stages
     published = True  # the producer warp publishes every tile to the consumers (``TileChannel``)
     extra_tile_readers = 0  # threads besides the consumer warpgroups that read the published tiles
 
@@ -226,7 +227,7 @@ class GroupedGemmSm90:
         tt, tn = self.tile_tokens, self.pass_n
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         atom_a, a = self.token_tma(gemm.a, cute.slice_(layouts.a, (None, None, 0)))
-        atom_w, w = self.mainloop.weight_tma(g2s, gemm.w, cute.slice_(layouts.w, (None, None, 0)))
+        atom_w, w = self.weight_tma(g2s, gemm.w, cute.slice_(layouts.w, (None, None, 0)))
         atom_sfw, sfw = cpasync.make_tiled_tma_atom(g2s, gemm.w_sf, cute.slice_(layouts.sfw, (None, None, 0)),
                                                     (tn, self.cps))
         atom_sfa, sfa = None, None
@@ -240,8 +241,13 @@ class GroupedGemmSm90:
         return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), a, smem_layout,
                                            (self.tile_tokens, K_CHUNK))
 
+    def weight_tma(self, g2s, w, smem_layout):
+        """The weights' TMA atom and tensor, in the mainloop's boxes (``Mainloop.weight_tma``; ``gemm_cluster``'s
+        quad: multicast)."""
+        return self.mainloop.weight_tma(g2s, w, smem_layout)
+
     def cluster_layout(self):
-        """The pipeline's cluster layout (V, M, N, K) of CTAs: None, one CTA (``gemm_cluster``: two)."""
+        """The pipeline's cluster layout (V, M, N, K) of CTAs: None, one CTA (``gemm_cluster``: two or four)."""
         return None
 
     # ------------------------------------------------------------------------------------------
@@ -270,7 +276,7 @@ class GroupedGemmSm90:
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(
                 pipeline.Agent.Thread,
-                (4 * self.num_consumer_wg + self.mainloop.stage_reader_warps) * self.cluster_size),
+                (4 * self.num_consumer_wg + self.mainloop.stage_reader_warps) * self.stage_writers),
             tx_count=self.tx_bytes,
             cta_layout_vmnk=self.cluster_layout(),
         )
@@ -417,7 +423,7 @@ class GroupedGemmSm90:
             if cutlass.const_expr(tokens):
                 self.copy_tokens(ops, tAg[(None, c)], tAs[(None, s * self.cps + h)], bar)
             if cutlass.const_expr(weights):
-                cute.copy(ops.atom_w, tWg[(None, n_tile, c, e)], tWs[(None, s * self.cps + h)], tma_bar_ptr=bar)
+                self.copy_weights(ops, tWg[(None, n_tile, c, e)], tWs[(None, s * self.cps + h)], bar)
         if cutlass.const_expr(weights):
             cute.copy(ops.atom_sfw, tSFWg[(None, n_tile, kt, e)], tSFWs[(None, s)], tma_bar_ptr=bar)
         if cutlass.const_expr(tokens and sfa is not None):
@@ -428,12 +434,21 @@ class GroupedGemmSm90:
         """One chunk's token tile into its stage slot (here: this CTA's TMA load of the whole box)."""
         cute.copy(ops.atom_a, src, dst, tma_bar_ptr=bar)
 
+    def copy_weights(self, ops: TmaOps, src, dst, bar):
+        """One chunk's weight tile into its stage slot (here: this CTA's TMA load of the whole box)."""
+        cute.copy(ops.atom_w, src, dst, tma_bar_ptr=bar)
+
+    def weight_box_share(self):
+        """(this CTA's coordinate, layout of the CTAs) that share each weight box's load: here the CTA alone."""
+        return 0, cute.make_layout(1)
+
     def weight_partitions(self, ops: TmaOps, sW, sSFW):
         """Weight and scale TMA partitions of one GEMM; static: (TMA, RestN, RestK, E), RestN in passes
         (``pass_tile``)."""
         one = cute.make_layout(1)
+        cta, ctas = self.weight_box_share()
         tWs, tWg = cpasync.tma_partition(
-            ops.atom_w, 0, one, cute.group_modes(sW, 0, 2),
+            ops.atom_w, cta, ctas, cute.group_modes(sW, 0, 2),
             cute.group_modes(cute.local_tile(ops.w, (self.pass_n, self.cfg.weight_row_bytes), (None, None, None)), 0, 2),
         )
         tSFWs, tSFWg = cpasync.tma_partition(

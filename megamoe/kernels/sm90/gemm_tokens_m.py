@@ -10,7 +10,8 @@ consumer thread holds two token rows and ``tile_n / 4`` weight columns.
 
 Recipe (1, 1, 128) with the weights' E4M3 copy (decode "copy"), the BF16 epilogue (``out[m, n]``), any group mode,
 no bias (the API checks). On two-CTA clusters (``GemmConfig.cluster`` 2): ``ClusterPairTokensMGemmSm90``, the two
-CTAs of a weight-tile pair sharing each token tile (``gemm_cluster``).
+CTAs of a weight-tile pair sharing each token tile; on four (``cluster`` 4): ``ClusterQuadTokensMGemmSm90``, a 2 x 2
+quad sharing both (``gemm_cluster``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 from .config import GemmConfig
 from .epilogues import Bf16StoreTokensM
 from .gemm import GroupedGemmSm90
-from .gemm_cluster import ClusterPairGemmSm90
+from .gemm_cluster import ClusterPairGemmSm90, ClusterQuadGemmSm90
 from .mainloop_fp8_tokens_m import Fp8CopyTokensMMainloop
 
 
@@ -41,3 +42,8 @@ class TokensMGemmSm90(GroupedGemmSm90):
 class ClusterPairTokensMGemmSm90(ClusterPairGemmSm90, TokensMGemmSm90):
     """Tokens on the wgmma M side on two-CTA clusters: ``gemm_cluster``'s tile order and token multicast, this
     module's mainloop and epilogue."""
+
+
+class ClusterQuadTokensMGemmSm90(ClusterQuadGemmSm90, TokensMGemmSm90):
+    """Tokens on the wgmma M side on four-CTA clusters: ``gemm_cluster``'s 2 x 2 quad (token and weight boxes
+    multicast), this module's mainloop and epilogue."""

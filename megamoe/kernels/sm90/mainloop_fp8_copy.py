@@ -47,10 +47,11 @@ class E4M3CopyOperand:
             order=(0, 1, 2),
         )
 
-    def weight_tma(self, g2s, w, smem_layout):
+    def weight_tma(self, g2s, w, smem_layout, num_multicast: int = 1):
         """The copy ((N, K, E) E4M3, K contiguous) in ``tile_n`` x 128 boxes; the atom takes the swizzle from
-        ``smem_layout``."""
-        return cpasync.make_tiled_tma_atom(g2s, w, smem_layout, (self.tile_n, K_CHUNK))
+        ``smem_layout``. ``num_multicast``: CTAs sharing each box (``gemm_cluster``'s quad: 2, with a multicast
+        ``g2s``)."""
+        return cpasync.make_tiled_tma_atom(g2s, w, smem_layout, (self.tile_n, K_CHUNK), num_multicast=num_multicast)
 
     def weight_smem(self, region, layout):
         """The stage slots as the swizzled E4M3 tensor of ``layout``."""
