@@ -367,6 +367,17 @@ def cp_async_16_if(dst, src, on, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def bulk_store_if(dst, src, nbytes: int, on, *, loc=None, ip=None) -> None:
+    """When ``on`` (Int32, nonzero): start copying ``nbytes`` (a multiple of 16) from the shared address ``src``
+    (Int32) to the global address ``dst`` (Int64), both 16-byte aligned, through the TMA unit (``cp.async.bulk``
+    into this thread's bulk group: ``cute.arch.cp_async_bulk_commit_group``, then ``cp_async_bulk_wait_group``)."""
+    text = ("{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n"
+            f"@p cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], {nbytes};\n}}")
+    args = [ir_arg(dst, Int64, loc, ip), ir_arg(src, Int32, loc, ip), ir_arg(on, Int32, loc, ip)]
+    volatile_asm([], args, text, "l,r,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
 def cp_async_wait_all(*, loc=None, ip=None) -> None:
     """Wait for this thread's ``cp.async`` copies (``cp.async.wait_all``)."""
     volatile_asm([], [], "cp.async.wait_all;", "~{memory}", loc, ip)

@@ -284,14 +284,15 @@ class GemmConfig:
 
     def epilogue_bytes(self, epilogue: str = "bf16") -> int:
         """Shared memory the epilogue needs besides the pipeline (SwiGLU: FP32 activations of one tile, all its passes;
-        scatter: the BF16 tile, rows padded by 16 bytes; "l1_l2": one region for both)."""
+        scatter, and BF16 with tokens on the wgmma M side: the BF16 tile, rows padded by 16 bytes; "l1_l2": one region
+        for both)."""
         swiglu = self.tile_tokens * (self.tile_n // 2 + 4) * 4
         scatter = self.tile_tokens * (self.tile_n + SCATTER_PAD) * 2
         if epilogue == "l1_l2":  # one region serves both (equal sizes): see the kernel
             return swiglu
         if epilogue.startswith("swiglu"):
             return swiglu
-        return scatter if epilogue == "bf16_scatter" else 0
+        return scatter if epilogue == "bf16_scatter" or self.token_side == "m" else 0
 
     def max_stages(self, epilogue: str = "bf16", extra_bytes: int = 0) -> int:
         """Stages that fit beside the epilogue's and ``extra_bytes`` of other shared memory."""

@@ -6,7 +6,8 @@ rows of the warpgroup's 64) and token column ``8j + 2q + c`` (``cC[i]`` gives bo
 
 * ``Bf16Store``: ``out[m, n] = bf16(acc)``.
 * ``Bf16StoreTokensM``: the same for tokens on the wgmma M side (``GemmConfig.token_side`` "m"), whose accumulator
-  holds token row ``g + 8r`` and weight column ``8j + 2q + c`` at value i.
+  holds token row ``g + 8r`` and weight column ``8j + 2q + c`` at value i, staged in shared memory and stored row by
+  row by the TMA unit while the consumers go on to their next tile.
 * ``ScatterRows``: the same values, row m stored at the address ``row_addr[m]`` (e.g. a peer rank's combine slot),
   staged in shared memory so each row leaves as whole 128-byte lines.
 * ``SwigluQuant``: L1's ``megamoe.numerics`` steps 2-5 on interleaved gate/up rows: FP8 + packed UE8M0 scales
@@ -67,21 +68,54 @@ class Bf16Store(Epilogue):
 
 class Bf16StoreTokensM(Epilogue):
     """``Bf16Store`` for tokens on the wgmma M side (``mainloop_fp8_tokens_m``): value ``i = c + 2*r + 4*j`` of a
-    thread's accumulator is token row ``cC[i][0]``, weight column ``cC[i][1]`` (8j + 2q + c), so each (r, j) pair of
-    columns leaves as one 4-byte bf16x2 store (a lane quad: 16 contiguous bytes of a row); token rows past the group
-    (``row_end``) are not stored."""
+    thread's accumulator is token row ``cC[i][0]``, weight column ``cC[i][1]`` (8j + 2q + c).
+
+    Each consumer warpgroup writes its 64 token rows as BF16 into its rows of the staging tile (``smem``: (tokens,
+    ``stride``) bf16, rows padded by ``SCATTER_PAD``: a warp's 4-byte stores of 8 rows x 4 lanes hit 32 distinct
+    banks), then thread t < 64 starts the copy of row t to ``out[m, n0 : n0 + tile_n]`` through the TMA unit
+    (``cp.async.bulk``; token rows past the group, ``row_end``, are not copied), and the warpgroup goes on to its next
+    tile while the copies run. Why: stored straight from the accumulator, each warp's 4-byte stores touch 8 rows of
+    the output, 32 store instructions per thread per tile that both warpgroups issue while the tensor pipe idles; here
+    the threads issue 32 conflict-free shared stores and at most one copy. Before the warpgroup writes its rows again
+    (the next tile), each copy has read them (``cp.async.bulk.wait_group.read``); after the last tile, ``drain``."""
+
+    def __init__(self, config: GemmConfig):
+        super().__init__(config)
+        self.stride = config.tile_n + SCATTER_PAD  # BF16 elements per staged row
 
     @cute.jit
     def __call__(self, acc, cC, ctidx, smem, args, row0, row_end, n_tile):
-        words = cute.recast_tensor(args.out, Int32)  # (M, N/2): bf16 pairs
-        pair0 = (n_tile * self.tile_n + cC[0][1]) // 2  # the thread's first pair; value 2r + 4j: pair0 + 4j
+        wg = ctidx // 128
+        t = ctidx % 128
+        barrier = self.barrier(wg)
+        words = cute.make_tensor(  # (tokens, stride / 2): bf16 pairs
+            cute.recast_ptr(smem.iterator, dtype=Int32),
+            cute.make_layout((self.tile_tokens, self.stride // 2), stride=(self.stride // 2, 1)),
+        )
+        if t < 64:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # this thread's copy of the last tile read its row
+        barrier.arrive_and_wait()
+        pair0 = cC[0][1] // 2  # the thread's first pair; value 2r + 4j: pair0 + 4j
         for r in cutlass.range_constexpr(2):
-            m = row0 + cC[2 * r][0]
-            if m < row_end:
-                row = words[(m, None)]
-                for j in cutlass.range_constexpr(self.tile_n // 8):
-                    i = 2 * r + 4 * j
-                    row[pair0 + 4 * j] = ptx.f32x2_to_bf16x2(acc[i], acc[i + 1])
+            row = words[(cC[2 * r][0], None)]
+            for j in cutlass.range_constexpr(self.tile_n // 8):
+                i = 2 * r + 4 * j
+                row[pair0 + 4 * j] = ptx.f32x2_to_bf16x2(acc[i], acc[i + 1])
+        cute.arch.fence_proxy("async.shared", space="cta")  # the shared stores, visible to the TMA unit's reads
+        barrier.arrive_and_wait()
+        if t < 64:
+            tok = 64 * wg + t
+            m = row0 + tok
+            dst = (args.out[(m, None)].iterator + n_tile * self.tile_n).toint()
+            ptx.bulk_store_if(dst, words[(tok, None)].iterator.toint(), self.tile_n * 2, Int32(m < row_end))
+            cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def drain(self, ctidx):
+        """After the warpgroup's last tile: its row copies have completed (their writes made), before the CTA
+        exits."""
+        if ctidx % 128 < 64:
+            cute.arch.cp_async_bulk_wait_group(0)
 
 
 class ScatterRows(Epilogue):

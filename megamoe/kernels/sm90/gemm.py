@@ -103,7 +103,8 @@ class GroupedGemmSm90:
         self.swiglu = epilogue.startswith("swiglu")
         self.scatter = epilogue == "bf16_scatter"
         self.act_stride = config.tile_n // 2 + 4  # FP32 activations per token row in smem (SwiGLU, padded)
-        self.out_stride = config.tile_n + SCATTER_PAD  # BF16 elements per staged row (scatter)
+        self.staged_out = self.scatter  # the epilogue stages BF16 output rows in shared memory (``sOut``)
+        self.out_stride = config.tile_n + SCATTER_PAD  # BF16 elements per staged row
         # One CTA per SM: move registers from the producer warpgroup to the consumers (setmaxnreg). Two CTAs per SM:
         # every warp keeps the launch allocation (<= 64K / (2 * threads)); an increase could wait forever for
         # registers the other CTA holds.
@@ -153,9 +154,9 @@ class GroupedGemmSm90:
         """int32 words of the communication state in shared memory (``mega_moe``)."""
         return 0
 
-    def scatter_smem_elems(self) -> int:
-        """BF16 elements of the scatter epilogue's own staging tile (at least 8)."""
-        return self.tile_tokens * self.out_stride if self.scatter else 8
+    def out_smem_elems(self) -> int:
+        """BF16 elements of the epilogue's own staging tile of output rows (``staged_out``; at least 8)."""
+        return self.tile_tokens * self.out_stride if self.staged_out else 8
 
     # ------------------------------------------------------------------------------------------
     # Host-side trace: TMA atoms, shared memory, launch
@@ -204,7 +205,7 @@ class GroupedGemmSm90:
             sScale: cute.struct.Align[cute.struct.MemRange[Float32, max(self.cfg.scale_table_bytes() // 4, 1)], 16]
             sAct: cute.struct.Align[cute.struct.MemRange[Float32, tt * self.act_stride if self.swiglu else 1], 16]
             sOut: cute.struct.Align[  # the one-launch L1/L2 kernels stage both epilogues in sAct (``epilogue_smem``)
-                cute.struct.MemRange[cutlass.BFloat16, self.scatter_smem_elems()], 16
+                cute.struct.MemRange[cutlass.BFloat16, self.out_smem_elems()], 16
             ]
             sComm: cute.struct.Align[cute.struct.MemRange[Int32, max(self.comm_words(), 1)], 16]
 
@@ -346,13 +347,13 @@ class GroupedGemmSm90:
             self.prefetch_first_tile(tma1, sW, sSFW, groups, total_rows, dims, bidx)
 
     def epilogue_smem(self, storage):
-        """The epilogue's staging tiles (sAct: SwiGLU, (tokens, act_stride) float32; sOut: scatter, (tokens,
+        """The epilogue's staging tiles (sAct: SwiGLU, (tokens, act_stride) float32; sOut: ``staged_out``, (tokens,
         out_stride) bf16), None where unused."""
         sAct = None
         if cutlass.const_expr(self.swiglu):
             sAct = storage.sAct.get_tensor(cute.make_layout((self.tile_tokens, self.act_stride), stride=(self.act_stride, 1)))
         sOut = None
-        if cutlass.const_expr(self.scatter):
+        if cutlass.const_expr(self.staged_out):
             sOut = storage.sOut.get_tensor(cute.make_layout((self.tile_tokens, self.out_stride), stride=(self.out_stride, 1)))
         return sAct, sOut
 

@@ -6,7 +6,8 @@ Everything but the consumers' registers is the swap-AB kernel's: the tile order 
 [tile_n, 128], both 128-byte swizzled K-major, the folded scale words, the tokens' FP32 scale box), the pipeline and
 the tile channel. Only the roles of the two shared-memory tiles in the wgmma change: the tokens are its A (64 rows
 per consumer warpgroup: ``config.consumer_warpgroups`` = tile_tokens / 64), the weights its B (N = tile_n), so a
-consumer thread holds two token rows and ``tile_n / 4`` weight columns.
+consumer thread holds two token rows and ``tile_n / 4`` weight columns. The epilogue stages each tile's BF16 rows
+in shared memory for the TMA unit's row copies (``staged_out``; the stage count leaves room for the tile).
 
 Recipe (1, 1, 128) with the weights' E4M3 copy (decode "copy"), the BF16 epilogue (``out[m, n]``), any group mode,
 no bias (the API checks). On two-CTA clusters (``GemmConfig.cluster`` 2): ``ClusterPairTokensMGemmSm90``, the two
@@ -31,12 +32,17 @@ class TokensMGemmSm90(GroupedGemmSm90):
                  fast_math: bool = True, activation: str = "swiglu"):
         assert config.token_side == "m" and epilogue == "bf16" and folded  # api checks
         super().__init__(config, group_mode, epilogue, folded, fast_math, activation)
+        self.staged_out = True  # ``Bf16StoreTokensM`` stages each tile's rows for the TMA unit's row copies
 
     def make_mainloop(self, folded: bool):
         return Fp8CopyTokensMMainloop(self.cfg, self.stages, self.cps)
 
     def make_epilogue(self, epilogue: str, fast_math: bool):
         return Bf16StoreTokensM(self.cfg)
+
+    def after_consumers(self, ctidx, sync, groups, mega, ctx, bidx, gdim):
+        """The last tile's row copies complete before the CTA exits (``Bf16StoreTokensM.drain``)."""
+        self.epilogue.drain(ctidx)
 
 
 class ClusterPairTokensMGemmSm90(ClusterPairGemmSm90, TokensMGemmSm90):

@@ -69,7 +69,7 @@ class FusedL1L2Sm90(GroupedGemmSm90):
         out_layout = cute.make_layout((self.tile_tokens, self.out_stride), stride=(self.out_stride, 1))
         return sAct, cute.make_tensor(cute.recast_ptr(sAct.iterator, dtype=cutlass.BFloat16), out_layout)
 
-    def scatter_smem_elems(self) -> int:
+    def out_smem_elems(self) -> int:
         return 8  # the scatter tile lies in sAct (``epilogue_smem``)
 
     def tile_k_steps(self, phase, dims):
