@@ -277,9 +277,10 @@ def test_tokens_on_m_takes_plain_bf16_rows_only():
 
 def test_copy_config_puts_tokens_on_m_from_128_rows():
     """Given the weights' E4M3 copy and no config, a plain GEMM reads the copy: tokens on the wgmma M side from
-    ``TOKENS_M_MIN_ROWS`` expected rows per expert (64-row token tiles up to 64 rows), else swap-AB's tile on one CTA
-    per SM; N not a multiple of 128 keeps swap-AB."""
-    from megamoe.kernels.sm90.config import TOKENS_M_MIN_ROWS, copy_config, select_config
+    ``TOKENS_M_MIN_ROWS`` expected rows per expert (64-row token tiles up to 64 rows), on four-CTA quads from
+    ``QUAD_MIN_ROWS`` and ``QUAD_MIN_K``, else swap-AB's tile on one CTA per SM; N not a multiple of 128 keeps
+    swap-AB."""
+    from megamoe.kernels.sm90.config import QUAD_MIN_K, QUAD_MIN_ROWS, TOKENS_M_MIN_ROWS, copy_config, select_config
 
     for rows in (1, 16, 64, 100, TOKENS_M_MIN_ROWS, 300, 4096):
         cfg = copy_config(rows, 4096, 2048)
@@ -290,4 +291,10 @@ def test_copy_config_puts_tokens_on_m_from_128_rows():
             swap = select_config(rows, 4096, 2048, "fp8", token_block=128)
             assert cfg.token_side == "n" and (cfg.tile_tokens, cfg.tile_n) == (swap.tile_tokens, swap.tile_n), (rows, cfg)
     assert copy_config(1024, 64 * 3, 2048).token_side == "n"
+    # four-CTA quads from QUAD_MIN_ROWS rows and QUAD_MIN_K, N whole pairs of 128-row tiles
+    assert copy_config(QUAD_MIN_ROWS, 4096, QUAD_MIN_K).cluster == 4
+    assert copy_config(QUAD_MIN_ROWS, 4096, QUAD_MIN_K).token_side == "m"
+    for rows, n, k in ((QUAD_MIN_ROWS - 1, 4096, QUAD_MIN_K), (QUAD_MIN_ROWS, 4096, QUAD_MIN_K - 128),
+                       (QUAD_MIN_ROWS, 128 * 3, QUAD_MIN_K)):
+        assert copy_config(rows, n, k).cluster == 1, (rows, n, k)
 

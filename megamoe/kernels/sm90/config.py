@@ -430,10 +430,20 @@ tiles measured 1.05-1.19x swap-AB's on the pro shapes and on the H200, within 5%
 shapes; at 64 rows both orientations are bound by the weights' bytes and equal (bench/findings/recipe-128-gemm.md)."""
 
 
+QUAD_MIN_ROWS = 1024
+QUAD_MIN_K = 4096
+"""Expected rows per expert and K from which ``copy_config`` runs tokens on M on four-CTA quads (``GemmConfig.cluster``
+4): at 1024 rows/expert they measured 1.08-1.12x two-CTA clusters and 1.12-1.2x one CTA on the flash and pro L1
+shapes (K 4096, 7168), and slower than both on the L2 shapes (K 2048, 3072) (bench/findings/recipe-128-gemm.md)."""
+
+
 def copy_config(expected_rows_per_expert: float, n: int, k: int) -> GemmConfig:
     """The config of a plain recipe-(1, 1, 128) grouped GEMM given the weights' E4M3 copy and no config: tokens on M
-    (``tokens_m_config``) from ``TOKENS_M_MIN_ROWS`` expected rows per expert where N is whole 128-row tiles, else
+    (``tokens_m_config``) from ``TOKENS_M_MIN_ROWS`` expected rows per expert where N is whole 128-row tiles -- on
+    four-CTA quads from ``QUAD_MIN_ROWS`` rows and ``QUAD_MIN_K`` where N is whole pairs of them --, else
     ``select_config``'s swap-AB tile reading the copy (one CTA per SM, which the copy needs)."""
+    if expected_rows_per_expert >= QUAD_MIN_ROWS and k >= QUAD_MIN_K and n % 256 == 0:
+        return replace(tokens_m_config(expected_rows_per_expert), cluster=4)
     if expected_rows_per_expert >= TOKENS_M_MIN_ROWS and n % 128 == 0:
         return tokens_m_config(expected_rows_per_expert)
     return replace(select_config(expected_rows_per_expert, n, k, "fp8", token_block=128), decode="copy", ctas_per_sm=1)
