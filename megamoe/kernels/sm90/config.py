@@ -433,8 +433,9 @@ shapes; at 64 rows both orientations are bound by the weights' bytes and equal (
 QUAD_MIN_ROWS = 1024
 QUAD_MIN_K = 4096
 """Expected rows per expert and K from which ``copy_config`` runs tokens on M on four-CTA quads (``GemmConfig.cluster``
-4): at 1024 rows/expert they measured 1.08-1.12x two-CTA clusters and 1.12-1.2x one CTA on the flash and pro L1
-shapes (K 4096, 7168), and slower than both on the L2 shapes (K 2048, 3072) (bench/findings/recipe-128-gemm.md)."""
+4): at 1024 rows/expert they measured 1.08-1.11x two-CTA clusters and 1.12-1.22x one CTA on the flash and pro L1
+shapes (K 4096, 7168), and slower than the best of those on the L2 shapes (K 2048, 3072)
+(bench/findings/recipe-128-gemm.md)."""
 
 
 def copy_config(expected_rows_per_expert: float, n: int, k: int) -> GemmConfig:
