@@ -182,7 +182,8 @@ def _grouped_gemm_class(config: GemmConfig):
     from .gemm_tokens_m import ClusterPairTokensMGemmSm90, ClusterQuadTokensMGemmSm90, TokensMGemmSm90
 
     return {("n", 1): GroupedGemmSm90, ("n", 2): ClusterPairGemmSm90, ("m", 1): TokensMGemmSm90,
-            ("m", 2): ClusterPairTokensMGemmSm90, ("m", 4): ClusterQuadTokensMGemmSm90}[config.token_side, config.cluster]
+            ("m", 2): ClusterPairTokensMGemmSm90,
+            ("m", 4): ClusterQuadTokensMGemmSm90}[config.token_side, config.cluster]
 
 
 def _compile_fused(config: GemmConfig, debug: bool, comm, fast_math: bool):
@@ -193,8 +194,8 @@ def _compile_fused(config: GemmConfig, debug: bool, comm, fast_math: bool):
 
     check_fast_math(fast_math)
     if config.cluster != 1:
-        fail("config.cluster", f"must be 1 for the one-launch L1/L2 and Mega MoE kernels (two-CTA clusters: the "
-             f"separate grouped GEMMs only), got {config.cluster}")
+        fail("config.cluster", f"must be 1 for the one-launch L1/L2 and Mega MoE kernels (clusters of two or four "
+             f"CTAs: the separate grouped GEMMs only), got {config.cluster}")
     if config.decode == "copy":
         fail("config.decode", "'copy' (the weights' E4M3 copy) runs in the separate grouped GEMMs only, not in the "
              "one-launch L1/L2 or Mega MoE kernels")

@@ -3,8 +3,8 @@
 ``acc[m, n] = sum_k dequant(a)[m, k] * dequant(w[e])[n, k]`` for every row m of expert e's group, in FP32, then an
 epilogue (``epilogues``). Swap-AB: weights are the wgmma M side (64 rows per consumer warpgroup), tokens the N side,
 so a decode-sized group wastes no tensor-core work beyond the wgmma N granularity of 8 (``gemm_tokens_m``: the
-subclass with the tokens on M, for compute-bound calls reading the weights' E4M3 copy; ``gemm_cluster``: two-CTA
-clusters).
+subclass with the tokens on M, for compute-bound calls reading the weights' E4M3 copy; ``gemm_cluster``: two- and
+four-CTA clusters).
 
 Roles (one CTA of 1 + tile_n/64 warpgroups per SM, or two / three smaller ones: ``GemmConfig.ctas_per_sm``):
 
