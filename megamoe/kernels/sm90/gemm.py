@@ -103,7 +103,6 @@ class GroupedGemmSm90:
         self.swiglu = epilogue.startswith("swiglu")
         self.scatter = epilogue == "bf16_scatter"
         self.act_stride = config.tile_n // 2 + 4  # FP32 activations per token row in smem (SwiGLU, padded)
-        self.staged_out = self.scatter  # the epilogue stages BF16 output rows in shared memory (``sOut``)
         self.out_stride = config.tile_n + SCATTER_PAD  # BF16 elements per staged row
         # One CTA per SM: move registers from the producer warpgroup to the consumers (setmaxnreg). Two CTAs per SM:
         # every warp keeps the launch allocation (<= 64K / (2 * threads)); an increase could wait forever for
@@ -153,6 +152,12 @@ class GroupedGemmSm90:
     def comm_words(self) -> int:
         """int32 words of the communication state in shared memory (``mega_moe``)."""
         return 0
+
+    @property
+    def staged_out(self) -> bool:
+        """The epilogue stages BF16 output rows in shared memory (``sOut``): here the scatter epilogue's
+        (``gemm_tokens_m``: its BF16 stores too)."""
+        return self.scatter
 
     def out_smem_elems(self) -> int:
         """BF16 elements of the epilogue's own staging tile of output rows (``staged_out``; at least 8)."""

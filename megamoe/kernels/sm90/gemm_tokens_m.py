@@ -28,11 +28,12 @@ class TokensMGemmSm90(GroupedGemmSm90):
     """``GroupedGemmSm90`` with tokens on the wgmma M side (module docstring): ``config.token_side`` "m", epilogue
     "bf16", folded weights."""
 
+    staged_out = True  # ``Bf16StoreTokensM`` stages each tile's rows for the TMA unit's row copies
+
     def __init__(self, config: GemmConfig, group_mode: str, epilogue: str = "bf16", folded: bool = True,
                  fast_math: bool = True, activation: str = "swiglu"):
         assert config.token_side == "m" and epilogue == "bf16" and folded  # api checks
         super().__init__(config, group_mode, epilogue, folded, fast_math, activation)
-        self.staged_out = True  # ``Bf16StoreTokensM`` stages each tile's rows for the TMA unit's row copies
 
     def make_mainloop(self, folded: bool):
         return Fp8CopyTokensMMainloop(self.cfg, self.stages, self.cps)
