@@ -51,6 +51,20 @@ class Epilogue:
         return pipeline.NamedBarrier(barrier_id=self.barrier_id0 + wg, num_threads=128)
 
 
+class StagedRows(Epilogue):
+    """An epilogue that stages BF16 output rows in shared memory (the kernel's ``sOut``: (tokens, ``stride``) bf16,
+    rows padded by ``SCATTER_PAD`` so they stay 16-byte aligned and a warp's stores of 8 rows spread over the banks)."""
+
+    def __init__(self, config: GemmConfig):
+        super().__init__(config)
+        self.stride = config.tile_n + SCATTER_PAD  # BF16 elements per staged row
+
+    def words(self, smem):
+        """The staging tile as (tokens, stride / 2) int32 words: bf16 pairs."""
+        return cute.make_tensor(cute.recast_ptr(smem.iterator, dtype=Int32),
+                                cute.make_layout((self.tile_tokens, self.stride // 2), stride=(self.stride // 2, 1)))
+
+
 class Bf16Store(Epilogue):
     """BF16 rows ``out[m, n0 + row]`` (``args.out``: (M, N) bf16), stored only for token rows inside the group."""
 
@@ -66,7 +80,7 @@ class Bf16Store(Epilogue):
                         args.out[m, n0 + cC[i][0]] = acc[i].to(cutlass.BFloat16)
 
 
-class Bf16StoreTokensM(Epilogue):
+class Bf16StoreTokensM(StagedRows):
     """``Bf16Store`` for tokens on the wgmma M side (``mainloop_fp8_tokens_m``): value ``i = c + 2*r + 4*j`` of a
     thread's accumulator is token row ``cC[i][0]``, weight column ``cC[i][1]`` (8j + 2q + c).
 
@@ -79,19 +93,12 @@ class Bf16StoreTokensM(Epilogue):
     the threads issue 32 conflict-free shared stores and at most one copy. Before the warpgroup writes its rows again
     (the next tile), each copy has read them (``cp.async.bulk.wait_group.read``); after the last tile, ``drain``."""
 
-    def __init__(self, config: GemmConfig):
-        super().__init__(config)
-        self.stride = config.tile_n + SCATTER_PAD  # BF16 elements per staged row
-
     @cute.jit
     def __call__(self, acc, cC, ctidx, smem, args, row0, row_end, n_tile):
         wg = ctidx // 128
         t = ctidx % 128
         barrier = self.barrier(wg)
-        words = cute.make_tensor(  # (tokens, stride / 2): bf16 pairs
-            cute.recast_ptr(smem.iterator, dtype=Int32),
-            cute.make_layout((self.tile_tokens, self.stride // 2), stride=(self.stride // 2, 1)),
-        )
+        words = self.words(smem)
         if t < 64:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # this thread's copy of the last tile read its row
         barrier.arrive_and_wait()
@@ -118,15 +125,11 @@ class Bf16StoreTokensM(Epilogue):
             cute.arch.cp_async_bulk_wait_group(0)
 
 
-class ScatterRows(Epilogue):
+class ScatterRows(StagedRows):
     """BF16 rows to per-row addresses (``args.rows``: (M,) int64): each consumer warpgroup stages its 64 columns x
     tile_tokens rows in shared memory (``smem``: (tokens, ``stride``) bf16, rows padded by ``SCATTER_PAD``), then
     stores each row's 128 bytes with eight 16-byte stores (lanes 8r..8r+7 of a warp: one row), so peer memory
     receives whole 128-byte lines."""
-
-    def __init__(self, config: GemmConfig):
-        super().__init__(config)
-        self.stride = config.tile_n + SCATTER_PAD  # BF16 elements per staged row
 
     @cute.jit
     def __call__(self, acc, cC, ctidx, smem, args, row0, row_end, n_tile):
@@ -139,10 +142,7 @@ class ScatterRows(Epilogue):
                     i = c + 2 * r + 4 * j
                     smem[cC[i][1], cC[i][0]] = acc[i].to(cutlass.BFloat16)
         barrier.arrive_and_wait()
-        words = cute.make_tensor(
-            cute.recast_ptr(smem.iterator, dtype=Int32),
-            cute.make_layout((tt, self.stride // 2), stride=(self.stride // 2, 1)),
-        )
+        words = self.words(smem)
         t = ctidx % 128
         col = 64 * wg + 8 * (t % 8)  # first of this lane's 8 columns in the tile
         vals = cute.make_rmem_tensor((4,), Int32)
