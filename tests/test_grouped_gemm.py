@@ -1098,6 +1098,88 @@ def test_recipe128_cluster_pairs_bitwise_equal_one_cta(tile_tokens, tile_n, deco
         assert bool((outs[cluster][0][~valid] == poison).all()), f"padding rows written on {cluster}-CTA clusters"
 
 
+def _tokens_m_swiglu_config(tile_tokens, cluster=1):
+    """Tokens on the wgmma M side with the per-128 SwiGLU epilogue: 256-row tiles in two passes (the E4M3 copy)."""
+    return GemmConfig(tile_tokens=tile_tokens, tile_n=256, n_passes=2, mma="fp8", token_block=128, decode="copy",
+                      token_side="m", cluster=cluster)
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("k,clamp,activation", [(1024, None, "swiglu"), (640, 3.0, "swiglu"),
+                                                (1024, 5.0, "swiglu_oai")])
+def test_recipe128_tokens_m_swiglu_bits(k, clamp, activation):
+    """L1's per-128 SwiGLU epilogue with tokens on the wgmma M side (``SwigluQuant128TokensM``: two passes of 128
+    weight rows, the block's amax over a lane quad by shuffles, FP8 rows stored by the TMA unit) gives the bytes and
+    scales of the swap-AB epilogue (``SwigluQuant128``, four consumer warpgroups) on the same inputs: the same
+    accumulator values (``test_recipe128_tokens_m_masked_and_swap_ab_bits``), the same products, amax and rounding.
+    One and two consumer warpgroups (64- and 128-row token tiles), two-CTA clusters and four-CTA quads; ragged groups
+    over more tiles than CTAs (empty experts, one row, partial tiles, a quad's second token tile past its group)
+    between NaN padding rows, an even and an odd count of 128-K chunks, a clamp, gpt-oss's activation. Against the FP64
+    reference of recipe 128 too (silu), padding rows keep their poison; then one build in a CUDA graph replayed twice
+    into re-poisoned outputs."""
+    gen = torch.Generator().manual_seed(500 + k + (0 if clamp is None else int(clamp)))
+    counts, inter = [300, 0, 1, 129, 64, 257, 200, 3, 511, 90], 1024
+    case = _bit_equality_case(counts, 2 * inter, k, 160, gen, l1=True)
+    a, a_sf, offsets = case.tokens
+    if (k // 128) % 4:
+        a_sf = pad_token_scales(a_sf)
+    m = a.shape[0]
+
+    def run(cfg):
+        out = torch.full((m, inter), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+        out_sf = torch.full((m, inter // 128), float("nan"), dtype=torch.float32, device="cuda")
+        grouped_gemm_fp8_fp4_swiglu_contiguous(a, a_sf, case.bk, case.bk_sf, offsets, case.topk_weights, clamp=clamp,
+                                               out=out, out_sf=out_sf, config=cfg, w_e4m3=case.copy,
+                                               activation=activation)
+        return out, out_sf
+
+    swap_ab = GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128, decode="copy")
+    want = _words(run(swap_ab))
+    builds = [_tokens_m_swiglu_config(128), _tokens_m_swiglu_config(64), _tokens_m_swiglu_config(128, 2),
+              _tokens_m_swiglu_config(128, 4)]
+    quads = sum(-(-c // 256) for c in counts) * (2 * inter // 512)
+    assert quads > torch.cuda.get_device_properties(0).multi_processor_count // 4  # clusters take several tiles
+    for cfg in builds:
+        outs = run(cfg)
+        torch.cuda.synchronize()
+        for got, ref in zip(_words(outs), want):
+            differ = int((got != ref).sum())
+            assert differ == 0, f"{cfg.describe('swiglu_fp8')}: {differ} of {got.numel()} words differ from swap-AB"
+        if cfg is builds[0] and activation == "swiglu":
+            _check_swiglu_128(*outs, a, a_sf, case.w, case.w_sf, case.row_expert, case.topk_weights, clamp)
+    out, out_sf = run(builds[0])
+    out.view(torch.uint8).fill_(0x7F)
+    out_sf.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grouped_gemm_fp8_fp4_swiglu_contiguous(a, a_sf, case.bk, case.bk_sf, offsets, case.topk_weights, clamp=clamp,
+                                               out=out, out_sf=out_sf, config=builds[0], w_e4m3=case.copy,
+                                               activation=activation)
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, ref in zip(_words((out, out_sf)), want):
+        assert int((got != ref).sum()) == 0, "CUDA graph replay differs from swap-AB"
+    # masked slabs (one row, an empty expert, partial and full slabs): the same bits as swap-AB's
+    am, am_sf, masked, e, max_m = case.slabs
+    am_sf = am_sf.view(e, max_m, -1)
+    if (k // 128) % 4:
+        am_sf = pad_token_scales(am_sf)
+    weights = torch.rand(e, max_m, generator=gen).cuda()
+    slabs = {}
+    for cfg in (swap_ab, builds[0]):
+        out = torch.full((e, max_m, inter), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+        out_sf = torch.full((e, max_m, inter // 128), float("nan"), dtype=torch.float32, device="cuda")
+        grouped_gemm_fp8_fp4_swiglu_masked(am.view(e, max_m, k), am_sf, case.bk, case.bk_sf, masked, weights,
+                                           clamp=clamp, out=out, out_sf=out_sf, config=cfg, w_e4m3=case.copy,
+                                           activation=activation)
+        slabs[cfg.token_side] = _words((out, out_sf))
+    torch.cuda.synchronize()
+    for got, ref in zip(slabs["m"], slabs["n"]):
+        assert int((got != ref).sum()) == 0, "masked slabs: tokens on M differ from swap-AB"
+
+
 def _check_swiglu_128(out, out_sf, a, a_sf, w1, w1_sf, row_expert, row_weights, clamp) -> None:
     """``test_recipe128_swiglu``'s check of per-128 SwiGLU rows ``out`` / ``out_sf`` (padding rows poisoned with
     E4M3 NaN bytes and NaN scales by the caller)."""

@@ -260,19 +260,27 @@ def test_weight_copy_validation(change, pattern):
             fn(**args)
 
 
-def test_tokens_on_m_takes_plain_bf16_rows_only():
-    """``GemmConfig(token_side="m")`` stores BF16 rows ``out[m, n]``: the row-address (scatter) and SwiGLU entries
-    refuse it before any device work, naming the rule."""
+def test_tokens_on_m_epilogues():
+    """``GemmConfig(token_side="m")`` stores BF16 rows ``out[m, n]`` in one pass, or L1's per-128 SwiGLU rows in two
+    (256-row tiles): the row-address (scatter) entry refuses it, the SwiGLU entries a one-pass config and the plain
+    entries a two-pass one, before any device work, naming the rule."""
     d = _cpu_inputs_copy(n=512)
-    d["config"] = GemmConfig(tile_tokens=128, tile_n=128, mma="fp8", token_block=128, decode="copy", token_side="m")
+    one_pass = GemmConfig(tile_tokens=128, tile_n=128, mma="fp8", token_block=128, decode="copy", token_side="m")
+    two_pass = GemmConfig(tile_tokens=128, tile_n=256, n_passes=2, mma="fp8", token_block=128, decode="copy",
+                          token_side="m")
+    d["config"] = one_pass
     scatter = dict(d, out_row_ptrs=torch.zeros(d["a"].shape[0], dtype=torch.int64))
     with pytest.raises(ValueError, match="`config.token_side` 'm' .*not the row-address \\(out_row_ptrs\\) epilogue"):
         grouped_gemm_fp8_fp4_contiguous(**scatter)
     swiglu = dict(d, row_weights=torch.ones(d["a"].shape[0]))
-    with pytest.raises(ValueError, match="`config.token_side` 'm' .*not the SwiGLU epilogue"):
+    with pytest.raises(ValueError, match="`config.n_passes` must be 2 with tokens on the wgmma M side and the per-128"):
         grouped_gemm_fp8_fp4_swiglu_contiguous(**swiglu)
+    with pytest.raises(ValueError, match="`config.n_passes` must be 1 with tokens on the wgmma M side and BF16 rows"):
+        grouped_gemm_fp8_fp4_contiguous(**dict(d, config=two_pass))
     with pytest.raises(ValueError, match="`a` must be a CUDA tensor"):  # all else right: the device check fires last
         grouped_gemm_fp8_fp4_contiguous(**d)
+    with pytest.raises(ValueError, match="`a` must be a CUDA tensor"):
+        grouped_gemm_fp8_fp4_swiglu_contiguous(**dict(swiglu, config=two_pass))
 
 
 def test_copy_config_puts_tokens_on_m_from_128_rows():

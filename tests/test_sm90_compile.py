@@ -20,7 +20,7 @@ from megamoe.kernels.sm90 import (
     select_config,
     token_widths,
 )
-from megamoe.kernels.sm90.config import fp8_token_widths
+from megamoe.kernels.sm90.config import fp8_token_widths, tokens_m_swiglu_config
 
 # Every code path of both MMA modes: each token tile (tile_tokens=8 has its own accumulator shape), one and
 # two (and, BF16 mode, four) consumer warpgroups, one and two CTAs per SM, the three group modes, the five epilogues.
@@ -160,17 +160,20 @@ SMEM_DECODE_CASES, COPY_CASES = (
     [(GemmConfig(tile_tokens=t, tile_n=n, mma="fp8", token_block=128, decode=decode), mode, epilogue)
      for t, n, mode, epilogue in SS_OPERAND_SHAPES]
     for decode in ("smem", "copy"))
-# Recipe (1, 1, 128) with tokens on the wgmma M side (``token_side="m"``, the E4M3 copy, BF16 epilogue): one and two
-# consumer warpgroups of 64 token rows, 64- and 128-row weight tiles, the three group layouts, an odd chunk count.
+# Recipe (1, 1, 128) with tokens on the wgmma M side (``token_side="m"``, the E4M3 copy): the BF16 epilogue on one and
+# two consumer warpgroups of 64 token rows, 64- and 128-row weight tiles, the three group layouts, an odd chunk count;
+# the per-128 SwiGLU epilogue on 256-row tiles in two passes, one and two consumer warpgroups, an odd chunk count.
 TOKENS_M_CASES = [
-    (GemmConfig(tile_tokens=t, tile_n=n, mma="fp8", token_block=128, decode="copy", token_side="m", even_chunks=even),
-     mode, "bf16")
-    for t, n, mode, even in [(128, 128, "offsets", True), (64, 128, "masked", True), (128, 64, "offsets_counts", True),
-                             (128, 128, "offsets", False)]]
+    (GemmConfig(tile_tokens=t, tile_n=n, mma="fp8", token_block=128, decode="copy", token_side="m", even_chunks=even,
+                n_passes=1 if n < 256 else 2), mode, epilogue)
+    for t, n, mode, even, epilogue in [
+        (128, 128, "offsets", True, "bf16"), (64, 128, "masked", True, "bf16"), (128, 64, "offsets_counts", True, "bf16"),
+        (128, 128, "offsets", False, "bf16"), (128, 256, "offsets", True, "swiglu_fp8"),
+        (64, 256, "masked", True, "swiglu_fp8"), (128, 256, "offsets_counts", False, "swiglu_fp8")]]
 # Recipe (1, 1, 128) on two-CTA clusters (``gemm_cluster``: the token tile multicast to both): the register decode
 # with 128-row token tiles (one K loop per token width) and its per-128 SwiGLU epilogue on four consumer warpgroups,
 # the E4M3 copy; the three group layouts. On four-CTA quads (token and weight tiles multicast): tokens on the wgmma M
-# side, 64- and 128-row token and weight tiles.
+# side, 64- and 128-row token and weight tiles, and the per-128 SwiGLU epilogue's two passes.
 CLUSTER_CASES = [
     (GemmConfig(tile_tokens=128, tile_n=128, mma="fp8", token_block=128, cluster=2), "offsets", "bf16"),
     (GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128, cluster=2), "offsets_counts", "swiglu_fp8"),
@@ -181,6 +184,8 @@ CLUSTER_CASES = [
      "offsets", "bf16"),
     (GemmConfig(tile_tokens=64, tile_n=64, mma="fp8", token_block=128, decode="copy", token_side="m", cluster=4),
      "masked", "bf16"),
+    (GemmConfig(tile_tokens=128, tile_n=256, n_passes=2, mma="fp8", token_block=128, decode="copy", token_side="m",
+                cluster=4), "offsets", "swiglu_fp8"),
 ]
 # Builds for odd counts of 128-K chunks (``GemmConfig.even_chunks`` False: K a multiple of 128, not of 256): BF16 mode
 # with one chunk per stage where even counts load two (one CTA; the one-launch L1/L2 kernel's small and large token
@@ -585,9 +590,19 @@ def test_config_validation():
                 {**m_side, "tile_tokens": 32}, {**m_side, "tile_n": 256, "tile_tokens": 32}, {**m_side, "tile_n": 256}):
         with pytest.raises(ValueError, match="config.(token_side|tile_n)` (must|256 needs)"):
             GemmConfig(**bad)
-    for epilogue, bias in (("swiglu_fp8", False), ("bf16_scatter", False), ("bf16", True)):
-        with pytest.raises(ValueError, match="config.token_side` 'm' .* runs the BF16 epilogue without bias only"):
-            compile_grouped_gemm(tokens_m, "offsets", epilogue, folded=True, bias=bias)
+    # with the per-128 SwiGLU epilogue: 256-row tiles in two passes of 128, a stage as one pass's, the staging tile one
+    # pass's 64 FP32 columns (72 words a row)
+    tm_swiglu = GemmConfig(tile_tokens=128, tile_n=256, n_passes=2, **m_side)
+    assert tm_swiglu == tokens_m_swiglu_config(1024) and (tm_swiglu.pass_n, tm_swiglu.consumer_warpgroups) == (128, 2)
+    assert tm_swiglu.stage_bytes() == tokens_m.stage_bytes() and tm_swiglu.num_stages("swiglu_fp8") == 5
+    assert tm_swiglu.epilogue_bytes("swiglu_fp8") == 128 * 72 * 4
+    assert GemmConfig(tile_tokens=128, tile_n=256, n_passes=2, cluster=4, **m_side).cluster_weight_tiles == 2
+    for config, epilogue, bias in ((tokens_m, "swiglu_fp8", False), (tokens_m, "bf16_scatter", False),
+                                   (tokens_m, "bf16", True), (tm_swiglu, "bf16", False),
+                                   (tm_swiglu, "swiglu_fp8_bf16", False), (tm_swiglu, "swiglu_fp8", True)):
+        with pytest.raises(ValueError, match="config.token_side` 'm' .* runs without bias, the BF16 epilogue in one "
+                           "pass .* or the per-128 SwiGLU epilogue in two"):
+            compile_grouped_gemm(config, "offsets", epilogue, folded=True, bias=bias)
     # two-CTA clusters: recipe 128's register decode or E4M3 copy on one CTA per SM, separate grouped GEMMs only
     pair = {"tile_tokens": 128, "mma": "fp8", "token_block": 128, "cluster": 2}
     assert "cluster=2" in GemmConfig(**pair).describe() and "cluster" not in regs.describe()

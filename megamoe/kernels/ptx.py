@@ -72,6 +72,15 @@ def f32x4_to_e4m3x4(v0, v1, v2, v3, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def f32x2_to_e4m3x2(v0, v1, *, loc=None, ip=None) -> cutlass.Int16:
+    """Two float32 -> two E4M3 bytes (v0 in the low byte), with ``f32x4_to_e4m3x4``'s rounding (nearest even,
+    saturating)."""
+    args = [Float32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1)]
+    res = inline_asm([T.i16()], args, "cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", "=h,f,f", loc, ip, side_effects=False)
+    return cutlass.Int16(res[0])
+
+
+@dsl_user_op
 def e4m3x4_to_bf16x4(word, scale, *, loc=None, ip=None):
     """Four E4M3 bytes (byte 0 first) times a float32 power-of-two ``scale`` -> two bf16x2 words (elements
     0-1, 2-3; low half first). Exact: an E4M3 value times 2**s is a BF16 value for every UE8M0 scale

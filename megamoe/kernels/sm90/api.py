@@ -137,16 +137,20 @@ def compile_grouped_gemm(config: GemmConfig, group_mode: str, epilogue: str = "b
         fail("folded", f"applies to FP8-mode GEMMs only, got mma={config.mma!r}")
     if config.token_block == 128 and not folded:
         fail("folded", "must be True with per-128 token scales (config.token_block=128)")
-    if config.n_passes != 1:
-        fail("config.n_passes", f"must be 1 for the separate grouped GEMM (two-pass tiles: the Mega MoE kernel of "
-             f"recipe (1, 1, 128) only), got {config.n_passes}")
+    if config.token_side == "m" and (bias or not (epilogue == "bf16" and config.n_passes == 1 or (
+            epilogue == "swiglu_fp8" and config.token_block == 128 and config.n_passes == 2))):
+        fail("config.token_side", f"'m' (tokens on the wgmma M side) runs without bias, the BF16 epilogue in one pass "
+             f"(out[m, n]: grouped_gemm_fp8_fp4_contiguous / _masked with out) or the per-128 SwiGLU epilogue in two "
+             f"(grouped_gemm_fp8_fp4_swiglu_contiguous, recipe (1, 1, 128), FP8 out), got epilogue={epilogue!r}, "
+             f"n_passes={config.n_passes}, bias={bias}")
+    if config.n_passes != 1 and not (config.token_side == "m" and epilogue == "swiglu_fp8"):
+        fail("config.n_passes", f"must be 1 for the separate grouped GEMM but with tokens on the wgmma M side and the "
+             f"per-128 SwiGLU epilogue (two-pass tiles: that, and the Mega MoE kernel of recipe (1, 1, 128)), got "
+             f"{config.n_passes} with token_side={config.token_side!r}, epilogue={epilogue!r}")
     check_fast_math(fast_math)
     check_activation(activation)
     if not isinstance(bias, bool):
         raise TypeError(f"megamoe: `bias` must be a bool (whether the kernel adds a row bias), got {type(bias).__name__}")
-    if config.token_side == "m" and (epilogue != "bf16" or bias):
-        fail("config.token_side", f"'m' (tokens on the wgmma M side) runs the BF16 epilogue without bias only "
-             f"(out[m, n]: grouped_gemm_fp8_fp4_contiguous / _masked with out), got epilogue={epilogue!r}, bias={bias}")
     fast_math = fast_math or epilogue not in SWIGLU_EPILOGUES  # one build where silu is not computed
     activation = activation if epilogue in SWIGLU_EPILOGUES else "swiglu"
 
@@ -466,9 +470,14 @@ def _resolve_config(config: GemmConfig | None, rows_per_expert: float, n: int, k
         fail("config.mma", f"is {config.mma!r} but the weights are in the {mma}-mode layout {LAYOUTS[mma][2]}")
     if config.token_block != token_block:
         fail("config.token_block", f"is {config.token_block} but the token scales are per {token_block} K")
-    if config.token_side == "m" and (swiglu or scatter):
-        fail("config.token_side", f"'m' (tokens on the wgmma M side) stores plain BF16 rows only (out[m, n]), not the "
-             f"{'SwiGLU' if swiglu else 'row-address (out_row_ptrs)'} epilogue: use token_side='n' here")
+    if config.token_side == "m" and (scatter or (swiglu and token_block != 128)):
+        fail("config.token_side", f"'m' (tokens on the wgmma M side) stores plain BF16 rows (out[m, n]) or, with per-128 "
+             f"token scales, the per-128 SwiGLU epilogue, not the "
+             f"{'per-32 SwiGLU' if swiglu else 'row-address (out_row_ptrs)'} epilogue: use token_side='n' here")
+    if config.token_side == "m" and config.n_passes != (2 if swiglu else 1):
+        fail("config.n_passes", f"must be {2 if swiglu else 1} with tokens on the wgmma M side "
+             f"{'and the per-128 SwiGLU epilogue (256-row tiles in two passes)' if swiglu else 'and BF16 rows'}, "
+             f"got {config.n_passes}")
     if swiglu and token_block == 128 and config.tile_n != 256:
         fail("config.tile_n", f"must be 256 for the per-128 SwiGLU epilogue (one tile: 128 intermediate columns, one "
              f"scale block), got {config.tile_n}")

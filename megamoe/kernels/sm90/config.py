@@ -35,7 +35,12 @@ TOKENS_M_TILE_TOKENS = (64, 128)
 faster: bench/findings/recipe-128-gemm.md)."""
 TOKENS_M_TILE_N = (64, 128)
 """Weight tiles of tokens-on-M configs (wgmma N): a consumer thread holds tile_n / 2 accumulator and as many
-temporary registers; 256 would not fit its 240."""
+temporary registers; 256 would not fit its 240 (the per-128 SwiGLU epilogue's 256-row tiles run as two passes of
+128: ``GemmConfig.n_passes``)."""
+TOKENS_M_ACT_PAD = 8
+"""FP32 words of padding per staged token row of the tokens-on-M per-128 SwiGLU epilogue (``SwigluQuant128TokensM``:
+64 columns a pass): a row of 72 words puts a warp's eight rows of 8-byte stores on distinct banks, and keeps each row
+16-byte aligned for its TMA copy."""
 TOKEN_BLOCKS = (32, 128)
 """K elements per token scale in FP8 mode (``GemmConfig.token_block``): the recipes (1, 1, 32) and (1, 1, 128)."""
 DECODES = ("regs", "smem", "copy")
@@ -129,24 +134,27 @@ class GemmConfig:
         byte per weight, straight into the tile the SS wgmmas read; no decode: ``mainloop_fp8_copy``).
     token_side: "n" (swap-AB, every config above) or "m" (``TOKEN_SIDES``): tokens on the wgmma M side, 64 token rows
         per consumer warpgroup (``tile_tokens`` in ``TOKENS_M_TILE_TOKENS``), the weights' E4M3 copy on N
-        (``tile_n`` in ``TOKENS_M_TILE_N``); decode "copy", one CTA per SM, one pass. Why: a consumer thread's
-        accumulator then covers two token rows, so its per-128 promotion needs two token scales per chunk instead of
-        ``tile_tokens / 4`` (``mainloop_fp8_tokens_m``).
+        (``tile_n`` in ``TOKENS_M_TILE_N``, or 256 in two passes for L1's per-128 SwiGLU epilogue:
+        ``tokens_m_swiglu_config``); decode "copy", one CTA per SM. Why: a consumer thread's accumulator then covers
+        two token rows, so its per-128 promotion needs two token scales per chunk instead of ``tile_tokens / 4``
+        (``mainloop_fp8_tokens_m``).
     even_chunks: every K the build runs is an even number of 128-K chunks (K % 256 == 0), so BF16 mode may load two
         chunks per stage (``chunks_per_stage``) and recipe (1, 1, 128)'s register mainloop runs chunk pairs without a
         tail; False runs any whole number of chunks (one per stage; the pair loop's odd tail). The entry points set it
         from the shapes (``for_k``): a config with True is replaced for an odd chunk count.
     n_passes: 1, or 2: each ``tile_n``-row tile (the unit of the tile order, its counters and signals) runs as two
         sequential passes of ``pass_n`` = tile_n / 2 weight rows on ``pass_n / 64`` consumer warpgroups, the tokens
-        loaded again for the second pass (L2 hits). Only ``tile_n`` 256 in FP8 mode with ``token_block`` 128,
-        register decode, one CTA per SM and ``TWO_PASS_TILE_TOKENS``: the Mega MoE kernel of recipe (1, 1, 128),
-        whose per-128 SwiGLU epilogue needs the 128 intermediate columns of a 256-row tile together
-        (``SwigluQuant128`` stages the first pass's half, quantizes after the second), with 128-row passes on two
-        consumer warpgroups instead of four warpgroups of 32-row token tiles.
+        loaded again for the second pass (L2 hits). Only ``tile_n`` 256 in FP8 mode with ``token_block`` 128, one CTA
+        per SM and ``TWO_PASS_TILE_TOKENS``, for the per-128 SwiGLU epilogue, which needs the 128 intermediate columns
+        of a 256-row tile together: the Mega MoE kernel of recipe (1, 1, 128) (register decode; ``SwigluQuant128``
+        stages the first pass's half, quantizes after the second), with 128-row passes on two consumer warpgroups
+        instead of four warpgroups of 32-row token tiles; and the separate L1 GEMM with tokens on the wgmma M side
+        (decode "copy"; ``SwigluQuant128TokensM``).
     cluster: 1, or 2: two CTAs of a cluster multiply one token tile with the two weight tiles of a pair, each
         TMA-loading half the token box into both (``gemm_cluster``: half the tokens' L2 reads per CTA). FP8 mode with
-        ``token_block`` 128, decode "regs" or "copy", one CTA per SM, one pass, ``tile_tokens`` >= 16; separate
-        grouped GEMMs only, N a multiple of 2 * ``tile_n``. Or 4, tokens on the wgmma M side only: a 2 x 2 quad of
+        ``token_block`` 128, decode "regs" or "copy", one CTA per SM, ``tile_tokens`` >= 16; separate
+        grouped GEMMs only, N a multiple of 2 * ``tile_n``; two passes with tokens on the wgmma M side only. Or 4,
+        tokens on the wgmma M side only: a 2 x 2 quad of
         two token tiles by two weight tiles, each box loaded half by each of the two CTAs that multiply it
         (``gemm_cluster``: half the token and half the weight bytes per CTA).
     """
@@ -190,9 +198,11 @@ class GemmConfig:
             fail("config.tile_n", f"must be one of {TILE_N_CHOICES}, got {self.tile_n}")
         if self.n_passes not in PASSES or (self.n_passes == 2 and not (
                 self.mma == "fp8" and self.token_block == 128 and self.tile_n == 256 and self.ctas_per_sm == 1
-                and self.decode == "regs" and self.tile_tokens in TWO_PASS_TILE_TOKENS)):
+                and (self.decode == "regs" or (self.decode == "copy" and self.token_side == "m"))
+                and self.tile_tokens in TWO_PASS_TILE_TOKENS)):
             fail("config.n_passes", f"must be one of {PASSES} (2: mma='fp8', token_block=128, tile_n=256, ctas_per_sm=1, "
-                 f"decode='regs', tile_tokens in {TWO_PASS_TILE_TOKENS}), got {self.n_passes} with mma={self.mma!r}, "
+                 f"decode='regs' or, with token_side='m', 'copy', tile_tokens in {TWO_PASS_TILE_TOKENS}), got "
+                 f"{self.n_passes} with mma={self.mma!r}, "
                  f"token_block={self.token_block}, tile_n={self.tile_n}, ctas_per_sm={self.ctas_per_sm}, "
                  f"decode={self.decode!r}, tile_tokens={self.tile_tokens}")
         four_wg_tokens = FOUR_WG_MAX_TILE_TOKENS if self.mma == "bf16" else FOUR_WG_FP8_MAX_TILE_TOKENS
@@ -204,18 +214,19 @@ class GemmConfig:
                  f"token_block={self.token_block}, ctas_per_sm={self.ctas_per_sm}, tile_tokens={self.tile_tokens} "
                  f"(FP8 token_block=128 tiles of {TWO_PASS_TILE_TOKENS} token rows: n_passes=2)")
         if self.token_side not in TOKEN_SIDES or (self.token_side == "m" and not (
-                self.decode == "copy" and self.n_passes == 1 and self.tile_tokens in TOKENS_M_TILE_TOKENS
-                and self.tile_n in TOKENS_M_TILE_N)):
-            fail("config.token_side", f"must be one of {TOKEN_SIDES} ('m': decode='copy', n_passes=1, tile_tokens in "
-                 f"{TOKENS_M_TILE_TOKENS}, tile_n in {TOKENS_M_TILE_N}), got {self.token_side!r} with "
+                self.decode == "copy" and self.tile_tokens in TOKENS_M_TILE_TOKENS and self.pass_n in TOKENS_M_TILE_N)):
+            fail("config.token_side", f"must be one of {TOKEN_SIDES} ('m': decode='copy', tile_tokens in "
+                 f"{TOKENS_M_TILE_TOKENS}, tile_n in {TOKENS_M_TILE_N}, or 256 in two passes), got {self.token_side!r} with "
                  f"decode={self.decode!r}, n_passes={self.n_passes}, tile_tokens={self.tile_tokens}, "
                  f"tile_n={self.tile_n}")
         if self.cluster not in CLUSTERS or (self.cluster > 1 and not (
                 self.mma == "fp8" and self.token_block == 128 and self.decode in ("regs", "copy")
-                and self.ctas_per_sm == 1 and self.n_passes == 1 and self.tile_tokens >= 16)) or (
+                and self.ctas_per_sm == 1 and (self.n_passes == 1 or self.token_side == "m")
+                and self.tile_tokens >= 16)) or (
                 self.cluster == 4 and self.token_side != "m"):
             fail("config.cluster", f"must be one of {CLUSTERS} (2: mma='fp8', token_block=128, decode 'regs' or "
-                 f"'copy', ctas_per_sm=1, n_passes=1, tile_tokens >= 16; 4: also token_side='m'), got {self.cluster} "
+                 f"'copy', ctas_per_sm=1, n_passes=1 or token_side='m', tile_tokens >= 16; 4: also token_side='m'), "
+                 f"got {self.cluster} "
                  f"with mma={self.mma!r}, token_block={self.token_block}, decode={self.decode!r}, "
                  f"ctas_per_sm={self.ctas_per_sm}, n_passes={self.n_passes}, tile_tokens={self.tile_tokens}, "
                  f"token_side={self.token_side!r}")
@@ -287,6 +298,8 @@ class GemmConfig:
         scatter, and BF16 with tokens on the wgmma M side: the BF16 tile, rows padded by 16 bytes; "l1_l2": one region
         for both)."""
         swiglu = self.tile_tokens * (self.tile_n // 2 + 4) * 4
+        if self.token_side == "m":  # ``SwigluQuant128TokensM``: one pass's columns
+            swiglu = self.tile_tokens * (self.pass_n // 2 + TOKENS_M_ACT_PAD) * 4
         scatter = self.tile_tokens * (self.tile_n + SCATTER_PAD) * 2
         if epilogue == "l1_l2":  # one region serves both (equal sizes): see the kernel
             return swiglu
@@ -422,6 +435,12 @@ def tokens_m_config(expected_rows_per_expert: float) -> GemmConfig:
     128 weight rows, 64 token rows (one consumer warpgroup) for groups expected within 64 rows, else 128 (two)."""
     tokens = 64 if expected_rows_per_expert <= 64 else 128
     return GemmConfig(tile_tokens=tokens, tile_n=128, mma="fp8", token_block=128, decode="copy", token_side="m")
+
+
+def tokens_m_swiglu_config(expected_rows_per_expert: float) -> GemmConfig:
+    """``tokens_m_config`` for L1's per-128 SwiGLU epilogue: 256-row weight tiles (128 intermediate columns, one scale
+    block) in two passes of 128 (``GemmConfig.n_passes``; ``SwigluQuant128TokensM``)."""
+    return replace(tokens_m_config(expected_rows_per_expert), tile_n=256, n_passes=2)
 
 
 TOKENS_M_MIN_ROWS = 128

@@ -12,8 +12,9 @@ rows of the warpgroup's 64) and token column ``8j + 2q + c`` (``cC[i]`` gives bo
   staged in shared memory so each row leaves as whole 128-byte lines.
 * ``SwigluQuant``: L1's ``megamoe.numerics`` steps 2-5 on interleaved gate/up rows: FP8 + packed UE8M0 scales
   per 32 columns, or the same quantized values dequantized (exactly) to BF16.
-* ``SwigluQuant128``: the same steps of recipe (1, 1, 128): FP8 + one FP32 scale per 128 columns.
-* ``SwigluOaiQuant``, ``SwigluOaiQuant128``: both with gpt-oss's activation (``"swiglu_oai"``, step 4) through the
+* ``SwigluQuant128``: the same steps of recipe (1, 1, 128): FP8 + one FP32 scale per 128 columns;
+  ``SwigluQuant128TokensM``: the same bytes for tokens on the wgmma M side.
+* ``SwigluOaiQuant``, ``SwigluOaiQuant128``, ``SwigluOaiQuant128TokensM``: these with gpt-oss's activation (``"swiglu_oai"``, step 4) through the
   ``activate`` hook (``OaiActivation``).
 
 Each is called once per pass of a tile (``GemmConfig.n_passes``; ``tile_n`` here is the config's ``pass_n``, the rows
@@ -33,7 +34,7 @@ from cutlass import Float32, Int32, Int64
 
 from ...numerics import SWIGLU_OAI_ALPHA
 from .. import dequant, ptx
-from .config import SCATTER_PAD, GemmConfig, named_barriers
+from .config import SCATTER_PAD, TOKENS_M_ACT_PAD, GemmConfig, named_barriers
 
 
 class Epilogue:
@@ -183,11 +184,17 @@ class SwigluQuant(Epilogue):
         for j in cutlass.range_constexpr(self.tile_tokens // 8):
             for c in cutlass.range_constexpr(2):
                 row = cC[c + 4 * j][0]
-                gate = acc[c + 4 * j].to(cutlass.BFloat16).to(Float32)
-                up = acc[c + 2 + 4 * j].to(cutlass.BFloat16).to(Float32)
-                gate = cutlass.min(gate, args.clamp)
-                up = cutlass.max(cutlass.min(up, args.clamp), -args.clamp)
-                smem[cC[c + 4 * j][1], (row // 16) * 8 + row % 8] = self.activate(gate, up)
+                smem[cC[c + 4 * j][1], (row // 16) * 8 + row % 8] = self.gated(acc[c + 4 * j], acc[c + 2 + 4 * j], args)
+
+    @cute.jit
+    def gated(self, gate_acc, up_acc, args):
+        """Steps 2-4 before the routing weight for one (gate, up) pair of FP32 accumulator values: both rounded to
+        BF16, clamped (``args.clamp``: gate from above, up both ways), ``activate``d in FP32."""
+        gate = gate_acc.to(cutlass.BFloat16).to(Float32)
+        up = up_acc.to(cutlass.BFloat16).to(Float32)
+        gate = cutlass.min(gate, args.clamp)
+        up = cutlass.max(cutlass.min(up, args.clamp), -args.clamp)
+        return self.activate(gate, up)
 
     @cute.jit
     def gate_sigmoid(self, gate, z):
@@ -342,6 +349,102 @@ class SwigluQuant128(SwigluQuant):
         ptx.barrier_sync(self.all_barrier_id, 128 * self.warpgroups)
 
 
+class SwigluQuant128TokensM(SwigluQuant):
+    """``SwigluQuant128`` for tokens on the wgmma M side (``GemmConfig.token_side`` "m", ``tile_n`` 256 in two passes
+    of 128 weight columns): the same values, the same rounding, the same bytes, with no barrier beyond a warp.
+
+    Value ``i = c + 2*r + 4*j`` of a consumer thread's accumulator is token row ``cC[i][0]`` (g + 8r of its warp's 16)
+    and weight column ``8j + 2q + c`` of the pass; with L1's gate/up rows interleaved by 8 (``SWIGLU_GRANULARITY``),
+    j = 2u is gate and j = 2u + 1 up of intermediate column ``8u + 2q + c`` of the pass: a warp holds all 64 columns
+    of its 16 token rows, and pass p's are columns ``64p ..`` of the tile's 128 (one scale block). Pass 0: each thread
+    stages its 32 ``silu(gate) * up`` values (``SwigluQuant.gated``) in its own places of the staging tile (``smem``:
+    (tokens, ``stride``) float32; no other thread reads them). Pass 1: its 32 values of pass 1 in registers, both
+    passes' times the row's routing weight (``args.rows``; rows past the group: 0, never stored), the row's amax over
+    its 64, then over the lane quad's 256 by two butterfly shuffles (a maximum: exact in any order), ``amax =
+    max(amax, 1e-4)``, ``q = e4m3_rne_sat(v * (448 / amax))`` (Inf: NaN, as ``SwigluQuant128``). The warp's codes go
+    into the first 128 bytes of their rows of the staging tile (after a warp sync: every value read), and lanes 0-15
+    each copy one of the warp's 16 rows to ``args.out`` (int32 view of FP8 [M, N/2]) through the TMA unit
+    (``cp.async.bulk``) while the warp goes on; lane q = 0 stores the row's scale ``amax / 448`` (``args.out_sf``:
+    (M, N/256) float32). The next tile's pass 0 first waits until those copies have read the rows."""
+
+    def __init__(self, config: GemmConfig, fast_math: bool):
+        super().__init__(config, fast_math, bf16_out=False)
+        assert config.token_side == "m" and config.tile_n == 256 and config.n_passes == 2
+        self.stride = config.pass_n // 2 + TOKENS_M_ACT_PAD  # FP32 words per staged token row
+
+    @cute.jit
+    def __call__(self, acc, cC, ctidx, smem, args, row0, row_end, n_tile, p):
+        lane = ctidx % 32
+        if cutlass.const_expr(p == 0):
+            if lane < 16:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last tile's row copies read their rows
+            cute.arch.sync_warp()
+            for r in cutlass.range_constexpr(2):
+                for u in cutlass.range_constexpr(self.tile_n // 16):
+                    for c in cutlass.range_constexpr(2):
+                        i = c + 2 * r + 8 * u
+                        smem[cC[i][0], 8 * u + cC[c][1]] = self.gated(acc[i], acc[i + 4], args)
+        else:
+            self.quantize(acc, cC, ctidx, smem, args, row0, row_end, n_tile)
+
+    @cute.jit
+    def quantize(self, acc, cC, ctidx, smem, args, row0, row_end, n_tile):
+        """Pass 1: the block's values, amax, codes and scale of the thread's two token rows (class docstring). Pass
+        0's value of column (8u + 2q + c) goes to ``acc[c + 2r + 8u]``, pass 1's to ``acc[c + 2r + 8u + 4]``."""
+        lane = ctidx % 32
+        amaxes = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            m = row0 + cC[2 * r][0]
+            weight = Float32(0.0)
+            if m < row_end:
+                weight = Float32(args.rows[m])
+            amax = Float32(0.0)
+            for u in cutlass.range_constexpr(self.tile_n // 16):
+                for c in cutlass.range_constexpr(2):
+                    i = c + 2 * r + 8 * u
+                    v1 = self.gated(acc[i], acc[i + 4], args) * weight
+                    v0 = smem[cC[i][0], 8 * u + cC[c][1]] * weight
+                    acc[i] = v0
+                    acc[i + 4] = v1
+                    amax = cutlass.max(amax, cutlass.max(v0, -v0))
+                    amax = cutlass.max(amax, cutlass.max(v1, -v1))
+            for d in cutlass.range_constexpr(2):  # the lane quad's four threads hold the row's 128 columns
+                amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << d))
+            amax = cutlass.max(amax, Float32(1e-4))
+            if amax == Float32(float("inf")):  # Inf in the block (NaN propagates through the max): NaN codes and
+                amax = Float32(float("nan"))  # a NaN scale, as for NaN
+            amaxes[r] = amax
+        cute.arch.sync_warp()  # every lane has read its pass-0 values: the codes may overwrite them
+        codes = cute.make_tensor(cute.recast_ptr(smem.iterator, dtype=cutlass.Int16),
+                                 cute.make_layout((self.tile_tokens, self.stride * 2), stride=(self.stride * 2, 1)))
+        for r in cutlass.range_constexpr(2):
+            inv = Float32(448.0) / amaxes[r]
+            for h in cutlass.range_constexpr(2):  # the pass
+                for u in cutlass.range_constexpr(self.tile_n // 16):
+                    i = 2 * r + 8 * u + 4 * h
+                    codes[cC[i][0], 32 * h + 4 * u + cC[0][1] // 2] = ptx.f32x2_to_e4m3x2(acc[i] * inv,
+                                                                                            acc[i + 1] * inv)
+        cute.arch.fence_proxy("async.shared", space="cta")  # the codes, visible to the TMA unit's reads
+        cute.arch.sync_warp()
+        if lane % 4 == 0:
+            for r in cutlass.range_constexpr(2):
+                m = row0 + cC[2 * r][0]
+                if m < row_end:
+                    args.out_sf[m, n_tile] = amaxes[r] / Float32(448.0)
+        if lane < 16:
+            tok = ctidx // 32 * 16 + lane  # the warp's rows: 16 per warp, in warp order
+            m = row0 + tok
+            dst = (args.out[(m, None)].iterator + n_tile * 32).toint()  # 32 words: the block's 128 FP8 bytes
+            ptx.bulk_store_if(dst, smem[(tok, None)].iterator.toint(), 128, Int32(m < row_end))
+            cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def drain(self, ctidx):
+        """After the warp's last tile: its row copies have completed (their writes made), before the CTA exits."""
+        if ctidx % 32 < 16:
+            cute.arch.cp_async_bulk_wait_group(0)
+
+
 class OaiActivation:
     """The ``activate`` hook of gpt-oss's activation (``megamoe.numerics`` step 4, ``"swiglu_oai"``):
     ``(up + 1) * (gate / (1 + exp(-(alpha * gate))))``, alpha ``SWIGLU_OAI_ALPHA`` as an FP32 number; gpt-oss's
@@ -358,3 +461,7 @@ class SwigluOaiQuant(OaiActivation, SwigluQuant):
 
 class SwigluOaiQuant128(OaiActivation, SwigluQuant128):
     """``SwigluQuant128`` (per-128 FP8 + FP32 scales) with gpt-oss's activation."""
+
+
+class SwigluOaiQuant128TokensM(OaiActivation, SwigluQuant128TokensM):
+    """``SwigluQuant128TokensM`` with gpt-oss's activation."""

@@ -496,7 +496,7 @@ class GroupedGemmSm90:
         _, e, _, _, valid, _, _, n_tile, _ = self.next_tile(bidx, Int32(0), Int32(0), Int32(0), Int32(0), dims, groups,
                                                             total_rows)
         if valid:
-            n_tile = cutlass.min(n_tile, dims[1] - 1)
+            n_tile = self.pass_tile(cutlass.min(n_tile, dims[1] - 1), 0)
             for kt in cutlass.range(cutlass.min(self.k_steps(dims[0]), Int32(self.stages)), unroll=1):
                 for h in cutlass.range_constexpr(self.cps):
                     cute.prefetch(ops.atom_w, tWg[(None, n_tile, kt * self.cps + h, e)])
@@ -548,15 +548,18 @@ class GroupedGemmSm90:
     @cute.jit
     def load_first_gemm(self, ab_pipeline, state, ops: TmaOps, parts, sSFA, e, n_tile, row0, row_end, block, dims,
                         groups, sync, second, mega):
-        """A first-GEMM tile's loads: every K step's tokens, weights and scales (FP8 block-32 mode: and the token
-        scale words). Returns the advanced pipeline state."""
+        """A first-GEMM tile's loads: every K step's tokens, weights and scales (FP8 mode: and the token scale words),
+        pass after pass (``GemmConfig.n_passes``; the tokens again for each: L2 hits). Returns the advanced pipeline
+        state."""
         tAg, tAs, tWg, tWs, tSFWg, tSFWs = parts
         sfa = self.token_scale_partitions(ops, row0, sSFA)
-        for kt in cutlass.range(self.k_steps(dims[0]), unroll=1):
-            ab_pipeline.producer_acquire(state)
-            self.load_chunk(ab_pipeline, state, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e, n_tile, True, True, sfa)
-            ab_pipeline.producer_commit(state)
-            state.advance()
+        for p in cutlass.range_constexpr(self.n_passes):  # each pass's weight rows, with the tile's tokens
+            for kt in cutlass.range(self.k_steps(dims[0]), unroll=1):
+                ab_pipeline.producer_acquire(state)
+                self.load_chunk(ab_pipeline, state, kt, ops, tAg, tAs, tWg, tWs, tSFWg, tSFWs, e,
+                                self.pass_tile(n_tile, p), True, True, sfa)
+                ab_pipeline.producer_commit(state)
+                state.advance()
         return state
 
     def load_second_gemm(self, ab_pipeline, state, tma2, parts2, sA, sSFA, e, n_tile, row0, block, t_off, dims, groups,
@@ -633,7 +636,7 @@ class GroupedGemmSm90:
 
     def pass_tile(self, n_tile, p: int):
         """Pass ``p``'s weight rows as an index in units of ``pass_n`` rows (tile ``n_tile`` itself with one pass)."""
-        return n_tile * self.n_passes + p
+        return n_tile if self.n_passes == 1 else n_tile * self.n_passes + p
 
     @cute.jit
     def add_row_bias(self, acc, cC, bias, e, n_pass):

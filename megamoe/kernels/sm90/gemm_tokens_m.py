@@ -9,16 +9,21 @@ per consumer warpgroup: ``config.consumer_warpgroups`` = tile_tokens / 64), the 
 consumer thread holds two token rows and ``tile_n / 4`` weight columns. The epilogue stages each tile's BF16 rows
 in shared memory for the TMA unit's row copies (``staged_out``; the stage count leaves room for the tile).
 
-Recipe (1, 1, 128) with the weights' E4M3 copy (decode "copy"), the BF16 epilogue (``out[m, n]``), any group mode,
-no bias (the API checks). On two-CTA clusters (``GemmConfig.cluster`` 2): ``ClusterPairTokensMGemmSm90``, the two
+Recipe (1, 1, 128) with the weights' E4M3 copy (decode "copy"), any group mode, no bias (the API checks), and one of
+two epilogues: BF16 rows (``out[m, n]``: ``Bf16StoreTokensM``), or L1's per-128 SwiGLU (``swiglu_fp8``:
+``SwigluQuant128TokensM``, or with gpt-oss's activation ``SwigluOaiQuant128TokensM``) on 256-row tiles run as two
+passes of 128 weight rows (``GemmConfig.n_passes``: the producer loads every K step of the first pass's weights,
+then of the second's, each with the tile's tokens), so that one tile holds the 128 intermediate columns of a scale
+block; its staging tile holds one pass's FP32 activations (``config.TOKENS_M_ACT_PAD``), and its FP8 rows leave by
+the TMA unit too. On two-CTA clusters (``GemmConfig.cluster`` 2): ``ClusterPairTokensMGemmSm90``, the two
 CTAs of a weight-tile pair sharing each token tile; on four (``cluster`` 4): ``ClusterQuadTokensMGemmSm90``, a 2 x 2
 quad sharing both (``gemm_cluster``).
 """
 
 from __future__ import annotations
 
-from .config import GemmConfig
-from .epilogues import Bf16StoreTokensM
+from .config import TOKENS_M_ACT_PAD, GemmConfig
+from .epilogues import Bf16StoreTokensM, SwigluOaiQuant128TokensM, SwigluQuant128TokensM
 from .gemm import GroupedGemmSm90
 from .gemm_cluster import ClusterPairGemmSm90, ClusterQuadGemmSm90
 from .mainloop_fp8_tokens_m import Fp8CopyTokensMMainloop
@@ -26,23 +31,32 @@ from .mainloop_fp8_tokens_m import Fp8CopyTokensMMainloop
 
 class TokensMGemmSm90(GroupedGemmSm90):
     """``GroupedGemmSm90`` with tokens on the wgmma M side (module docstring): ``config.token_side`` "m", epilogue
-    "bf16", folded weights."""
-
-    staged_out = True  # ``Bf16StoreTokensM`` stages each tile's rows for the TMA unit's row copies
+    "bf16" (one pass) or "swiglu_fp8" (two), folded weights."""
 
     def __init__(self, config: GemmConfig, group_mode: str, epilogue: str = "bf16", folded: bool = True,
                  fast_math: bool = True, activation: str = "swiglu"):
-        assert config.token_side == "m" and epilogue == "bf16" and folded  # api checks
+        assert config.token_side == "m" and epilogue in ("bf16", "swiglu_fp8") and folded  # api checks
+        assert (epilogue == "swiglu_fp8") == (config.n_passes == 2)  # api checks
         super().__init__(config, group_mode, epilogue, folded, fast_math, activation)
+        self.act_stride = self.pass_n // 2 + TOKENS_M_ACT_PAD  # FP32 words per staged row (``SwigluQuant128TokensM``)
+
+    @property
+    def staged_out(self) -> bool:
+        """``Bf16StoreTokensM`` stages each tile's BF16 rows for the TMA unit's row copies (the SwiGLU epilogue
+        stages in ``sAct``)."""
+        return self.epilogue_kind == "bf16"
 
     def make_mainloop(self, folded: bool):
         return Fp8CopyTokensMMainloop(self.cfg, self.stages, self.cps)
 
     def make_epilogue(self, epilogue: str, fast_math: bool):
+        if epilogue == "swiglu_fp8":
+            return (SwigluOaiQuant128TokensM if self.activation == "swiglu_oai" else SwigluQuant128TokensM)(
+                self.cfg, fast_math)
         return Bf16StoreTokensM(self.cfg)
 
     def after_consumers(self, ctidx, sync, groups, mega, ctx, bidx, gdim):
-        """The last tile's row copies complete before the CTA exits (``Bf16StoreTokensM.drain``)."""
+        """The last tile's row copies complete before the CTA exits (the epilogue's ``drain``)."""
         self.epilogue.drain(ctidx)
 
 
