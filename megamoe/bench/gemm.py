@@ -33,8 +33,16 @@ and its folded scale word (4 bytes per row and 128 K), or the copy's byte and th
 n,m``: with the copy, also tokens on the wgmma M side (``GemmConfig.token_side``: 128 token rows x 128 weight rows,
 64-row token tiles up to 64 rows per expert).
 
+``--swiglu`` (recipe 128): the L1 points' kernel rows run L1's fused per-128 SwiGLU epilogue
+(``grouped_gemm_fp8_fp4_swiglu_contiguous``: FP8 + one FP32 scale per 128 intermediate columns, routing weights
+drawn per token set) on 256-row weight tiles: ``per_128_swiglu_config``'s swap-AB tile with each ``--decode``, and with
+the copy and ``--token-sides m`` tokens on the wgmma M side in two passes (``tokens_m_swiglu_config``) on each
+``--cluster`` size; each checked against ``numerics.l1_epilogue`` of the FP64 GEMM (the weights' rows read as
+interleaved gate/up rows, as the kernel reads them) within recipe 128's contract tolerance. The torch baselines stay
+plain GEMMs with BF16 output (no SwiGLU): a lower bar than the fused work.
+
     python -m megamoe.bench.gemm [--quick] [--recipe 32|128] [--mma bf16,fp8] [--decode regs,smem,copy] [--token-sides n,m]
-                                 [--fold row|chunk] [--no-alt]
+                                 [--fold row|chunk] [--no-alt] [--swiglu]
                                  [--presets flash,pro] [--layers l1,l2] [--ep 8,2] [--rows 1,4,16,64,256,1024,4096]
                                  [--routings N] [--peers humming] [--max-gb 100] [--json PATH]
 """
@@ -50,8 +58,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..kernels.sm90.config import DECODES, TOKEN_SIDES, tokens_m_config
-from ..numerics import RECIPE_32, RECIPE_128, rel_fro_error
+from ..kernels.sm90.config import (DECODES, TOKEN_SIDES, per_128_swiglu_config, tokens_m_config,
+                                   tokens_m_swiglu_config)
+from ..numerics import RECIPE_32, RECIPE_128, l1_epilogue, moe_tolerances, rel_fro_error
 from . import peers as peer_lib
 from .common import environment_receipt, measure_hbm_read_bandwidth, time_graph
 from .plot import save_plot_beside
@@ -233,34 +242,91 @@ def kernel_configs(p: Point, mma: str, alternatives: bool, token_block: int = 32
     return paired
 
 
+def swiglu_configs(p: Point, decodes, token_sides, clusters) -> list:
+    """``--swiglu``'s kernel configs (module docstring): ``per_128_swiglu_config``'s tile with each decode in
+    ``decodes``, then with the copy and "m" in ``token_sides`` ``tokens_m_swiglu_config``'s on each cluster size in
+    ``clusters`` whose weight tiles divide N."""
+    import dataclasses
+
+    base = per_128_swiglu_config(p.rows_per_expert)
+    out = [dataclasses.replace(base, decode=d) for d in decodes] if 1 in clusters else []
+    if "copy" in decodes and "m" in token_sides:
+        tm = tokens_m_swiglu_config(p.rows_per_expert)
+        out += [dataclasses.replace(tm, cluster=c) for c in clusters if p.n % (tm.tile_n * min(c, 2)) == 0]
+    return out
+
+
+def _swiglu_reference_cols(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and the up columns of an L1 accumulator in the kernel's row order (gate/up interleaved by 8,
+    ``SWIGLU_GRANULARITY``), each in intermediate-column order."""
+    cols = torch.arange(n)
+    return cols[(cols // 8) % 2 == 0], cols[(cols // 8) % 2 == 1]
+
+
+def _check_swiglu(p: Point, out, out_sf, a, a_sf, b, b_sf, row_weights) -> str:
+    """Per-128 SwiGLU rows against ``numerics.l1_epilogue`` (recipe 128) of the FP64 GEMM on sampled experts and
+    rows, dequantized; recipe 128's contract tolerance for an intermediate size of N / 2."""
+    from megamoe.kernels.weight_layout import dequantize_sm90_fp8_weights
+    from megamoe.layouts import dequantize_fp8
+
+    gate, up = _swiglu_reference_cols(p.n)
+    worst, nan = 0.0, False
+    for e in _check_experts(p):
+        r0 = e * p.rows_per_expert
+        rows = slice(r0, r0 + min(p.rows_per_expert, CHECK_ROWS))
+        w = dequantize_sm90_fp8_weights(b[e : e + 1], b_sf[e : e + 1])[0]
+        acc = dequantize_fp8(a[rows], a_sf[rows], torch.float64) @ w.T
+        ref_q, ref_sf = l1_epilogue(torch.cat([acc[:, gate], acc[:, up]], 1), row_weights[rows], None, fp8=True,
+                                    recipe=RECIPE_128)
+        got = dequantize_fp8(out[rows], out_sf[rows], torch.float64)
+        nan |= bool(torch.isnan(got).any())
+        worst = max(worst, rel_fro_error(got, dequantize_fp8(ref_q, ref_sf, torch.float64)))
+    return _verdict(worst, moe_tolerances(p.n // 2, RECIPE_128)["rel_fro"], nan) + (
+        f" on experts {_check_experts(p)} x <= {CHECK_ROWS} rows")
+
+
 def _worst_verdict(verdicts: list[str]) -> str:
     """The run's verdict over several token sets: the first failing one, else the first (all pass)."""
     return next((v for v in verdicts if not v.startswith("PASS")), verdicts[0]) + (
         f" ({len(verdicts)} token sets)" if len(verdicts) > 1 else "")
 
 
-def run_kernel(p: Point, weights, token_sets: list, cfg) -> Result:
+def run_kernel(p: Point, weights, token_sets: list, cfg, swiglu: bool = False) -> Result:
     """One kernel config on the point's token sets (each ``(a, a_sf, offsets)``, FP8; every set checked, the timed
-    calls cycling through them) and the config's weight layout (decode "copy": and ``weights["e4m3_copy"]``)."""
-    from megamoe.kernels.sm90 import grouped_gemm_fp8_fp4_contiguous
+    calls cycling through them) and the config's weight layout (decode "copy": and ``weights["e4m3_copy"]``);
+    ``swiglu``: L1's per-128 SwiGLU epilogue (``--swiglu``) with routing weights drawn per token set."""
+    from megamoe.kernels.sm90 import grouped_gemm_fp8_fp4_contiguous, grouped_gemm_fp8_fp4_swiglu_contiguous
     from megamoe.layouts import dequantize_fp8
 
     b, b_sf = weights[cfg.mma]
     w_e4m3 = weights["e4m3_copy"] if cfg.decode == "copy" else None
+
+    def launch(a, a_sf, offsets, out):
+        if swiglu:
+            grouped_gemm_fp8_fp4_swiglu_contiguous(a, a_sf, b, b_sf, offsets, out[2], out=out[0], out_sf=out[1],
+                                                   config=cfg, w_e4m3=w_e4m3)
+        else:
+            grouped_gemm_fp8_fp4_contiguous(a, a_sf, b, b_sf, offsets, out=out, config=cfg, w_e4m3=w_e4m3)
+
     calls, verdicts = [], []
     for a, a_sf, offsets in token_sets:
         if cfg.mma == "bf16":  # exact; outside the timing, as the contract puts it on the caller
             a, a_sf = dequantize_fp8(a, a_sf, torch.bfloat16), None
-        out = torch.full((a.shape[0], p.n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        grouped_gemm_fp8_fp4_contiguous(a, a_sf, b, b_sf, offsets, out=out, config=cfg, w_e4m3=w_e4m3)
+        m = a.shape[0]
+        if swiglu:  # poisoned FP8 rows and scales, the routing weights
+            out = (torch.full((m, p.n // 2), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn),
+                   torch.full((m, p.n // 256), float("nan"), device="cuda"), torch.rand(m, device="cuda"))
+        else:
+            out = torch.full((m, p.n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        launch(a, a_sf, offsets, out)
         torch.cuda.synchronize()
-        verdicts.append(_check_kernel(p, out, a, a_sf, b, b_sf))
+        verdicts.append(_check_swiglu(p, out[0], out[1], a, a_sf, b, b_sf, out[2]) if swiglu
+                        else _check_kernel(p, out, a, a_sf, b, b_sf))
         calls.append((a, a_sf, offsets, out))
     turn = itertools.count()
 
     def call():
-        a, a_sf, offsets, out = calls[next(turn) % len(calls)]
-        grouped_gemm_fp8_fp4_contiguous(a, a_sf, b, b_sf, offsets, out=out, config=cfg, w_e4m3=w_e4m3)
+        launch(*calls[next(turn) % len(calls)])
 
     verdict = _worst_verdict(verdicts)
     us = _time_us(call)
@@ -270,8 +336,9 @@ def run_kernel(p: Point, weights, token_sets: list, cfg) -> Result:
     wbytes = _weight_bytes(p, per_weight)
     decode = {"regs": "", "smem": " smem-decode", "copy": " e4m3-copy"}[cfg.decode] + (
         " tokens-M" if cfg.token_side == "m" else "")
-    name = f"megamoe {cfg.mma}{'x128' if cfg.token_block == 128 else ''}{decode}"
-    return Result(f"{name} mode", verdict, us, flops / us / 1e6, wbytes / us / 1e3, cfg.describe(), per_weight)
+    name = f"megamoe {cfg.mma}{'x128' if cfg.token_block == 128 else ''}{decode}{' +swiglu' if swiglu else ''}"
+    return Result(f"{name} mode", verdict, us, flops / us / 1e6, wbytes / us / 1e3,
+                  cfg.describe("swiglu_fp8" if swiglu else "bf16"), per_weight)
 
 
 def run_peer(p: Point, peer, canonical, token_sets: list) -> Result:
@@ -405,6 +472,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cluster", default="1", help="recipe 128: CTAs per cluster to run each config on (comma "
                         "list of 1, 2, 4; GemmConfig.cluster: 2 where the config allows it, 4 with tokens on M)")
     parser.add_argument("--no-alt", action="store_true", help="no alternative config rows")
+    parser.add_argument("--swiglu", action="store_true", help="recipe 128: L1 points run the fused per-128 SwiGLU "
+                        "epilogue (module docstring)")
     parser.add_argument("--quick", action="store_true", help="flash only, EP8, rows 1,16,64,1024")
     parser.add_argument("--no-baselines", action="store_true")
     parser.add_argument("--routings", type=int, default=1, help="token sets per point, each checked; the timed calls "
@@ -441,6 +510,8 @@ def main(argv=None) -> int:
         parser.error("--decode copy needs --fold row (the kernels take per-row folded scales only)")
     if args.routings < 1:
         parser.error(f"--routings must be >= 1, got {args.routings}")
+    if args.swiglu and (recipe != RECIPE_128 or args.peers):
+        parser.error("--swiglu runs recipe 128's kernels only (--recipe 128, no --peers)")
     try:
         peers = peer_lib.parse_peers(args.peers) if args.peers else []
     except ValueError as ex:
@@ -490,9 +561,13 @@ def main(argv=None) -> int:
                           for act in peer_lib.ACTIVATIONS} if peers else {}
         token_sets = [make_fp8_tokens(p, recipe) for _ in range(args.routings)]
         token_block = {"fp8": recipe[2], "bf16": 32}
-        results = [run_kernel(p, weights, token_sets, cfg) for mma in mmas
-                   for cfg in kernel_configs(p, mma, not args.no_alt, token_block[mma], decodes, token_sides,
-                                             clusters)]
+        if args.swiglu and p.layer == "l1":
+            results = [run_kernel(p, weights, token_sets, cfg, swiglu=True)
+                       for cfg in swiglu_configs(p, decodes, token_sides, clusters)]
+        else:
+            results = [run_kernel(p, weights, token_sets, cfg) for mma in mmas
+                       for cfg in kernel_configs(p, mma, not args.no_alt, token_block[mma], decodes, token_sides,
+                                                 clusters)]
         results += [run_peer(p, gemm, weights["canonical"], token_sets) for gemm in peer_gemms.values()]
         token_sets = None
         torch.cuda.empty_cache()
@@ -510,7 +585,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "megamoe.bench gemm", "hbm_read_gbps": hbm, "recipe": list(recipe),
                        "fold": args.fold, "decodes": list(decodes), "token_sides": list(token_sides),
-                       "clusters": list(clusters), "routings": args.routings,
+                       "clusters": list(clusters), "routings": args.routings, "swiglu": args.swiglu,
                        "peers": {f"humming {act}-act": gemm.config() for act, gemm in peer_gemms.items()},
                        "environment": receipt, "records": records}, f, indent=1)
         save_plot_beside(args.json)
