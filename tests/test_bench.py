@@ -186,6 +186,26 @@ def test_gemm_bench_pairs_each_config_that_may_run_on_a_cluster():
     assert [(c.token_side, c.cluster) for c in sides] == [("n", 1), ("n", 2), ("m", 1), ("m", 2), ("m", 4)]
 
 
+def test_gemm_bench_swiglu_configs_and_reference_columns():
+    """``--swiglu``: the swap-AB per-128 SwiGLU tile with each decode, then tokens on M in two passes on each cluster
+    size whose weight-tile pairs divide N; its check reads the kernel's weight rows as gate/up interleaved by 8; recipe
+    32 refused before the bench looks for a GPU."""
+    from megamoe.bench.gemm import Point, _swiglu_reference_cols, main as gemm_main, swiglu_configs
+
+    p = Point("flash", "l1", 8, 32, 1024, 4096, 4096)
+    cfgs = swiglu_configs(p, ("regs", "copy"), ("n", "m"), (1, 2, 4))
+    assert [(c.decode, c.token_side, c.tile_tokens, c.tile_n, c.n_passes, c.cluster) for c in cfgs] == [
+        ("regs", "n", 32, 256, 1, 1), ("copy", "n", 32, 256, 1, 1), ("copy", "m", 128, 256, 2, 1),
+        ("copy", "m", 128, 256, 2, 2), ("copy", "m", 128, 256, 2, 4)]
+    assert [c.cluster for c in swiglu_configs(Point("x", "l1", 8, 32, 1024, 768, 4096), ("copy",), ("m",), (1, 4))] == [
+        1, 1]  # N = 768: no pair of 256-row tiles, the quad dropped; the swap-AB tile
+    gate, up = _swiglu_reference_cols(32)
+    assert gate.tolist() == [*range(8), *range(16, 24)] and up.tolist() == [*range(8, 16), *range(24, 32)]
+    with pytest.raises(SystemExit) as info:
+        gemm_main(["--swiglu"])
+    assert info.value.code == 2
+
+
 def test_gemm_bench_token_sides_need_the_copy():
     """``--token-sides``: n and/or m; m (tokens on the wgmma M side) runs with the weights' E4M3 copy only, and
     ``--cluster 4`` with tokens on M only: refused (argparse's usage error) before the bench looks for a GPU."""

@@ -25,7 +25,7 @@ from .. import runtime
 from ..weight_layout import BF16_WORDS, CHUNK_BYTES, K_CHUNK, ROW_BLOCK, check_blocked_layout
 from .args import EpilogueArgs, GemmArgs, GroupArgs, MegaArgs, SecondGemmArgs
 from .config import (EPILOGUES, GROUP_MODES, K_MULTIPLE, SCALE_ROW_WORDS, SWIGLU_EPILOGUES, GemmConfig, copy_config,
-                     per_128_swiglu_config, select_config, sync_words)
+                     copy_swiglu_config, per_128_swiglu_config, select_config, sync_words)
 from .counters import tile_counters
 from .weights import LAYOUTS
 
@@ -448,15 +448,17 @@ def _check_weight_copy(w_e4m3: torch.Tensor | None, cfg: GemmConfig, e: int, n: 
 
 def _resolve_config(config: GemmConfig | None, rows_per_expert: float, n: int, k: int, mma: str,
                     four_warpgroups: bool = True, token_block: int = 32, swiglu: bool = False,
-                    scatter: bool = False, copy: bool = False) -> GemmConfig:
+                    scatter: bool = False, copy: bool = False, bias: bool = False) -> GemmConfig:
     """The caller's config, checked against the operands, or ``select_config``'s, for K ``k`` (``GemmConfig.for_k``).
     The per-128 SwiGLU epilogue (``swiglu`` with ``token_block`` 128) needs 256-row weight tiles: 128 intermediate
     columns, one scale block. Tokens on the wgmma M side (``token_side`` "m") store plain BF16 rows only (neither
     ``swiglu`` nor ``scatter``). ``copy``: the caller gave the weights' E4M3 copy (recipe (1, 1, 128)); without a
-    config the kernel then reads it (``copy_config``, or decode "copy" on the epilogue's own tile)."""
+    config the kernel then reads it (``copy_config``, ``copy_swiglu_config``, or decode "copy" on the epilogue's own
+    tile; ``bias``: an L1 bias, which tokens on M do not add)."""
     if config is None:
         if swiglu and token_block == 128:
-            config = per_128_swiglu_config(rows_per_expert)
+            config = (copy_swiglu_config(rows_per_expert, n, k) if copy and not bias
+                      else per_128_swiglu_config(rows_per_expert))
         elif copy and token_block == 128 and not scatter:
             config = copy_config(rows_per_expert, n, k)
         else:
@@ -700,7 +702,8 @@ def grouped_gemm_fp8_fp4_swiglu_contiguous(
     tb = _token_block(a_sf, b, b_sf)
     epilogue, out, out_sf, out_k, out_sf_k = _swiglu_outputs((m,), n // 2, out, out_sf, out_dtype, a.device, token_block=tb)
     clamp_value = _bf16_clamp(clamp)
-    cfg = _resolve_config(config, m / max(e, 1), n, k, mma, token_block=tb, swiglu=True, copy=w_e4m3 is not None)
+    cfg = _resolve_config(config, m / max(e, 1), n, k, mma, token_block=tb, swiglu=True, copy=w_e4m3 is not None,
+                          bias=bias is not None)
     _check_weight_copy(w_e4m3, cfg, e, n, k, a.device)
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out, w_e4m3=w_e4m3)
     max_tiles = (m // cfg.tile_tokens + e) * (n // cfg.tile_n)
@@ -845,7 +848,7 @@ def grouped_gemm_fp8_fp4_swiglu_masked(
                                                              token_block=tb)
     clamp_value = _bf16_clamp(clamp)
     cfg = _resolve_config(config, max_m if expected_m is None else expected_m, n, k, mma, token_block=tb, swiglu=True,
-                          copy=w_e4m3 is not None)
+                          copy=w_e4m3 is not None, bias=bias is not None)
     _check_weight_copy(w_e4m3, cfg, e, n, k, a.device)
     _check_device(a, a_sf=a_sf, b=b, b_sf=b_sf, out=out, w_e4m3=w_e4m3)
     max_tiles = e * math.ceil(max_m / cfg.tile_tokens) * (n // cfg.tile_n)

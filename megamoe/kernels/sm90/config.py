@@ -469,6 +469,18 @@ def copy_config(expected_rows_per_expert: float, n: int, k: int) -> GemmConfig:
     return replace(select_config(expected_rows_per_expert, n, k, "fp8", token_block=128), decode="copy", ctas_per_sm=1)
 
 
+def copy_swiglu_config(expected_rows_per_expert: float, n: int, k: int) -> GemmConfig:
+    """``copy_config`` for L1's per-128 SwiGLU GEMM (N = 2I, a multiple of 256): tokens on M in two passes
+    (``tokens_m_swiglu_config``) from ``TOKENS_M_MIN_ROWS`` expected rows per expert, on four-CTA quads from
+    ``QUAD_MIN_ROWS`` and ``QUAD_MIN_K`` where N is whole pairs of 256-row tiles; else ``per_128_swiglu_config``'s
+    swap-AB tile reading the copy."""
+    if expected_rows_per_expert >= TOKENS_M_MIN_ROWS:
+        cfg = tokens_m_swiglu_config(expected_rows_per_expert)
+        quads = expected_rows_per_expert >= QUAD_MIN_ROWS and k >= QUAD_MIN_K and n % 512 == 0
+        return replace(cfg, cluster=4) if quads else cfg
+    return replace(per_128_swiglu_config(expected_rows_per_expert), decode="copy")
+
+
 def poisson_cover(expected_rows: float) -> float:
     """The rows a token tile should cover for experts expected to get ``expected_rows``: an expert's row count is about
     Poisson around it, so the expected rows plus two standard deviations (about 98% of the experts fit; a tile only as
