@@ -108,7 +108,10 @@ class StagedMoE:
     ``fold_reports``: recipe (1, 1, 128) with ``gemm="sm90"``, the ``FoldReport`` of L1 and L2 (else None).
     ``activation``: step 4's (``numerics.ACTIVATIONS``); ``l1_bias``: BF16 ``[E_l, 2I]`` of this rank's experts (rows
     [gate; up]) or None; ``l2_bias``: BF16 ``[E, H]`` of all E experts (the combine adds it for the tokens of this
-    rank, whichever rank ran their experts) or None.
+    rank, whichever rank ran their experts) or None. ``e4m3_copy``: recipe (1, 1, 128) with ``gemm="sm90"``, keep the
+    folded weights' E4M3 copies too (``kernels.sm90.e4m3_weight_copy``: one more byte per weight, made once, every
+    row folded to one FP32 scale), which the grouped GEMMs then read instead of decoding the FP4 weights (the same
+    values and bits; tokens on the wgmma M side for groups of 128 expected rows and more: the compute-bound calls).
     """
 
     MODES = ("normal", "low_latency")
@@ -116,7 +119,7 @@ class StagedMoE:
 
     def __init__(self, l1, l2, mode: str = "normal", gemm: str = "torch", fast_math: bool = True,
                  recipe=RECIPE_32, *, activation: str = "swiglu", l1_bias: torch.Tensor | None = None,
-                 l2_bias: torch.Tensor | None = None):
+                 l2_bias: torch.Tensor | None = None, e4m3_copy: bool = False):
         self._check_mode(mode)
         if gemm not in self.GEMMS:
             fail("gemm", f"must be one of {self.GEMMS}, got {gemm!r}")
@@ -126,7 +129,13 @@ class StagedMoE:
         if not self.fp8 and recipe != RECIPE_32:
             fail("recipe", f"applies to FP4 weights (fp8xfp4) only; BF16 weights take the default, got {recipe}")
         self.recipe = recipe if self.fp8 else None
+        if not isinstance(e4m3_copy, bool):
+            raise TypeError(f"megamoe: `e4m3_copy` must be a bool, got {type(e4m3_copy).__name__}")
+        if e4m3_copy and not (gemm == "sm90" and self.recipe == RECIPE_128):
+            fail("e4m3_copy", f"applies to recipe (1, 1, 128) with gemm='sm90' (the FP8-mode kernels), got "
+                 f"recipe={self.recipe}, gemm={gemm!r}")
         self.fold_reports = None
+        self.l1k_e4m3 = self.l2k_e4m3 = None
         w1 = l1[0] if self.fp8 else l1
         self.hidden = w1.shape[2] * (2 if self.fp8 else 1) if w1.dim() == 3 else -1
         self.intermediate = w1.shape[1] // 2 if w1.dim() == 3 else -1
@@ -157,6 +166,13 @@ class StagedMoE:
             *self.l1k, rep1 = sm90.prepare_fp4_weights_l1(*l1, mma="fp8", fold="auto", return_report=True)
             *self.l2k, rep2 = sm90.prepare_fp4_weights(*l2, mma="fp8", fold="auto", return_report=True)
             self.l1k, self.l2k, self.fold_reports = tuple(self.l1k), tuple(self.l2k), {"l1": rep1, "l2": rep2}
+            if e4m3_copy:
+                for name, report in self.fold_reports.items():
+                    if report.format != "row":
+                        fail("e4m3_copy", f"needs every weight row folded to one FP32 scale; {name} has "
+                             f"{len(report.chunk_rows)} rows whose nonzero blocks span more binades (first (expert, "
+                             f"row, spread): {report.chunk_rows[:3]}), folded per row and 128-K chunk")
+                self.l1k_e4m3, self.l2k_e4m3 = sm90.e4m3_weight_copy(*self.l1k), sm90.e4m3_weight_copy(*self.l2k)
         else:
             self.l1k = sm90.prepare_fp4_weights_l1(*l1, mma="bf16")
             self.l2k = sm90.prepare_fp4_weights(*l2, mma="bf16")
@@ -279,8 +295,10 @@ class StagedMoE:
             a, a_sf = sm90.grouped_gemm_fp8_fp4_swiglu_contiguous(
                 pad_columns(x, hk), x_sf_k, *self.l1k, grouped.offsets, weights, clamp=clamp,
                 out_dtype=torch.float8_e4m3fn, fast_math=self.fast_math, activation=self.activation, bias=self.l1k_bias,
+                w_e4m3=self.l1k_e4m3,
             )
-            return sm90.grouped_gemm_fp8_fp4_contiguous(a, a_sf, *self.l2k, grouped.offsets)[:, : self.hidden]
+            return sm90.grouped_gemm_fp8_fp4_contiguous(a, a_sf, *self.l2k, grouped.offsets,
+                                                        w_e4m3=self.l2k_e4m3)[:, : self.hidden]
         ends = grouped.offsets[1:]
         h1 = torch._grouped_mm(self._bias_columns(dequantize_fp8(x, x_sf, torch.float32)), self.w1t, offs=ends)  # FP32
         a, a_sf = l1_epilogue(h1, weights, clamp, True, RECIPE_128, self.activation)  # R1 (BF16), act, R2 (per-128 FP8)

@@ -552,6 +552,68 @@ def test_staged_recipe_mismatches():
         StagedMoE(p["l1"], p["l2"], recipe=(1, 1, 256))
 
 
+def test_staged_e4m3_copy_option():
+    """``StagedMoE(..., e4m3_copy=True)``: recipe (1, 1, 128) with the SM90 GEMMs only, the copies of the folded
+    weights exactly ``e4m3_weight_copy``'s; weights with a row folded per chunk are refused, naming the rows."""
+    from megamoe.kernels.sm90 import e4m3_weight_copy
+
+    p = global_problem(3, [16], 8, 4, 512, 256)
+    staged = StagedMoE(p["l1"], p["l2"], gemm="sm90", recipe=RECIPE_128, e4m3_copy=True)
+    assert staged.fold_reports["l1"].format == staged.fold_reports["l2"].format == "row"
+    assert torch.equal(staged.l1k_e4m3.view(torch.uint8), e4m3_weight_copy(*staged.l1k).view(torch.uint8))
+    assert torch.equal(staged.l2k_e4m3.view(torch.uint8), e4m3_weight_copy(*staged.l2k).view(torch.uint8))
+    assert staged.l1k_e4m3.shape == (8, 512, 512) and staged.with_mode("low_latency").l2k_e4m3 is staged.l2k_e4m3
+    assert StagedMoE(p["l1"], p["l2"], gemm="sm90", recipe=RECIPE_128).l1k_e4m3 is None
+    for kw in ({"gemm": "torch", "recipe": RECIPE_128}, {"gemm": "sm90"}):
+        with pytest.raises(ValueError, match="`e4m3_copy` applies to recipe \\(1, 1, 128\\) with gemm='sm90'"):
+            StagedMoE(p["l1"], p["l2"], e4m3_copy=True, **kw)
+    with pytest.raises(TypeError, match="`e4m3_copy` must be a bool"):
+        StagedMoE(p["l1"], p["l2"], gemm="sm90", recipe=RECIPE_128, e4m3_copy=1)
+    gen = torch.Generator().manual_seed(5)  # L2 rows spanning ~200 binades: folded per chunk
+    base = torch.randint(1, 243, (8, 512, 2, 1), generator=gen, dtype=torch.int32)
+    codes = (base + torch.randint(0, FOLD_WINDOW + 1, (8, 512, 2, 4), generator=gen, dtype=torch.int32)).flatten(-2)
+    wide = _weights_with_codes(codes, gen)
+    with pytest.warns(FoldFallbackWarning), pytest.raises(ValueError, match="`e4m3_copy` needs every weight row "
+                                                                           "folded to one FP32 scale; l2 has"):
+        StagedMoE(p["l1"], wide, gemm="sm90", recipe=RECIPE_128, e4m3_copy=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", StagedMoE.MODES)
+def test_staged_sm90_e4m3_copy_bits_gpu(mode):
+    """The staged SM90 path with the weights' E4M3 copies gives the bits of the same path without them, at group sizes
+    where the copies' default configs put the tokens on the wgmma M side (about 970 rows per expert: L1 in two passes
+    with the per-128 SwiGLU epilogue, L2 in one; below the quads' 1024 rows): the same E4M3 values and the same
+    arithmetic (the grouped GEMM tests' bit equalities); within recipe 128's tolerance of the FP32 reference. One GPU,
+    masked slots."""
+    from megamoe.inputs import local_experts
+    from megamoe.kernels.sm90.config import copy_config, copy_swiglu_config
+    from megamoe.layouts import quantize_fp8
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    dev = torch.device("cuda")
+    e, k, h, i, t = 8, 4, 4096, 1024, 2048
+    l1_cfg, l2_cfg = copy_swiglu_config(0.95 * t * k / e, 2 * i, h), copy_config(0.95 * t * k / e, h, i)
+    assert (l1_cfg.token_side, l1_cfg.n_passes, l1_cfg.cluster, l2_cfg.token_side) == ("m", 2, 1, "m")
+    p = global_problem(21, [t], e, k, h, i, "fp8xfp4", 0.05)
+    l1, l2 = local_experts(p["l1"], 0, 1, dev), local_experts(p["l2"], 0, 1, dev)
+    x, idx, w = p["x"][0].to(dev), p["topk_idx"][0].to(dev), p["topk_weights"][0].to(dev)
+    buf = get_symm_buffer_for_mega_moe(None, e, t, k, h, i, device=dev, recipe=RECIPE_128)
+    outs = {}
+    for copy in (False, True):
+        staged = StagedMoE(l1, l2, mode, "sm90", recipe=RECIPE_128, e4m3_copy=copy)
+        fill_buffer(buf, x, idx, w)
+        outs[copy] = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=dev)
+        staged(outs[copy], buf)
+    torch.cuda.synchronize()
+    differ = int((outs[True].view(torch.int16) != outs[False].view(torch.int16)).sum())
+    assert differ == 0, f"{differ} of {outs[True].numel()} output values differ with the E4M3 copies"
+    ref = reference_moe(*quantize_fp8(x, recipe=RECIPE_128), idx, w, l1, l2)
+    check_moe_output(outs[True], ref, i, f"staged sm90 {mode} with the E4M3 copies", RECIPE_128)
+    buf.destroy()
+
+
 def test_decoder_refuses_recipe_128():
     from megamoe import MoEDecoder
 

@@ -4,14 +4,15 @@ For every tokens-per-rank point: fresh random inputs, a correctness check of eve
 FP32 reference on those inputs, then timing (warm-up, CUDA events around each call after a cross-rank barrier, median
 per rank, the slowest rank reported). Paths: ``staged-GEMM-MODE``, the staged baseline (``StagedMoE``) in mode
 ``normal`` or ``low_latency`` with torch's (``torch``) or megamoe's SM90 (``sm90``) GEMMs, e.g.
-``staged-sm90-low_latency``; ``mega``, the Mega MoE path (``MegaMoE``) on Hopper. ``--paths`` picks them by any part
+``staged-sm90-low_latency``; with ``--recipe 128`` also ``staged-sm90copy-MODE`` (the SM90 GEMMs reading the weights'
+E4M3 copies, ``StagedMoE(..., e4m3_copy=True)``: one more byte per weight); ``mega``, the Mega MoE path (``MegaMoE``) on Hopper. ``--paths`` picks them by any part
 of the name. Without GPUs it runs the tiny preset on CPU with gloo and says so. ``--recipe 32|128``: the FP8 x FP4
 recipe (per-32 UE8M0 or per-128 FP32 token scales, ``megamoe.numerics``), checked against that recipe's reference
 and tolerances; the receipt records it.
 
 Columns: ``us`` time per call; ``TFLOP/s`` useful FLOPs ``6 * routed_rows * H * I`` per rank over
 time; ``weights GB/s`` bytes of the expert weights this path reads (BF16 with the torch GEMM, FP32 there for recipe 128,
-FP4 with the SM90 one; at the model's sizes, not counting the zero
+FP4 with the SM90 one, E4M3 with their copies; at the model's sizes, not counting the zero
 padding the SM90 kernels also read) for experts that received rows; ``FP4 floor us`` the same experts' FP4 bytes over the HBM read bandwidth
 measured in this run (the floor an FP4 kernel could reach); ``a2a GB/s`` bytes this rank sends
 to other ranks (dispatch rows + combine rows) over time.
@@ -207,6 +208,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         gemms.append("sm90")
     # Each path's name and what it runs; only the paths --paths selects are built (a path's prepared weights can
     # be several times the FP4 ones: torch's GEMMs take BF16), and a GEMM's two staged modes share them.
+    if "sm90" in gemms and recipe == RECIPE_128:  # the SM90 GEMMs reading the weights' E4M3 copies (e4m3_copy)
+        gemms.append("sm90copy")
     names = [(f"staged-{gemm}-{mode}", gemm, mode) for gemm in gemms for mode in StagedMoE.MODES]
     if "sm90" in gemms or (not fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)):
         # FP8 x FP4: one persistent launch (dispatch, SM90 GEMM tiles, combine); BF16: the dispatch and combine
@@ -233,13 +236,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if gemm is None:
             paths[name] = MegaMoE(l1, l2, recipe=recipe) if fp8 else MegaMoE(l1, l2)
             continue
-        if gemm not in prepared:
+        if gemm == "sm90copy" and gemm not in prepared:
+            prepared[gemm] = StagedMoE(l1, l2, mode, "sm90", recipe=recipe, e4m3_copy=True)
+        elif gemm not in prepared:
             prepared[gemm] = StagedMoE(l1, l2, mode, gemm, recipe=recipe) if fp8 else StagedMoE(l1, l2, mode, gemm)
         paths[name] = prepared[gemm].with_mode(mode)
     if args.timeline and not any(isinstance(path, MegaMoE) and path.fp8 for path in paths.values()):
         say("--timeline: no mega FP8 x FP4 path runs here (it needs an SM90 GPU): no timeline")
     torch_bytes_per_expert = 3 * h * i * (4 if fp8 and recipe == RECIPE_128 else 2)  # the torch GEMMs' weights
     fp4_bytes_per_expert = fp4_expert_bytes(h, i)
+    copy_bytes_per_expert = 3 * h * i * (1 + 1 / 32)  # the E4M3 copies and their folded scale words
     token_bytes = h + 4 * scale_words(h) if fp8 else 2 * h  # FP8 + one 4-byte scale word per 128 (either recipe), or BF16
     dispatch_row_bytes = k * 12 + token_bytes
     clock = "CUDA events" if device.type == "cuda" else "CPU wall clock"
@@ -329,7 +335,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "tflops": 6 * routed * h * i / (us * 1e-6) / 1e12,
                 "routed_rows_per_rank": routed,
                 "experts_touched_per_rank": touched,
-                "weights_gbps": touched * (fp4_bytes_per_expert if mega or path.gemm == "sm90" else torch_bytes_per_expert)
+                "weights_gbps": touched * _weight_bytes_per_expert(path, mega, fp4_bytes_per_expert,
+                                                                   copy_bytes_per_expert, torch_bytes_per_expert)
                 / (us * 1e-6) / 1e9,
                 "fp4_floor_us": touched * fp4_bytes_per_expert / (hbm * 1e9) * 1e6 if hbm else None,
                 "a2a_gbps": sent / (us * 1e-6) / 1e9,
@@ -371,6 +378,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not all(r["correct"] for r in rows):
         sys.exit(1)
     return rows
+
+
+def _weight_bytes_per_expert(path, mega: bool, fp4: float, copy: float, torch_gemm: float) -> float:
+    """Weight bytes per touched expert a path reads: FP4 (Mega MoE, the SM90 GEMMs), the E4M3 copies (the SM90 GEMMs
+    given them), or the torch GEMMs' dequantized weights."""
+    if mega or path.gemm != "sm90":
+        return fp4 if mega else torch_gemm
+    return copy if path.l1k_e4m3 is not None else fp4
 
 
 def _peer_row(name: str, peer, cases: list, t: int, args, barrier, hbm: float, fp4_bytes_per_expert: int,
