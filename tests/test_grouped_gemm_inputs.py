@@ -310,23 +310,23 @@ def test_copy_config_puts_tokens_on_m_from_128_rows():
 
 def test_copy_swiglu_config_puts_tokens_on_m_from_128_rows():
     """L1's per-128 SwiGLU GEMM given the copy and no config: tokens on M in two passes of 128 weight rows from
-    ``TOKENS_M_MIN_ROWS`` expected rows per expert, on four-CTA quads from ``QUAD_MIN_ROWS`` and ``QUAD_MIN_K`` where N
-    is whole pairs of 256-row tiles, else the swap-AB tile of ``per_128_swiglu_config`` reading the copy; the entries
-    take the swap-AB tile with an L1 bias (tokens on M add none)."""
+    ``TOKENS_M_MIN_ROWS`` expected rows per expert, on two-CTA clusters from ``SWIGLU_PAIR_MIN_ROWS`` and
+    ``SWIGLU_PAIR_MIN_K`` where N is whole pairs of 256-row tiles, else the swap-AB tile of ``per_128_swiglu_config``
+    reading the copy; the entries take the swap-AB tile with an L1 bias (tokens on M add none)."""
     from megamoe.kernels.sm90.api import _resolve_config
-    from megamoe.kernels.sm90.config import (QUAD_MIN_K, QUAD_MIN_ROWS, TOKENS_M_MIN_ROWS, copy_swiglu_config,
-                                             per_128_swiglu_config)
+    from megamoe.kernels.sm90.config import (SWIGLU_PAIR_MIN_K, SWIGLU_PAIR_MIN_ROWS, TOKENS_M_MIN_ROWS,
+                                             copy_swiglu_config, per_128_swiglu_config)
 
-    for rows in (1, 16, 100, TOKENS_M_MIN_ROWS, 300, QUAD_MIN_ROWS, 4096):
-        cfg = copy_swiglu_config(rows, 4096, QUAD_MIN_K)
+    for rows in (1, 16, 100, TOKENS_M_MIN_ROWS, SWIGLU_PAIR_MIN_ROWS, 1024, 4096):
+        cfg = copy_swiglu_config(rows, 4096, SWIGLU_PAIR_MIN_K)
         assert cfg.decode == "copy" and cfg.tile_n == 256 and cfg.token_block == 128
         if rows >= TOKENS_M_MIN_ROWS:
             assert (cfg.token_side, cfg.n_passes, cfg.tile_tokens) == ("m", 2, 128), (rows, cfg)
-            assert cfg.cluster == (4 if rows >= QUAD_MIN_ROWS else 1), (rows, cfg)
+            assert cfg.cluster == (2 if rows >= SWIGLU_PAIR_MIN_ROWS else 1), (rows, cfg)
         else:
             assert cfg.token_side == "n" and cfg.tile_tokens == per_128_swiglu_config(rows).tile_tokens, (rows, cfg)
-    assert copy_swiglu_config(QUAD_MIN_ROWS, 256 * 3, QUAD_MIN_K).cluster == 1  # N: no pair of 256-row tiles
-    assert copy_swiglu_config(QUAD_MIN_ROWS, 4096, QUAD_MIN_K - 128).cluster == 1
+    assert copy_swiglu_config(1024, 256 * 3, SWIGLU_PAIR_MIN_K).cluster == 1  # N: no pair of 256-row tiles
+    assert copy_swiglu_config(1024, 4096, SWIGLU_PAIR_MIN_K - 128).cluster == 1
     swiglu = dict(mma="fp8", token_block=128, swiglu=True, copy=True)
     assert _resolve_config(None, 1024, 4096, 4096, **swiglu).token_side == "m"
     assert _resolve_config(None, 1024, 4096, 4096, **swiglu, bias=True).token_side == "n"

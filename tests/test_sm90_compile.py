@@ -167,7 +167,8 @@ TOKENS_M_CASES = [
     (GemmConfig(tile_tokens=t, tile_n=n, mma="fp8", token_block=128, decode="copy", token_side="m", even_chunks=even,
                 n_passes=1 if n < 256 else 2), mode, epilogue)
     for t, n, mode, even, epilogue in [
-        (128, 128, "offsets", True, "bf16"), (64, 128, "masked", True, "bf16"), (128, 64, "offsets_counts", True, "bf16"),
+        (128, 128, "offsets", True, "bf16"), (64, 128, "masked", True, "bf16"),
+        (128, 64, "offsets_counts", True, "bf16"),
         (128, 128, "offsets", False, "bf16"), (128, 256, "offsets", True, "swiglu_fp8"),
         (64, 256, "masked", True, "swiglu_fp8"), (128, 256, "offsets_counts", False, "swiglu_fp8")]]
 # Recipe (1, 1, 128) on two-CTA clusters (``gemm_cluster``: the token tile multicast to both): the register decode

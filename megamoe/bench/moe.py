@@ -5,7 +5,8 @@ FP32 reference on those inputs, then timing (warm-up, CUDA events around each ca
 per rank, the slowest rank reported). Paths: ``staged-GEMM-MODE``, the staged baseline (``StagedMoE``) in mode
 ``normal`` or ``low_latency`` with torch's (``torch``) or megamoe's SM90 (``sm90``) GEMMs, e.g.
 ``staged-sm90-low_latency``; with ``--recipe 128`` also ``staged-sm90copy-MODE`` (the SM90 GEMMs reading the weights'
-E4M3 copies, ``StagedMoE(..., e4m3_copy=True)``: one more byte per weight); ``mega``, the Mega MoE path (``MegaMoE``) on Hopper. ``--paths`` picks them by any part
+E4M3 copies, ``StagedMoE(..., e4m3_copy=True)``: one more byte per weight); ``mega``, the Mega MoE path
+(``MegaMoE``) on Hopper. ``--paths`` picks them by any part
 of the name. Without GPUs it runs the tiny preset on CPU with gloo and says so. ``--recipe 32|128``: the FP8 x FP4
 recipe (per-32 UE8M0 or per-128 FP32 token scales, ``megamoe.numerics``), checked against that recipe's reference
 and tolerances; the receipt records it.

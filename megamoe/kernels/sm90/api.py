@@ -473,8 +473,8 @@ def _resolve_config(config: GemmConfig | None, rows_per_expert: float, n: int, k
     if config.token_block != token_block:
         fail("config.token_block", f"is {config.token_block} but the token scales are per {token_block} K")
     if config.token_side == "m" and (scatter or (swiglu and token_block != 128)):
-        fail("config.token_side", f"'m' (tokens on the wgmma M side) stores plain BF16 rows (out[m, n]) or, with per-128 "
-             f"token scales, the per-128 SwiGLU epilogue, not the "
+        fail("config.token_side", f"'m' (tokens on the wgmma M side) stores plain BF16 rows (out[m, n]) or, with "
+             f"per-128 token scales, the per-128 SwiGLU epilogue, not the "
              f"{'per-32 SwiGLU' if swiglu else 'row-address (out_row_ptrs)'} epilogue: use token_side='n' here")
     if config.token_side == "m" and config.n_passes != (2 if swiglu else 1):
         fail("config.n_passes", f"must be {2 if swiglu else 1} with tokens on the wgmma M side "

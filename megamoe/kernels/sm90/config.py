@@ -152,11 +152,10 @@ class GemmConfig:
         (decode "copy"; ``SwigluQuant128TokensM``).
     cluster: 1, or 2: two CTAs of a cluster multiply one token tile with the two weight tiles of a pair, each
         TMA-loading half the token box into both (``gemm_cluster``: half the tokens' L2 reads per CTA). FP8 mode with
-        ``token_block`` 128, decode "regs" or "copy", one CTA per SM, ``tile_tokens`` >= 16; separate
-        grouped GEMMs only, N a multiple of 2 * ``tile_n``; two passes with tokens on the wgmma M side only. Or 4,
-        tokens on the wgmma M side only: a 2 x 2 quad of
-        two token tiles by two weight tiles, each box loaded half by each of the two CTAs that multiply it
-        (``gemm_cluster``: half the token and half the weight bytes per CTA).
+        ``token_block`` 128, decode "regs" or "copy", one CTA per SM, ``tile_tokens`` >= 16; separate grouped GEMMs
+        only, N a multiple of 2 * ``tile_n``; two passes with tokens on the wgmma M side only. Or 4, tokens on the
+        wgmma M side only: a 2 x 2 quad of two token tiles by two weight tiles, each box loaded half by each of the two
+        CTAs that multiply it (``gemm_cluster``: half the token and half the weight bytes per CTA).
     """
 
     tile_tokens: int = 64
@@ -216,7 +215,8 @@ class GemmConfig:
         if self.token_side not in TOKEN_SIDES or (self.token_side == "m" and not (
                 self.decode == "copy" and self.tile_tokens in TOKENS_M_TILE_TOKENS and self.pass_n in TOKENS_M_TILE_N)):
             fail("config.token_side", f"must be one of {TOKEN_SIDES} ('m': decode='copy', tile_tokens in "
-                 f"{TOKENS_M_TILE_TOKENS}, tile_n in {TOKENS_M_TILE_N}, or 256 in two passes), got {self.token_side!r} with "
+                 f"{TOKENS_M_TILE_TOKENS}, tile_n in {TOKENS_M_TILE_N}, or 256 in two passes), got "
+                 f"{self.token_side!r} with "
                  f"decode={self.decode!r}, n_passes={self.n_passes}, tile_tokens={self.tile_tokens}, "
                  f"tile_n={self.tile_n}")
         if self.cluster not in CLUSTERS or (self.cluster > 1 and not (
@@ -469,15 +469,22 @@ def copy_config(expected_rows_per_expert: float, n: int, k: int) -> GemmConfig:
     return replace(select_config(expected_rows_per_expert, n, k, "fp8", token_block=128), decode="copy", ctas_per_sm=1)
 
 
+SWIGLU_PAIR_MIN_ROWS = 256
+SWIGLU_PAIR_MIN_K = 4096
+"""Expected rows per expert and K from which ``copy_swiglu_config`` runs its tokens-on-M two-pass tiles on two-CTA
+clusters: at 256 and 1024 rows/expert they measured 1.06-1.17x one CTA on the flash and pro L1 shapes (K 4096, 7168)
+and 1.01-1.09x four-CTA quads at 1024 rows; at 128 rows one CTA was 1.01x faster (bench/findings/recipe-128-gemm.md)."""
+
+
 def copy_swiglu_config(expected_rows_per_expert: float, n: int, k: int) -> GemmConfig:
     """``copy_config`` for L1's per-128 SwiGLU GEMM (N = 2I, a multiple of 256): tokens on M in two passes
-    (``tokens_m_swiglu_config``) from ``TOKENS_M_MIN_ROWS`` expected rows per expert, on four-CTA quads from
-    ``QUAD_MIN_ROWS`` and ``QUAD_MIN_K`` where N is whole pairs of 256-row tiles; else ``per_128_swiglu_config``'s
-    swap-AB tile reading the copy."""
+    (``tokens_m_swiglu_config``) from ``TOKENS_M_MIN_ROWS`` expected rows per expert, on two-CTA clusters from
+    ``SWIGLU_PAIR_MIN_ROWS`` and ``SWIGLU_PAIR_MIN_K`` where N is whole pairs of 256-row tiles; else
+    ``per_128_swiglu_config``'s swap-AB tile reading the copy."""
     if expected_rows_per_expert >= TOKENS_M_MIN_ROWS:
         cfg = tokens_m_swiglu_config(expected_rows_per_expert)
-        quads = expected_rows_per_expert >= QUAD_MIN_ROWS and k >= QUAD_MIN_K and n % 512 == 0
-        return replace(cfg, cluster=4) if quads else cfg
+        pairs = expected_rows_per_expert >= SWIGLU_PAIR_MIN_ROWS and k >= SWIGLU_PAIR_MIN_K and n % 512 == 0
+        return replace(cfg, cluster=2) if pairs else cfg
     return replace(per_128_swiglu_config(expected_rows_per_expert), decode="copy")
 
 

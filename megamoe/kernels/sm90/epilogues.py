@@ -14,8 +14,8 @@ rows of the warpgroup's 64) and token column ``8j + 2q + c`` (``cC[i]`` gives bo
   per 32 columns, or the same quantized values dequantized (exactly) to BF16.
 * ``SwigluQuant128``: the same steps of recipe (1, 1, 128): FP8 + one FP32 scale per 128 columns;
   ``SwigluQuant128TokensM``: the same bytes for tokens on the wgmma M side.
-* ``SwigluOaiQuant``, ``SwigluOaiQuant128``, ``SwigluOaiQuant128TokensM``: these with gpt-oss's activation (``"swiglu_oai"``, step 4) through the
-  ``activate`` hook (``OaiActivation``).
+* ``SwigluOaiQuant``, ``SwigluOaiQuant128``, ``SwigluOaiQuant128TokensM``: these with gpt-oss's activation
+  (``"swiglu_oai"``, step 4) through the ``activate`` hook (``OaiActivation``).
 
 Each is called once per pass of a tile (``GemmConfig.n_passes``; ``tile_n`` here is the config's ``pass_n``, the rows
 of one accumulator) as ``epilogue(acc, cC, ctidx, smem, args, row0, row_end, n_tile)``, ``n_tile`` the accumulator's
