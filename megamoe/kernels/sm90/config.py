@@ -253,6 +253,15 @@ class GemmConfig:
         return self.tile_n // self.n_passes
 
     @property
+    def act_stride(self) -> int:
+        """FP32 words per staged token row of the SwiGLU epilogues: the tile's intermediate columns plus 4 of padding
+        (swap-AB: every pass's), or with tokens on the wgmma M side one pass's plus ``TOKENS_M_ACT_PAD``
+        (``SwigluQuant128TokensM``)."""
+        if self.token_side == "m":
+            return self.pass_n // 2 + TOKENS_M_ACT_PAD
+        return self.tile_n // 2 + 4
+
+    @property
     def consumer_warpgroups(self) -> int:
         """64 rows of the wgmma M side each: weight rows (``token_side`` "n"), token rows ("m")."""
         return (self.tile_tokens if self.token_side == "m" else self.pass_n) // 64
@@ -297,9 +306,7 @@ class GemmConfig:
         """Shared memory the epilogue needs besides the pipeline (SwiGLU: FP32 activations of one tile, all its passes;
         scatter, and BF16 with tokens on the wgmma M side: the BF16 tile, rows padded by 16 bytes; "l1_l2": one region
         for both)."""
-        swiglu = self.tile_tokens * (self.tile_n // 2 + 4) * 4
-        if self.token_side == "m":  # ``SwigluQuant128TokensM``: one pass's columns
-            swiglu = self.tile_tokens * (self.pass_n // 2 + TOKENS_M_ACT_PAD) * 4
+        swiglu = self.tile_tokens * self.act_stride * 4
         scatter = self.tile_tokens * (self.tile_n + SCATTER_PAD) * 2
         if epilogue == "l1_l2":  # one region serves both (equal sizes): see the kernel
             return swiglu

@@ -34,7 +34,7 @@ from cutlass import Float32, Int32, Int64
 
 from ...numerics import SWIGLU_OAI_ALPHA
 from .. import dequant, ptx
-from .config import SCATTER_PAD, TOKENS_M_ACT_PAD, GemmConfig, named_barriers
+from .config import SCATTER_PAD, GemmConfig, named_barriers
 
 
 class Epilogue:
@@ -176,7 +176,7 @@ class SwigluQuant(Epilogue):
         super().__init__(config)
         self.fast_math = fast_math
         self.bf16_out = bf16_out
-        self.stride = config.tile_n // 2 + 4  # FP32 activations per staged token row (padded)
+        self.stride = config.act_stride  # FP32 activations per staged token row (padded)
 
     @cute.jit
     def stage_activations(self, acc, cC, smem, args):
@@ -370,7 +370,6 @@ class SwigluQuant128TokensM(SwigluQuant):
     def __init__(self, config: GemmConfig, fast_math: bool):
         super().__init__(config, fast_math, bf16_out=False)
         assert config.token_side == "m" and config.tile_n == 256 and config.n_passes == 2
-        self.stride = config.pass_n // 2 + TOKENS_M_ACT_PAD  # FP32 words per staged token row
 
     @cute.jit
     def __call__(self, acc, cC, ctidx, smem, args, row0, row_end, n_tile, p):

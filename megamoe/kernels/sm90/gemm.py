@@ -102,7 +102,7 @@ class GroupedGemmSm90:
         self.threads = 128 * (1 + self.num_consumer_wg)
         self.swiglu = epilogue.startswith("swiglu")
         self.scatter = epilogue == "bf16_scatter"
-        self.act_stride = config.tile_n // 2 + 4  # FP32 activations per token row in smem (SwiGLU, padded)
+        self.act_stride = config.act_stride  # FP32 activations per token row in smem (SwiGLU, padded)
         self.out_stride = config.tile_n + SCATTER_PAD  # BF16 elements per staged row
         # One CTA per SM: move registers from the producer warpgroup to the consumers (setmaxnreg). Two CTAs per SM:
         # every warp keeps the launch allocation (<= 64K / (2 * threads)); an increase could wait forever for

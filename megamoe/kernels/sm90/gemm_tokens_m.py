@@ -14,7 +14,7 @@ two epilogues: BF16 rows (``out[m, n]``: ``Bf16StoreTokensM``), or L1's per-128 
 ``SwigluQuant128TokensM``, or with gpt-oss's activation ``SwigluOaiQuant128TokensM``) on 256-row tiles run as two
 passes of 128 weight rows (``GemmConfig.n_passes``: the producer loads every K step of the first pass's weights,
 then of the second's, each with the tile's tokens), so that one tile holds the 128 intermediate columns of a scale
-block; its staging tile holds one pass's FP32 activations (``config.TOKENS_M_ACT_PAD``), and its FP8 rows leave by
+block; its staging tile holds one pass's FP32 activations (``GemmConfig.act_stride``), and its FP8 rows leave by
 the TMA unit too. On two-CTA clusters (``GemmConfig.cluster`` 2): ``ClusterPairTokensMGemmSm90``, the two
 CTAs of a weight-tile pair sharing each token tile; on four (``cluster`` 4): ``ClusterQuadTokensMGemmSm90``, a 2 x 2
 quad sharing both (``gemm_cluster``).
@@ -22,7 +22,7 @@ quad sharing both (``gemm_cluster``).
 
 from __future__ import annotations
 
-from .config import TOKENS_M_ACT_PAD, GemmConfig
+from .config import GemmConfig
 from .epilogues import Bf16StoreTokensM, SwigluOaiQuant128TokensM, SwigluQuant128TokensM
 from .gemm import GroupedGemmSm90
 from .gemm_cluster import ClusterPairGemmSm90, ClusterQuadGemmSm90
@@ -38,7 +38,6 @@ class TokensMGemmSm90(GroupedGemmSm90):
         assert config.token_side == "m" and epilogue in ("bf16", "swiglu_fp8") and folded  # api checks
         assert (epilogue == "swiglu_fp8") == (config.n_passes == 2)  # api checks
         super().__init__(config, group_mode, epilogue, folded, fast_math, activation)
-        self.act_stride = self.pass_n // 2 + TOKENS_M_ACT_PAD  # FP32 words per staged row (``SwigluQuant128TokensM``)
 
     @property
     def staged_out(self) -> bool:
