@@ -451,8 +451,8 @@ def _resolve_config(config: GemmConfig | None, rows_per_expert: float, n: int, k
                     scatter: bool = False, copy: bool = False, bias: bool = False) -> GemmConfig:
     """The caller's config, checked against the operands, or ``select_config``'s, for K ``k`` (``GemmConfig.for_k``).
     The per-128 SwiGLU epilogue (``swiglu`` with ``token_block`` 128) needs 256-row weight tiles: 128 intermediate
-    columns, one scale block. Tokens on the wgmma M side (``token_side`` "m") store plain BF16 rows only (neither
-    ``swiglu`` nor ``scatter``). ``copy``: the caller gave the weights' E4M3 copy (recipe (1, 1, 128)); without a
+    columns, one scale block. Tokens on the wgmma M side (``token_side`` "m") store plain BF16 rows in one pass or,
+    with ``token_block`` 128, the per-128 SwiGLU rows in two (never ``scatter``). ``copy``: the caller gave the weights' E4M3 copy (recipe (1, 1, 128)); without a
     config the kernel then reads it (``copy_config``, ``copy_swiglu_config``, or decode "copy" on the epilogue's own
     tile; ``bias``: an L1 bias, which tokens on M do not add)."""
     if config is None:
