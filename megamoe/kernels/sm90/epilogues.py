@@ -360,8 +360,8 @@ class SwigluQuant128TokensM(SwigluQuant):
     stages its 32 ``silu(gate) * up`` values (``SwigluQuant.gated``) in its own places of the staging tile (``smem``:
     (tokens, ``stride``) float32; no other thread reads them). Pass 1: its 32 values of pass 1 in registers, both
     passes' times the row's routing weight (``args.rows``; rows past the group: 0, never stored), the row's amax over
-    its 64, then over the lane quad's 256 by two butterfly shuffles (a maximum: exact in any order), ``amax =
-    max(amax, 1e-4)``, ``q = e4m3_rne_sat(v * (448 / amax))`` (Inf: NaN, as ``SwigluQuant128``). The warp's codes go
+    the thread's 32 values of it, then over the lane quad's 128 (the block) by two butterfly shuffles (a maximum:
+    exact in any order), ``amax = max(amax, 1e-4)``, ``q = e4m3_rne_sat(v * (448 / amax))`` (Inf: NaN, as ``SwigluQuant128``). The warp's codes go
     into the first 128 bytes of their rows of the staging tile (after a warp sync: every value read), and lanes 0-15
     each copy one of the warp's 16 rows to ``args.out`` (int32 view of FP8 [M, N/2]) through the TMA unit
     (``cp.async.bulk``) while the warp goes on; lane q = 0 stores the row's scale ``amax / 448`` (``args.out_sf``:
