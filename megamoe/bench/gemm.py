@@ -256,28 +256,21 @@ def swiglu_configs(p: Point, decodes, token_sides, clusters) -> list:
     return out
 
 
-def _swiglu_reference_cols(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gate and the up columns of an L1 accumulator in the kernel's row order (gate/up interleaved by 8,
-    ``SWIGLU_GRANULARITY``), each in intermediate-column order."""
-    cols = torch.arange(n)
-    return cols[(cols // 8) % 2 == 0], cols[(cols // 8) % 2 == 1]
-
-
 def _check_swiglu(p: Point, out, out_sf, a, a_sf, b, b_sf, row_weights) -> str:
     """Per-128 SwiGLU rows against ``numerics.l1_epilogue`` (recipe 128) of the FP64 GEMM on sampled experts and
     rows, dequantized; recipe 128's contract tolerance for an intermediate size of N / 2."""
     from megamoe.kernels.weight_layout import dequantize_sm90_fp8_weights
     from megamoe.layouts import dequantize_fp8
+    from megamoe.layouts.weights import deinterleave_gate_up
 
-    gate, up = _swiglu_reference_cols(p.n)
     worst, nan = 0.0, False
     for e in _check_experts(p):
         r0 = e * p.rows_per_expert
         rows = slice(r0, r0 + min(p.rows_per_expert, CHECK_ROWS))
         w = dequantize_sm90_fp8_weights(b[e : e + 1], b_sf[e : e + 1])[0]
         acc = dequantize_fp8(a[rows], a_sf[rows], torch.float64) @ w.T
-        ref_q, ref_sf = l1_epilogue(torch.cat([acc[:, gate], acc[:, up]], 1), row_weights[rows], None, fp8=True,
-                                    recipe=RECIPE_128)
+        gate_up = deinterleave_gate_up(acc.T[None])[0].T  # the kernel's interleaved rows as [gate | up]
+        ref_q, ref_sf = l1_epilogue(gate_up, row_weights[rows], None, fp8=True, recipe=RECIPE_128)
         got = dequantize_fp8(out[rows], out_sf[rows], torch.float64)
         nan |= bool(torch.isnan(got).any())
         worst = max(worst, rel_fro_error(got, dequantize_fp8(ref_q, ref_sf, torch.float64)))

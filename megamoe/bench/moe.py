@@ -237,10 +237,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if gemm is None:
             paths[name] = MegaMoE(l1, l2, recipe=recipe) if fp8 else MegaMoE(l1, l2)
             continue
-        if gemm == "sm90copy" and gemm not in prepared:
-            prepared[gemm] = StagedMoE(l1, l2, mode, "sm90", recipe=recipe, e4m3_copy=True)
-        elif gemm not in prepared:
-            prepared[gemm] = StagedMoE(l1, l2, mode, gemm, recipe=recipe) if fp8 else StagedMoE(l1, l2, mode, gemm)
+        if gemm not in prepared:  # "sm90copy": the SM90 GEMMs given the weights' E4M3 copies
+            kw = {"recipe": recipe, "e4m3_copy": gemm == "sm90copy"} if fp8 else {}
+            prepared[gemm] = StagedMoE(l1, l2, mode, "sm90" if gemm == "sm90copy" else gemm, **kw)
         paths[name] = prepared[gemm].with_mode(mode)
     if args.timeline and not any(isinstance(path, MegaMoE) and path.fp8 for path in paths.values()):
         say("--timeline: no mega FP8 x FP4 path runs here (it needs an SM90 GPU): no timeline")
