@@ -9,11 +9,13 @@ rows of the warpgroup's 64) and token column ``8j + 2q + c`` (``cC[i]`` gives bo
   holds token row ``g + 8r`` and weight column ``8j + 2q + c`` at value i, staged in shared memory and stored row by
   row by the TMA unit while the consumers go on to their next tile.
 * ``ScatterRows``: the same values, row m stored at the address ``row_addr[m]`` (e.g. a peer rank's combine slot),
-  staged in shared memory so each row leaves as whole 128-byte lines.
+  staged in shared memory so each row leaves as whole 128-byte lines; ``ScatterRowsTokensM``: the same for tokens on
+  the wgmma M side (the Mega MoE kernel's L2, ``mega_moe_128_tokens_m``).
 * ``SwigluQuant``: L1's ``megamoe.numerics`` steps 2-5 on interleaved gate/up rows: FP8 + packed UE8M0 scales
   per 32 columns, or the same quantized values dequantized (exactly) to BF16.
 * ``SwigluQuant128``: the same steps of recipe (1, 1, 128): FP8 + one FP32 scale per 128 columns;
-  ``SwigluQuant128TokensM``: the same bytes for tokens on the wgmma M side.
+  ``SwigluQuant128TokensM``: the same bytes for tokens on the wgmma M side (its rows stored by the TMA unit;
+  ``SwigluQuant128TokensMThreadStores``: by the warp's threads, the Mega MoE kernel's L1).
 * ``SwigluOaiQuant``, ``SwigluOaiQuant128``, ``SwigluOaiQuant128TokensM``: these with gpt-oss's activation
   (``"swiglu_oai"``, step 4) through the ``activate`` hook (``OaiActivation``).
 
@@ -375,8 +377,7 @@ class SwigluQuant128TokensM(SwigluQuant):
     def __call__(self, acc, cC, ctidx, smem, args, row0, row_end, n_tile, p):
         lane = ctidx % 32
         if cutlass.const_expr(p == 0):
-            if lane < 16:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last tile's row copies read their rows
+            self.rows_read(lane)
             cute.arch.sync_warp()
             for r in cutlass.range_constexpr(2):
                 for u in cutlass.range_constexpr(self.tile_n // 16):
@@ -430,6 +431,19 @@ class SwigluQuant128TokensM(SwigluQuant):
                 m = row0 + cC[2 * r][0]
                 if m < row_end:
                     args.out_sf[m, n_tile] = amaxes[r] / Float32(448.0)
+        self.store_rows(ctidx, smem, args, row0, row_end, n_tile)
+
+    @cute.jit
+    def rows_read(self, lane):
+        """Before pass 0 stages into the warp's rows: the last tile's row copies have read them."""
+        if lane < 16:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def store_rows(self, ctidx, smem, args, row0, row_end, n_tile):
+        """The warp's 16 rows of codes (the first 128 bytes of its staging rows) to ``args.out``: lane t < 16 starts
+        the TMA unit's copy of row t (``cp.async.bulk``). After a warp sync: every lane's codes are staged."""
+        lane = ctidx % 32
         if lane < 16:
             tok = ctidx // 32 * 16 + lane  # the warp's rows: 16 per warp, in warp order
             m = row0 + tok
@@ -442,6 +456,70 @@ class SwigluQuant128TokensM(SwigluQuant):
         """After the warp's last tile: its row copies have completed (their writes made), before the CTA exits."""
         if ctidx % 32 < 16:
             cute.arch.cp_async_bulk_wait_group(0)
+
+
+class SwigluQuant128TokensMThreadStores(SwigluQuant128TokensM):
+    """``SwigluQuant128TokensM`` whose rows the warp's threads store (``st.global.v4``, 16 bytes a lane, four per lane:
+    16 rows of 128 bytes) instead of the TMA unit: the stores are made when the warpgroup meets the Mega MoE kernel's
+    signal warp, whose release (``fence.acq_rel.gpu``) then covers them for the L2 tiles that TMA-load the rows on
+    other SMs (an asynchronous copy would need its completion awaited first). The same bytes."""
+
+    @cute.jit
+    def rows_read(self, lane):
+        """Nothing in flight: the stores read the staging rows before ``store_rows`` returns."""
+
+    @cute.jit
+    def store_rows(self, ctidx, smem, args, row0, row_end, n_tile):
+        lane = ctidx % 32
+        words = cute.make_tensor(cute.recast_ptr(smem.iterator, dtype=Int32), smem.layout)  # FP8 codes, 4 a word
+        vals = cute.make_rmem_tensor((4,), Int32)
+        for i in cutlass.range_constexpr(4):
+            tok = ctidx // 32 * 16 + 4 * i + lane // 8  # lanes 8s..8s+7: one row's eight 16-byte pieces
+            m = row0 + tok
+            if m < row_end:
+                cute.autovec_copy(cute.local_tile(words[tok, None], (4,), (lane % 8,)), vals)
+                dst = (args.out[(m, None)].iterator + n_tile * 32 + 4 * (lane % 8)).toint()
+                ptx.st_global_v4(dst, [vals[0], vals[1], vals[2], vals[3]], Int32(1))
+        cute.arch.sync_warp()  # every lane has read the codes: the next tile may stage over them
+
+
+class ScatterRowsTokensM(Epilogue):
+    """``ScatterRows`` for tokens on the wgmma M side (value ``i = c + 2*r + 4*j`` of a consumer thread's accumulator:
+    token row ``cC[i][0]``, weight column ``cC[i][1]``): BF16 rows of the pass's ``tile_n`` columns, row m stored at
+    ``args.rows[m]`` + its columns' offset (e.g. a peer rank's combine slot over NVLink).
+
+    Each warp stages its 16 token rows in its own rows of the staging tile (``smem``: (tokens, ``stride``) bf16; the
+    Mega MoE kernel's SwiGLU staging rows), then its lanes store them with ``st.global.v4``, a half-warp per row, so
+    peer memory receives whole 128-byte lines; no barrier beyond the warp."""
+
+    def __init__(self, config: GemmConfig, stride: int):
+        super().__init__(config)
+        assert config.token_side == "m" and stride % 8 == 0 and stride >= self.tile_n
+        self.stride = stride  # BF16 elements per staging row
+
+    @cute.jit
+    def __call__(self, acc, cC, ctidx, smem, args, row0, row_end, n_tile):
+        lane = ctidx % 32
+        words = cute.make_tensor(cute.recast_ptr(smem.iterator, dtype=Int32),
+                                 cute.make_layout((self.tile_tokens, self.stride // 2), stride=(self.stride // 2, 1)))
+        cute.arch.sync_warp()  # the warp's last reads of its rows are done
+        pair0 = cC[0][1] // 2  # the thread's first column pair; value 2r + 4j: pair0 + 4j
+        for r in cutlass.range_constexpr(2):
+            row = words[(cC[2 * r][0], None)]
+            for j in cutlass.range_constexpr(self.tile_n // 8):
+                i = 2 * r + 4 * j
+                row[pair0 + 4 * j] = ptx.f32x2_to_bf16x2(acc[i], acc[i + 1])
+        cute.arch.sync_warp()
+        pieces = self.tile_n // 8  # 16-byte pieces per row
+        vals = cute.make_rmem_tensor((4,), Int32)
+        for i in cutlass.range_constexpr(16 * pieces // 32):
+            tok = ctidx // 32 * 16 + (32 * i + lane) // pieces
+            piece = lane % pieces
+            m = row0 + tok
+            if m < row_end:
+                cute.autovec_copy(cute.local_tile(words[tok, None], (4,), (piece,)), vals)
+                addr = Int64(args.rows[m]) + Int64(n_tile * self.tile_n + 8 * piece) * 2
+                ptx.st_global_v4(addr, [vals[0], vals[1], vals[2], vals[3]], Int32(1))
 
 
 class OaiActivation:
