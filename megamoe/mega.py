@@ -14,7 +14,9 @@ token scales; ``kernels.sm90.mega_moe_128``) on FP8 rings with their FP32 scales
 the pull warps copy a token's FP8 bytes and scale words verbatim, half the ring bytes) and weights in the FP8-mode
 layout with the scales folded into exact E4M3, one FP32 scale per row (the per-chunk fallback of the fold is refused
 before the launch); both GEMMs then run the FP8 block-128 mainloop and L1's epilogue quantizes per 128 (FP8 + FP32)
-into ``l2_acts``, on 256-row weight tiles (``tile_config``); the protocol, the tile order and the waits below are the
+into ``l2_acts``, on 256-row weight tiles (``tile_config``; with the weights' E4M3 copies,
+``transform_weights_for_mega_moe(..., e4m3_copy=True)``, compute-bound calls put the tokens on the wgmma M side and
+read the copies: ``kernels.sm90.mega_moe_128_tokens_m``); the protocol, the tile order and the waits below are the
 same. Under either recipe the result equals the staged path's with the SM90 GEMMs bit for bit. It is
 collective: every rank of the buffer's group makes the same sequence of calls on the same buffer. One launch on the
 caller's stream, nothing else (no host sync, no host zeroing): ``kernels.sm90.mega_moe_sm90``, every
@@ -148,7 +150,8 @@ RECIPE = RECIPE_32
 """The default recipe (token rows, weight rows, K elements per scale): per-token, per-row, per-32 UE8M0 scales."""
 
 
-def transform_weights_for_mega_moe(l1: tuple, l2: tuple, recipe=RECIPE_32, *, return_reports: bool = False):
+def transform_weights_for_mega_moe(l1: tuple, l2: tuple, recipe=RECIPE_32, *, e4m3_copy: bool = False,
+                                   return_reports: bool = False):
     """Canonical FP4 weights of this rank's experts -> the kernels' operands for ``recipe`` (once, at load time).
 
     ``l1 = (uint8 [E_l, 2I, H/2], int32 [E_l, 2I, ceil(H/128)])`` rows [gate; up], ``l2 = (uint8 [E_l, H, I/2],
@@ -169,12 +172,22 @@ def transform_weights_for_mega_moe(l1: tuple, l2: tuple, recipe=RECIPE_32, *, re
       with these raises before any launch, as the staged SM90 GEMMs do); a 128-K chunk whose nonzero blocks span more
       than 11 binades raises, naming expert, row and chunk (weights are never rounded).
 
+    ``e4m3_copy`` (recipe (1, 1, 128) only): each tuple gains a third tensor, the weights' E4M3 copy (``float8_e4m3fn
+    [E_l, N, K]``, ``kernels.sm90.e4m3_weight_copy``: one byte per weight more, made here once), which calls whose
+    tiles put the tokens on the wgmma M side read instead of decoding the FP4 weights (``tile_config``); the same
+    values bit for bit.
+
     ``return_reports``: also return ``{"l1": FoldReport, "l2": FoldReport}`` (recipe 128; None for recipe 32):
     which rows folded per row and which needed per-chunk scales (L1 rows named in checkpoint order).
     """
     from .kernels import sm90
 
     recipe = check_recipe(recipe)
+    if not isinstance(e4m3_copy, bool):
+        raise TypeError(f"megamoe: `e4m3_copy` must be a bool, got {type(e4m3_copy).__name__}")
+    if e4m3_copy and recipe != RECIPE_128:
+        fail("e4m3_copy", f"applies to recipe {describe_recipe(RECIPE_128)} only (its E4M3 weights), got recipe "
+             f"{describe_recipe(recipe)}")
 
     for name, pair in (("l1", l1), ("l2", l2)):
         if not (isinstance(pair, tuple) and len(pair) == 2):
@@ -189,6 +202,8 @@ def transform_weights_for_mega_moe(l1: tuple, l2: tuple, recipe=RECIPE_32, *, re
         *l1k, r1 = sm90.prepare_fp4_weights_l1(*l1, mma="fp8", fold="auto", return_report=True)
         *l2k, r2 = sm90.prepare_fp4_weights(*l2, mma="fp8", fold="auto", return_report=True)
         l1k, l2k, reports = tuple(l1k), tuple(l2k), {"l1": r1, "l2": r2}
+        if e4m3_copy:
+            l1k, l2k = (*l1k, sm90.e4m3_weight_copy(*l1k)), (*l2k, sm90.e4m3_weight_copy(*l2k))
     return (l1k, l2k, reports) if return_reports else (l1k, l2k)
 
 
@@ -254,7 +269,13 @@ MEGA_FOUR_WG_MAX_TILE_TOKENS = 32
 """Widest token tile ``tile_config`` runs on four consumer warpgroups (the widest measured on them)."""
 
 
-def tile_config(layout, num_tokens: int, num_sms: int):
+MEGA_TOKENS_M_MIN_ROWS = 128
+"""Recipe (1, 1, 128) with the weights' E4M3 copies: expected rows per local expert from which ``tile_config`` puts
+the tokens on the wgmma M side, on 128-row token tiles (below, reading one byte per weight instead of half a byte
+costs more than the tensor work it speeds up; ``TOKENS_M_MIN_ROWS`` of the grouped GEMM's rule)."""
+
+
+def tile_config(layout, num_tokens: int, num_sms: int, e4m3_copy: bool = False):
     """The one-launch kernel's ``GemmConfig`` for a call of ``num_tokens`` tokens on a buffer ``layout`` on a GPU of
     ``num_sms`` SMs: tiles from the rows an expert gets when every rank routes T tokens uniformly (the ring's size
     would overstate them: it bounds the worst case), the token tile at most half the ring (a reused ring needs two
@@ -273,7 +294,10 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     128-row passes on two consumer warpgroups, the smallest token tile of 64 or 128 rows covering them (128 beyond).
     The family switches on the expected rows, not the covered ones: at 32 expected rows (43 covered) the
     four-warpgroup 32-row tiles beat two passes of 64 rows, though they read about half the experts' weights twice
-    (bench/findings/token-tiles.md). The rest of this docstring is recipe (1, 1, 32)'s.
+    (bench/findings/token-tiles.md). With the weights' E4M3 copies (``e4m3_copy``), from ``MEGA_TOKENS_M_MIN_ROWS``
+    expected rows the two-pass tiles put the tokens on the wgmma M side and read the copies
+    (``config.tokens_m_swiglu_config``: 128 token rows; ``mega_moe_128_tokens_m``).
+    The rest of this docstring is recipe (1, 1, 32)'s.
 
     Decode-sized calls whose 128-row L1 tiles (over the local experts expected to get a row) would not occupy every
     two-CTA slot run 64-row weight tiles on three CTAs per SM instead: the smaller tiles pay only where they fill
@@ -294,6 +318,7 @@ def tile_config(layout, num_tokens: int, num_sms: int):
         FOUR_WG_FP8_MAX_TILE_TOKENS,
         per_128_swiglu_config,
         poisson_cover,
+        tokens_m_swiglu_config,
         two_pass_128_config,
     )
 
@@ -304,6 +329,8 @@ def tile_config(layout, num_tokens: int, num_sms: int):
     if layout.recipe == RECIPE_128:
         if rows_per_expert <= FOUR_WG_FP8_MAX_TILE_TOKENS:
             return per_128_swiglu_config(covered).for_k(h, i)  # at most its widest tile
+        if e4m3_copy and rows_per_expert >= MEGA_TOKENS_M_MIN_ROWS:
+            return tokens_m_swiglu_config(covered).for_k(h, i)
         return two_pass_128_config(covered).for_k(h, i)
     n = math.gcd(2 * i, h)
     if rows_per_expert >= MEGA_FOUR_WG_MAX_TILE_TOKENS:  # one tile covering the margin
@@ -328,8 +355,8 @@ OPERAND_LAYOUTS = {
 
 
 def check_fp4_operands(l1, l2, sym_buffer: SymmBuffer, recipe=None) -> tuple[int, int, int]:
-    """``fp8_fp4_mega_moe``'s weights (``transform_weights_for_mega_moe``'s operands) against the buffer's recipe
-    (``recipe``: None, or the same); returns that recipe."""
+    """``fp8_fp4_mega_moe``'s weights (``transform_weights_for_mega_moe``'s operands, with or without the E4M3
+    copies) against the buffer's recipe (``recipe``: None, or the same); returns that recipe."""
     lay = sym_buffer.layout
     if recipe is not None and check_recipe(recipe) != lay.recipe:
         fail("recipe", f"must be the buffer's recipe {describe_recipe(lay.recipe)} (or None), got {tuple(recipe)}; "
@@ -339,10 +366,21 @@ def check_fp4_operands(l1, l2, sym_buffer: SymmBuffer, recipe=None) -> tuple[int
     transform = f"transform_weights_for_mega_moe(l1, l2, recipe={recipe})"
     other = RECIPE_128 if recipe == RECIPE_32 else RECIPE_32
     dtype, width, layout = OPERAND_LAYOUTS[recipe]
+    copies = isinstance(l1, tuple) and len(l1) == 3
     for name, pair, n, kk in (("l1", l1, 2 * i, h), ("l2", l2, h, i)):
-        if not (isinstance(pair, tuple) and len(pair) == 2):
-            fail(name, "must be the (weights, scales) tuple of transform_weights_for_mega_moe")
-        w, sf = pair
+        if not (isinstance(pair, tuple) and len(pair) in (2, 3)):
+            fail(name, "must be the (weights, scales) tuple of transform_weights_for_mega_moe, or (weights, scales, "
+                 "E4M3 copy) with e4m3_copy=True")
+        if (len(pair) == 3) != copies:
+            fail(name, f"has {len(pair)} tensors but l1 has {len(l1)}: pass both with their E4M3 copies "
+                 "(transform_weights_for_mega_moe(..., e4m3_copy=True)) or neither")
+        w, sf = pair[:2]
+        if copies:
+            if recipe != RECIPE_128:
+                fail(f"{name}[2]", f"is an E4M3 weight copy, which recipe {describe_recipe(RECIPE_128)} takes only; "
+                     f"the buffer holds recipe {describe_recipe(recipe)}")
+            check_tensor(f"{name}[2]", pair[2], dtype=torch.float8_e4m3fn, shape=(e_l, n, kk), device=sym_buffer.device,
+                         contiguous=True)
         if isinstance(w, torch.Tensor) and w.dtype == torch.uint8 and w.dim() == 3:
             fail(f"{name}[0]", f"is uint8 (canonical FP4 weights?): pass the kernel operands of {transform}, {layout}")
         if isinstance(w, torch.Tensor) and w.dtype == OPERAND_LAYOUTS[other][0]:
@@ -507,7 +545,9 @@ def fp8_fp4_mega_moe(
 ) -> torch.Tensor:
     """Fill ``y [T, H]`` (BF16) with the MoE output of the tokens in ``sym_buffer``'s input views.
 
-    ``l1``, ``l2``: this rank's experts from ``transform_weights_for_mega_moe`` with the buffer's recipe.
+    ``l1``, ``l2``: this rank's experts from ``transform_weights_for_mega_moe`` with the buffer's recipe (recipe
+    (1, 1, 128) with ``e4m3_copy=True``: with their E4M3 copies, which calls of ``MEGA_TOKENS_M_MIN_ROWS`` expected
+    rows per expert and more read, ``tile_config``; the same values).
     ``sym_buffer``: from ``get_symm_buffer_for_mega_moe(..., mma_type="fp8xfp4", recipe=...)``, any ring size (the
     default holds every row a rank can receive up to 65536; a smaller ring is reused within the call, module
     docstring). ``cumulative_local_expert_recv_stats``: optional int32
@@ -563,7 +603,7 @@ def _check_fp8_fp4_call(y, l1, l2, buf: SymmBuffer, stats, activation, activatio
     check_mega_call(y, buf, stats, activation, activation_clamp, fast_math, "fp8xfp4")
     check_fp4_operands(l1, l2, buf, recipe)
     runtime.require_sm90(y, "y")
-    return tile_config(buf.layout, y.shape[0], _state(buf).num_ctas)  # num_ctas: the GPU's SMs
+    return tile_config(buf.layout, y.shape[0], _state(buf).num_ctas, len(l1) == 3)  # num_ctas: the GPU's SMs
 
 
 def _fp8_fp4_launch(y, l1, l2, buf: SymmBuffer, stats, activation_clamp, fast_math: bool, cfg, debug: bool,
@@ -576,12 +616,14 @@ def _fp8_fp4_launch(y, l1, l2, buf: SymmBuffer, stats, activation_clamp, fast_ma
     lay = buf.layout
     st = _state(buf)
     num_tokens = y.shape[0]
+    copies = cfg.decode == "copy"  # tokens on M: the kernel reads the weights' E4M3 copies (l1[2], l2[2])
     sm90.mega_moe_sm90(
-        EpCommConfig(lay, debug, stats is not None, trace is not None), buf.l1_acts, *l1, buf.l1_topk_weights,
-        *l2, buf.ring_dest, buf.l2_acts, buf.expert_offsets, activation_clamp, cfg,
+        EpCommConfig(lay, debug, stats is not None, trace is not None), buf.l1_acts, *l1[:2], buf.l1_topk_weights,
+        *l2[:2], buf.ring_dest, buf.l2_acts, buf.expert_offsets, activation_clamp, cfg,
         st.gemm_sync, buf.rank, num_tokens, buf.buffer.data_ptr(), st.peers, stats,
         (st.record if trace is None else trace).data_ptr(), y, timeout_ns(debug), fast_math,
         getattr(buf, "l1_acts_sf", None), getattr(buf, "l2_acts_sf", None),  # recipe (1, 1, 128)'s ring scales
+        l1[2] if copies else None, l2[2] if copies else None,
     )
 
 
@@ -645,10 +687,12 @@ class MegaMoE:
     (``bf16_mega_moe``; the default recipe only), as ``StagedMoE`` takes them; ``fast_math`` as
     ``fp8_fp4_mega_moe``'s. ``recipe``: (1, 1, 32) (default) or (1, 1, 128); the buffers it runs on must hold
     the same. ``fold_reports``: recipe 128's ``FoldReport`` of L1 and L2 (which rows needed per-chunk scales), else
-    None. Call as ``moe(y, sym_buffer, cumulative_local_expert_recv_stats, activation_clamp=None, debug=None)``.
+    None. ``e4m3_copy`` (recipe (1, 1, 128)): also hold the weights' E4M3 copies (``transform_weights_for_mega_moe``),
+    which compute-bound calls read. Call as ``moe(y, sym_buffer, cumulative_local_expert_recv_stats,
+    activation_clamp=None, debug=None)``.
     """
 
-    def __init__(self, l1, l2, fast_math: bool = True, recipe=RECIPE_32):
+    def __init__(self, l1, l2, fast_math: bool = True, recipe=RECIPE_32, e4m3_copy: bool = False):
         self.fp8 = isinstance(l1, tuple)
         self.fast_math = check_fast_math(fast_math)
         recipe = check_recipe(recipe)
@@ -657,7 +701,10 @@ class MegaMoE:
         self.recipe = recipe if self.fp8 else None
         self.fold_reports = None
         if self.fp8:
-            self.l1, self.l2, self.fold_reports = transform_weights_for_mega_moe(l1, l2, recipe, return_reports=True)
+            self.l1, self.l2, self.fold_reports = transform_weights_for_mega_moe(l1, l2, recipe, e4m3_copy=e4m3_copy,
+                                                                                 return_reports=True)
+        elif e4m3_copy:
+            fail("e4m3_copy", "applies to FP4 weights of recipe (1, 1, 128) only, got BF16 weights")
         else:
             self.l1, self.l2 = l1, l2
 

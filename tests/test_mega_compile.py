@@ -325,3 +325,13 @@ def test_mega_compile_takes_the_recipes_config():
         compile_mega_moe(GemmConfig(tile_tokens=8, tile_n=256, mma="fp8", token_block=128), r32)
     with pytest.raises(ValueError, match=r"`config.mma` must be 'bf16' .*recipe \(1, 1, 32\), got 'fp8'"):
         compile_mega_moe(GemmConfig(tile_tokens=64, tile_n=256, mma="fp8", token_block=128, n_passes=2), r32)
+    # tokens on the wgmma M side (the weights' E4M3 copies): recipe 128's two-pass 128-row tiles only
+    tokens_m = dict(tile_n=256, mma="fp8", token_block=128, n_passes=2, decode="copy", token_side="m")
+    with pytest.raises(ValueError, match=r"`config` must have n_passes=2 and tile_tokens=128 with token_side='m' .*"
+                       r"spills registers\), got n_passes=2, tile_tokens=64"):
+        compile_mega_moe(GemmConfig(tile_tokens=64, **tokens_m), r128)
+    with pytest.raises(ValueError, match=r"`config.decode` 'copy' .*with token_side='m', in the Mega MoE kernel of "
+                       r"recipe \(1, 1, 128\)"):
+        compile_mega_moe(GemmConfig(tile_tokens=128, **tokens_m), r32)
+    with pytest.raises(ValueError, match=r"`config.decode` 'copy'"):
+        compile_mega_moe(GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128, decode="copy"), r128)

@@ -532,6 +532,47 @@ def test_mega_recipe_mismatches_raise_before_launch(mega128):
         MegaMoE(torch.zeros(E, 2 * I, H).bfloat16(), torch.zeros(E, H, I).bfloat16(), recipe=RECIPE_128)
 
 
+def test_mega_e4m3_copy_weights(mega128):
+    """``transform_weights_for_mega_moe(..., e4m3_copy=True)`` (recipe 128 only): each tuple gains the weights' E4M3
+    copy, exactly ``e4m3_weight_copy`` of its folded weights; a call takes both tuples with copies or neither, each
+    copy of the buffer's padded shape; ``tile_config`` puts the tokens on the wgmma M side from
+    ``MEGA_TOKENS_M_MIN_ROWS`` expected rows per expert, with the copies only."""
+    from megamoe.kernels.sm90 import e4m3_weight_copy
+    from megamoe.mega import MEGA_TOKENS_M_MIN_ROWS, tile_config
+
+    c = mega128
+    l1k, l2k = transform_weights_for_mega_moe(*c["canonical"], RECIPE_128, e4m3_copy=True)
+    for copied, plain in ((l1k, c["w128"][0]), (l2k, c["w128"][1])):
+        assert len(copied) == 3 and all(torch.equal(a, b) for a, b in zip(copied[:2], plain))
+        assert torch.equal(copied[2].view(torch.uint8), e4m3_weight_copy(*plain).view(torch.uint8))
+    y = c["y"]
+    with pytest.raises(ValueError, match="`y` must be a CUDA tensor"):  # every host check passes
+        fp8_fp4_mega_moe(y, l1k, l2k, c["buf"])
+    with pytest.raises(ValueError, match=r"`l2` has 2 tensors but l1 has 3: pass both with their E4M3 copies"):
+        fp8_fp4_mega_moe(y, l1k, c["w128"][1], c["buf"])
+    with pytest.raises(ValueError, match=r"`l2\[2\]` must have dtype float8_e4m3fn"):
+        fp8_fp4_mega_moe(y, l1k, (*l2k[:2], l2k[2].view(torch.uint8)), c["buf"])
+    with pytest.raises(ValueError, match=r"`l1\[2\]` must have shape \[8, 1024, 512\]"):
+        fp8_fp4_mega_moe(y, (*l1k[:2], l1k[2][:, :512].contiguous()), l2k, c["buf"])
+    with pytest.raises(ValueError, match=r"`l1\[2\]` is an E4M3 weight copy, which recipe \(1, 1, 128\)"):
+        fp8_fp4_mega_moe(y, (*c["w32"][0], l1k[2]), (*c["w32"][1], l2k[2]), c["buf32"])
+    with pytest.raises(ValueError, match=r"`e4m3_copy` applies to recipe \(1, 1, 128\)"):
+        transform_weights_for_mega_moe(*c["canonical"], e4m3_copy=True)
+    with pytest.raises(ValueError, match=r"`e4m3_copy` applies to FP4 weights"):
+        MegaMoE(torch.zeros(E, 2 * I, H).bfloat16(), torch.zeros(E, H, I).bfloat16(), e4m3_copy=True)
+    assert len(MegaMoE(*c["canonical"], recipe=RECIPE_128, e4m3_copy=True).l1) == 3
+    lay = symm_buffer_layout(1, 256, 8192, 8, 4096, 2048, recipe=RECIPE_128)
+    for tokens in (2048, 4096, 8192):
+        rows = tokens * 8 / 256
+        with_copy, without = tile_config(lay, tokens, 132, True), tile_config(lay, tokens, 132)
+        assert without.token_side == "n" and without.decode == "regs", (tokens, without)
+        if rows >= MEGA_TOKENS_M_MIN_ROWS:
+            assert (with_copy.token_side, with_copy.decode, with_copy.tile_tokens, with_copy.n_passes) == (
+                "m", "copy", 128, 2), (tokens, with_copy)
+        else:
+            assert with_copy == without, (tokens, with_copy)
+
+
 def test_staged_recipe_mismatches():
     p = global_problem(0, [4], 8, 2, 256, 128)
     buf32 = get_symm_buffer_for_mega_moe(None, 8, 8, 2, 256, 128, device="cpu")

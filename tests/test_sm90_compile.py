@@ -100,6 +100,8 @@ MEGA_CASES = [
 R128 = (1, 1, 128)
 TWO_PASS_64 = GemmConfig(tile_tokens=64, tile_n=256, mma="fp8", token_block=128, n_passes=2)
 TWO_PASS_128 = GemmConfig(tile_tokens=128, tile_n=256, mma="fp8", token_block=128, n_passes=2)
+TOKENS_M_MEGA = GemmConfig(tile_tokens=128, tile_n=256, mma="fp8", token_block=128, n_passes=2, decode="copy",
+                           token_side="m")
 MEGA128_CASES = [
     (GemmConfig(tile_tokens=8, tile_n=256, mma="fp8", token_block=128), (2, 256, 64, 8, 4096, 2048, None, "fp8xfp4", R128)),
     (GemmConfig(tile_tokens=16, tile_n=256, mma="fp8", token_block=128), (8, 384, 128, 6, 7168, 3072, None, "fp8xfp4",
@@ -118,6 +120,11 @@ MEGA128_CASES = [
     (TWO_PASS_128, (8, 384, 1024, 6, 7168, 3072, None, "fp8xfp4", R128)),
     (TWO_PASS_64, (1, 128, 1024, 4, 2880, 2880, None, "fp8xfp4", R128)),  # gpt-oss: odd chunk counts (I 2944)
     (TWO_PASS_128, (1, 128, 1024, 4, 2880, 2880, None, "fp8xfp4", R128)),  # token widths, odd chunk counts
+    # Tokens on the wgmma M side reading the weights' E4M3 copies (``mega_moe_128_tokens_m``): flash-like on one rank,
+    # pro-like on eight, gpt-oss's odd chunk counts.
+    (TOKENS_M_MEGA, (1, 256, 8192, 8, 4096, 2048, None, "fp8xfp4", R128)),
+    (TOKENS_M_MEGA, (8, 384, 1024, 6, 7168, 3072, None, "fp8xfp4", R128)),
+    (TOKENS_M_MEGA, (1, 128, 1024, 4, 2880, 2880, None, "fp8xfp4", R128)),
 ]
 
 
@@ -134,6 +141,7 @@ IEEE_SILU_CASES = [
     (MEGA_CASES[6][0], "offsets", "l1_l2", MEGA_CASES[6][1]),
     (MEGA128_CASES[2][0], "offsets", "l1_l2", MEGA128_CASES[2][1]),
     (MEGA128_CASES[5][0], "offsets", "l1_l2", MEGA128_CASES[5][1]),
+    (MEGA128_CASES[12][0], "offsets", "l1_l2", MEGA128_CASES[12][1]),
 ]
 # (config, group mode, epilogue, Mega MoE layout or None, trace build, folded FP8 scales, fast_math): the trace
 # build is a release build too.
@@ -215,7 +223,7 @@ RELEASE_CASES = ([(c, m, e, None, False, False, True) for c, m, e in COMPILE_CAS
                  + [(c, "offsets", "l1_l2", lay, False, False, True) for c, lay in MEGA_CASES]
                  + [(MEGA_CASES[0][0], "offsets", "l1_l2", MEGA_CASES[0][1], True, False, True)]
                  + [(c, "offsets", "l1_l2", lay, False, False, True) for c, lay in MEGA128_CASES]
-                 + [(MEGA128_CASES[i][0], "offsets", "l1_l2", MEGA128_CASES[i][1], True, False, True) for i in (1, 6)]
+                 + [(MEGA128_CASES[i][0], "offsets", "l1_l2", MEGA128_CASES[i][1], True, False, True) for i in (1, 6, 11)]
                  + [(c, m, e, lay, False, False, False) for c, m, e, lay in IEEE_SILU_CASES]
                  + [(c, m, e, None, False, folded, True) for c, m, e, folded in ODD_CHUNK_CASES]
                  + [(c, m, e, None, False, True, True) for c, m, e in COPY_CASES + TOKENS_M_CASES + CLUSTER_CASES])

@@ -6,7 +6,8 @@ per rank, the slowest rank reported). Paths: ``staged-GEMM-MODE``, the staged ba
 ``normal`` or ``low_latency`` with torch's (``torch``) or megamoe's SM90 (``sm90``) GEMMs, e.g.
 ``staged-sm90-low_latency``; with ``--recipe 128`` also ``staged-sm90copy-MODE`` (the SM90 GEMMs reading the weights'
 E4M3 copies, ``StagedMoE(..., e4m3_copy=True)``: one more byte per weight); ``mega``, the Mega MoE path
-(``MegaMoE``) on Hopper. ``--paths`` picks them by any part
+(``MegaMoE``) on Hopper, with ``--recipe 128`` also ``mega-copy`` (``MegaMoE(..., e4m3_copy=True)``: calls whose tile
+config puts the tokens on the wgmma M side read the copies). ``--paths`` picks them by any part
 of the name. Without GPUs it runs the tiny preset on CPU with gloo and says so. ``--recipe 32|128``: the FP8 x FP4
 recipe (per-32 UE8M0 or per-128 FP32 token scales, ``megamoe.numerics``), checked against that recipe's reference
 and tolerances; the receipt records it.
@@ -59,7 +60,7 @@ from ..dist import init_from_env, rank_and_size
 from ..inputs import fill_buffer, random_bf16_weights, random_fp4_weights, random_routing, random_tokens
 from ..layouts.ue8m0 import scale_words
 from ..staged import StagedMoE
-from ..mega import MegaMoE, trace_fp8_fp4_mega_moe
+from ..mega import MegaMoE, tile_config, trace_fp8_fp4_mega_moe
 from ..numerics import RECIPE_32, RECIPE_128, max_row_rel_error, moe_tolerances, rel_fro_error
 from ..reference import distributed_reference_moe
 from ..symm_buffer import RING_ALIGNMENT, get_symm_buffer_for_mega_moe, max_recv_rows
@@ -215,7 +216,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if "sm90" in gemms or (not fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)):
         # FP8 x FP4: one persistent launch (dispatch, SM90 GEMM tiles, combine); BF16: the dispatch and combine
         # kernels around torch's grouped GEMMs (bf16_mega_moe). The receipt's mma_type tells which.
-        names.append(("mega", None, None))
+        names.append(("mega", "mega", None))
+        if "sm90copy" in gemms:
+            names.append(("mega-copy", "mega-copy", None))
     if args.peers:
         peer_lib.check_peer_setup(args.peers, device, num_ranks, fp8)
         names += [(name, "peer", None) for name in peer_lib.peer_paths(args.peers)]
@@ -234,8 +237,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if gemm == "peer":
             paths[name] = peer_lib.make_moe_peer(name, l1, l2, args.clamp)
             continue
-        if gemm is None:
-            paths[name] = MegaMoE(l1, l2, recipe=recipe) if fp8 else MegaMoE(l1, l2)
+        if gemm.startswith("mega"):
+            paths[name] = (MegaMoE(l1, l2, recipe=recipe, e4m3_copy=gemm == "mega-copy") if fp8
+                           else MegaMoE(l1, l2))
             continue
         if gemm not in prepared:  # "sm90copy": the SM90 GEMMs given the weights' E4M3 copies
             kw = {"recipe": recipe, "e4m3_copy": gemm == "sm90copy"} if fp8 else {}
@@ -278,6 +282,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 rows.append(_peer_row(name, path, cases, t, args, barrier, hbm, fp4_bytes_per_expert, h, i, say))
                 continue
             mega = isinstance(path, MegaMoE)
+            config = None  # the Mega MoE kernel's tile config at this point (FP8 x FP4)
+            if mega and path.fp8:
+                config = tile_config(cases[0][0].layout, t, torch.cuda.get_device_properties(device).multi_processor_count,
+                                     len(path.l1) == 3)
             y = torch.empty((t, h), dtype=torch.bfloat16, device=device)
             fro = row_rel = routed = touched = sent = 0.0
             for buf, idx, ref, _, _ in cases:
@@ -335,7 +343,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "tflops": 6 * routed * h * i / (us * 1e-6) / 1e12,
                 "routed_rows_per_rank": routed,
                 "experts_touched_per_rank": touched,
-                "weights_gbps": touched * _weight_bytes_per_expert(path, mega, fp4_bytes_per_expert,
+                "weights_gbps": touched * _weight_bytes_per_expert(path, config, fp4_bytes_per_expert,
                                                                    copy_bytes_per_expert, torch_bytes_per_expert)
                 / (us * 1e-6) / 1e9,
                 "fp4_floor_us": touched * fp4_bytes_per_expert / (hbm * 1e9) * 1e6 if hbm else None,
@@ -343,6 +351,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "rel_fro": fro,
                 "max_row_rel": row_rel,
                 "correct": ok,
+                **({"tile_config": config.describe("l1_l2")} if config is not None else {}),
                 **({"timeline": timeline} if traced else {}),
             })
             if not ok:
@@ -380,11 +389,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
-def _weight_bytes_per_expert(path, mega: bool, fp4: float, copy: float, torch_gemm: float) -> float:
+def _weight_bytes_per_expert(path, config, fp4: float, copy: float, torch_gemm: float) -> float:
     """Weight bytes per touched expert a path reads: FP4 (Mega MoE, the SM90 GEMMs), the E4M3 copies (the SM90 GEMMs
-    given them), or the torch GEMMs' dequantized weights."""
-    if mega or path.gemm != "sm90":
-        return fp4 if mega else torch_gemm
+    given them; the Mega MoE kernel where its tile ``config`` reads them), or the torch GEMMs' dequantized
+    weights."""
+    if isinstance(path, MegaMoE):
+        return copy if config is not None and config.decode == "copy" else fp4
+    if path.gemm != "sm90":
+        return torch_gemm
     return copy if path.l1k_e4m3 is not None else fp4
 
 

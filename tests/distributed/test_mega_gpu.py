@@ -62,6 +62,7 @@ REPO = Path(__file__).resolve().parents[2]
 H, I, K, E_PER_RANK, T_MAX = 512, 512, 4, 8, 32
 GENERATIONS = 3
 SMALL_RING = 128  # ring rows of the small-ring cases: rank 0 receives more rows, so it reuses ring blocks
+COPY_RING = 256  # the same for 128-row token tiles (a ring holds at least two blocks)
 WIDE = (2048, 2048)  # (H, I) of the case whose CTAs run several tiles each (L1: 32 column tiles per pool block)
 GPT_OSS, QWEN3, I1408, TINY = (2880, 2880), (2048, 768), (1408, 1408), (96, 160)  # model sizes (module docstring)
 R128 = (1, 1, 128)
@@ -105,6 +106,17 @@ CASES = {
         # 128-row tiles of at most 64 rows: the 32- and 64-token widths of the FP8 mainloop (``fp8_token_widths``)
         ("r128_two_pass_128_row_tiles_narrow", dict(tokens=[128], t_max=128, topk=8, masked=0.7, recipe=R128, passes=2,
                                                     narrow=True)),
+        # The weights' E4M3 copies (``copy``): 128-row token tiles with the tokens on the wgmma M side
+        # (``mega_moe_128_tokens_m``): with a clamp, ragged partial tiles, skewed (empty experts), several tiles per CTA
+        # with the IEEE silu, gpt-oss's odd chunk counts.
+        ("r128_copy_tokens_m_clamped", dict(tokens=[128], t_max=128, topk=8, clamp=0.75, masked=0.1, recipe=R128,
+                                            copy=True)),
+        ("r128_copy_tokens_m_ragged", dict(tokens=[150], t_max=192, topk=8, masked=0.25, recipe=R128, copy=True)),
+        ("r128_copy_tokens_m_skewed", dict(tokens=[256], t_max=256, hot=K, recipe=R128, copy=True)),
+        ("r128_copy_tokens_m_wide_ieee_silu", dict(tokens=[128], t_max=128, topk=8, masked=0.1, fast_math=False,
+                                                  dims=WIDE, recipe=R128, copy=True)),
+        ("r128_copy_tokens_m_gpt_oss", dict(tokens=[128], t_max=128, topk=8, masked=0.1, dims=GPT_OSS, recipe=R128,
+                                           copy=True)),
     ],
     2: [
         ("ragged_masked_uneven", dict(tokens=[13, 5], masked=0.25)),
@@ -125,6 +137,10 @@ CASES = {
         ("r128_two_pass_uneven", dict(tokens=[128, 77], t_max=128, topk=8, masked=0.1, recipe=R128, passes=2)),
         ("r128_two_pass_small_ring_skewed", dict(tokens=[64, 50], t_max=64, topk=8, hot=8, ring=SMALL_RING,
                                                  recipe=R128, passes=2)),
+        # rank 1's 77 tokens run the swap-AB tiles, rank 0's the tokens-on-M ones
+        ("r128_copy_tokens_m_uneven", dict(tokens=[256, 77], t_max=256, topk=8, masked=0.1, recipe=R128, copy=True)),
+        ("r128_copy_tokens_m_ring_reused_skewed", dict(tokens=[256, 200], t_max=256, topk=8, hot=8, ring=COPY_RING,
+                                                       recipe=R128, copy=True)),
         ("gpt_oss_uneven", dict(tokens=[13, 5], masked=0.25, dims=GPT_OSS)),
         ("qwen3_small_ring_skewed", dict(tokens=[24, 17], hot=K, ring=SMALL_RING, dims=QWEN3)),
         ("i1408_small_ring_skewed", dict(tokens=[24, 17], hot=K, ring=SMALL_RING, dims=I1408)),
@@ -205,6 +221,7 @@ def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
     fp8 = case.get("mma_type", "fp8xfp4") == "fp8xfp4"
     fast_math = case.get("fast_math", True)
     recipe = case.get("recipe", (1, 1, 32))
+    copy = "copy" in case  # the weights' E4M3 copies; the case's value: the token tile it exists to run
     for gen in range(GENERATIONS):
         debug = gen == 0
         what = f"{name} {case['tokens']} call {gen}{' (debug)' if debug else ''}"
@@ -214,11 +231,11 @@ def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
         t = p["x"][rank].shape[0]
         y_staged = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=device)
         stats_staged = torch.full((E_PER_RANK,), 7, dtype=torch.int32, device=device)
-        StagedMoE(l1, l2, "low_latency", "sm90" if fp8 else "torch", fast_math, recipe=recipe)(
+        StagedMoE(l1, l2, "low_latency", "sm90" if fp8 else "torch", fast_math, recipe=recipe, e4m3_copy=copy)(
             y_staged, buf, stats_staged, activation_clamp=clamp)
         y = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=device)
         stats = torch.full((E_PER_RANK,), 7, dtype=torch.int32, device=device)
-        moe = MegaMoE(l1, l2, fast_math, recipe=recipe)
+        moe = MegaMoE(l1, l2, fast_math, recipe=recipe, e4m3_copy=copy)
         ref, counts = _expected(p, p, rank, device, clamp, recipe)
         moe(y, buf, stats, activation_clamp=clamp, debug=debug)
         # BF16: torch's grouped GEMM over different row counts may tile K differently: no bitwise claim.
@@ -227,11 +244,13 @@ def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
         if fp8 and gen == GENERATIONS - 1:
             _check_trace(rank, what, y, moe, buf, clamp, counts)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        cfg = tile_config(buf.layout, t, sms)
+        cfg = tile_config(buf.layout, t, sms, copy)
         if gen == 0:
             _say(rank, f"{what}: {cfg.describe('l1_l2')}")
         if "passes" in case:  # the case exists to run this tile shape
             assert cfg.n_passes == case["passes"], f"{what}: tile config {cfg.describe('l1_l2')}, want {case['passes']} passes"
+        if copy and rank == 0:  # the case exists to run the tokens-on-M tiles (rank 0's T: a multiple of 128)
+            assert cfg.token_side == "m", f"{what}: tile config {cfg.describe('l1_l2')}"
         if "narrow" in case:  # the case exists to run tiles whose rows fit half the token tile (a narrower width)
             rest = counts % cfg.tile_tokens
             assert bool(((rest > 0) & (rest <= cfg.tile_tokens // 2)).any()), (

@@ -70,10 +70,10 @@ def _group_args(group_a, group_b, num_groups: int, max_m: int) -> GroupArgs:
                      cutlass.Int32(num_groups), cutlass.Int32(max_m))
 
 
-def _second_args(a2, b2, b2_sf, row_ptrs, timeout_ns: int, a2_sf=None) -> SecondGemmArgs:
+def _second_args(a2, b2, b2_sf, row_ptrs, timeout_ns: int, a2_sf=None, w2_e4m3=None) -> SecondGemmArgs:
     import cutlass
 
-    return SecondGemmArgs(_gemm_args(a2, a2_sf, b2, b2_sf), runtime.to_cute(row_ptrs, leading_dim=0, align=8),
+    return SecondGemmArgs(_gemm_args(a2, a2_sf, b2, b2_sf, w2_e4m3), runtime.to_cute(row_ptrs, leading_dim=0, align=8),
                           cutlass.Int64(timeout_ns))
 
 
@@ -193,22 +193,29 @@ def _grouped_gemm_class(config: GemmConfig):
 def _compile_fused(config: GemmConfig, debug: bool, comm, fast_math: bool):
     """The one-launch L1/L2 kernel (``l1_l2.FusedL1L2Sm90``), or with ``comm`` the Mega MoE kernel for that buffer
     layout: ``mega_moe.MegaMoESm90`` (recipe (1, 1, 32), BF16 mode) or ``mega_moe_128.MegaMoE128Sm90`` (recipe
-    (1, 1, 128), FP8 mode with per-128 token scales and 256-row weight tiles, in one pass or two)."""
+    (1, 1, 128), FP8 mode with per-128 token scales and 256-row weight tiles, in one pass or two; with
+    ``config.token_side`` "m", ``mega_moe_128_tokens_m.MegaMoE128TokensMSm90`` on the weights' E4M3 copies)."""
     from ...numerics import RECIPE_128, describe_recipe
 
     check_fast_math(fast_math)
     if config.cluster != 1:
         fail("config.cluster", f"must be 1 for the one-launch L1/L2 and Mega MoE kernels (clusters of two or four "
              f"CTAs: the separate grouped GEMMs only), got {config.cluster}")
-    if config.decode == "copy":
-        fail("config.decode", "'copy' (the weights' E4M3 copy) runs in the separate grouped GEMMs only, not in the "
-             "one-launch L1/L2 or Mega MoE kernels")
     recipe128 = comm is not None and comm.layout.recipe == RECIPE_128
+    tokens_m = config.token_side == "m"
+    if config.decode == "copy" and not (recipe128 and tokens_m):
+        fail("config.decode", "'copy' (the weights' E4M3 copy) runs in the separate grouped GEMMs and, with "
+             f"token_side='m', in the Mega MoE kernel of recipe {describe_recipe(RECIPE_128)}; not in the one-launch "
+             "L1/L2 kernel or with tokens on the wgmma N side")
     if recipe128:
         if (config.mma, config.token_block, config.tile_n) != ("fp8", 128, 256):
             fail("config", f"must be FP8 mode with token_block=128 and tile_n=256 for the Mega MoE kernel of recipe "
                  f"{describe_recipe(RECIPE_128)} (the per-128 SwiGLU epilogue's 128 intermediate columns, one scale "
                  f"block per token), got mma={config.mma!r}, token_block={config.token_block}, tile_n={config.tile_n}")
+        if tokens_m and (config.n_passes, config.tile_tokens) != (2, 128):
+            fail("config", f"must have n_passes=2 and tile_tokens=128 with token_side='m' in the Mega MoE kernel "
+                 f"(256-row tiles as two passes of 128 weight rows on two consumer warpgroups; the 64-row build spills "
+                 f"registers), got n_passes={config.n_passes}, tile_tokens={config.tile_tokens}")
     elif config.mma != "bf16":
         fail("config.mma", f"must be 'bf16' for the one-launch L1/L2 kernels of recipe (1, 1, 32), got {config.mma!r}")
 
@@ -220,8 +227,10 @@ def _compile_fused(config: GemmConfig, debug: bool, comm, fast_math: bool):
             kernel, mega = FusedL1L2Sm90(config, debug, fast_math), MegaArgs.none()
         elif recipe128:
             from .mega_moe_128 import MegaMoE128Sm90
+            from .mega_moe_128_tokens_m import MegaMoE128TokensMSm90
 
-            kernel, mega = MegaMoE128Sm90(config, comm, fast_math), _mega_args(0, 0, 0, None, None, 0, None)
+            kernel = (MegaMoE128TokensMSm90 if tokens_m else MegaMoE128Sm90)(config, comm, fast_math)
+            mega = _mega_args(0, 0, 0, None, None, 0, None)
         else:
             from .mega_moe import MegaMoESm90
 
@@ -234,7 +243,8 @@ def _compile_fused(config: GemmConfig, debug: bool, comm, fast_math: bool):
                                               dtype=torch.uint8),
                                   torch.empty(_COMPILE_E, inter // 128 + 1, k, dtype=torch.int32),
                                   torch.empty(m, dtype=torch.int64), 0,
-                                  torch.empty(m, inter // 128, dtype=torch.float32))
+                                  torch.empty(m, inter // 128, dtype=torch.float32),
+                                  torch.empty(_COMPILE_E, k, inter, dtype=torch.float8_e4m3fn) if tokens_m else None)
             epi = _epilogue_args(torch.empty(m, inter // 4, dtype=torch.int32),
                                  torch.empty(m, inter // 128, dtype=torch.float32), rows, float("inf"))
             return _compile(kernel, _placeholder_gemm(config, n, k, folded=True), second, epi, mega)
@@ -260,8 +270,8 @@ def compile_l1_l2(config: GemmConfig, debug: bool = False, fast_math: bool = Tru
 def compile_mega_moe(config: GemmConfig, comm, fast_math: bool = True):
     """Compile (and cache) the Mega MoE kernel for ``comm`` (the buffer's ``comm.EpCommConfig``; its ``debug``
     selects the debug build, ``trace`` the trace build; its layout's recipe the kernel: ``mega_moe.MegaMoESm90``
-    for (1, 1, 32), ``mega_moe_128.MegaMoE128Sm90`` for (1, 1, 128)), built for the layout's Hk and Ik
-    (``GemmConfig.for_k``)."""
+    for (1, 1, 32), ``mega_moe_128.MegaMoE128Sm90`` for (1, 1, 128), or with tokens on the wgmma M side
+    ``mega_moe_128_tokens_m.MegaMoE128TokensMSm90``), built for the layout's Hk and Ik (``GemmConfig.for_k``)."""
     return _compile_fused(config.for_k(comm.layout.kernel_hidden, comm.layout.kernel_intermediate), comm.debug, comm,
                           fast_math)
 
@@ -784,7 +794,8 @@ def mega_moe_sm90(comm, a: torch.Tensor, b1: torch.Tensor, b1_sf: torch.Tensor, 
                   b2: torch.Tensor, b2_sf: torch.Tensor, row_ptrs: torch.Tensor, act: torch.Tensor, offsets: torch.Tensor,
                   clamp: float | None, config: GemmConfig, sync: torch.Tensor, me: int, num_tokens: int, base: int,
                   peers: torch.Tensor, stats: torch.Tensor | None, record: int, y: torch.Tensor, timeout_ns: int,
-                  fast_math: bool, a_sf: torch.Tensor | None = None, act_sf: torch.Tensor | None = None) -> None:
+                  fast_math: bool, a_sf: torch.Tensor | None = None, act_sf: torch.Tensor | None = None,
+                  b1_e4m3: torch.Tensor | None = None, b2_e4m3: torch.Tensor | None = None) -> None:
     """Launch the one-launch Mega MoE kernel (``megamoe.mega`` validates the arguments; no checks here).
 
     ``grouped_gemm_fp8_fp4_l1_l2_contiguous`` on the SymmBuffer's ring (``a`` = ``l1_acts``, ``row_weights`` =
@@ -802,12 +813,14 @@ def mega_moe_sm90(comm, a: torch.Tensor, b1: torch.Tensor, b1_sf: torch.Tensor, 
     ``fast_math``: the L1 epilogue's silu (``grouped_gemm_fp8_fp4_swiglu_contiguous``). Recipe (1, 1, 128) (the
     layout's): ``a`` and ``act`` are the FP8 rings with their FP32 scales ``a_sf`` (``l1_acts_sf``) and ``act_sf``
     (``l2_acts_sf``), the weights FP8-mode with folded scales, L1's epilogue quantizes per 128 (FP8 + FP32); else
-    both scales None (BF16 rings)."""
+    both scales None (BF16 rings). ``b1_e4m3``, ``b2_e4m3``: the weights' E4M3 copies (``e4m3_weight_copy``), which
+    a config with tokens on the wgmma M side (``mega_moe_128_tokens_m``) reads instead of ``b1``, ``b2``; else
+    None."""
     m, inter = act.shape
     kernel = compile_mega_moe(config, comm, fast_math)
     act_words = act.view(torch.int32).view(m, inter * act.element_size() // 4)
-    _launch(kernel, config, a.device, _gemm_args(a, a_sf, b1, b1_sf),
-            _second_args(act, b2, b2_sf, row_ptrs, timeout_ns, act_sf),
+    _launch(kernel, config, a.device, _gemm_args(a, a_sf, b1, b1_sf, b1_e4m3),
+            _second_args(act, b2, b2_sf, row_ptrs, timeout_ns, act_sf, b2_e4m3),
             _epilogue_args(act_words, act_sf, row_weights, _bf16_clamp(clamp)),
             _group_args(offsets, offsets, b1.shape[0], 0), sync, _mega_args(me, num_tokens, base, peers, stats, record, y),
             None)

@@ -22,6 +22,9 @@ What differs from the recipe (1, 1, 32) kernel (``mega_moe``), each through a ho
 * the L2 tiles, their stores into the source ranks' combine slots, the signals, combine and the ring schedule are
   the recipe-32 kernel's.
 
+``mega_moe_128_tokens_m.MegaMoE128TokensMSm90`` extends this kernel to tiles with the tokens on the wgmma M side,
+reading the weights' E4M3 copies.
+
 Every value equals the staged path's bit for bit: ``grouped_gemm_fp8_fp4_swiglu_contiguous`` then
 ``grouped_gemm_fp8_fp4_contiguous`` on the same FP8 operands run the same mainloop and epilogue, with the same
 rounding points (``megamoe.numerics``, recipe (1, 1, 128)), and combine sums the same BF16 rows in slot order.
