@@ -269,10 +269,11 @@ MEGA_FOUR_WG_MAX_TILE_TOKENS = 32
 """Widest token tile ``tile_config`` runs on four consumer warpgroups (the widest measured on them)."""
 
 
-MEGA_TOKENS_M_MIN_ROWS = 128
+MEGA_TOKENS_M_MIN_ROWS = 96
 """Recipe (1, 1, 128) with the weights' E4M3 copies: expected rows per local expert from which ``tile_config`` puts
-the tokens on the wgmma M side, on 128-row token tiles (below, reading one byte per weight instead of half a byte
-costs more than the tensor work it speeds up; ``TOKENS_M_MIN_ROWS`` of the grouped GEMM's rule)."""
+the tokens on the wgmma M side, on 128-row token tiles: 1.17-1.18x the swap-AB tiles at 96 and 192 rows (flash EP1,
+bench/findings/recipe-128-mega.md); fewer rows were not measured (there the copies' byte per weight, twice the FP4
+weights', weighs more against the tensor work)."""
 
 
 def tile_config(layout, num_tokens: int, num_sms: int, e4m3_copy: bool = False):

@@ -32,7 +32,10 @@ one progress line per rank and call, the contract errors, and any ``megamoe debu
   on two (``r128_two_pass_*``: buffers of T_max 64 / 128, top-8, each case checks that its config has two passes;
   with a clamp, ragged partial tiles, 128-row tiles of at most 64 rows (narrower token widths), the IEEE silu
   at H = I = 2048, two ranks, a small ring) --, a small ring on
-  two), the trace build, and a CUDA graph of its own.
+  two), the trace build, and a CUDA graph of its own; with the weights' E4M3 copies (``r128_copy_*``,
+  ``MegaMoE(..., e4m3_copy=True)`` against ``StagedMoE(..., e4m3_copy=True)``): the tokens-on-M tiles of 128 rows on
+  one GPU (a clamp, ragged, skewed, the IEEE silu at H = I = 2048, gpt-oss's sizes; each case checks its config), on
+  two with one rank on swap-AB tiles and with ring blocks reused.
 * ``hang``: rank 1 never calls; rank 0's call, debug or release build (``MEGAMOE_TIMEOUT_S``), must trap with the
   diagnostic naming ``ready[src=1]`` (the host-mapped record; printf too in debug mode) instead of hanging.
 * ``stranded`` (one GPU): the same for rank 0 of a two-rank buffer whose rank 1 lives on the same GPU and never calls,
