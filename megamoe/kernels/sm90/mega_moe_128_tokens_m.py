@@ -15,7 +15,8 @@ What differs from ``MegaMoE128Sm90``, each through a hook:
   float8_e4m3fn, TMA boxes of ``pass_n`` rows x 128 K), the folded scale words as before;
 * L1's epilogue: ``SwigluQuant128TokensMThreadStores`` (``SwigluQuant128TokensM``'s bytes into the L2 ring, the
   warps' threads storing the rows, so the signal warp's release covers them), on 256-row tiles as two passes of 128
-  weight rows (``GemmConfig.n_passes``; token tiles of 64 or 128 rows: one or two consumer warpgroups);
+  weight rows (``GemmConfig.n_passes``) on token tiles of 128 rows (two consumer warpgroups; the one-warpgroup
+  build of 64-row tiles spills registers, and the API refuses it);
 * L2's epilogue: ``ScatterRowsTokensM``, each warp's BF16 rows to their source ranks' combine slots, staged in the
   warp's own rows of the SwiGLU staging tile (``epilogue_smem``).
 
