@@ -561,6 +561,18 @@ def test_mega_e4m3_copy_weights(mega128):
     with pytest.raises(ValueError, match=r"`e4m3_copy` applies to FP4 weights"):
         MegaMoE(torch.zeros(E, 2 * I, H).bfloat16(), torch.zeros(E, H, I).bfloat16(), e4m3_copy=True)
     assert len(MegaMoE(*c["canonical"], recipe=RECIPE_128, e4m3_copy=True).l1) == 3
+    from megamoe.nn import EPMoE
+
+    layer = EPMoE(E, K, H, I, T_MAX, impl="mega", recipe=RECIPE_128, e4m3_copy=True, device="cpu")
+    layer.load_fp4_experts(*c["canonical"])
+    assert len(layer._impl.l1) == len(layer._impl.l2) == 3 and "e4m3_copy=True" in repr(layer)
+    with pytest.raises(ValueError, match="`y` must be a CUDA tensor"):
+        layer._impl(y, layer.buffer)
+    layer.destroy()
+    for kwargs in (dict(impl="staged", recipe=RECIPE_128), dict(impl="mega")):
+        with pytest.raises(ValueError, match=r"`e4m3_copy` applies to impl='mega' with mma_type='fp8xfp4' and recipe "
+                           r"\(1, 1, 128\)"):
+            EPMoE(E, K, H, I, T_MAX, e4m3_copy=True, device="cpu", **kwargs)
     lay = symm_buffer_layout(1, 256, 8192, 8, 4096, 2048, recipe=RECIPE_128)
     for tokens in (2048, 4096, 8192):
         rows = tokens * 8 / 256

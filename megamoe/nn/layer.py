@@ -121,7 +121,9 @@ class EPMoE(nn.Module):
     (0 = none; DeepSeek-V3's ``n_shared_experts * moe_intermediate_size``). ``activation_clamp``: the
     contract's optional SwiGLU clamp; ``activation``: its step 4 (``numerics.ACTIVATIONS``; gpt-oss:
     ``"swiglu_oai"``, staged only). ``recipe``: the FP8 x FP4 recipe, (1, 1, 32) (default) or (1, 1, 128)
-    (per-128 FP32 token scales; ``megamoe.numerics``); BF16 layers take the default. ``device``: defaults to the
+    (per-128 FP32 token scales; ``megamoe.numerics``); BF16 layers take the default. ``e4m3_copy``: impl "mega"
+    with recipe (1, 1, 128) only, also hold the weights' E4M3 copies (``MegaMoE(..., e4m3_copy=True)``: one more byte
+    per weight; calls from ``mega.MEGA_TOKENS_M_MIN_ROWS`` expected rows per expert read them). ``device``: defaults to the
     current CUDA device, else CPU; the
     layer stays there (weights are plain attributes, not moved by ``.to()``). ``buffer``: an existing
     SymmBuffer to use instead of allocating one (layers of a model run one after the other and can
@@ -152,9 +154,16 @@ class EPMoE(nn.Module):
         buffer: SymmBuffer | None = None,
         recipe=RECIPE_32,
         activation: str = "swiglu",
+        e4m3_copy: bool = False,
     ):
         super().__init__()
         recipe = check_recipe(recipe)
+        if not isinstance(e4m3_copy, bool):
+            raise TypeError(f"megamoe: `e4m3_copy` must be a bool, got {type(e4m3_copy).__name__}")
+        if e4m3_copy and not (impl == "mega" and mma_type == "fp8xfp4" and recipe == RECIPE_128):
+            fail("e4m3_copy", f"applies to impl='mega' with mma_type='fp8xfp4' and recipe {describe_recipe(RECIPE_128)} "
+                 f"(the Mega MoE kernel's tokens-on-M tiles), got impl={impl!r}, mma_type={mma_type!r}, recipe="
+                 f"{describe_recipe(recipe)}")
         if mma_type == "bf16" and recipe != RECIPE_32:
             fail("recipe", f"applies to mma_type='fp8xfp4' only, got {recipe} with mma_type='bf16'")
         if impl not in IMPLS:
@@ -186,6 +195,7 @@ class EPMoE(nn.Module):
         self.num_experts, self.num_topk, self.hidden, self.intermediate = num_experts, num_topk, hidden, intermediate
         self.max_tokens, self.mma_type, self.impl, self.mode = max_tokens, mma_type, impl, mode
         self.recipe = recipe if mma_type == "fp8xfp4" else None
+        self.e4m3_copy = e4m3_copy
         self.activation_clamp, self.activation, self.device = activation_clamp, activation, self.buffer.device
         self.shared = SharedMLP(hidden, shared_intermediate, self.device) if shared_intermediate else None
         self.w1 = self.w2 = self.l1_bias = self.l2_bias = self._impl = None
@@ -250,7 +260,7 @@ class EPMoE(nn.Module):
         self.w1, self.w2 = w1, w2
         self.l1_bias, self.l2_bias = biases
         recipe = RECIPE_32 if self.recipe is None else self.recipe
-        self._impl = (MegaMoE(self.w1, self.w2, recipe=recipe) if self.impl == "mega"
+        self._impl = (MegaMoE(self.w1, self.w2, recipe=recipe, e4m3_copy=self.e4m3_copy) if self.impl == "mega"
                       else StagedMoE(self.w1, self.w2, self.mode, recipe=recipe, activation=self.activation,
                                      l1_bias=self.l1_bias, l2_bias=self.l2_bias))
 
@@ -378,4 +388,4 @@ class EPMoE(nn.Module):
         return (f"experts={self.local_experts.start}..{self.local_experts.stop - 1} of {self.num_experts}, top_k={self.num_topk}, "
                 f"hidden={self.hidden}, intermediate={self.intermediate}, max_tokens={self.max_tokens}, "
                 f"mma_type={self.mma_type}{'' if self.recipe is None else f', recipe={self.recipe}'}, impl={self.impl}, "
-                f"mode={self.mode}")
+                f"mode={self.mode}{', e4m3_copy=True' if self.e4m3_copy else ''}")
