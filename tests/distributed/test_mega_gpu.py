@@ -34,8 +34,8 @@ one progress line per rank and call, the contract errors, and any ``megamoe debu
   at H = I = 2048, two ranks, a small ring) --, a small ring on
   two), the trace build, and a CUDA graph of its own; with the weights' E4M3 copies (``r128_copy_*``,
   ``MegaMoE(..., e4m3_copy=True)`` against ``StagedMoE(..., e4m3_copy=True)``): the tokens-on-M tiles of 128 rows on
-  one GPU (a clamp, ragged, skewed, the IEEE silu at H = I = 2048, gpt-oss's sizes; each case checks its config), on
-  two with one rank on swap-AB tiles and with ring blocks reused.
+  one GPU (a clamp, ragged, skewed, the IEEE silu at H = I = 2048, gpt-oss's sizes, ring blocks reused; each case
+  checks its config), on two with one rank on swap-AB tiles and with ring blocks reused.
 * ``hang``: rank 1 never calls; rank 0's call, debug or release build (``MEGAMOE_TIMEOUT_S``), must trap with the
   diagnostic naming ``ready[src=1]`` (the host-mapped record; printf too in debug mode) instead of hanging.
 * ``stranded`` (one GPU): the same for rank 0 of a two-rank buffer whose rank 1 lives on the same GPU and never calls,
@@ -120,6 +120,8 @@ CASES = {
                                                   dims=WIDE, recipe=R128, copy=True)),
         ("r128_copy_tokens_m_gpt_oss", dict(tokens=[128], t_max=128, topk=8, masked=0.1, dims=GPT_OSS, recipe=R128,
                                            copy=True)),
+        ("r128_copy_tokens_m_ring_reused", dict(tokens=[256], t_max=256, topk=8, masked=0.1, ring=COPY_RING,
+                                               recipe=R128, copy=True)),
     ],
     2: [
         ("ragged_masked_uneven", dict(tokens=[13, 5], masked=0.25)),
