@@ -586,7 +586,7 @@ def test_config_validation():
     copy = GemmConfig(tile_tokens=128, mma="fp8", token_block=128, decode="copy")
     assert "decode=copy" in copy.describe() and copy.weight_row_bytes == 128 and regs.weight_row_bytes == 64
     assert copy.stage_bytes() == regs.stage_bytes() + 128 * 64
-    with pytest.raises(ValueError, match="config.decode` 'copy' .*runs in the separate grouped GEMMs only"):
+    with pytest.raises(ValueError, match="config.decode` 'copy' .*not in the one-launch L1/L2 kernel"):
         compile_l1_l2(GemmConfig(tile_tokens=64, tile_n=128, mma="fp8", token_block=128, decode="copy"))
     # tokens on the wgmma M side: 64 token rows per consumer warpgroup, the copy's stage as it is
     tokens_m = GemmConfig(tile_tokens=128, mma="fp8", token_block=128, decode="copy", token_side="m")
