@@ -226,7 +226,7 @@ def _run_case(rank, device, buf, name: str, case: dict, seed: int) -> None:
     fp8 = case.get("mma_type", "fp8xfp4") == "fp8xfp4"
     fast_math = case.get("fast_math", True)
     recipe = case.get("recipe", (1, 1, 32))
-    copy = "copy" in case  # the weights' E4M3 copies; the case's value: the token tile it exists to run
+    copy = "copy" in case  # the weights' E4M3 copies: the case exists to run the tokens-on-M tiles
     for gen in range(GENERATIONS):
         debug = gen == 0
         what = f"{name} {case['tokens']} call {gen}{' (debug)' if debug else ''}"
