@@ -50,7 +50,8 @@ class Fp8CopyTokensMMegaMainloop(Fp8CopyTokensMMainloop):
     @cute.jit
     def column_scales(self, cC, row_scale, n_tile, group):
         """The FP32 scales of the thread's ``tile_n / 4`` weight columns (value c + 2j: column 8j + 2q + c of the
-        pass ``n_tile``) from ``row_scale.l1`` or ``.l2``, of the expert of pool block ``group``."""
+        pass ``n_tile``) from ``row_scale.l1`` or ``.l2``, of the expert of pool block ``group``. Each branch loads
+        into ``out`` itself: storing the base class's fragment from either branch made ptxas spill."""
         e = tiles.expert_of_block(group, row_scale.firsts, self.num_local, DSL_OPS)
         col0 = n_tile * self.tile_n + cC[0][1]  # the thread's first column
         out = cute.make_rmem_tensor((self.tile_n // 4,), Float32)
