@@ -73,7 +73,8 @@ class MegaMoE128TokensMSm90(MegaMoE128Sm90):
     def __init__(self, config, comm, fast_math: bool = True):
         assert config.token_side == "m" and config.decode == "copy" and config.n_passes == 2, config  # api checks
         super().__init__(config, comm, fast_math)
-        self.l2_epilogue = ScatterRowsTokensM(config, 2 * self.act_stride)  # in the SwiGLU staging rows
+        self.out_stride = 2 * self.act_stride  # BF16 elements per staged L2 row: the SwiGLU staging rows
+        self.l2_epilogue = ScatterRowsTokensM(config, self.out_stride)
 
     def make_mainloop(self, folded: bool):
         return Fp8CopyTokensMMegaMainloop(self.cfg, self.stages, self.cps, self.comm.layout.num_local_experts)
@@ -83,8 +84,8 @@ class MegaMoE128TokensMSm90(MegaMoE128Sm90):
 
     def epilogue_smem(self, storage):
         """One region serves both epilogues: the SwiGLU staging tile (tokens, ``act_stride``) float32 and, over the
-        same rows, L2's BF16 rows (tokens, 2 * ``act_stride``) bf16. Both epilogues touch only their warp's 16 rows
-        (warp w: rows 16w ..), one tile after the other."""
+        same rows, L2's BF16 rows (tokens, ``out_stride`` = 2 * ``act_stride``) bf16. Both epilogues touch only their
+        warp's 16 rows (warp w: rows 16w ..), one tile after the other."""
         sAct = storage.sAct.get_tensor(cute.make_layout((self.tile_tokens, self.act_stride), stride=(self.act_stride, 1)))
-        out_layout = cute.make_layout((self.tile_tokens, 2 * self.act_stride), stride=(2 * self.act_stride, 1))
+        out_layout = cute.make_layout((self.tile_tokens, self.out_stride), stride=(self.out_stride, 1))
         return sAct, cute.make_tensor(cute.recast_ptr(sAct.iterator, dtype=cutlass.BFloat16), out_layout)
