@@ -79,26 +79,45 @@ class Fp8CopyTokensMMainloop(E4M3CopyOperand, Mainloop):
         """One tile's K loop into ``f.acc`` (zeroed by the caller), then each weight column times its row's scale
         (``row_scale``: (N, E) float32, row ``n_tile * tile_n + column`` of expert ``group``). ``release``: unused
         (returned as is)."""
-        acc, tmp, sfa = f.acc, f.tmp, f.sfa
         col_scales = self.column_scales(f.cC, row_scale, n_tile, group)  # loaded now, used after the K loop
-        for kt in cutlass.range(k_tiles, unroll=1):
-            ab_pipeline.consumer_wait(state)
-            s = state.index
-            s0 = sfa[f.rows[0], kt % 4, s]  # the chunk's scales of the thread's two token rows, before the wgmmas
-            s1 = sfa[f.rows[1], kt % 4, s]
-            self.chunk_wgmmas(f, tmp, s)
-            ab_pipeline.consumer_release(state)
-            state.advance()
-            for j in cutlass.range_constexpr(self.tile_n // 8):
-                for c in cutlass.range_constexpr(2):
-                    acc[c + 4 * j] = acc[c + 4 * j] + tmp[c + 4 * j] * s0
-                    acc[c + 2 + 4 * j] = acc[c + 2 + 4 * j] + tmp[c + 2 + 4 * j] * s1
+        state = self.k_loops(ab_pipeline, state, f, k_tiles, row0, row_end)
+        acc = f.acc
         # Folded weight scales: each accumulator column times its weight row's FP32 scale (exact: a power of two).
         for j in cutlass.range_constexpr(self.tile_n // 8):
             for c in cutlass.range_constexpr(2):
                 acc[c + 4 * j] = acc[c + 4 * j] * col_scales[c + 2 * j]
                 acc[c + 2 + 4 * j] = acc[c + 2 + 4 * j] * col_scales[c + 2 * j]
         return state, release
+
+    @cute.jit
+    def k_loops(self, ab_pipeline, state, f, k_tiles, row0, row_end):
+        """The tile's K loop (``k_loop`` with its wgmmas) for the tile's rows ``[row0, row_end)``: here every consumer
+        warpgroup runs it. Returns the advanced pipeline state."""
+        return self.k_loop(ab_pipeline, state, f, k_tiles, True)
+
+    @cute.jit
+    def k_loop(self, ab_pipeline, state, f, k_tiles, mma: cutlass.Constexpr[bool]):
+        """The tile's K steps: wait for each stage, with ``mma`` load the thread's two token scales of the chunk
+        (word ``kt % 4`` of the stage's box) and issue its wgmmas into ``f.tmp``, free the stage, promote
+        ``acc += tmp * s_row``; without, only wait and free. Returns the advanced pipeline state."""
+        acc, tmp, sfa = f.acc, f.tmp, f.sfa
+        for kt in cutlass.range(k_tiles, unroll=1):
+            ab_pipeline.consumer_wait(state)
+            if cutlass.const_expr(mma):
+                s = state.index
+                s0 = sfa[f.rows[0], kt % 4, s]  # the chunk's scales of the thread's two token rows, before the wgmmas
+                s1 = sfa[f.rows[1], kt % 4, s]
+                self.chunk_wgmmas(f, tmp, s)
+                ab_pipeline.consumer_release(state)
+                state.advance()
+                for j in cutlass.range_constexpr(self.tile_n // 8):
+                    for c in cutlass.range_constexpr(2):
+                        acc[c + 4 * j] = acc[c + 4 * j] + tmp[c + 4 * j] * s0
+                        acc[c + 2 + 4 * j] = acc[c + 2 + 4 * j] + tmp[c + 2 + 4 * j] * s1
+            else:
+                ab_pipeline.consumer_release(state)
+                state.advance()
+        return state
 
     @cute.jit
     def column_scales(self, cC, row_scale, n_tile, group):

@@ -48,6 +48,18 @@ class Fp8CopyTokensMMegaMainloop(Fp8CopyTokensMMainloop):
         self.num_local = num_local_experts
 
     @cute.jit
+    def k_loops(self, ab_pipeline, state, f, k_tiles, row0, row_end):
+        """A consumer warpgroup none of whose 64 token rows lies in the tile's pool block (``row_end``: its last
+        tile) only waits for and frees each stage (``k_loop`` without wgmmas): its accumulator stays zero and is
+        never stored, and the other warpgroup's wgmmas have the tensor pipe to themselves."""
+        wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 - 1  # consumer warpgroups follow the producer's
+        if row0 + 64 * wg < row_end:
+            state = self.k_loop(ab_pipeline, state, f, k_tiles, True)
+        else:
+            state = self.k_loop(ab_pipeline, state, f, k_tiles, False)
+        return state
+
+    @cute.jit
     def column_scales(self, cC, row_scale, n_tile, group):
         """The FP32 scales of the thread's ``tile_n / 4`` weight columns (value c + 2j: column 8j + 2q + c of the
         pass ``n_tile``) from ``row_scale.l1`` or ``.l2``, of the expert of pool block ``group``. Each branch loads
