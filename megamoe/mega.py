@@ -126,7 +126,7 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -297,7 +297,9 @@ def tile_config(layout, num_tokens: int, num_sms: int, e4m3_copy: bool = False):
     four-warpgroup 32-row tiles beat two passes of 64 rows, though they read about half the experts' weights twice
     (bench/findings/token-tiles.md). With the weights' E4M3 copies (``e4m3_copy``), from ``MEGA_TOKENS_M_MIN_ROWS``
     expected rows the two-pass tiles put the tokens on the wgmma M side and read the copies
-    (``config.tokens_m_swiglu_config``: 128 token rows; ``mega_moe_128_tokens_m``).
+    (``config.tokens_m_swiglu_config``: 128 token rows; ``mega_moe_128_tokens_m``), on two-CTA clusters sharing each
+    token tile where both GEMMs' weight tiles pair up (2I and H multiples of 512: ``MegaMoE128TokensMPairSm90``,
+    faster than one CTA from 144 rows and equal at 96: bench/findings/recipe-128-mega.md).
     The rest of this docstring is recipe (1, 1, 32)'s.
 
     Decode-sized calls whose 128-row L1 tiles (over the local experts expected to get a row) would not occupy every
@@ -331,7 +333,8 @@ def tile_config(layout, num_tokens: int, num_sms: int, e4m3_copy: bool = False):
         if rows_per_expert <= FOUR_WG_FP8_MAX_TILE_TOKENS:
             return per_128_swiglu_config(covered).for_k(h, i)  # at most its widest tile
         if e4m3_copy and rows_per_expert >= MEGA_TOKENS_M_MIN_ROWS:
-            return tokens_m_swiglu_config(covered).for_k(h, i)
+            pairs = (2 * i) % 512 == 0 and h % 512 == 0  # both GEMMs' 256-row weight tiles pair up
+            return replace(tokens_m_swiglu_config(covered), cluster=2 if pairs else 1).for_k(h, i)
         return two_pass_128_config(covered).for_k(h, i)
     n = math.gcd(2 * i, h)
     if rows_per_expert >= MEGA_FOUR_WG_MAX_TILE_TOKENS:  # one tile covering the margin

@@ -335,3 +335,15 @@ def test_mega_compile_takes_the_recipes_config():
         compile_mega_moe(GemmConfig(tile_tokens=128, **tokens_m), r32)
     with pytest.raises(ValueError, match=r"`config.decode` 'copy'"):
         compile_mega_moe(GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128, decode="copy"), r128)
+    # two-CTA clusters: the tokens-on-M tiles of recipe 128 only, on sizes whose weight tiles pair up
+    one_launch = r"`config.cluster` must be 1 for the one-launch L1/L2 and Mega MoE kernels, or 2 for the Mega MoE kernel"
+    with pytest.raises(ValueError, match=one_launch + r".* got 2 with token_side='n'"):
+        compile_mega_moe(GemmConfig(tile_tokens=32, tile_n=256, mma="fp8", token_block=128, cluster=2), r128)
+    with pytest.raises(ValueError, match=one_launch + r".* got 4 with token_side='m'"):
+        compile_mega_moe(GemmConfig(tile_tokens=128, cluster=4, **tokens_m), r128)
+    with pytest.raises(ValueError, match=one_launch + r".* got 2 with token_side='m'"):
+        compile_mega_moe(GemmConfig(tile_tokens=128, cluster=2, **tokens_m), r32)
+    odd = EpCommConfig(symm_buffer_layout(1, 8, 16, 2, 768, 512, recipe=(1, 1, 128)), False)
+    with pytest.raises(ValueError, match=r"`config.cluster` 2 needs both GEMMs' weight tiles in pairs: 2 \* "
+                       r"tile_n=512 must divide 2I=1024 and H=768"):
+        compile_mega_moe(GemmConfig(tile_tokens=128, cluster=2, **tokens_m), odd)

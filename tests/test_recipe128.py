@@ -578,11 +578,14 @@ def test_mega_e4m3_copy_weights(mega128):
         rows = tokens * 8 / 256
         with_copy, without = tile_config(lay, tokens, 132, True), tile_config(lay, tokens, 132)
         assert without.token_side == "n" and without.decode == "regs", (tokens, without)
-        if rows >= MEGA_TOKENS_M_MIN_ROWS:
-            assert (with_copy.token_side, with_copy.decode, with_copy.tile_tokens, with_copy.n_passes) == (
-                "m", "copy", 128, 2), (tokens, with_copy)
+        if rows >= MEGA_TOKENS_M_MIN_ROWS:  # on two-CTA clusters: 2I = 4096 and H = 4096 are pairs of 256-row tiles
+            assert (with_copy.token_side, with_copy.decode, with_copy.tile_tokens, with_copy.n_passes,
+                    with_copy.cluster) == ("m", "copy", 128, 2, 2), (tokens, with_copy)
         else:
             assert with_copy == without, (tokens, with_copy)
+    # gpt-oss's sizes: I 2880 runs as 2944, so 2I = 5888 is an odd count of 256-row tiles: one CTA
+    odd = tile_config(symm_buffer_layout(1, 128, 4096, 4, 2880, 2880, recipe=RECIPE_128), 4096, 132, True)
+    assert (odd.token_side, odd.cluster) == ("m", 1), odd
 
 
 def test_staged_recipe_mismatches():

@@ -10,6 +10,7 @@ CPU only; the GPU results are in test_grouped_gemm.py.
 """
 
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -125,6 +126,9 @@ MEGA128_CASES = [
     (TOKENS_M_MEGA, (1, 256, 8192, 8, 4096, 2048, None, "fp8xfp4", R128)),
     (TOKENS_M_MEGA, (8, 384, 1024, 6, 7168, 3072, None, "fp8xfp4", R128)),
     (TOKENS_M_MEGA, (1, 128, 1024, 4, 2880, 2880, None, "fp8xfp4", R128)),
+    # and on two-CTA clusters sharing each token tile (``MegaMoE128TokensMPairSm90``): flash-like, pro-like.
+    (replace(TOKENS_M_MEGA, cluster=2), (1, 256, 8192, 8, 4096, 2048, None, "fp8xfp4", R128)),
+    (replace(TOKENS_M_MEGA, cluster=2), (8, 384, 1024, 6, 7168, 3072, None, "fp8xfp4", R128)),
 ]
 
 

@@ -441,3 +441,23 @@ def barrier_sync(barrier_id, num_threads, *, loc=None, ip=None) -> None:
     paths of one warp (tail duplication of a branch around it), where ``bar.sync`` (aligned) would hang."""
     args = [ir_arg(barrier_id, Int32, loc, ip), ir_arg(num_threads, Int32, loc, ip)]
     inline_asm([], args, "barrier.sync $0, $1;", "r,r,~{memory}", loc, ip, side_effects=True)
+
+
+@dsl_user_op
+def st_release_cluster_peer_u64(addr, rank, hi, lo, *, loc=None, ip=None) -> None:
+    """Store the 64-bit word (``hi``, ``lo``) at this CTA's shared address ``addr`` (Int32) as mapped into the
+    shared memory of cluster CTA ``rank`` (``mapa``), with release semantics at cluster scope."""
+    text = ("{\n.reg .b32 r;\n.reg .b64 v;\nmapa.shared::cluster.u32 r, $0, $1;\nmov.b64 v, {$3, $2};\n"
+            "st.release.cluster.shared::cluster.b64 [r], v;\n}")
+    args = [ir_arg(addr, Int32, loc, ip), ir_arg(rank, Int32, loc, ip), ir_arg(hi, Int32, loc, ip),
+            ir_arg(lo, Int32, loc, ip)]
+    volatile_asm([], args, text, "r,r,r,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def ld_acquire_cluster_shared_u64(addr, *, loc=None, ip=None) -> tuple:
+    """The 64-bit word at this CTA's shared address ``addr`` (Int32) as (hi, lo), with acquire semantics at cluster
+    scope (a peer's ``st_release_cluster_peer_u64``)."""
+    text = "{\n.reg .b64 v;\nld.acquire.cluster.shared::cta.b64 v, [$2];\nmov.b64 {$1, $0}, v;\n}"
+    hi, lo = volatile_asm([T.i32()] * 2, [ir_arg(addr, Int32, loc, ip)], text, "=r,=r,r,~{memory}", loc, ip)
+    return Int32(hi), Int32(lo)

@@ -194,15 +194,22 @@ def _compile_fused(config: GemmConfig, debug: bool, comm, fast_math: bool):
     """The one-launch L1/L2 kernel (``l1_l2.FusedL1L2Sm90``), or with ``comm`` the Mega MoE kernel for that buffer
     layout: ``mega_moe.MegaMoESm90`` (recipe (1, 1, 32), BF16 mode) or ``mega_moe_128.MegaMoE128Sm90`` (recipe
     (1, 1, 128), FP8 mode with per-128 token scales and 256-row weight tiles, in one pass or two; with
-    ``config.token_side`` "m", ``mega_moe_128_tokens_m.MegaMoE128TokensMSm90`` on the weights' E4M3 copies)."""
+    ``config.token_side`` "m", ``mega_moe_128_tokens_m.MegaMoE128TokensMSm90`` on the weights' E4M3 copies, on two-CTA
+    clusters with ``config.cluster`` 2 ``MegaMoE128TokensMPairSm90``)."""
     from ...numerics import RECIPE_128, describe_recipe
 
     check_fast_math(fast_math)
-    if config.cluster != 1:
-        fail("config.cluster", f"must be 1 for the one-launch L1/L2 and Mega MoE kernels (clusters of two or four "
-             f"CTAs: the separate grouped GEMMs only), got {config.cluster}")
     recipe128 = comm is not None and comm.layout.recipe == RECIPE_128
     tokens_m = config.token_side == "m"
+    if config.cluster != 1 and not (config.cluster == 2 and recipe128 and tokens_m):
+        fail("config.cluster", f"must be 1 for the one-launch L1/L2 and Mega MoE kernels, or 2 for the Mega MoE "
+             f"kernel of recipe {describe_recipe(RECIPE_128)} with token_side='m' (clusters of four: the separate "
+             f"grouped GEMMs only), got {config.cluster} with token_side={config.token_side!r}")
+    if config.cluster == 2:
+        h, inter = comm.layout.kernel_hidden, comm.layout.kernel_intermediate
+        if (2 * inter) % (2 * config.tile_n) or h % (2 * config.tile_n):
+            fail("config.cluster", f"2 needs both GEMMs' weight tiles in pairs: 2 * tile_n={2 * config.tile_n} must "
+                 f"divide 2I={2 * inter} and H={h} (the kernel's padded sizes)")
     if config.decode == "copy" and not (recipe128 and tokens_m):
         fail("config.decode", "'copy' (the weights' E4M3 copy) runs in the separate grouped GEMMs and, with "
              f"token_side='m', in the Mega MoE kernel of recipe {describe_recipe(RECIPE_128)}; not in the one-launch "
@@ -227,9 +234,10 @@ def _compile_fused(config: GemmConfig, debug: bool, comm, fast_math: bool):
             kernel, mega = FusedL1L2Sm90(config, debug, fast_math), MegaArgs.none()
         elif recipe128:
             from .mega_moe_128 import MegaMoE128Sm90
-            from .mega_moe_128_tokens_m import MegaMoE128TokensMSm90
+            from .mega_moe_128_tokens_m import MegaMoE128TokensMPairSm90, MegaMoE128TokensMSm90
 
-            kernel = (MegaMoE128TokensMSm90 if tokens_m else MegaMoE128Sm90)(config, comm, fast_math)
+            kernel = (MegaMoE128TokensMPairSm90 if config.cluster == 2 else MegaMoE128TokensMSm90 if tokens_m
+                      else MegaMoE128Sm90)(config, comm, fast_math)
             mega = _mega_args(0, 0, 0, None, None, 0, None)
         else:
             from .mega_moe import MegaMoESm90
@@ -286,7 +294,9 @@ def _launch(kernel, config: GemmConfig, device, gemm: GemmArgs, second, epi: Epi
     if max_tiles is not None:
         num_ctas = min(num_ctas, max_tiles)
     clusters = num_ctas // config.cluster
-    if config.cluster > 2:  # clusters of four sit in one GPC: the resident ones may be fewer than SMs / 4
+    if config.cluster > 2 or (config.cluster == 2 and max_tiles is None):
+        # Clusters sit in one GPC: the resident ones may be fewer than SMs / 4 (and the Mega MoE kernel's CTAs must
+        # all be resident: its grid barriers).
         clusters = min(clusters, _resident_clusters(device.index, config.cluster))
     num_ctas = max(clusters, 1) * config.cluster  # whole clusters (``gemm_cluster``)
     kernel(gemm, second, epi, groups, cutlass.Int64(_address(sync)), mega, cutlass.Int32(num_ctas),

@@ -20,7 +20,14 @@ What differs from ``MegaMoE128Sm90``, each through a hook:
 * L2's epilogue: ``ScatterRowsTokensM``, each warp's BF16 rows to their source ranks' combine slots, staged in the
   warp's own rows of the SwiGLU staging tile (``epilogue_smem``).
 
-The tile order, the counters, the waits, the signals, the ring and combine are the swap-AB kernel's. Every value
+The tile order, the counters, the waits, the signals, the ring and combine are the swap-AB kernel's.
+
+On two-CTA clusters (``GemmConfig.cluster`` 2): ``MegaMoE128TokensMPairSm90``, the two CTAs of a cluster multiplying
+one token tile with the two weight tiles of a pair, each loading half of each token box into both (``gemm_cluster``).
+Why: at 8192 tokens/rank the single-CTA kernel is bound by L2 throughput (Nsight Compute, bench/findings/
+recipe-128-mega.md); per CTA and 128-K chunk the pair moves 24 KB out of L2 instead of 32.
+
+Every value
 equals the staged path's with the same copies bit for bit (``StagedMoE(..., e4m3_copy=True)``: the same mainloop and
 epilogue arithmetic, ``mainloop_fp8_tokens_m``), and so the swap-AB kernel's.
 """
@@ -29,12 +36,16 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 
 from ...scheduler import tiles
+from .. import ptx
 from ..comm.phases import DSL_OPS
+from .config import NEXT_TILE
 from .epilogues import ScatterRowsTokensM, SwigluQuant128TokensMThreadStores
+from .gemm_cluster import ClusterPairGemmSm90
 from .mainloop_fp8_tokens_m import Fp8CopyTokensMMainloop
+from .mega_moe import MegaMoESm90
 from .mega_moe_128 import MegaMoE128Sm90
 
 
@@ -101,3 +112,95 @@ class MegaMoE128TokensMSm90(MegaMoE128Sm90):
         sAct = storage.sAct.get_tensor(cute.make_layout((self.tile_tokens, self.act_stride), stride=(self.act_stride, 1)))
         out_layout = cute.make_layout((self.tile_tokens, self.out_stride), stride=(self.out_stride, 1))
         return sAct, cute.make_tensor(cute.recast_ptr(sAct.iterator, dtype=cutlass.BFloat16), out_layout)
+
+
+HANDOFF_SLOTS = 16
+"""Pair tiles rank 0's producer warp may hand to rank 1's ahead (``MegaMoE128TokensMPairSm90.following_tile``): at
+least ``stages + 2``, so a slot is read before it is written again."""
+
+
+class MegaMoE128TokensMPairSm90(ClusterPairGemmSm90, MegaMoE128TokensMSm90):
+    """``MegaMoE128TokensMSm90`` on two-CTA clusters sharing each token tile (module docstring).
+
+    Tile order: pair tile p is tile p of the bounded-ring order (``MegaMoESm90.next_tile``) with half the weight tiles
+    per GEMM (``dims[1] / 2``, ``dims[3] / 2``: both even, the API checks); cluster rank r takes its weight tile
+    ``2 * pair + r``. Cluster c's first pair tile is c; then rank 0's producer warp takes the next from the stream's
+    counter (``TileChannel.fetch`` per cluster) and hands it to rank 1's through rank 1's shared memory
+    (``following_tile``), so the clusters that run faster take more pair tiles and the order's deadlock freedom
+    holds as with one CTA. Everything a tile counts or signals -- ``PULLED`` waits, ``L1_DONE`` of ``dims[1]`` tiles
+    per block, ``L2_DONE`` -- is per 256-row tile as on one CTA.
+
+    The handoff: slot ``seq % HANDOFF_SLOTS`` of rank 1's ``sComm`` words (after the Mega MoE kernel's,
+    ``handoff_at``) takes the 64-bit word (seq + 1, pair tile) of the producer's ``seq``-th fetch (release /
+    acquire at cluster scope); each producer counts its fetches in the word after the slots. Rank 0 writes slot i
+    again only after rank 1 has read it: rank 0 fetches its ``seq``-th next tile once its loads of the tile before
+    are issued, and those waited for rank 1's consumers to free stages of later tiles than slot ``seq -
+    HANDOFF_SLOTS``'s (``HANDOFF_SLOTS`` >= stages + 2)."""
+
+    def __init__(self, config, comm, fast_math: bool = True):
+        super().__init__(config, comm, fast_math)
+        assert self.stages + 2 <= HANDOFF_SLOTS, self.stages
+
+    def handoff_at(self) -> int:
+        """The first ``sComm`` word of the handoff slots (8-byte aligned)."""
+        return -(-MegaMoESm90.comm_words(self) // 2) * 2
+
+    def comm_words(self) -> int:
+        return self.handoff_at() + 2 * HANDOFF_SLOTS + 2
+
+    def extra_smem_bytes(self) -> int:
+        return MegaMoESm90.extra_smem_bytes(self) + 4 * (self.comm_words() - MegaMoESm90.comm_words(self))
+
+    def handoff_words(self, groups):
+        """The handoff slots (int32 pairs) and the fetch count: ``sComm`` from ``handoff_at`` (``groups.group_a`` is
+        its first word: the expert offsets)."""
+        return cute.make_tensor(groups.group_a.iterator + self.handoff_at(), cute.make_layout(2 * HANDOFF_SLOTS + 1))
+
+    @cute.jit
+    def setup_groups(self, storage, groups, total_rows, sync, second, mega, tidx, bidx, gdim):
+        """The handoff words zeroed on both CTAs before either producer hands a tile (a cluster barrier), then the
+        Mega MoE kernel's dispatch."""
+        words = cute.make_tensor(storage.sComm.get_tensor(cute.make_layout(1)).iterator + self.handoff_at(),
+                                 cute.make_layout(2 * HANDOFF_SLOTS + 1))
+        for i in cutlass.range(tidx, 2 * HANDOFF_SLOTS + 1, self.threads):
+            words[i] = Int32(0)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        return MegaMoESm90.setup_groups(self, storage, groups, total_rows, sync, second, mega, tidx, bidx, gdim)
+
+    @cute.jit
+    def following_tile(self, t, channel, sync, groups, gdim):
+        """The producer warp: the next tile of this CTA, ``2 * pair + rank``: rank 0 takes the pair tile from the
+        stream's counter and hands it on (class docstring), rank 1 waits for it."""
+        words = self.handoff_words(groups)
+        seq = Int32(words[2 * HANDOFF_SLOTS])
+        slot = (words.iterator + 2 * (seq % HANDOFF_SLOTS)).toint()
+        rank = self.rank()
+        pair = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            if rank == 0:
+                pair = ptx.atom_add(self.word(sync, groups.num_groups, NEXT_TILE), 1, "relaxed") + gdim // 2
+                ptx.st_release_cluster_peer_u64(slot, Int32(1), seq + 1, pair)
+            else:
+                tag, pair = ptx.ld_acquire_cluster_shared_u64(slot)
+                while tag != seq + 1:
+                    tag, pair = ptx.ld_acquire_cluster_shared_u64(slot)
+            words[2 * HANDOFF_SLOTS] = seq + 1
+        cute.arch.sync_warp()
+        return 2 * cute.arch.shuffle_sync(pair, 0) + rank
+
+    @cute.jit
+    def next_tile(self, t, phase, e, base, t_off, dims, groups, total_rows):
+        """Tile ``t`` of the CTA order -> pair tile ``t // 2`` of the bounded-ring order, weight tile
+        ``2 * pair + t % 2``."""
+        pairs = (dims[0], dims[1] // self.cluster_size, dims[2], dims[3] // self.cluster_size)
+        gemm, e, base, t_off, valid, row0, row_end, n_pair, block = MegaMoESm90.next_tile(
+            self, t // self.cluster_size, phase, e, base, t_off, pairs, groups, total_rows)
+        return gemm, e, base, t_off, valid, row0, row_end, n_pair * self.cluster_size + t % self.cluster_size, block
+
+    @cute.jit
+    def finish(self, sync, groups, tidx, warp_idx, gdim, mega, ctx):
+        """The cluster barrier (the partner's last releases and multicasts have landed), then the last CTA's end of
+        the call (``MegaMoESm90.finish``)."""
+        ClusterPairGemmSm90.finish(self, sync, groups, tidx, warp_idx, gdim, mega, ctx)
+        MegaMoESm90.finish(self, sync, groups, tidx, warp_idx, gdim, mega, ctx)
