@@ -395,10 +395,10 @@ def test_only_cluster_builds_multicast(sm90a_builds, case):
 
 
 def test_cluster_builds_do_not_spill(sm90a_builds):
-    """The cluster variants (``GemmConfig.cluster`` 2 and 4) within the registers of their one-CTA builds: ptxas
-    reports no spill stores or loads. Needs a ptxas on PATH."""
+    """The cluster variants (``GemmConfig.cluster`` 2 and 4: the grouped GEMMs' and the Mega MoE kernel's) within the
+    registers of their one-CTA builds: ptxas reports no spill stores or loads. Needs a ptxas on PATH."""
     cases = [i for i, (c, *_) in enumerate(RELEASE_CASES) if c.cluster > 1]
-    assert len(cases) == len(CLUSTER_CASES), cases
+    assert len(cases) == len(CLUSTER_CASES) + sum(c.cluster > 1 for c, _ in MEGA128_CASES), cases
     _assert_no_spills(sm90a_builds, cases)
 
 

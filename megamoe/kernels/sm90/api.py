@@ -295,8 +295,8 @@ def _launch(kernel, config: GemmConfig, device, gemm: GemmArgs, second, epi: Epi
         num_ctas = min(num_ctas, max_tiles)
     clusters = num_ctas // config.cluster
     if config.cluster > 2 or (config.cluster == 2 and max_tiles is None):
-        # Clusters sit in one GPC: the resident ones may be fewer than SMs / 4 (and the Mega MoE kernel's CTAs must
-        # all be resident: its grid barriers).
+        # A cluster sits in one GPC: fewer clusters than SMs / cluster size may be resident at once (quads; and the
+        # Mega MoE kernel's CTAs must all be resident: its grid barriers).
         clusters = min(clusters, _resident_clusters(device.index, config.cluster))
     num_ctas = max(clusters, 1) * config.cluster  # whole clusters (``gemm_cluster``)
     kernel(gemm, second, epi, groups, cutlass.Int64(_address(sync)), mega, cutlass.Int32(num_ctas),

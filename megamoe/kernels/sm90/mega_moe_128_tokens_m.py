@@ -27,9 +27,8 @@ one token tile with the two weight tiles of a pair, each loading half of each to
 Why: at 8192 tokens/rank the single-CTA kernel is bound by L2 throughput (Nsight Compute, bench/findings/
 recipe-128-mega.md); per CTA and 128-K chunk the pair moves 24 KB out of L2 instead of 32.
 
-Every value
-equals the staged path's with the same copies bit for bit (``StagedMoE(..., e4m3_copy=True)``: the same mainloop and
-epilogue arithmetic, ``mainloop_fp8_tokens_m``), and so the swap-AB kernel's.
+Every value equals the staged path's with the same copies bit for bit (``StagedMoE(..., e4m3_copy=True)``: the same
+mainloop and epilogue arithmetic, ``mainloop_fp8_tokens_m``), and so the swap-AB kernel's.
 """
 
 from __future__ import annotations
@@ -135,7 +134,8 @@ class MegaMoE128TokensMPairSm90(ClusterPairGemmSm90, MegaMoE128TokensMSm90):
     acquire at cluster scope); each producer counts its fetches in the word after the slots. Rank 0 writes slot i
     again only after rank 1 has read it: rank 0 fetches its ``seq``-th next tile once its loads of the tile before
     are issued, and those waited for rank 1's consumers to free stages of later tiles than slot ``seq -
-    HANDOFF_SLOTS``'s (``HANDOFF_SLOTS`` >= stages + 2)."""
+    HANDOFF_SLOTS``'s (``HANDOFF_SLOTS`` >= stages + 2). Rank 1's wait has no limit of its own: rank 0's producer
+    reaches each handoff unless one of its own timed waits reports and traps."""
 
     def __init__(self, config, comm, fast_math: bool = True):
         super().__init__(config, comm, fast_math)
@@ -151,17 +151,16 @@ class MegaMoE128TokensMPairSm90(ClusterPairGemmSm90, MegaMoE128TokensMSm90):
     def extra_smem_bytes(self) -> int:
         return MegaMoESm90.extra_smem_bytes(self) + 4 * (self.comm_words() - MegaMoESm90.comm_words(self))
 
-    def handoff_words(self, groups):
-        """The handoff slots (int32 pairs) and the fetch count: ``sComm`` from ``handoff_at`` (``groups.group_a`` is
-        its first word: the expert offsets)."""
-        return cute.make_tensor(groups.group_a.iterator + self.handoff_at(), cute.make_layout(2 * HANDOFF_SLOTS + 1))
+    def handoff_words(self, comm):
+        """The handoff slots (int32 pairs) and the fetch count: ``sComm`` (its first word ``comm``) from
+        ``handoff_at``."""
+        return cute.make_tensor(comm + self.handoff_at(), cute.make_layout(2 * HANDOFF_SLOTS + 1))
 
     @cute.jit
     def setup_groups(self, storage, groups, total_rows, sync, second, mega, tidx, bidx, gdim):
         """The handoff words zeroed on both CTAs before either producer hands a tile (a cluster barrier), then the
         Mega MoE kernel's dispatch."""
-        words = cute.make_tensor(storage.sComm.get_tensor(cute.make_layout(1)).iterator + self.handoff_at(),
-                                 cute.make_layout(2 * HANDOFF_SLOTS + 1))
+        words = self.handoff_words(storage.sComm.get_tensor(cute.make_layout(1)).iterator)
         for i in cutlass.range(tidx, 2 * HANDOFF_SLOTS + 1, self.threads):
             words[i] = Int32(0)
         cute.arch.cluster_arrive()
@@ -172,7 +171,7 @@ class MegaMoE128TokensMPairSm90(ClusterPairGemmSm90, MegaMoE128TokensMSm90):
     def following_tile(self, t, channel, sync, groups, gdim):
         """The producer warp: the next tile of this CTA, ``2 * pair + rank``: rank 0 takes the pair tile from the
         stream's counter and hands it on (class docstring), rank 1 waits for it."""
-        words = self.handoff_words(groups)
+        words = self.handoff_words(groups.group_a.iterator)  # the expert offsets: sComm's first words
         seq = Int32(words[2 * HANDOFF_SLOTS])
         slot = (words.iterator + 2 * (seq % HANDOFF_SLOTS)).toint()
         rank = self.rank()
