@@ -271,9 +271,9 @@ MEGA_FOUR_WG_MAX_TILE_TOKENS = 32
 
 MEGA_TOKENS_M_MIN_ROWS = 96
 """Recipe (1, 1, 128) with the weights' E4M3 copies: expected rows per local expert from which ``tile_config`` puts
-the tokens on the wgmma M side, on 128-row token tiles: 1.17-1.18x the swap-AB tiles at 96 and 192 rows (flash EP1,
-bench/findings/recipe-128-mega.md); fewer rows were not measured (there the copies' byte per weight, twice the FP4
-weights', weighs more against the tensor work)."""
+the tokens on the wgmma M side, on 128-row token tiles. Faster than the swap-AB tiles from 96 rows on the H200 and
+from 144 on the H100 (even at 96), slower at 48, where the copies' byte per weight, twice the FP4 weights', weighs
+more against the tensor work (bench/findings/recipe-128-mega.md)."""
 
 
 def tile_config(layout, num_tokens: int, num_sms: int, e4m3_copy: bool = False):
@@ -323,6 +323,7 @@ def tile_config(layout, num_tokens: int, num_sms: int, e4m3_copy: bool = False):
         poisson_cover,
         tokens_m_swiglu_config,
         two_pass_128_config,
+        weight_tiles_pair_up,
     )
 
     half_ring = layout.num_ring_tokens // 2
@@ -333,8 +334,8 @@ def tile_config(layout, num_tokens: int, num_sms: int, e4m3_copy: bool = False):
         if rows_per_expert <= FOUR_WG_FP8_MAX_TILE_TOKENS:
             return per_128_swiglu_config(covered).for_k(h, i)  # at most its widest tile
         if e4m3_copy and rows_per_expert >= MEGA_TOKENS_M_MIN_ROWS:
-            pairs = (2 * i) % 512 == 0 and h % 512 == 0  # both GEMMs' 256-row weight tiles pair up
-            return replace(tokens_m_swiglu_config(covered), cluster=2 if pairs else 1).for_k(h, i)
+            cfg = tokens_m_swiglu_config(covered)
+            return replace(cfg, cluster=2 if weight_tiles_pair_up(cfg, 2 * i, h) else 1).for_k(h, i)
         return two_pass_128_config(covered).for_k(h, i)
     n = math.gcd(2 * i, h)
     if rows_per_expert >= MEGA_FOUR_WG_MAX_TILE_TOKENS:  # one tile covering the margin

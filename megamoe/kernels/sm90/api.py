@@ -25,7 +25,7 @@ from .. import runtime
 from ..weight_layout import BF16_WORDS, CHUNK_BYTES, K_CHUNK, ROW_BLOCK, check_blocked_layout
 from .args import EpilogueArgs, GemmArgs, GroupArgs, MegaArgs, SecondGemmArgs
 from .config import (EPILOGUES, GROUP_MODES, K_MULTIPLE, SCALE_ROW_WORDS, SWIGLU_EPILOGUES, GemmConfig, copy_config,
-                     copy_swiglu_config, per_128_swiglu_config, select_config, sync_words)
+                     copy_swiglu_config, per_128_swiglu_config, select_config, sync_words, weight_tiles_pair_up)
 from .counters import tile_counters
 from .weights import LAYOUTS
 
@@ -207,7 +207,7 @@ def _compile_fused(config: GemmConfig, debug: bool, comm, fast_math: bool):
              f"grouped GEMMs only), got {config.cluster} with token_side={config.token_side!r}")
     if config.cluster == 2:
         h, inter = comm.layout.kernel_hidden, comm.layout.kernel_intermediate
-        if (2 * inter) % (2 * config.tile_n) or h % (2 * config.tile_n):
+        if not weight_tiles_pair_up(config, 2 * inter, h):
             fail("config.cluster", f"2 needs both GEMMs' weight tiles in pairs: 2 * tile_n={2 * config.tile_n} must "
                  f"divide 2I={2 * inter} and H={h} (the kernel's padded sizes)")
     if config.decode == "copy" and not (recipe128 and tokens_m):

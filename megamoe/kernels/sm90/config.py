@@ -444,6 +444,12 @@ def tokens_m_config(expected_rows_per_expert: float) -> GemmConfig:
     return GemmConfig(tile_tokens=tokens, tile_n=128, mma="fp8", token_block=128, decode="copy", token_side="m")
 
 
+def weight_tiles_pair_up(config: GemmConfig, *ns: int) -> bool:
+    """Whether every N in ``ns`` is a whole number of weight-tile pairs of ``config`` (``2 * tile_n`` rows): what the
+    two CTAs of a cluster multiplying a pair of weight tiles need (the Mega MoE kernel's ``cluster`` 2)."""
+    return all(n % (2 * config.tile_n) == 0 for n in ns)
+
+
 def tokens_m_swiglu_config(expected_rows_per_expert: float) -> GemmConfig:
     """``tokens_m_config`` for L1's per-128 SwiGLU epilogue: 256-row weight tiles (128 intermediate columns, one scale
     block) in two passes of 128 (``GemmConfig.n_passes``; ``SwigluQuant128TokensM``)."""
