@@ -62,8 +62,11 @@ class Fp8CopyTokensMMainloop(E4M3CopyOperand, Mainloop):
         tt, tn = self.tile_tokens, self.tile_n
         thr_mma = tiled_mma.get_slice(ctidx)
         acc_shape = ((2, 2, tn // 8), 1, 1)
+        # The tokens' descriptors depend on the warpgroup only: sliced at a warp-uniform index, so ptxas keeps them in
+        # uniform registers (sliced at the thread, it moved each with R2UR before its wgmma).
+        thr_wg = tiled_mma.get_slice(cute.arch.make_warp_uniform(ctidx // 128) * 128)
         f = SimpleNamespace(
-            tCrA=thr_mma.make_fragment_A(thr_mma.partition_A(sA)),  # (MMA, MMA_M, k blocks, stages)
+            tCrA=thr_wg.make_fragment_A(thr_wg.partition_A(sA)),  # (MMA, MMA_M, k blocks, stages)
             tCrB=thr_mma.make_fragment_B(thr_mma.partition_B(sW)),  # (MMA, MMA_N, k blocks, stages)
             acc=cute.make_rmem_tensor(acc_shape, Float32),
             tmp=cute.make_rmem_tensor(acc_shape, Float32),
